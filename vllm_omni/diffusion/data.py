@@ -19,7 +19,8 @@ class DiffusionParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.sequence_parallel_size * self.cfg_parallel_size * self.data_parallel_size
+        tp, sp = self.tensor_parallel_size, self.sequence_parallel_size
+        return tp * sp * self.cfg_parallel_size * self.data_parallel_size
 
 
 @dataclass

@@ -76,7 +76,9 @@ class OmniDiffusionSamplingParams:
             if value is not None and (not isinstance(value, int | float) or isinstance(value, bool) or value < 0):
                 raise OmniClientError(f"{name} must be a non-negative number, got {value!r}", param=name)
         if self.boundary_ratio is not None and not 0.0 <= self.boundary_ratio <= 1.0:
-            raise OmniClientError(f"boundary_ratio must be in [0, 1], got {self.boundary_ratio!r}", param="boundary_ratio")
+            raise OmniClientError(
+                f"boundary_ratio must be in [0, 1], got {self.boundary_ratio!r}", param="boundary_ratio"
+            )
 
     def _validate_choices(self) -> None:
         if self.quality is not None and self.quality not in QUALITY_VALUES:

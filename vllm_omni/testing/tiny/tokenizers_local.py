@@ -1,0 +1,96 @@
+"""Tokenizers trained locally on a fixed corpus, so tiny checkpoints never need a download."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+CORPUS = [
+    "A photo of a cat sitting on a red chair in the morning light.",
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Describe the image in detail, then answer the question about colors and shapes.",
+    "vllm-omni serves text, audio, images and video from one engine.",
+    "Hello! How are you today? I am fine, thank you. What can I do for you?",
+    "Once upon a time there was a small robot that loved to paint mountains and oceans.",
+    "1 2 3 4 5 6 7 8 9 10 100 1000 one two three four five six seven eight nine ten",
+    "system user assistant tool image video audio text speech music sound voice",
+]
+
+QWEN_SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|audio_start|>",
+    "<|audio_end|>",
+    "<|audio_pad|>",
+]
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' or part['type'] == 'image_url' %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_qwen_bpe(vocab_size: int = 1024) -> Tokenizer:
+    """A byte-level BPE like Qwen2's (same pre-tokenizer family and special tokens), trained on CORPUS."""
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(QWEN_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tok.add_special_tokens(QWEN_SPECIAL_TOKENS)
+    return tok
+
+
+def save_qwen_tokenizer(
+    out_dir: Path, tok: Tokenizer, *, chat_template: str | None = CHATML_TEMPLATE
+) -> None:
+    """Write tokenizer.json + tokenizer_config.json (+ vocab.json/merges.txt) as Qwen repos ship them."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    model = json.loads(tok.to_str())["model"]
+    (out_dir / "vocab.json").write_text(json.dumps(model["vocab"], ensure_ascii=False))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    (out_dir / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    added = {
+        str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                  "single_word": False, "special": True}
+        for t in QWEN_SPECIAL_TOKENS
+    }
+    config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "added_tokens_decoder": added,
+        "additional_special_tokens": QWEN_SPECIAL_TOKENS[1:],
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": 32768,
+        "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "split_special_tokens": False,
+    }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
