@@ -1,0 +1,1 @@
+"""Weight discovery and streaming for diffusers-format checkpoints."""
