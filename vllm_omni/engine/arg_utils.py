@@ -1,0 +1,125 @@
+"""`OmniEngineArgs`: vLLM's `EngineArgs` plus the knobs of the omni control plane and diffusion stages.
+
+The CLI (`vllm serve M --omni`) parses these; `to_omni_kwargs()` turns the flags a user actually set into
+the `**engine_kwargs` of `AsyncOmni(model, ...)`, so the Python API and the CLI share one set of names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+
+DIFFUSION_ATTENTION_BACKENDS = ("TORCH_SDPA", "FLASH_ATTN", "FLASHINFER_ATTN", "CUDNN_ATTN", "SAGE_ATTN")
+CACHE_BACKENDS = ("cache_dit", "none")
+
+
+def _json_object(flag: str):
+    """argparse `type=` that parses a JSON object and names the flag when it is not one."""
+
+    def parse(text: str) -> dict[str, Any]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object: {exc}") from exc
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object, got {type(value).__name__}")
+        return value
+
+    return parse
+
+
+@dataclass
+class OmniEngineArgs(EngineArgs):
+    """Engine arguments of a vllm-omni pipeline (all stages)."""
+
+    omni: bool = False
+    """Serve through vllm-omni (set by `vllm serve ... --omni`)."""
+    stage_overrides: dict[str, dict[str, Any]] | None = None
+    """Per-stage overrides keyed by stage id, e.g. {"0": {"max_num_seqs": 2}}; they win over global flags."""
+    deploy_config: str | None = None
+    """Deploy config YAML (placement, devices, deploy-time defaults); never changes the stage graph."""
+    diffusion_attention_backend: str | None = None
+    """Attention backend of diffusion stages; None = env DIFFUSION_ATTENTION_BACKEND or auto."""
+    request_batch_max_wait_ms: float = 0.0
+    """How long a diffusion scheduler waits for compatible requests to fill a batch."""
+    cache_backend: str | None = None
+    """Diffusion cache acceleration backend (cache_dit | none)."""
+    cache_config: dict[str, Any] | None = None
+    """Cache backend settings as JSON."""
+    fa_deterministic: bool = False
+    """Deterministic FlashAttention on the dense diffusion path (slower; for accuracy CI)."""
+    diffusers_load_kwargs: dict[str, Any] | None = None
+    """Extra kwargs for diffusers `from_pretrained` (generic adapter path)."""
+    use_diffusers_adapter: bool = False
+    """Run diffusion models through the generic diffusers adapter even when a native pipeline exists."""
+    num_gpus: int | None = None
+    """Devices per diffusion stage (None = the stage's default)."""
+    stage_init_timeout: float | None = None
+    """Seconds one stage may take to start; None = the control plane's default."""
+    init_timeout: float | None = None
+    """Seconds the whole pipeline may take to start; None = the control plane's default."""
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        parser = AsyncEngineArgs.add_cli_args(parser)
+        return cls._add_omni_specific_args(parser)
+
+    @staticmethod
+    def _add_omni_specific_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        group = parser.add_argument_group(title="OmniConfig", description="vllm-omni pipeline options.")
+        group.add_argument("--omni", action="store_true", help="Serve through vllm-omni.")
+        group.add_argument(
+            "--stage-overrides",
+            type=_json_object("--stage-overrides"),
+            default=None,
+            help='Per-stage overrides as JSON keyed by stage id, e.g. \'{"0": {"max_num_seqs": 2}}\'.',
+        )
+        group.add_argument("--deploy-config", default=None, help="Deploy config YAML path.")
+        group.add_argument(
+            "--diffusion-attention-backend",
+            choices=DIFFUSION_ATTENTION_BACKENDS,
+            default=None,
+            help="Attention backend of diffusion stages (default: env DIFFUSION_ATTENTION_BACKEND, then auto).",
+        )
+        group.add_argument(
+            "--request-batch-max-wait-ms",
+            type=float,
+            default=0.0,
+            help="Milliseconds a diffusion scheduler waits for compatible requests to co-batch.",
+        )
+        group.add_argument("--cache-backend", choices=CACHE_BACKENDS, default=None,
+                           help="Diffusion cache acceleration backend.")
+        group.add_argument("--cache-config", type=_json_object("--cache-config"), default=None,
+                           help="Cache backend settings as JSON.")
+        group.add_argument("--fa-deterministic", action="store_true",
+                           help="Deterministic FlashAttention on the dense diffusion path (slower).")
+        group.add_argument("--diffusers-load-kwargs", type=_json_object("--diffusers-load-kwargs"), default=None,
+                           help="Extra kwargs for diffusers from_pretrained (adapter path), as JSON.")
+        group.add_argument("--use-diffusers-adapter", action="store_true",
+                           help="Force the generic diffusers adapter for diffusion models.")
+        group.add_argument("--num-gpus", type=int, default=None, help="Devices per diffusion stage.")
+        group.add_argument("--stage-init-timeout", type=float, default=None,
+                           help="Seconds one stage may take to start.")
+        group.add_argument("--init-timeout", type=float, default=None,
+                           help="Seconds the whole pipeline may take to start.")
+        return parser
+
+    def to_omni_kwargs(self, baseline: OmniEngineArgs | None = None) -> dict[str, Any]:
+        """The engine kwargs that differ from `baseline` (what `AsyncOmni(model, **kw)` takes).
+
+        The CLI passes the parser's own defaults as `baseline`, so only flags the user set travel on.
+        """
+        baseline = baseline or OmniEngineArgs()
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name in ("model", "omni"):
+                continue
+            value = getattr(self, f.name)
+            if value != getattr(baseline, f.name):
+                kwargs[f.name] = value
+        return kwargs

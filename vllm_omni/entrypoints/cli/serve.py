@@ -1,0 +1,67 @@
+"""`vllm serve MODEL --omni`: start the OpenAI-compatible vllm-omni server on an `AsyncOmni` engine."""
+
+from __future__ import annotations
+
+import argparse
+
+from vllm.entrypoints.cli.types import CLISubcommand
+from vllm.entrypoints.launchers.cli_args import FrontendArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from vllm_omni.engine.arg_utils import OmniEngineArgs
+
+DESCRIPTION = """Launch the vllm-omni OpenAI-compatible server for MODEL (a Hugging Face id, a local path,
+or a built-in tiny default such as tiny/qwen-image or tiny/qwen2).
+
+Routes: /v1/chat/completions (+ /batch), /v1/images/generations, /v1/images/edits, /v1/audio/speech,
+/v1/models, /health, /metrics, /v1/omni/sleep, /v1/omni/wakeup.
+Use `--help=<group>` (e.g. --help=OmniConfig, --help=Frontend) or `--help=all` for every flag.
+"""
+
+
+def add_omni_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group(title="OmniFrontend", description="vllm-omni HTTP server options.")
+    group.add_argument("--max-upload-mb", type=float, default=20.0,
+                       help="Largest accepted upload (image edits) in MiB; larger ones get 413.")
+    group.add_argument("--max-request-outputs", type=int, default=8,
+                       help="Most images/videos one request may ask for (n / num_outputs_per_prompt).")
+    return parser
+
+
+def make_omni_arg_parser(parser: FlexibleArgumentParser) -> FlexibleArgumentParser:
+    parser.add_argument("model_tag", type=str, nargs="?", help="The model to serve.")
+    parser = FrontendArgs.add_cli_args(parser)
+    parser = OmniEngineArgs.add_cli_args(parser)
+    return add_omni_frontend_args(parser)
+
+
+class OmniServeCommand(CLISubcommand):
+    """The `serve` subcommand of the vllm-omni CLI."""
+
+    name = "serve"
+
+    @staticmethod
+    def cmd(args: argparse.Namespace) -> None:
+        import uvloop
+        from vllm_omni.entrypoints.openai.api_server import run_server
+
+        if args.model_tag is not None:
+            args.model = args.model_tag
+        uvloop.run(run_server(args))
+
+    def validate(self, args: argparse.Namespace) -> None:
+        if args.model_tag is None and getattr(args, "model", None) is None:
+            raise SystemExit("vllm-omni serve: a MODEL is required (e.g. `vllm serve tiny/qwen-image --omni`)")
+        if args.max_upload_mb <= 0:
+            raise SystemExit("--max-upload-mb must be > 0")
+        if args.max_request_outputs < 1:
+            raise SystemExit("--max-request-outputs must be >= 1")
+
+    def subparser_init(self, subparsers: argparse._SubParsersAction) -> FlexibleArgumentParser:
+        serve_parser = subparsers.add_parser(
+            self.name,
+            help="Launch the vllm-omni OpenAI-compatible server.",
+            description=DESCRIPTION,
+            usage="vllm serve MODEL --omni [options]",
+        )
+        return make_omni_arg_parser(serve_parser)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server of vllm-omni (`vllm serve MODEL --omni`)."""

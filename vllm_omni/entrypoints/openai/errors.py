@@ -1,0 +1,78 @@
+"""One place that turns every error into an OpenAI-style JSON body with the right HTTP status.
+
+Client mistakes (bad JSON, wrong types, unknown fields, impossible values) are 4xx naming the field;
+a dead engine is 503; only a genuine engine failure is 500.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from vllm.logger import init_logger
+
+from vllm_omni.errors import EngineDeadError, OmniClientError, OmniError
+
+logger = init_logger(__name__)
+
+
+def error_json(message: str, status: int, *, error_type: str | None = None, param: str | None = None) -> JSONResponse:
+    if error_type is None:
+        error_type = "BadRequestError" if status < 500 else "InternalServerError"
+        if status in (404, 405, 413, 503):
+            error_type = HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status)
+
+
+def _describe_validation_errors(errors: list) -> tuple[str, str | None]:
+    """Pydantic/FastAPI errors -> one readable message and the first offending field."""
+    parts: list[str] = []
+    first_param: str | None = None
+    for err in errors:
+        if not isinstance(err, dict):
+            parts.append(str(err))
+            continue
+        loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
+        field = ".".join(loc)
+        if err.get("type") == "json_invalid":
+            ctx = err.get("ctx", {}).get("error", "")
+            parts.append(f"request body is not valid JSON: {ctx}".rstrip(": "))
+            continue
+        if err.get("type") == "missing":
+            parts.append(f"missing required field '{field}'")
+        elif err.get("type") == "extra_forbidden":
+            parts.append(f"unknown field '{field}'")
+        else:
+            msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+            parts.append(f"{field}: {msg}" if field else msg)
+        first_param = first_param or (field or None)
+    return "; ".join(parts) or "invalid request", first_param
+
+
+def exception_to_response(exc: BaseException) -> JSONResponse:
+    if isinstance(exc, OmniClientError):
+        return error_json(exc.message, exc.status_code, error_type=exc.error_type, param=exc.param)
+    if isinstance(exc, RequestValidationError | ValidationError):
+        message, param = _describe_validation_errors(list(exc.errors()))
+        return error_json(message, HTTPStatus.BAD_REQUEST, param=param)
+    if isinstance(exc, EngineDeadError):
+        return error_json(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, error_type=exc.error_type)
+    if isinstance(exc, OmniError):
+        return error_json(str(exc), exc.status_code, error_type=exc.error_type)
+    if isinstance(exc, StarletteHTTPException):
+        return error_json(str(exc.detail), exc.status_code)
+    logger.exception("Unhandled server error", exc_info=exc)
+    return error_json(f"{type(exc).__name__}: {exc}", HTTPStatus.INTERNAL_SERVER_ERROR)
+
+
+def register_exception_handlers(app: FastAPI) -> None:
+    async def handle(_: Request, exc: Exception) -> JSONResponse:
+        return exception_to_response(exc)
+
+    for exc_type in (OmniError, RequestValidationError, ValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(exc_type, handle)

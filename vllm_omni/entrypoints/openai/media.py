@@ -1,0 +1,82 @@
+"""Encoding/decoding of media that travels inside JSON: base64 images, data URLs and WAV audio."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import wave
+from typing import Any
+
+import numpy as np
+
+from vllm_omni.errors import OmniClientError
+
+_PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+
+
+def encode_image_b64(image: Any, fmt: str = "png") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=_PIL_FORMATS[fmt])
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def image_data_url(image: Any, fmt: str = "png") -> str:
+    return f"data:image/{fmt};base64,{encode_image_b64(image, fmt)}"
+
+
+def decode_image_bytes(data: bytes, param: str) -> Any:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise OmniClientError(f"{param} is not a readable image: {exc}", param=param) from exc
+    return image.convert("RGB")
+
+
+def decode_image_url(url: str, param: str, max_bytes: int) -> Any:
+    """Only `data:` URLs: the server never fetches remote media on a client's behalf."""
+    if not url.startswith("data:"):
+        raise OmniClientError(f"{param} must be a data: URL (base64 image); remote URLs are not fetched",
+                              param=param)
+    header, _, payload = url.partition(",")
+    if ";base64" not in header:
+        raise OmniClientError(f"{param} must be base64-encoded", param=param)
+    if len(payload) * 3 // 4 > max_bytes:
+        raise OmniClientError(f"{param} is larger than the {max_bytes // 2**20} MiB upload limit",
+                              status_code=413, param=param)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except binascii.Error as exc:
+        raise OmniClientError(f"{param} is not valid base64: {exc}", param=param) from exc
+    return decode_image_bytes(data, param)
+
+
+def audio_to_pcm16(audio: Any) -> bytes:
+    """float waveform in [-1, 1] (any shape; channels last or first for 2-D) -> interleaved int16 bytes."""
+    if hasattr(audio, "detach"):
+        audio = audio.detach().float().cpu().numpy()
+    samples = np.asarray(audio, dtype=np.float32)
+    samples = samples.reshape(-1) if samples.ndim != 2 else _channels_last(samples).reshape(-1)
+    return (np.clip(samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+
+
+def _channels_last(samples: np.ndarray) -> np.ndarray:
+    return samples.T if samples.shape[0] < samples.shape[1] else samples
+
+
+def num_channels(audio: Any) -> int:
+    shape = getattr(audio, "shape", ())
+    return min(shape) if len(shape) == 2 else 1
+
+
+def encode_wav(audio: Any, sample_rate: int) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as wav:
+        wav.setnchannels(num_channels(audio))
+        wav.setsampwidth(2)
+        wav.setframerate(int(sample_rate))
+        wav.writeframes(audio_to_pcm16(audio))
+    return buf.getvalue()

@@ -1,0 +1,87 @@
+"""Prometheus metrics of the HTTP server, on a registry of its own (one per app).
+
+`vllm_omni:requests_running` counts requests inside the engine right now; a client that disconnects
+mid-request must bring it back down (the request is aborted in the engine).
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class OmniMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.http_requests = Counter(
+            "vllm_omni:http_requests", "HTTP requests by route and status.", ["model_name", "route", "status"],
+            registry=self.registry,
+        )
+        self.http_latency = Histogram(
+            "vllm_omni:http_request_latency_seconds", "HTTP request latency by route.", ["model_name", "route"],
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.stage_latency = Histogram(
+            "vllm_omni:stage_duration_seconds", "Per-stage (and per-phase) durations reported by the engine.",
+            ["model_name", "stage"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.engine_requests = Counter(
+            "vllm_omni:engine_requests", "Engine requests by outcome (finished, error, aborted).",
+            ["model_name", "outcome"], registry=self.registry,
+        )
+        self.running = Gauge(
+            "vllm_omni:requests_running", "Requests currently inside the engine.", ["model_name"],
+            registry=self.registry,
+        )
+
+    def observe_stages(self, stage_durations: dict[str, float]) -> None:
+        for stage, seconds in stage_durations.items():
+            self.stage_latency.labels(self.model_name, stage).observe(seconds)
+
+    def request_started(self) -> None:
+        self.running.labels(self.model_name).inc()
+
+    def request_ended(self, outcome: str) -> None:
+        self.running.labels(self.model_name).dec()
+        self.engine_requests.labels(self.model_name, outcome).inc()
+
+    def install(self, app: FastAPI) -> None:
+        app.add_middleware(_HttpMetricsMiddleware, metrics=self)
+
+    def render(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _HttpMetricsMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware) so client disconnects still reach the route handlers."""
+
+    def __init__(self, app, metrics: OmniMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_and_record(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            path = getattr(scope.get("route"), "path", "unmatched")
+            if path != "/metrics":
+                m = self.metrics
+                m.http_requests.labels(m.model_name, path, str(status)).inc()
+                m.http_latency.labels(m.model_name, path).observe(time.perf_counter() - start)

@@ -1,0 +1,20 @@
+"""`/v1/audio/speech` model (OpenAI Audio API)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SpeechRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input: str = Field(min_length=1, max_length=4096)
+    model: str | None = None
+    voice: str | dict[str, Any] | None = None
+    instructions: str | None = None
+    response_format: Literal["wav", "pcm"] = "wav"
+    """wav (16-bit PCM in a RIFF container) or raw 16-bit little-endian pcm."""
+    speed: float = Field(default=1.0, ge=0.25, le=4.0)
+    stream_format: Literal["audio"] | None = None
