@@ -1,0 +1,90 @@
+"""Pins the Attention layer contract: (B, S, H, D) layout, key-padding masks, GQA, backend selection errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_omni.diffusion.attention.layer import Attention
+from vllm_omni.diffusion.attention.selector import (
+    DiffusionAttentionConfig,
+    get_attn_backend,
+    set_current_attention_config,
+)
+
+
+def _naive(q, k, v, mask=None, scale=None, causal=False):
+    """Plain softmax(QK^T)V in (B, S, H, D), with key-padding mask and GQA by head repetition."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * (scale or q.shape[-1] ** -0.5)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+
+
+def _qkv(b=2, s=7, h=4, d=32, kv_heads=None, s_kv=None):
+    g = torch.Generator().manual_seed(0)
+    kv_heads = kv_heads or h
+    s_kv = s_kv or s
+    return (torch.randn(b, s, h, d, generator=g), torch.randn(b, s_kv, kv_heads, d, generator=g),
+            torch.randn(b, s_kv, kv_heads, d, generator=g))
+
+
+def test_sdpa_matches_naive_reference():
+    q, k, v = _qkv()
+    attn = Attention(4, 32, backend="TORCH_SDPA")
+    out = attn(q, k, v)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, _naive(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_key_padding_mask_ignores_padded_keys():
+    q, k, v = _qkv(s=5, s_kv=9)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[0, 6:] = False
+    mask[1, 2:4] = False  # non-contiguous holes are allowed too
+    out = Attention(4, 32)(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, _naive(q, k, v, mask), atol=1e-5, rtol=1e-5)
+    # Changing what sits under the mask changes nothing.
+    k2 = k.clone()
+    k2[0, 6:] = 100.0
+    torch.testing.assert_close(Attention(4, 32)(q, k2, v, attn_mask=mask), out)
+
+
+def test_gqa_scale_and_causal():
+    q, k, v = _qkv(h=4, kv_heads=2)
+    out = Attention(4, 32, num_kv_heads=2, softmax_scale=0.1, causal=True)(q, k, v)
+    torch.testing.assert_close(out, _naive(q, k, v, scale=0.1, causal=True), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="num_kv_heads=3"):
+        Attention(4, 32, num_kv_heads=3, prefix="blocks.0.attn")
+
+
+def test_selection_by_env_and_current_config(monkeypatch):
+    monkeypatch.delenv("DIFFUSION_ATTENTION_BACKEND", raising=False)
+    assert get_attn_backend().get_name() == "TORCH_SDPA"
+    monkeypatch.setenv("DIFFUSION_ATTENTION_BACKEND", "torch_sdpa")
+    assert Attention(2, 32).attn_backend.get_name() == "TORCH_SDPA"
+    monkeypatch.setenv("DIFFUSION_ATTENTION_BACKEND", "NOPE")
+    with pytest.raises(ValueError, match="unknown diffusion attention backend 'NOPE'"):
+        Attention(2, 32)
+    # The config current at build time wins over the env var.
+    with set_current_attention_config(DiffusionAttentionConfig(backend="TORCH_SDPA")):
+        assert Attention(2, 32).attn_backend.get_name() == "TORCH_SDPA"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error messages")
+@pytest.mark.parametrize(
+    ("name", "needle"),
+    [("CUDNN_ATTN", "CUDA GPU"), ("FLASH_ATTN", "flash_attn"), ("FLASHINFER_ATTN", "flashinfer")],
+)
+def test_unavailable_backend_names_what_is_missing(name, needle):
+    with pytest.raises(RuntimeError, match=f"{name} is not available: .*{needle}"):
+        Attention(2, 32, backend=name)
+
+
+def test_capability_flags():
+    assert get_attn_backend("TORCH_SDPA").supports_attention_mask()
+    assert not get_attn_backend("TORCH_SDPA").supports_multi_doc_packed_varlen()

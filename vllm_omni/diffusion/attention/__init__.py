@@ -1,0 +1,1 @@
+"""Attention for diffusion transformers: one layer, backends chosen once per model build."""

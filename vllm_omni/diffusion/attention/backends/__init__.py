@@ -1,0 +1,1 @@
+"""Attention backends; each module imports its kernel package only when the backend is used."""

@@ -1,0 +1,32 @@
+"""SDPA pinned to the cuDNN fused kernel (fast with masks on recent NVIDIA GPUs)."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from vllm_omni.diffusion.attention.backends.abstract import AttentionBackend, AttentionImpl, cuda_missing
+from vllm_omni.diffusion.attention.backends.sdpa import TorchSDPAImpl
+
+
+class CudnnAttentionImpl(TorchSDPAImpl):
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attn_mask: torch.Tensor | None) -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return super().forward(query, key, value, attn_mask)
+
+
+class CudnnAttentionBackend(AttentionBackend):
+    name = "CUDNN_ATTN"
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        return CudnnAttentionImpl
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        if (reason := cuda_missing()) is not None:
+            return reason
+        if not torch.backends.cudnn.is_available():
+            return "cuDNN is not available in this PyTorch build"
+        return None
