@@ -1,0 +1,54 @@
+"""Pins that our MMDiT computes what diffusers' QwenImageTransformer2DModel computes on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_omni.diffusion.model_loader.diffusers_loader import iter_component_weights, read_component_config
+from vllm_omni.diffusion.models.qwen_image.transformer_qwen_image import (
+    QwenImageTransformer2DModel,
+    QwenImageTransformerConfig,
+)
+
+
+@pytest.fixture(scope="module")
+def models(dist_init, qwen_image_dir):
+    from diffusers import QwenImageTransformer2DModel as RefModel
+
+    ref = RefModel.from_pretrained(qwen_image_dir, subfolder="transformer", torch_dtype=torch.float32).eval()
+    config = QwenImageTransformerConfig.from_dict(read_component_config(qwen_image_dir, "transformer"))
+    ours = QwenImageTransformer2DModel(config=config)
+    loaded = ours.load_weights(iter_component_weights(qwen_image_dir, "transformer", torch.float32))
+    assert loaded == {name for name, _ in ours.named_parameters()}
+    ours.process_weights_after_loading()
+    return ref, ours
+
+
+@pytest.mark.parametrize("shapes", [[(1, 4, 4)], [(1, 4, 6), (1, 6, 4)]], ids=["t2i", "edit-two-images"])
+def test_matches_diffusers(models, shapes):
+    ref, ours = models
+    g = torch.Generator().manual_seed(0)
+    batch, txt_len = 3, 7
+    img_len = sum(f * h * w for f, h, w in shapes)
+    x = torch.randn(batch, img_len, 64, generator=g)
+    txt = torch.randn(batch, txt_len, 64, generator=g)
+    mask = torch.ones(batch, txt_len, dtype=torch.bool)
+    mask[1, 5:] = False
+    mask[2, 3:] = False
+    t = torch.tensor([0.9, 0.5, 0.1])
+    with torch.no_grad():
+        expected = ref(hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=mask, timestep=t,
+                       img_shapes=[shapes] * batch, return_dict=False)[0]
+        got = ours(x, txt, mask, t, shapes)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    # No mask == all-true mask.
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x[:1], txt[:1], None, t[:1], shapes), got[:1], atol=1e-5, rtol=1e-4)
+
+
+def test_unsupported_variant_is_refused():
+    with pytest.raises(NotImplementedError, match="zero_cond_t"):
+        QwenImageTransformerConfig.from_dict({"zero_cond_t": True})
+    with pytest.raises(ValueError, match="unsupported .* config keys: \\['bogus'\\]"):
+        QwenImageTransformerConfig.from_dict({"bogus": 1})

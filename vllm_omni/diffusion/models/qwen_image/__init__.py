@@ -1,0 +1,1 @@
+"""Native Qwen-Image (text-to-image) and Qwen-Image-Edit pipelines."""

@@ -1,0 +1,354 @@
+"""Qwen-Image MMDiT: a dual-stream (image + text) transformer with joint attention.
+
+Module and parameter names follow diffusers' `QwenImageTransformer2DModel` so its checkpoints load by name;
+the projections are vLLM parallel linears (q/k/v fused per stream) so the blocks can be sharded by tensor
+parallelism, and attention goes through our `Attention` layer. Inputs are packed 2x2 latent patches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+from vllm_omni.diffusion.attention.layer import Attention
+
+ImageShapes = list[list[tuple[int, int, int]]]
+"""Per sample: (frames, height, width) in patches of every image in the sequence (target first)."""
+
+
+@dataclass
+class QwenImageTransformerConfig:
+    """The diffusers `config.json` of `transformer/` (same field names and defaults)."""
+
+    patch_size: int = 2
+    in_channels: int = 64
+    out_channels: int | None = 16
+    num_layers: int = 60
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 3584
+    guidance_embeds: bool = False
+    axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
+    zero_cond_t: bool = False
+    use_additional_t_cond: bool = False
+    use_layer3d_rope: bool = False
+
+    @classmethod
+    def from_dict(cls, config: dict) -> QwenImageTransformerConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(k for k in config if k not in known and not k.startswith("_"))
+        if unknown:
+            raise ValueError(f"unsupported QwenImageTransformer2DModel config keys: {unknown}")
+        self = cls(**{k: v for k, v in config.items() if k in known})
+        # Variants (Edit-2511 zero-cond, layered, guidance-distilled) are other models; refuse them loudly.
+        for flag in ("guidance_embeds", "zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"):
+            if getattr(self, flag):
+                raise NotImplementedError(f"QwenImageTransformer2DModel with {flag}=True is not supported")
+        return self
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        return x.to(self.weight.dtype) * self.weight
+
+
+def _layer_norm(x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, x.shape[-1:], eps=1e-6)
+
+
+def timestep_sinusoids(timesteps: torch.Tensor, dim: int = 256, scale: float = 1000.0) -> torch.Tensor:
+    """Sinusoidal timestep features, cos half first (diffusers `Timesteps(flip_sin_to_cos=True, shift=0)`)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=timesteps.device) / half)
+    freqs = freqs.to(timesteps.dtype)
+    angles = scale * (timesteps[:, None].float() * freqs[None, :])
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+class TimestepEmbedding(nn.Module):
+    def __init__(self, in_channels: int, dim: int, prefix: str) -> None:
+        super().__init__()
+        self.linear_1 = ReplicatedLinear(in_channels, dim, bias=True, return_bias=False, prefix=f"{prefix}.linear_1")
+        self.linear_2 = ReplicatedLinear(dim, dim, bias=True, return_bias=False, prefix=f"{prefix}.linear_2")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class QwenTimestepProjEmbeddings(nn.Module):
+    def __init__(self, dim: int, prefix: str) -> None:
+        super().__init__()
+        self.timestep_embedder = TimestepEmbedding(256, dim, prefix=f"{prefix}.timestep_embedder")
+
+    def forward(self, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.timestep_embedder(timestep_sinusoids(timestep).to(dtype))
+
+
+class QwenEmbedRope(nn.Module):
+    """3-axis rotary angles (frame, height, width) for image tokens, centred on the image; text after them.
+
+    Image `i` of a sample sits at frame index `i`; text positions start past the largest half-extent of the
+    images, so text and image positions never collide. Tables are cached per shape and device.
+    """
+
+    def __init__(self, axes_dim: tuple[int, int, int], theta: float = 10000.0) -> None:
+        super().__init__()
+        self.axes_dim = tuple(axes_dim)
+        self.inv_freqs = [1.0 / torch.pow(theta, torch.arange(0, d, 2).to(torch.float32).div(d)) for d in axes_dim]
+        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _angles(self, positions: list[torch.Tensor]) -> torch.Tensor:
+        """Per-token angles (tokens, head_dim/2) from per-axis integer positions (tokens,)."""
+        return torch.cat([torch.outer(p, f) for p, f in zip(positions, self.inv_freqs, strict=True)], dim=-1)
+
+    def forward(self, shapes: list[tuple[int, int, int]], txt_len: int, device: torch.device):
+        key = (tuple(shapes), txt_len, device)
+        if key not in self._cache:
+            image_angles, max_index = [], 0
+            for idx, (frame, height, width) in enumerate(shapes):
+                f = torch.arange(idx, idx + frame)
+                h = torch.arange(height) - (height - height // 2)
+                w = torch.arange(width) - (width - width // 2)
+                grid = torch.meshgrid(f, h, w, indexing="ij")
+                image_angles.append(self._angles([g.reshape(-1) for g in grid]))
+                max_index = max(max_index, height // 2, width // 2)
+            txt_pos = torch.arange(max_index, max_index + txt_len)
+            txt_angles = self._angles([txt_pos] * 3)
+            self._cache[key] = tuple(
+                torch.polar(torch.ones_like(a), a).to(device) for a in (torch.cat(image_angles), txt_angles)
+            )
+        return self._cache[key]
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs of x (batch, seq, heads, head_dim) by complex freqs (seq, head_dim/2)."""
+    rotated = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2)) * freqs[:, None, :]
+    return torch.view_as_real(rotated).flatten(3).type_as(x)
+
+
+class QwenJointAttention(nn.Module):
+    """q/k/v of both streams, per-head RMS norm, RoPE, one joint attention (text first), two out projections."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, prefix: str) -> None:
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.num_heads = num_heads // tp
+        self.head_dim = head_dim
+        self.to_qkv = QKVParallelLinear(dim, head_dim, num_heads, bias=True, return_bias=False,
+                                        prefix=f"{prefix}.to_qkv")
+        self.add_qkv = QKVParallelLinear(dim, head_dim, num_heads, bias=True, return_bias=False,
+                                         prefix=f"{prefix}.add_qkv")
+        self.norm_q = RMSNorm(head_dim)
+        self.norm_k = RMSNorm(head_dim)
+        self.norm_added_q = RMSNorm(head_dim)
+        self.norm_added_k = RMSNorm(head_dim)
+        self.to_out = nn.ModuleList([RowParallelLinear(num_heads * head_dim, dim, bias=True, return_bias=False,
+                                                       prefix=f"{prefix}.to_out.0")])
+        self.to_add_out = RowParallelLinear(num_heads * head_dim, dim, bias=True, return_bias=False,
+                                            prefix=f"{prefix}.to_add_out")
+        self.attn = Attention(self.num_heads, head_dim, prefix=f"{prefix}.attn")
+
+    def _project(self, qkv_proj: QKVParallelLinear, x: torch.Tensor, norm_q: RMSNorm, norm_k: RMSNorm,
+                 freqs: torch.Tensor):
+        q, k, v = qkv_proj(x).unflatten(-1, (3 * self.num_heads, self.head_dim)).chunk(3, dim=2)
+        return apply_rope(norm_q(q), freqs), apply_rope(norm_k(k), freqs), v
+
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, joint_mask: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        img_freqs, txt_freqs = rope
+        iq, ik, iv = self._project(self.to_qkv, img, self.norm_q, self.norm_k, img_freqs)
+        tq, tk, tv = self._project(self.add_qkv, txt, self.norm_added_q, self.norm_added_k, txt_freqs)
+        out = self.attn(torch.cat([tq, iq], dim=1), torch.cat([tk, ik], dim=1), torch.cat([tv, iv], dim=1),
+                        attn_mask=joint_mask).flatten(2)
+        txt_len = txt.shape[1]
+        return self.to_out[0](out[:, txt_len:]), self.to_add_out(out[:, :txt_len])
+
+
+class FeedForward(nn.Module):
+    """dim -> 4*dim (tanh GELU) -> dim, named like diffusers' `FeedForward` (`net.0.proj`, `net.2`)."""
+
+    def __init__(self, dim: int, prefix: str) -> None:
+        super().__init__()
+        self.net = nn.ModuleList([
+            _GeluProj(dim, 4 * dim, prefix=f"{prefix}.net.0"),
+            nn.Identity(),
+            RowParallelLinear(4 * dim, dim, bias=True, return_bias=False, prefix=f"{prefix}.net.2"),
+        ])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[2](self.net[0](x))
+
+
+class _GeluProj(nn.Module):
+    def __init__(self, dim_in: int, dim_out: int, prefix: str) -> None:
+        super().__init__()
+        self.proj = ColumnParallelLinear(dim_in, dim_out, bias=True, gather_output=False, return_bias=False,
+                                         prefix=f"{prefix}.proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.proj(x), approximate="tanh")
+
+
+class _Modulation(nn.Module):
+    """SiLU + linear producing (shift, scale, gate) for the attention and the MLP half of a block."""
+
+    def __init__(self, dim: int, prefix: str) -> None:
+        super().__init__()
+        self.act = nn.SiLU()
+        self.linear = ReplicatedLinear(dim, 6 * dim, bias=True, return_bias=False, prefix=prefix)
+
+    def forward(self, temb: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.act(temb))[:, None, :].chunk(6, dim=-1)
+
+
+class QwenImageTransformerBlock(nn.Module):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, prefix: str) -> None:
+        super().__init__()
+        self.img_mod = _Modulation(dim, prefix=f"{prefix}.img_mod.1")
+        self.txt_mod = _Modulation(dim, prefix=f"{prefix}.txt_mod.1")
+        self.attn = QwenJointAttention(dim, num_heads, head_dim, prefix=f"{prefix}.attn")
+        self.img_mlp = FeedForward(dim, prefix=f"{prefix}.img_mlp")
+        self.txt_mlp = FeedForward(dim, prefix=f"{prefix}.txt_mlp")
+
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor, joint_mask: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = self.img_mod(temb)
+        t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = self.txt_mod(temb)
+        img_attn, txt_attn = self.attn(
+            _layer_norm(img) * (1 + i_scale1) + i_shift1,
+            _layer_norm(txt) * (1 + t_scale1) + t_shift1,
+            joint_mask,
+            rope,
+        )
+        img = img + i_gate1 * img_attn
+        txt = txt + t_gate1 * txt_attn
+        img = img + i_gate2 * self.img_mlp(_layer_norm(img) * (1 + i_scale2) + i_shift2)
+        txt = txt + t_gate2 * self.txt_mlp(_layer_norm(txt) * (1 + t_scale2) + t_shift2)
+        if img.dtype == torch.float16:
+            img, txt = img.clip(-65504, 65504), txt.clip(-65504, 65504)
+        return img, txt
+
+
+class _AdaNormOut(nn.Module):
+    """Final adaptive LayerNorm: (scale, shift) from the timestep embedding (diffusers order: scale first)."""
+
+    def __init__(self, dim: int, prefix: str) -> None:
+        super().__init__()
+        self.linear = ReplicatedLinear(dim, 2 * dim, bias=True, return_bias=False, prefix=f"{prefix}.linear")
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.linear(F.silu(temb).to(x.dtype))[:, None, :].chunk(2, dim=-1)
+        return _layer_norm(x) * (1 + scale) + shift
+
+
+class QwenImageTransformer2DModel(nn.Module):
+    _no_split_modules = ["QwenImageTransformerBlock"]
+    _repeated_blocks = ["QwenImageTransformerBlock"]
+    # diffusers checkpoint names -> our fused q/k/v parameters.
+    stacked_params_mapping = [
+        (".to_qkv", ".to_q", "q"), (".to_qkv", ".to_k", "k"), (".to_qkv", ".to_v", "v"),
+        (".add_qkv", ".add_q_proj", "q"), (".add_qkv", ".add_k_proj", "k"), (".add_qkv", ".add_v_proj", "v"),
+    ]
+
+    def __init__(self, *, config: QwenImageTransformerConfig, prefix: str = "") -> None:
+        super().__init__()
+        self.config = config
+        dim = config.inner_dim
+        self.out_channels = config.out_channels or config.in_channels
+        self.pos_embed = QwenEmbedRope(config.axes_dims_rope)
+        self.time_text_embed = QwenTimestepProjEmbeddings(dim, prefix="time_text_embed")
+        self.txt_norm = RMSNorm(config.joint_attention_dim)
+        self.img_in = ReplicatedLinear(config.in_channels, dim, bias=True, return_bias=False, prefix="img_in")
+        self.txt_in = ReplicatedLinear(config.joint_attention_dim, dim, bias=True, return_bias=False,
+                                       prefix="txt_in")
+        self.transformer_blocks = nn.ModuleList([
+            QwenImageTransformerBlock(dim, config.num_attention_heads, config.attention_head_dim,
+                                      prefix=f"transformer_blocks.{i}")
+            for i in range(config.num_layers)
+        ])
+        self.norm_out = _AdaNormOut(dim, prefix="norm_out")
+        self.proj_out = ReplicatedLinear(dim, config.patch_size**2 * self.out_channels, bias=True,
+                                         return_bias=False, prefix="proj_out")
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        encoder_hidden_states_mask: torch.Tensor | None,
+        timestep: torch.Tensor,
+        img_shapes: list[tuple[int, int, int]],
+    ) -> torch.Tensor:
+        """Predict the flow for packed latents (batch, img_seq, in_channels).
+
+        `img_shapes` is shared by the whole batch (the scheduler only co-batches same-size requests);
+        `encoder_hidden_states_mask` (batch, txt_seq) bool marks real text tokens, None = all real.
+        `timestep` is in [0, 1] (diffusers pipelines pass t / 1000).
+        """
+        img = self.img_in(hidden_states)
+        txt = self.txt_in(self.txt_norm(encoder_hidden_states))
+        temb = self.time_text_embed(timestep.to(img.dtype), img.dtype)
+        rope = self.pos_embed(img_shapes, txt.shape[1], img.device)
+        joint_mask = None
+        if encoder_hidden_states_mask is not None:
+            img_mask = encoder_hidden_states_mask.new_ones(img.shape[:2], dtype=torch.bool)
+            joint_mask = torch.cat([encoder_hidden_states_mask.bool(), img_mask], dim=1)
+        for block in self.transformer_blocks:
+            img, txt = block(img, txt, temb, joint_mask, rope)
+        return self.proj_out(self.norm_out(img, temb))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load diffusers-named weights; returns the names of our parameters that were filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = _rename(name)
+            for ours, theirs, shard in self.stacked_params_mapping:
+                if theirs in name:
+                    target = name.replace(theirs, ours)
+                    param = params[target]
+                    param.weight_loader(param, tensor, shard)
+                    break
+            else:
+                if name not in params:
+                    raise KeyError(f"unexpected weight {name!r} for QwenImageTransformer2DModel")
+                target = name
+                param = params[target]
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(target)
+        return loaded
+
+    def process_weights_after_loading(self) -> None:
+        """Let vLLM's linear methods repack weights for the platform's GEMM (e.g. oneDNN on CPU)."""
+        for module in self.modules():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+
+
+def _rename(name: str) -> str:
+    """diffusers names -> ours where the module path differs (mod Sequential index)."""
+    return name.replace(".img_mod.1.", ".img_mod.linear.").replace(".txt_mod.1.", ".txt_mod.linear.")
