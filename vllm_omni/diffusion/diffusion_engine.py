@@ -1,0 +1,244 @@
+"""The diffusion stage's engine: validates requests, co-batches them, and runs them on the workers.
+
+`submit` is thread-safe and returns a future per request. A scheduler thread forms batches with
+`RequestScheduler` and keeps one batch in flight; the batch's results resolve the request futures directly
+from the executor's result thread, so a request pays one thread hand-off on the way back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.executor.multiproc_executor import MultiprocDiffusionExecutor
+from vllm_omni.diffusion.models.interface import supports_request_batch
+from vllm_omni.diffusion.registry import (
+    load_pipeline_class,
+    output_modality,
+    resolve_model_dir,
+    resolve_pipeline_class_name,
+)
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.sched.request_scheduler import RequestScheduler
+from vllm_omni.errors import EngineDeadError, OmniClientError
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+logger = init_logger(__name__)
+
+_SCHEDULER_IDLE_WAIT_S = 1.0
+_SCHEDULER_JOIN_TIMEOUT_S = 2.0
+
+
+class DiffusionEngine:
+    def __init__(self, od_config: OmniDiffusionConfig) -> None:
+        self.od_config = od_config
+        model_dir = resolve_model_dir(od_config.model, od_config.revision)
+        self.model_class_name = resolve_pipeline_class_name(od_config, model_dir)
+        self.output_modality = output_modality(self.model_class_name)
+        pipeline_cls = load_pipeline_class(self.model_class_name, od_config.use_diffusers_adapter)
+        self.supports_request_batch = supports_request_batch(pipeline_cls)
+        if od_config.max_num_seqs > 1 and not self.supports_request_batch:
+            raise ValueError(
+                f"{pipeline_cls.__name__} (serving {self.model_class_name}) does not support request-level "
+                f"batching. Use max_num_seqs=1 (got {od_config.max_num_seqs})."
+            )
+        self.scheduler = RequestScheduler(od_config.max_num_seqs, od_config.request_batch_max_wait_ms)
+        self._cond = threading.Condition()
+        self._waiting: dict[str, tuple[Future[DiffusionOutput], float]] = {}
+        self._running: dict[str, Future[DiffusionOutput]] = {}
+        self._batch_in_flight = False
+        self._stopping = False
+        self._counters: Counter[str] = Counter()
+        self._batch_sizes: Counter[int] = Counter()
+        self._failure_callbacks: list[Callable[[], None]] = []
+        self.executor = MultiprocDiffusionExecutor(od_config)
+        self.executor.register_failure_callback(self._on_executor_failure)
+        self._thread = threading.Thread(target=self._schedule_loop, name="DiffusionScheduler", daemon=True)
+        self._thread.start()
+        logger.info(
+            "diffusion engine ready: %s (%s, %s output), %d rank(s), max_num_seqs=%d, batch wait %.1f ms",
+            od_config.model, self.model_class_name, self.output_modality, self.executor.world_size,
+            od_config.max_num_seqs, od_config.request_batch_max_wait_ms,
+        )
+
+    # ---- public API ----------------------------------------------------------------------------------
+
+    @property
+    def is_dead(self) -> bool:
+        return self.executor.is_failed
+
+    def submit(self, request: OmniDiffusionRequest) -> Future[DiffusionOutput]:
+        """Queue a request; invalid input raises `OmniClientError` here, before anything is queued."""
+        request = _validated(request)
+        future: Future[DiffusionOutput] = Future()
+        with self._cond:
+            if self._stopping:
+                raise EngineDeadError("the diffusion engine is closed")
+            if self.is_dead:
+                raise EngineDeadError()
+            rid = request.request_id
+            if rid in self._waiting or rid in self._running:
+                raise OmniClientError(f"request_id {rid!r} is already in flight", param="request_id")
+            self.scheduler.add_request(request)
+            self._waiting[rid] = (future, time.perf_counter())
+            self._cond.notify()
+        return future
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop queued requests; running ones finish on the workers and their results are discarded."""
+        with self._cond:
+            for request in self.scheduler.abort(request_ids):
+                self._waiting.pop(request.request_id)[0].cancel()
+                self._counters["num_aborted"] += 1
+            for rid in request_ids:
+                future = self._running.get(rid)
+                if future is not None and future.cancel():
+                    self._counters["num_aborted"] += 1
+
+    def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None, timeout: float | None = None
+    ) -> list[Any]:
+        return self.executor.collective_rpc(method, args=args, kwargs=kwargs, timeout=timeout)
+
+    def register_failure_callback(self, fn: Callable[[], None]) -> None:
+        self._failure_callbacks.append(fn)
+
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            return {
+                "num_forwards": self._counters["num_forwards"],
+                "num_requests_finished": self._counters["num_finished"],
+                "num_requests_failed": self._counters["num_failed"],
+                "num_aborted": self._counters["num_aborted"],
+                "batch_sizes": dict(self._batch_sizes),
+                "num_running": len(self._running),
+                "num_waiting": self.scheduler.num_waiting,
+                "is_dead": self.is_dead,
+            }
+
+    def close(self, timeout: float = 20.0) -> None:
+        """Stop the workers and release every resource; always returns within about `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(min(_SCHEDULER_JOIN_TIMEOUT_S, max(deadline - time.monotonic(), 0.0)))
+        self.executor.shutdown(timeout=max(deadline - time.monotonic(), 1.0))
+        self._fail_waiting(EngineDeadError("the diffusion engine was closed"))
+
+    def __enter__(self) -> DiffusionEngine:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    # ---- scheduling ----------------------------------------------------------------------------------
+
+    def _schedule_loop(self) -> None:
+        while True:
+            with self._cond:
+                batch: list[OmniDiffusionRequest] = []
+                while not batch:
+                    if self._stopping or self.is_dead:
+                        return
+                    wait = _SCHEDULER_IDLE_WAIT_S
+                    if not self._batch_in_flight:
+                        batch, due = self.scheduler.schedule()
+                        wait = due if due is not None else wait
+                    if not batch:
+                        self._cond.wait(wait)
+                now = time.perf_counter()
+                futures = {}
+                for request in batch:
+                    future, arrival = self._waiting.pop(request.request_id)
+                    futures[request.request_id] = (future, now - arrival)
+                    self._running[request.request_id] = future
+                self._batch_in_flight = True
+                self._batch_sizes[len(batch)] += 1
+                self._counters["num_forwards"] += 1
+            try:
+                batch_future = self.executor.execute_batch(batch)
+            except Exception as exc:
+                batch_future = Future()
+                batch_future.set_exception(exc)
+            batch_future.add_done_callback(lambda f, futures=futures: self._finish_batch(f, futures))
+
+    def _finish_batch(
+        self, batch_future: Future[list[DiffusionOutput]], futures: dict[str, tuple[Future, float]]
+    ) -> None:
+        """Runs on the executor's result thread (or wherever the batch future completed)."""
+        exc = batch_future.exception()
+        outputs = batch_future.result() if exc is None else None
+        with self._cond:
+            for rid in futures:
+                self._running.pop(rid, None)
+            self._batch_in_flight = False
+            self._cond.notify()
+        for i, (future, queued) in enumerate(futures.values()):
+            if future.cancelled():
+                continue
+            if outputs is None:
+                error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"diffusion batch failed: {exc}")
+                _set(future, exception=error)
+                continue
+            output = outputs[i]
+            output.stage_durations["queue"] = queued
+            with self._cond:
+                self._counters["num_failed" if output.error else "num_finished"] += 1
+            _set(future, result=output)
+
+    def _on_executor_failure(self) -> None:
+        self._fail_waiting(EngineDeadError("a diffusion worker died; the engine is dead"))
+        for fn in self._failure_callbacks:
+            try:
+                fn()
+            except Exception:
+                logger.exception("diffusion engine failure callback raised")
+
+    def _fail_waiting(self, error: EngineDeadError) -> None:
+        with self._cond:
+            waiting = [future for future, _ in self._waiting.values()]
+            self._waiting.clear()
+            self.scheduler.drain()
+            self._cond.notify_all()
+        for future in waiting:
+            _set(future, exception=error)
+
+
+def _validated(request: OmniDiffusionRequest) -> OmniDiffusionRequest:
+    if not isinstance(request, OmniDiffusionRequest):
+        raise OmniClientError(f"expected an OmniDiffusionRequest, got {type(request).__name__}", param="request")
+    if not isinstance(request.request_id, str) or not request.request_id:
+        raise OmniClientError("request_id must be a non-empty string", param="request_id")
+    prompt = request.prompt
+    text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+    if not isinstance(text, str):
+        raise OmniClientError(f"prompt must be a string, got {type(text).__name__}", param="prompt")
+    negative = request.negative_prompt
+    if negative is not None and not isinstance(negative, str):
+        raise OmniClientError("negative_prompt must be a string", param="negative_prompt")
+    if not isinstance(request.sampling_params, OmniDiffusionSamplingParams):
+        request.sampling_params = OmniDiffusionSamplingParams.from_params(request.sampling_params)
+    return request
+
+
+def _set(future: Future, *, result: Any = None, exception: BaseException | None = None) -> None:
+    """Resolve unless the caller cancelled it meanwhile."""
+    if future.cancelled():
+        return
+    try:
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # cancelled between the check and the set
+        pass

@@ -1,0 +1,1 @@
+"""Executors run scheduled batches on the diffusion workers."""

@@ -1,0 +1,319 @@
+"""One spawned worker process per rank, driven over ZeroMQ sockets with msgspec messages.
+
+Each rank has its own input socket and its own result socket; a pump thread per result socket resolves
+futures as results arrive (no polling sleeps on the hot path). A monitor thread waits on the worker
+processes' sentinels: a worker that dies for any reason fails every in-flight future with
+`EngineDeadError` at once and fires the failure callbacks. `shutdown` works against one global deadline
+(ask, join, terminate, kill) and then removes whatever shared memory the workers may have left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import multiprocessing
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+from multiprocessing.connection import wait as wait_for_objects
+from typing import Any
+
+import zmq
+from vllm.logger import init_logger
+
+from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.ipc import (
+    BatchResult,
+    ExecuteBatch,
+    MsgCodec,
+    RpcCall,
+    RpcResult,
+    Shutdown,
+    WorkerInitFailed,
+    WorkerOutput,
+    WorkerReady,
+    cleanup_shm,
+    new_shm_prefix,
+)
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.worker.worker_proc import WorkerSpec, worker_main
+from vllm_omni.errors import EngineDeadError
+
+logger = init_logger(__name__)
+
+_PUMP_POLL_MS = 200
+_PUMP_JOIN_TIMEOUT_S = 2.0
+_DEFAULT_RPC_TIMEOUT_S = 600.0
+
+
+class _RpcWait:
+    def __init__(self, world_size: int) -> None:
+        self.results: dict[int, RpcResult] = {}
+        self.world_size = world_size
+        self.done = threading.Event()
+        self.dead_reason: str | None = None
+
+
+class MultiprocDiffusionExecutor:
+    def __init__(self, od_config: OmniDiffusionConfig) -> None:
+        self.od_config = od_config
+        self.world_size = od_config.parallel_config.world_size
+        self.shm_prefix = new_shm_prefix()
+        self._ipc_dir = tempfile.mkdtemp(prefix="vllm_omni_ipc_")
+        self._context = zmq.Context(io_threads=1)
+        self._inputs: list[zmq.Socket] = []
+        self._outputs: list[zmq.Socket] = []
+        for rank in range(self.world_size):
+            push = self._context.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.bind(f"ipc://{self._ipc_dir}/in{rank}")
+            pull = self._context.socket(zmq.PULL)
+            pull.setsockopt(zmq.LINGER, 0)
+            pull.bind(f"ipc://{self._ipc_dir}/out{rank}")
+            self._inputs.append(push)
+            self._outputs.append(pull)
+        self._codec = MsgCodec(None, self.shm_prefix)
+        self._output_codec = MsgCodec(WorkerOutput, self.shm_prefix)
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._batch_futures: dict[int, Future[list[DiffusionOutput]]] = {}
+        self._rpc_waits: dict[int, _RpcWait] = {}
+        self._failure_callbacks: list[Callable[[], None]] = []
+        self._is_failed = False
+        self._closed = False
+        self._stop = threading.Event()
+        self._monitor_stop_r, self._monitor_stop_w = multiprocessing.Pipe(duplex=False)
+        self.processes = self._launch_workers()
+        self._finalizer = weakref.finalize(self, _reap, self.processes, self.shm_prefix, self._ipc_dir)
+        try:
+            self.worker_info = self._wait_until_ready(od_config.init_timeout)
+        except BaseException:
+            self.shutdown(timeout=5.0)
+            raise
+        self._threads = [
+            threading.Thread(target=self._pump, args=(rank,), name=f"DiffusionResultPump-{rank}", daemon=True)
+            for rank in range(self.world_size)
+        ]
+        self._threads.append(threading.Thread(target=self._monitor, name="diffusion-worker-monitor", daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    # ---- startup -------------------------------------------------------------------------------------
+
+    def _launch_workers(self) -> list[multiprocessing.process.BaseProcess]:
+        ctx = multiprocessing.get_context("spawn")
+        init_method = None
+        if self.world_size > 1:
+            from vllm.utils.network_utils import get_open_port
+
+            init_method = f"tcp://127.0.0.1:{get_open_port()}"
+        processes = []
+        for rank in range(self.world_size):
+            spec = WorkerSpec(
+                od_config=self.od_config,
+                rank=rank,
+                world_size=self.world_size,
+                input_address=f"ipc://{self._ipc_dir}/in{rank}",
+                output_address=f"ipc://{self._ipc_dir}/out{rank}",
+                shm_prefix=self.shm_prefix,
+                distributed_init_method=init_method,
+            )
+            proc = ctx.Process(target=worker_main, args=(spec,), name=f"DiffusionWorker-{rank}", daemon=True)
+            proc.start()
+            processes.append(proc)
+        return processes
+
+    def _wait_until_ready(self, timeout: float) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        decoder = self._output_codec.decoder()
+        poller = zmq.Poller()
+        for sock in self._outputs:
+            poller.register(sock, zmq.POLLIN)
+        ready: dict[int, dict[str, Any]] = {}
+        while len(ready) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(self.world_size)) - set(ready))
+                raise RuntimeError(
+                    f"diffusion worker rank(s) {missing} not ready after {timeout:.0f} s; raise init_timeout "
+                    "if loading the model legitimately takes longer"
+                )
+            events = dict(poller.poll(int(min(remaining, 0.5) * 1000)))
+            for sock in self._outputs:
+                while sock in events and sock.poll(0):
+                    msg = decoder.decode(sock.recv(copy=False).buffer)
+                    if isinstance(msg, WorkerInitFailed):
+                        raise RuntimeError(f"diffusion worker rank {msg.rank} failed to start:\n{msg.error}")
+                    if isinstance(msg, WorkerReady):
+                        ready[msg.rank] = msg.info
+            for rank, proc in enumerate(self.processes):
+                if rank not in ready and not proc.is_alive() and not self._outputs[rank].poll(0):
+                    raise RuntimeError(
+                        f"diffusion worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} "
+                        "while loading the model"
+                    )
+        return [ready[rank] for rank in range(self.world_size)]
+
+    # ---- requests ------------------------------------------------------------------------------------
+
+    @property
+    def is_failed(self) -> bool:
+        return self._is_failed
+
+    def register_failure_callback(self, callback: Callable[[], None]) -> None:
+        self._failure_callbacks.append(callback)
+
+    def execute_batch(self, requests: list[OmniDiffusionRequest]) -> Future[list[DiffusionOutput]]:
+        """Run one batch on every rank; the future holds rank 0's outputs (one per request)."""
+        future: Future[list[DiffusionOutput]] = Future()
+        batch_id = next(self._ids)
+        with self._lock:
+            self._check_alive()
+            self._batch_futures[batch_id] = future
+        self._broadcast(self._codec.encode(ExecuteBatch(batch_id=batch_id, requests=requests)))
+        return future
+
+    def collective_rpc(
+        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None, timeout: float | None = None
+    ) -> list[Any]:
+        """Call a worker method on every rank; one result per rank, in rank order."""
+        call_id = next(self._ids)
+        pending = _RpcWait(self.world_size)
+        with self._lock:
+            self._check_alive()
+            self._rpc_waits[call_id] = pending
+        try:
+            self._broadcast(self._codec.encode(RpcCall(call_id, method, list(args), dict(kwargs or {}))))
+            timeout = _DEFAULT_RPC_TIMEOUT_S if timeout is None else timeout
+            if not pending.done.wait(timeout):
+                raise TimeoutError(f"collective_rpc({method!r}) got no answer from every rank within {timeout} s")
+        finally:
+            with self._lock:
+                self._rpc_waits.pop(call_id, None)
+        if pending.dead_reason is not None:
+            raise EngineDeadError(pending.dead_reason)
+        errors = [f"rank {r.rank}: {r.error}" for r in pending.results.values() if r.error is not None]
+        if errors:
+            raise RuntimeError(f"collective_rpc({method!r}) failed: " + "; ".join(errors))
+        return [pending.results[rank].value for rank in range(self.world_size)]
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the diffusion engine is closed")
+        if self._is_failed:
+            raise EngineDeadError()
+
+    def _broadcast(self, data: bytes) -> None:
+        with self._send_lock:
+            for sock in self._inputs:
+                sock.send(data, copy=False)
+
+    # ---- background threads --------------------------------------------------------------------------
+
+    def _pump(self, rank: int) -> None:
+        sock = self._outputs[rank]
+        decoder = self._output_codec.decoder()
+        while not self._stop.is_set():
+            if not sock.poll(_PUMP_POLL_MS):
+                continue
+            msg = decoder.decode(sock.recv(copy=False).buffer)
+            if isinstance(msg, BatchResult):
+                with self._lock:
+                    future = self._batch_futures.pop(msg.batch_id, None)
+                if future is not None:
+                    future.set_result(msg.outputs)
+            elif isinstance(msg, RpcResult):
+                with self._lock:
+                    pending = self._rpc_waits.get(msg.call_id)
+                if pending is not None:
+                    pending.results[msg.rank] = msg
+                    if len(pending.results) == pending.world_size:
+                        pending.done.set()
+
+    def _monitor(self) -> None:
+        sentinels = {proc.sentinel: proc for proc in self.processes}
+        ready = wait_for_objects([*sentinels, self._monitor_stop_r])
+        if self._closed or self._monitor_stop_r in ready:
+            return
+        dead = [(rank, proc) for rank, proc in enumerate(self.processes) if proc.sentinel in ready]
+        reason = "; ".join(f"diffusion worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
+                           for rank, proc in dead)
+        logger.error("%s; failing all in-flight diffusion requests", reason)
+        self._fail(reason)
+
+    def _fail(self, reason: str) -> None:
+        with self._lock:
+            if self._is_failed:
+                return
+            self._is_failed = True
+            futures = list(self._batch_futures.values())
+            self._batch_futures.clear()
+            waits = list(self._rpc_waits.values())
+        for future in futures:
+            future.set_exception(EngineDeadError(f"the diffusion engine is dead: {reason}"))
+        for pending in waits:
+            pending.dead_reason = f"the diffusion engine is dead: {reason}"
+            pending.done.set()
+        if not self._closed:
+            for callback in self._failure_callbacks:
+                try:
+                    callback()
+                except Exception:
+                    logger.exception("diffusion failure callback raised")
+
+    # ---- shutdown ------------------------------------------------------------------------------------
+
+    def shutdown(self, timeout: float = 20.0) -> None:
+        """Stop every worker within `timeout` seconds overall; always returns."""
+        if self._closed:
+            return
+        deadline = time.monotonic() + timeout
+        self._closed = True
+        self._monitor_stop_w.send(None)
+        with contextlib.suppress(zmq.ZMQError):
+            self._broadcast(self._codec.encode(Shutdown()))
+        _stop_processes(self.processes, deadline)
+        self._stop.set()
+        for thread in getattr(self, "_threads", []):
+            if thread is not threading.current_thread():
+                thread.join(_PUMP_JOIN_TIMEOUT_S)
+        self._fail("the diffusion engine was shut down")
+        for sock in self._inputs + self._outputs:
+            sock.close(linger=0)
+        self._context.term()
+        self._monitor_stop_r.close()
+        self._monitor_stop_w.close()
+        self._finalizer()
+
+
+def _stop_processes(processes: list, deadline: float) -> None:
+    """Join until 3/4 of the time left, then terminate, then kill what still stands."""
+    grace_end = time.monotonic() + max(deadline - time.monotonic(), 0.0) * 0.75
+    for proc in processes:
+        proc.join(max(grace_end - time.monotonic(), 0.0))
+    for proc in processes:
+        if proc.is_alive():
+            logger.warning("diffusion worker %s did not exit in time; terminating it", proc.name)
+            proc.terminate()
+    for proc in processes:
+        proc.join(max(deadline - time.monotonic(), 0.1))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+
+
+def _reap(processes: list, shm_prefix: str, ipc_dir: str) -> None:
+    """Last line of cleanup (also run at interpreter exit): no worker, segment or socket file outlives us."""
+    for proc in processes:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+    removed = cleanup_shm(shm_prefix)
+    if removed:
+        logger.info("removed %d shared-memory segment(s) left by diffusion workers", len(removed))
+    shutil.rmtree(ipc_dir, ignore_errors=True)

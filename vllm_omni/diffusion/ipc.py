@@ -1,0 +1,190 @@
+"""Messages between the diffusion engine and its worker processes, and how they travel.
+
+Every message is a tagged msgspec struct encoded as msgpack. Arrays, tensors and PIL images inside a
+message are msgpack extensions: small ones ride inline, ones above `_SHM_TENSOR_THRESHOLD` bytes go
+through a POSIX shared-memory segment that the receiver copies out and unlinks at once. Segment names
+start with the engine's prefix (`vllm_omni_<token>_`), so the engine can sweep whatever a killed process
+left behind. Dtypes numpy lacks (bfloat16, float8) travel as same-width integers and are restored bit-exact.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import threading
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from vllm_omni.diffusion.data import DiffusionOutput
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+
+_SHM_TENSOR_THRESHOLD = 1_000_000
+SHM_NAME_PREFIX = "vllm_omni_"
+_SHM_DIR = "/dev/shm"
+
+_EXT_NDARRAY = 1
+_EXT_TENSOR = 2
+_EXT_PIL = 3
+
+
+class ExecuteBatch(msgspec.Struct, tag="batch", array_like=True, gc=False):
+    batch_id: int
+    requests: list[OmniDiffusionRequest]
+
+
+class RpcCall(msgspec.Struct, tag="rpc", array_like=True, gc=False):
+    call_id: int
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, gc=False):
+    pass
+
+
+class WorkerReady(msgspec.Struct, tag="ready", array_like=True, gc=False):
+    rank: int
+    info: dict[str, Any] = {}
+
+
+class WorkerInitFailed(msgspec.Struct, tag="init_failed", array_like=True, gc=False):
+    rank: int
+    error: str
+
+
+class BatchResult(msgspec.Struct, tag="result", array_like=True, gc=False):
+    batch_id: int
+    rank: int
+    outputs: list[DiffusionOutput]
+
+
+class RpcResult(msgspec.Struct, tag="rpc_result", array_like=True, gc=False):
+    call_id: int
+    rank: int
+    value: Any = None
+    error: str | None = None
+
+
+WorkerInput = ExecuteBatch | RpcCall | Shutdown
+WorkerOutput = WorkerReady | WorkerInitFailed | BatchResult | RpcResult
+
+
+def new_shm_prefix() -> str:
+    return f"{SHM_NAME_PREFIX}{os.getpid()}_{os.urandom(3).hex()}_"
+
+
+class MsgCodec:
+    """Encodes/decodes one direction's messages; large buffers go through shm segments named `prefix*`."""
+
+    def __init__(self, decode_type: Any, shm_prefix: str, shm_threshold: int = _SHM_TENSOR_THRESHOLD) -> None:
+        self.shm_prefix = shm_prefix
+        self.shm_threshold = shm_threshold
+        self._counter = itertools.count()
+        self._lock = threading.Lock()
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+        self._decode_type = decode_type
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        with self._lock:
+            return self._encoder.encode(msg)
+
+    def decoder(self) -> msgspec.msgpack.Decoder:
+        """A decoder for one reading thread (decoders are not shared across threads)."""
+        return msgspec.msgpack.Decoder(self._decode_type, ext_hook=_ext_hook)
+
+    def _enc_hook(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            return msgspec.msgpack.Ext(_EXT_NDARRAY, self._pack_array(obj, None))
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return msgspec.msgpack.Ext(_EXT_TENSOR, self._pack_tensor(obj))
+        pil = sys.modules.get("PIL.Image")
+        if pil is not None and isinstance(obj, pil.Image):
+            return msgspec.msgpack.Ext(_EXT_PIL, self._pack_array(np.asarray(obj), obj.mode))
+        raise NotImplementedError(f"cannot send an object of type {type(obj).__name__} between processes")
+
+    def _pack_tensor(self, tensor: Any) -> bytes:
+        import torch
+
+        tensor = tensor.detach().to("cpu").contiguous()
+        torch_dtype = str(tensor.dtype).removeprefix("torch.")
+        try:
+            array = tensor.numpy()
+        except TypeError:  # bfloat16 / float8: ship the raw bits as an integer of the same width
+            same_width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+            array = tensor.view(same_width).numpy()
+        return self._pack_array(array, torch_dtype)
+
+    def _pack_array(self, array: np.ndarray, tag: str | None) -> bytes:
+        if array.dtype.hasobject:
+            raise NotImplementedError("object arrays cannot be sent between processes")
+        array = np.ascontiguousarray(array)
+        header: list[Any] = [array.dtype.str, list(array.shape), tag]
+        if array.nbytes < self.shm_threshold:
+            return msgspec.msgpack.encode([*header, array.tobytes(), None])
+        name = f"{self.shm_prefix}{os.getpid()}_{next(self._counter)}"
+        shm = SharedMemory(name=name, create=True, size=max(array.nbytes, 1))
+        # The receiver unlinks the segment; the creator must not also track it (it would "clean" it at exit).
+        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        view = np.ndarray(array.shape, array.dtype, buffer=shm.buf)
+        view[...] = array
+        del view
+        shm.close()
+        return msgspec.msgpack.encode([*header, None, name])
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    dtype, shape, tag, inline, shm_name = msgspec.msgpack.decode(data)
+    if inline is not None:
+        array = np.frombuffer(inline, dtype=np.dtype(dtype)).reshape(shape).copy()
+    else:
+        array = _read_shm(shm_name, np.dtype(dtype), shape)
+    if code == _EXT_NDARRAY:
+        return array
+    if code == _EXT_PIL:
+        from PIL import Image
+
+        image = Image.fromarray(array)
+        return image if image.mode == tag else image.convert(tag)
+    if code == _EXT_TENSOR:
+        import torch
+
+        tensor = torch.from_numpy(array)
+        target = getattr(torch, tag)
+        return tensor if tensor.dtype == target else tensor.view(target)
+    raise ValueError(f"unknown msgpack extension code {code}")
+
+
+def _read_shm(name: str, dtype: np.dtype, shape: list[int]) -> np.ndarray:
+    shm = SharedMemory(name=name)
+    try:
+        view = np.ndarray(shape, dtype, buffer=shm.buf)
+        array = view.copy()
+        del view
+    finally:
+        shm.close()
+        shm.unlink()
+    return array
+
+
+def cleanup_shm(prefix: str) -> list[str]:
+    """Unlink every segment whose name starts with `prefix` (what dead processes left); returns their names."""
+    removed = []
+    try:
+        names = os.listdir(_SHM_DIR)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(_SHM_DIR, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed

@@ -1,0 +1,1 @@
+"""Serve any diffusers pipeline through the vllm-omni runtime (no request batching)."""

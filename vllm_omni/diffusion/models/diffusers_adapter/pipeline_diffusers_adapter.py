@@ -1,0 +1,115 @@
+"""Runs an unmodified diffusers pipeline, one request at a time, behind the vllm-omni pipeline contract.
+
+Sampling params map onto the keyword arguments the pipeline's `__call__` declares. A parameter the request
+sets but the pipeline does not accept is a client error naming it, never silently dropped. With the same
+seed the output is pixel-identical to calling diffusers directly.
+"""
+
+from __future__ import annotations
+
+import inspect
+import secrets
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+from vllm_omni.errors import OmniClientError
+
+# Sampling-param fields passed to `__call__` under the same name when the pipeline accepts them.
+_DIRECT_PARAMS = (
+    "height", "width", "num_inference_steps", "guidance_scale", "guidance_scale_2", "true_cfg_scale",
+    "num_frames", "max_sequence_length",
+)
+_OUTPUT_COUNT_PARAMS = ("num_images_per_prompt", "num_videos_per_prompt", "num_waveforms_per_prompt")
+_DEFAULT_FPS = 16
+
+
+class DiffusersAdapterPipeline:
+    supports_request_batch: ClassVar[bool] = False
+
+    def __init__(self, pipe: Any, od_config: OmniDiffusionConfig) -> None:
+        self.pipe = pipe
+        self.od_config = od_config
+        self._accepted = set(inspect.signature(pipe.__call__).parameters)
+
+    @classmethod
+    def from_pretrained(
+        cls, od_config: OmniDiffusionConfig, model_dir: Path, device: torch.device, dtype: torch.dtype
+    ) -> DiffusersAdapterPipeline:
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(model_dir, dtype=dtype, **od_config.diffusers_load_kwargs)
+        pipe.to(device)
+        pipe.set_progress_bar_config(disable=not od_config.enable_progress_bar)
+        return cls(pipe, od_config)
+
+    def to(self, device: torch.device) -> None:
+        self.pipe.to(device)
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        outputs = []
+        for request in batch.requests:
+            try:
+                outputs.append(self._generate(request))
+            except Exception as exc:
+                outputs.append(DiffusionOutput.from_exception(exc))
+        return outputs
+
+    def call_kwargs(self, request: OmniDiffusionRequest) -> dict[str, Any]:
+        """The `__call__` arguments for `request` (the generator is seeded on CPU, like diffusers' docs do)."""
+        sp = request.sampling_params
+        kwargs: dict[str, Any] = {"prompt": request.prompt_text}
+        if request.negative_prompt is not None:
+            kwargs["negative_prompt"] = request.negative_prompt
+        for name in _DIRECT_PARAMS:
+            if getattr(sp, name) is not None:
+                kwargs[name] = getattr(sp, name)
+        if sp.num_outputs_per_prompt != 1:
+            name = next((n for n in _OUTPUT_COUNT_PARAMS if n in self._accepted), "num_outputs_per_prompt")
+            kwargs[name] = sp.num_outputs_per_prompt
+        for name in ("boundary_ratio", "flow_shift", "lora"):
+            if getattr(sp, name) is not None:
+                kwargs[name] = getattr(sp, name)
+        images = request.multi_modal_data.get("image")
+        if images is not None:
+            kwargs["image"] = images
+        kwargs.update(sp.extra_args)
+        rejected = sorted(set(kwargs) - self._accepted)
+        if rejected:
+            raise OmniClientError(
+                f"{type(self.pipe).__name__} does not accept {rejected}", status_code=422, param=rejected[0]
+            )
+        seed = sp.seed if sp.seed is not None else secrets.randbits(63)
+        kwargs["generator"] = torch.Generator(device="cpu").manual_seed(seed)
+        if "output_type" in self._accepted:
+            kwargs["output_type"] = "np" if sp.output_type == "pil" and self._returns_frames() else sp.output_type
+        return kwargs
+
+    def _generate(self, request: OmniDiffusionRequest) -> DiffusionOutput:
+        kwargs = self.call_kwargs(request)
+        start = time.perf_counter()
+        result = self.pipe(**kwargs)
+        output = self._convert(result, request)
+        return DiffusionOutput(output=output, stage_durations={"pipeline": time.perf_counter() - start})
+
+    def _returns_frames(self) -> bool:
+        return "num_frames" in self._accepted
+
+    def _convert(self, result: Any, request: OmniDiffusionRequest) -> Any:
+        if hasattr(result, "frames"):
+            frames = result.frames
+            if isinstance(frames, np.ndarray) and frames.dtype != np.uint8:
+                frames = (frames * 255).round().clip(0, 255).astype(np.uint8)
+            if isinstance(frames, np.ndarray) and frames.ndim == 5 and frames.shape[0] == 1:
+                frames = frames[0]
+            return {"video": frames, "fps": request.sampling_params.fps or _DEFAULT_FPS}
+        if hasattr(result, "images"):
+            images = result.images
+            return list(images) if isinstance(images, list) else images
+        raise NotImplementedError(f"{type(result).__name__} outputs are not supported by the diffusers adapter")

@@ -1,0 +1,106 @@
+"""Builds the pipeline and runs one forward per scheduled batch, with timing and peak memory.
+
+A batch whose forward raises is retried one request at a time, so the request that broke it fails alone
+and the others still get their outputs.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+
+from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.forward_context import set_forward_context
+from vllm_omni.diffusion.registry import load_pipeline_class, resolve_model_dir, resolve_pipeline_class_name
+from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+
+logger = init_logger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def resolve_torch_dtype(dtype: str | torch.dtype, device_type: str) -> torch.dtype:
+    """`auto` -> bfloat16 on accelerators, float32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float32 if device_type == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+class DiffusionModelRunner:
+    def __init__(self, od_config: OmniDiffusionConfig, device: torch.device, rank: int = 0) -> None:
+        self.od_config = od_config
+        self.device = device
+        self.rank = rank
+        self.dtype = resolve_torch_dtype(od_config.dtype, device.type)
+        self.pipeline: Any = None
+        self.pipeline_class_name: str | None = None
+
+    def load_model(self) -> None:
+        model_dir = resolve_model_dir(self.od_config.model, self.od_config.revision)
+        self.pipeline_class_name = resolve_pipeline_class_name(self.od_config, model_dir)
+        cls = load_pipeline_class(self.pipeline_class_name, self.od_config.use_diffusers_adapter)
+        start = time.perf_counter()
+        self.pipeline = cls.from_pretrained(self.od_config, model_dir, self.device, self.dtype)
+        logger.info(
+            "[diffusion rank %d] loaded %s as %s on %s (%s) in %.2f s",
+            self.rank, model_dir, cls.__name__, self.device, self.dtype, time.perf_counter() - start,
+        )
+
+    def unload_model(self) -> None:
+        self.pipeline = None
+
+    @torch.inference_mode()
+    def execute_model(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        if self.pipeline is None:
+            raise RuntimeError("the diffusion worker is asleep; call wake_up() first")
+        self._reset_peak_memory()
+        start = time.perf_counter()
+        outputs = self._forward(batch)
+        if outputs is None:
+            logger.warning("[diffusion rank %d] batch of %d failed; retrying one by one", self.rank, len(batch))
+            outputs = [self._forward_alone(request) for request in batch.requests]
+        elapsed = time.perf_counter() - start
+        peak = self._peak_memory_mb()
+        for out in outputs:
+            out.stage_durations.setdefault("forward", elapsed)
+            out.peak_memory_mb = peak
+        return outputs
+
+    def _forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput] | None:
+        """The pipeline's outputs, or None when the batch as a whole raised (and has more than one request)."""
+        try:
+            with set_forward_context(self.od_config, batch_size=len(batch)):
+                outputs = self.pipeline.forward(batch)
+            if len(outputs) != len(batch):
+                raise RuntimeError(f"pipeline returned {len(outputs)} outputs for {len(batch)} requests")
+            return outputs
+        except Exception as exc:
+            if len(batch) > 1:
+                return None
+            logger.info("[diffusion rank %d] request %s failed: %s", self.rank, batch.request_ids[0], exc)
+            return [DiffusionOutput.from_exception(exc)]
+
+    def _forward_alone(self, request: Any) -> DiffusionOutput:
+        return self._forward(DiffusionRequestBatch([request]))[0]
+
+    def _reset_peak_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def _peak_memory_mb(self) -> float:
+        """Peak device memory of this forward on CUDA; the worker's lifetime peak RSS on CPU."""
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,107 @@
+"""One rank of the diffusion stage: its device, its process groups and its model runner.
+
+Only the methods in `RPC_METHODS` can be called from the engine with `collective_rpc`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+
+from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.distributed.parallel_state import destroy_diffusion_distributed, init_diffusion_distributed
+from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
+from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+
+logger = init_logger(__name__)
+
+RPC_METHODS = frozenset({"ping", "sleep", "wake_up"})
+
+
+def select_device(od_config: OmniDiffusionConfig, rank: int) -> torch.device:
+    kind = od_config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda":
+        return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+    return torch.device(kind)
+
+
+class DiffusionWorker:
+    def __init__(
+        self, od_config: OmniDiffusionConfig, rank: int, world_size: int, distributed_init_method: str | None
+    ) -> None:
+        self.od_config = od_config
+        self.rank = rank
+        self.world_size = world_size
+        self.distributed_init_method = distributed_init_method
+        self.device = select_device(od_config, rank)
+        self.model_runner = DiffusionModelRunner(od_config, self.device, rank)
+        self.sleep_level = 0
+        self._config_scope = contextlib.ExitStack()
+
+    def init_device(self) -> None:
+        from vllm.config import set_current_vllm_config
+
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        vllm_config = init_diffusion_distributed(
+            rank=self.rank,
+            world_size=self.world_size,
+            parallel_config=self.od_config.parallel_config,
+            device=self.device,
+            distributed_init_method=self.distributed_init_method,
+        )
+        # vLLM layers read the "current" config while they are built and run; this rank has exactly one.
+        self._config_scope.enter_context(set_current_vllm_config(vllm_config))
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    def execute_model(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        return self.model_runner.execute_model(batch)
+
+    def ping(self) -> dict[str, Any]:
+        return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "sleep_level": self.sleep_level}
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Level 1: weights to host memory (nothing to move on CPU); level 2: drop the weights."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if level == 2:
+            self.model_runner.unload_model()
+            gc.collect()
+        elif self.device.type != "cpu":
+            self._move_modules(torch.device("cpu"))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.sleep_level = max(self.sleep_level, level)
+        return self.ping()
+
+    def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """Restore what `sleep` released (reloading from the checkpoint after level 2); `tags` are accepted
+        for API parity with vLLM, and every tag wakes the whole pipeline."""
+        if self.model_runner.pipeline is None:
+            self.model_runner.load_model()
+        elif self.sleep_level == 1 and self.device.type != "cpu":
+            self._move_modules(self.device)
+        self.sleep_level = 0
+        return self.ping()
+
+    def _move_modules(self, device: torch.device) -> None:
+        pipeline = self.model_runner.pipeline
+        if callable(getattr(pipeline, "to", None)):
+            pipeline.to(device)
+            return
+        for value in vars(pipeline).values():
+            if isinstance(value, torch.nn.Module):
+                value.to(device)
+
+    def shutdown(self) -> None:
+        self.model_runner.unload_model()
+        self._config_scope.close()
+        with contextlib.suppress(Exception):
+            destroy_diffusion_distributed()
