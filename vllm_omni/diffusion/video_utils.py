@@ -1,0 +1,98 @@
+"""Video helpers: streaming VAE decode, float->uint8 frames, and MP4 (H.264) encoding with PyAV.
+
+Decoding runs in the worker (it is part of the pipeline); MP4 encoding is CPU work the serving layer does
+in a thread (`asyncio.to_thread(encode_mp4, ...)`), off the engine's critical path.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+    from diffusers import AutoencoderKLWan
+
+DEFAULT_CODEC = "libx264"
+
+
+def iter_wan_vae_decode(vae: AutoencoderKLWan, latents: torch.Tensor, chunk_latent_frames: int = 1
+                        ) -> Iterator[torch.Tensor]:
+    """Decode Wan latents (B, z, T, h, w) a few latent frames at a time, yielding pixels (B, 3, t, H, W) in [-1, 1].
+
+    The Wan VAE decoder is causal over time and already decodes one latent frame per step with a feature
+    cache; this walks the same loop but yields after every `chunk_latent_frames` frames, so the first pixels
+    are ready early and the concatenation equals `vae.decode(latents)` exactly (same ops, same order).
+    The first latent frame gives 1 video frame, every later one `scale_factor_temporal` frames.
+    """
+    import torch
+    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+    if chunk_latent_frames < 1:
+        raise ValueError(f"chunk_latent_frames must be >= 1, got {chunk_latent_frames}")
+    vae.clear_cache()
+    try:
+        x = vae.post_quant_conv(latents)
+        num_frames = x.shape[2]
+        for start in range(0, num_frames, chunk_latent_frames):
+            outs = []
+            for i in range(start, min(start + chunk_latent_frames, num_frames)):
+                vae._conv_idx = [0]
+                outs.append(vae.decoder(x[:, :, i:i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
+                                        first_chunk=i == 0))
+            out = torch.cat(outs, dim=2)
+            if vae.config.patch_size is not None:
+                out = unpatchify(out, patch_size=vae.config.patch_size)
+            yield out.clamp(-1.0, 1.0)
+    finally:
+        vae.clear_cache()
+
+
+def to_uint8_frames(video: torch.Tensor) -> np.ndarray:
+    """(B, 3, T, H, W) in [-1, 1] -> uint8 (B, T, H, W, 3), rounding like diffusers' `output_type="np"` * 255."""
+    import torch
+
+    video = ((video.float() / 2 + 0.5).clamp(0, 1) * 255).round()
+    return video.permute(0, 2, 3, 4, 1).to(torch.uint8).cpu().numpy()
+
+
+def encode_mp4(frames: np.ndarray, fps: int, *, codec: str = DEFAULT_CODEC, crf: int = 18,
+               fragmented: bool = False) -> bytes:
+    """Encode uint8 frames (T, H, W, 3) as an H.264 MP4 (yuv420p; odd sizes are edge-padded to even).
+
+    `fragmented=True` writes a fragmented MP4 (moov up front, one fragment per keyframe) that a player can
+    append chunk by chunk, as the WebSocket video stream needs.
+    """
+    import av
+
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+        raise ValueError(f"frames must be uint8 (T, H, W, 3), got {frames.dtype} {frames.shape}")
+    if fps < 1:
+        raise ValueError(f"fps must be >= 1, got {fps}")
+    pad_h, pad_w = frames.shape[1] % 2, frames.shape[2] % 2
+    if pad_h or pad_w:
+        frames = np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+    buf = io.BytesIO()
+    options = {"movflags": "frag_keyframe+empty_moov+default_base_moof"} if fragmented else {"movflags": "faststart"}
+    with av.open(buf, mode="w", format="mp4", options=options) as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height = frames.shape[2], frames.shape[1]
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": str(crf)} if codec == DEFAULT_CODEC else {}
+        for frame in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def decode_mp4(data: bytes) -> np.ndarray:
+    """MP4 bytes -> uint8 frames (T, H, W, 3); used by tests and clients to check what was encoded."""
+    import av
+
+    with av.open(io.BytesIO(data), mode="r") as container:
+        return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
