@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from vllm.exceptions import VLLMClientError, VLLMNotFoundError
 from vllm.logger import init_logger
 
 from vllm_omni.errors import EngineDeadError, OmniClientError, OmniError
@@ -60,6 +61,9 @@ def exception_to_response(exc: BaseException) -> JSONResponse:
     if isinstance(exc, RequestValidationError | ValidationError):
         message, param = _describe_validation_errors(list(exc.errors()))
         return error_json(message, HTTPStatus.BAD_REQUEST, param=param)
+    if isinstance(exc, VLLMClientError):
+        status = HTTPStatus.NOT_FOUND if isinstance(exc, VLLMNotFoundError) else HTTPStatus.BAD_REQUEST
+        return error_json(str(exc), status, param=getattr(exc, "parameter", None))
     if isinstance(exc, EngineDeadError):
         return error_json(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, error_type=exc.error_type)
     if isinstance(exc, OmniError):
@@ -74,5 +78,6 @@ def register_exception_handlers(app: FastAPI) -> None:
     async def handle(_: Request, exc: Exception) -> JSONResponse:
         return exception_to_response(exc)
 
-    for exc_type in (OmniError, RequestValidationError, ValidationError, StarletteHTTPException, Exception):
+    for exc_type in (OmniError, VLLMClientError, RequestValidationError, ValidationError, StarletteHTTPException,
+                     Exception):
         app.add_exception_handler(exc_type, handle)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, model_validator
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import (
     BatchChatCompletionRequest,
     ChatCompletionRequest,
@@ -72,6 +73,9 @@ class OmniChatMessage(ChatMessage):
     content: str | list[dict[str, Any]] | None = None
 
 
-class OmniDeltaMessage(OmniChatMessage):
-    role: str | None = None  # type: ignore[assignment]
+class OmniDeltaMessage(DeltaMessage):
+    """A streamed delta that may carry image parts or an audio payload."""
+
+    content: str | list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
 

@@ -1,0 +1,243 @@
+"""The HTTP layer's own contract, isolated from the engine with `FakeOmni` (contract 4 shapes).
+
+What it pins: OpenAI-compatible bodies for every route (through the official `openai` client), per-stage
+sampling params built from request fields, 4xx (never 5xx) with an error body naming the problem for bad
+input, and that leaving a request early aborts it in the engine. The live tests run the real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import wave
+
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from tests.entrypoints.openai.fake_engine import FakeOmni
+from vllm_omni.entrypoints.cli.serve import make_omni_arg_parser
+from vllm_omni.entrypoints.openai.api_server import build_app
+
+CHAT = [{"role": "user", "content": "draw a cat"}]
+
+
+@pytest.fixture(scope="module")
+def parser():
+    return make_omni_arg_parser(FlexibleArgumentParser())
+
+
+def make_client(parser, engine: FakeOmni, *extra: str) -> TestClient:
+    args = parser.parse_args(["fake-model", "--max-upload-mb", "1", *extra])
+    args.model = args.model_tag
+    return TestClient(build_app(args, engine), raise_server_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def ar(parser):
+    engine = FakeOmni(stage_types=["llm", "generation"], output_modalities={"text", "audio"})
+    return engine, make_client(parser, engine)
+
+
+@pytest.fixture(scope="module")
+def dit(parser):
+    engine = FakeOmni(stage_types=["diffusion"], output_modalities={"image"})
+    return engine, make_client(parser, engine)
+
+
+def oai(client: TestClient) -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client, max_retries=0)
+
+
+def assert_error(resp, status: int, *needles: str) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == status and err["type"] and err["message"]
+    for needle in needles:
+        assert needle in err["message"], err
+    return err
+
+
+def test_chat_text_and_audio(ar):
+    engine, client = ar
+    out = oai(client).chat.completions.create(model="fake-model", messages=CHAT, max_tokens=5,
+                                              modalities=["text", "audio"], audio={"voice": "a", "format": "wav"})
+    msg = out.choices[0].message
+    assert msg.content == "w0 w1 w2 w3 w4"
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 5 and out.id.startswith("chatcmpl-")
+    with wave.open(io.BytesIO(base64.b64decode(msg.audio.data))) as wav:
+        assert wav.getframerate() == 24000 and wav.getnframes() == 2400
+    assert msg.audio.transcript == msg.content
+    prompt, request_id, params = engine.seen[-1]
+    assert prompt == "<user>draw a cat<assistant>" and request_id == out.id
+    assert params[0].max_tokens == 5  # the request's fields reach the AR stage only
+
+
+def test_chat_text_only_modality_drops_audio(ar):
+    _, client = ar
+    out = oai(client).chat.completions.create(model="fake-model", messages=CHAT, max_tokens=2, modalities=["text"])
+    assert out.choices[0].message.audio is None and out.choices[0].message.content == "w0 w1"
+
+
+def test_chat_stream(ar):
+    _, client = ar
+    stream = oai(client).chat.completions.create(model="fake-model", messages=CHAT, max_tokens=4, stream=True,
+                                                 stream_options={"include_usage": True}, modalities=["text"])
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "w0 w1 w2 w3"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 4
+
+
+def test_batch_chat(ar):
+    engine, client = ar
+    body = {"model": "fake-model", "messages": [CHAT, [{"role": "user", "content": "b"}]], "max_tokens": 3,
+            "modalities": ["text"], "stream": True}
+    resp = client.post("/v1/chat/completions/batch", json=body, headers={"X-Request-Id": "abc"})
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    assert data["id"] == "chatcmpl-batch-abc"
+    assert [c["index"] for c in data["choices"]] == [0, 1]
+    assert data["usage"]["completion_tokens"] == 6
+    ids = {rid for _, rid, _ in engine.seen[-2:]}
+    assert ids == {"abc-idx-0", "abc-idx-1"}
+
+
+def test_images_generate_and_chat_image(dit):
+    engine, client = dit
+    res = oai(client).images.generate(prompt="a cat", n=2, size="64x48",
+                                      extra_body={"num_inference_steps": 3, "seed": 7, "negative_prompt": "dog"})
+    assert len(res.data) == 2
+    img = Image.open(io.BytesIO(base64.b64decode(res.data[0].b64_json)))
+    assert img.size == (64, 48)
+    prompt, _, params = engine.seen[-1]
+    sp = params[0]
+    assert (sp.width, sp.height, sp.num_inference_steps, sp.seed, sp.num_outputs_per_prompt) == (64, 48, 3, 7, 2)
+    assert prompt == {"prompt": "a cat", "negative_prompt": "dog"}
+
+    out = oai(client).chat.completions.create(model="fake-model", messages=CHAT,
+                                              extra_body={"size": "32x32", "quality": "high", "cfg_scale": 3.0})
+    parts = out.choices[0].message.content
+    assert parts[0]["type"] == "image_url" and parts[0]["image_url"]["url"].startswith("data:image/png;base64,")
+    sp = engine.seen[-1][2][0]
+    assert (sp.quality, sp.true_cfg_scale, sp.num_inference_steps) == ("high", 3.0, 4)  # default steps kept
+
+
+def test_images_edit_multipart(dit):
+    engine, client = dit
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16), (0, 255, 0)).save(buf, format="PNG")
+    res = oai(client).images.edit(image=("in.png", buf.getvalue(), "image/png"), prompt="make it red", size="32x32")
+    assert len(res.data) == 1
+    prompt = engine.seen[-1][0]
+    assert prompt["prompt"] == "make it red" and prompt["multi_modal_data"]["image"].size == (16, 16)
+
+
+def test_models_health_metrics_sleep(dit):
+    engine, client = dit
+    assert [m.id for m in oai(client).models.list()] == ["fake-model"]
+    assert client.get("/health").status_code == 200
+    resp = client.post("/v1/omni/sleep", json={"level": 1})
+    assert resp.status_code == 200 and resp.json()["acks"][0]["status"] == "SUCCESS"
+    assert client.post("/v1/omni/wakeup", json={"tags": ["weights"]}).status_code == 200
+    assert [c[0] for c in engine.calls[-3:]] == ["sleep", "wake_up", "resume_generation"]
+    metrics = client.get("/metrics").text
+    assert 'vllm_omni:http_requests_total{model_name="fake-model",route="/v1/images/generations"' in metrics
+    assert "vllm_omni:stage_duration_seconds_bucket" in metrics and "diffusion.denoise" in metrics
+    engine.is_dead = True
+    try:
+        assert_error(client.get("/health"), 503, "dead")
+        assert_error(client.post("/v1/images/generations", json={"prompt": "x"}), 503)
+    finally:
+        engine.is_dead = False
+
+
+@pytest.mark.parametrize(
+    "path,body,status,needle",
+    [
+        ("/v1/chat/completions", "{not json", 400, "not valid JSON"),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": "many"}, 400, "max_tokens"),
+        ("/v1/chat/completions", {"model": "fake-model"}, 400, "missing required field 'messages'"),
+        ("/v1/chat/completions", {"messages": CHAT, "bogus": 1}, 400, "bogus"),
+        ("/v1/chat/completions", {"messages": CHAT, "model": "other"}, 404, "other"),
+        ("/v1/chat/completions", {"messages": CHAT, "modalities": ["image"]}, 400, "modalities"),
+        ("/v1/chat/completions", {"messages": CHAT, "sampling_params_list": [{}]}, 400, "one entry per stage"),
+        ("/v1/chat/completions", {"messages": CHAT, "sampling_params_list": [{"max_tokens": -1}, {}]}, 400,
+         "sampling_params_list[0]"),
+        ("/v1/chat/completions/batch", {"messages": [CHAT], "n": 2}, 400, "n"),
+        ("/v1/chat/completions/batch", {"messages": []}, 400, "messages"),
+        ("/v1/images/generations", {"prompt": "x"}, 400, "outputs image"),
+        ("/v1/audio/speech", {"input": "hi", "response_format": "mp3"}, 400, "response_format"),
+        ("/v1/omni/sleep", {"level": 3}, 400, "level"),
+    ],
+)
+def test_bad_requests_ar(ar, path, body, status, needle):
+    _, client = ar
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) \
+        else {"json": body}
+    assert_error(client.post(path, **kwargs), status, needle)
+
+
+@pytest.mark.parametrize(
+    "path,body,status,needle",
+    [
+        ("/v1/images/generations", {"prompt": "x", "size": "big"}, 400, "size"),
+        ("/v1/images/generations", {"prompt": "x", "size": "0x64"}, 400, "size"),
+        ("/v1/images/generations", {"prompt": "x", "size": "100000x64"}, 400, "width"),
+        ("/v1/images/generations", {"prompt": "x", "n": 99}, 400, "max-request-outputs"),
+        ("/v1/images/generations", {"prompt": "x", "n": 0}, 400, "n"),
+        ("/v1/images/generations", {"prompt": ""}, 400, "prompt"),
+        ("/v1/images/generations", {"prompt": "x", "quality": "medium"}, 400, "quality"),
+        ("/v1/images/generations", {"prompt": "x", "num_inference_steps": 0}, 400, "num_inference_steps"),
+        ("/v1/images/generations", {"prompt": "x", "guidance_scale": "hi"}, 400, "guidance_scale"),
+        ("/v1/images/generations", {"prompt": "x", "styel": "vivid"}, 400, "styel"),
+        ("/v1/images/generations", {"prompt": "x", "size": "13x16"}, 400, "multiple of 16"),  # pipeline error
+        ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}]}, 400, "user message"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}, {"type": "text", "text": "x"}]}]},
+         400, "data: URL"),
+        ("/v1/audio/speech", {"input": "hi"}, 400, "outputs audio"),
+        ("/v1/nope", {}, 404, "Not Found"),
+    ],
+)
+def test_bad_requests_diffusion(dit, path, body, status, needle):
+    _, client = dit
+    assert_error(client.post(path, json=body), status, needle)
+
+
+def test_bad_edits(dit):
+    _, client = dit
+    assert_error(client.post("/v1/images/edits", data={"prompt": "x"}), 400, "image is required")
+    assert_error(client.post("/v1/images/edits", data={"prompt": "x"}, files={"image": ("a.png", b"notanimage")}),
+                 400, "not a readable image")
+    big = b"\0" * (2 * 2**20 + 10)
+    assert_error(client.post("/v1/images/edits", data={"prompt": "x"}, files={"image": ("a.png", big)}), 413)
+    assert_error(client.post("/v1/images/edits", data={"prompt": "x", "n": "two"},
+                             files={"image": ("a.png", b"x")}), 400, "n must be a number")
+    assert_error(client.get("/v1/images/edits"), 405)
+
+
+async def test_leaving_early_aborts_in_engine(dit):
+    """A cancelled handler (what a disconnected client causes) aborts its request and the gauge drops."""
+    engine, client = dit
+    serving = client.app.state.serving_images
+    engine.step_delay_s = 5.0
+    try:
+        params = serving.build_sampling_params_list()
+        task = asyncio.create_task(serving.generate_final({"prompt": "x"}, "gone-1", params))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.1)
+    finally:
+        engine.step_delay_s = 0.0
+    assert "gone-1" in engine.aborted
+    assert serving.metrics.running.labels("fake-model")._value.get() == 0
+    assert json.loads(json.dumps(engine.aborted))

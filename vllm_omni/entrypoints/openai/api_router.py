@@ -1,0 +1,138 @@
+"""The omni HTTP routes. Each resolves its handler from `app.state`, so the app is built once per engine."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import UploadFile
+from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
+from vllm.entrypoints.serve.utils.api_utils import validate_json_request, with_cancellation
+
+from vllm_omni.entrypoints.openai.errors import error_json
+from vllm_omni.entrypoints.openai.protocol.audio import SpeechRequest
+from vllm_omni.entrypoints.openai.protocol.chat import OmniBatchChatCompletionRequest, OmniChatCompletionRequest
+from vllm_omni.entrypoints.openai.protocol.images import ImageGenerationRequest
+from vllm_omni.entrypoints.openai.protocol.omni import ControlResponse, SleepRequest, WakeupRequest
+from vllm_omni.entrypoints.openai.serving_base import maybe_await
+from vllm_omni.errors import OmniClientError
+
+router = APIRouter()
+JsonBody = Depends(validate_json_request)
+IMAGE_FILE_FIELDS = ("image", "image[]")
+
+
+def _state(request: Request):
+    return request.app.state
+
+
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    engine = _state(raw_request).engine
+    if getattr(engine, "is_dead", False):
+        return error_json("engine is dead", 503)
+    try:
+        await maybe_await(engine.check_health())
+    except Exception as exc:
+        return error_json(f"engine is unhealthy: {exc}", 503)
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    return _state(raw_request).metrics.render()
+
+
+@router.get("/v1/models")
+async def show_models(raw_request: Request) -> JSONResponse:
+    state = _state(raw_request)
+    card = ModelCard(id=state.model_name, root=state.model_path, owned_by="vllm-omni")
+    return JSONResponse(ModelList(data=[card]).model_dump())
+
+
+@router.post("/v1/chat/completions", dependencies=[JsonBody])
+@with_cancellation
+async def create_chat_completion(request: OmniChatCompletionRequest, raw_request: Request):
+    return await _state(raw_request).serving_chat.create_chat_completion(request, raw_request)
+
+
+@router.post("/v1/chat/completions/batch", dependencies=[JsonBody])
+@with_cancellation
+async def create_batch_chat_completion(request: OmniBatchChatCompletionRequest, raw_request: Request):
+    return await _state(raw_request).serving_chat_batch.create_batch_chat_completion(request, raw_request)
+
+
+@router.post("/v1/images/generations", dependencies=[JsonBody])
+@with_cancellation
+async def create_images(request: ImageGenerationRequest, raw_request: Request) -> JSONResponse:
+    response = await _state(raw_request).serving_images.generate_images(request)
+    return JSONResponse(response.model_dump(exclude_none=True))
+
+
+@router.post("/v1/images/edits")
+async def edit_images(raw_request: Request) -> JSONResponse:
+    state = _state(raw_request)
+    limit = state.serving_images.limits.max_upload_bytes
+    if int(raw_request.headers.get("content-length") or 0) > limit + 2**20:
+        raise OmniClientError(f"request body is over the {limit} byte upload limit (see --max-upload-mb)",
+                              status_code=413, param="image")
+    form = await raw_request.form(max_files=16, max_fields=64)
+    uploads, fields = [], {}
+    for key, value in form.multi_items():
+        if isinstance(value, UploadFile):
+            if key not in IMAGE_FILE_FIELDS:
+                raise OmniClientError(f"unexpected file field {key!r}; send images as 'image'", param=key)
+            uploads.append((key, await value.read()))
+        else:
+            fields[key] = value
+    request = ImageGenerationRequest.model_validate(_coerce_form(fields))
+    response = await state.serving_images.edit_images(request, uploads)
+    return JSONResponse(response.model_dump(exclude_none=True))
+
+
+def _coerce_form(fields: dict[str, str]) -> dict[str, object]:
+    """Multipart values arrive as strings; numbers are parsed so the model's type checks apply."""
+    ints = {"n", "height", "width", "num_inference_steps", "seed", "num_outputs_per_prompt", "num_frames", "fps"}
+    floats = {"guidance_scale", "true_cfg_scale", "cfg_scale"}
+    out: dict[str, object] = {}
+    for key, value in fields.items():
+        try:
+            out[key] = int(value) if key in ints else float(value) if key in floats else value
+        except ValueError as exc:
+            raise OmniClientError(f"{key} must be a number, got {value!r}", param=key) from exc
+    return out
+
+
+@router.post("/v1/audio/speech", dependencies=[JsonBody])
+@with_cancellation
+async def create_speech(request: SpeechRequest, raw_request: Request) -> Response:
+    return await _state(raw_request).serving_speech.create_speech(request)
+
+
+@router.post("/v1/omni/sleep")
+async def sleep(raw_request: Request, request: SleepRequest | None = None) -> JSONResponse:
+    engine = _state(raw_request).engine
+    request = request or SleepRequest()
+    acks = await maybe_await(engine.sleep(stage_ids=request.stage_ids, level=request.level))
+    return JSONResponse(ControlResponse(acks=_acks(acks)).model_dump())
+
+
+@router.post("/v1/omni/wakeup")
+async def wakeup(raw_request: Request, request: WakeupRequest | None = None) -> JSONResponse:
+    engine = _state(raw_request).engine
+    request = request or WakeupRequest()
+    acks = await maybe_await(engine.wake_up(stage_ids=request.stage_ids, tags=request.tags))
+    if request.resume:
+        await maybe_await(engine.resume_generation(stage_ids=request.stage_ids))
+    return JSONResponse(ControlResponse(acks=_acks(acks)).model_dump())
+
+
+def _acks(acks: object) -> list[dict]:
+    """Acks may be dataclasses or msgspec structs; both become plain JSON objects."""
+    import msgspec
+
+    items = acks if isinstance(acks, list | tuple) else [acks] if acks is not None else []
+    out = []
+    for ack in items:
+        value = msgspec.to_builtins(ack, builtin_types=())
+        out.append(value if isinstance(value, dict) else {"result": value})
+    return out

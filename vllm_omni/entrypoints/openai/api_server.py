@@ -1,0 +1,124 @@
+"""Build and run the vllm-omni OpenAI-compatible server on an `AsyncOmni` engine.
+
+vLLM's pieces are reused where they fit (socket setup, uvicorn runner, CORS / API-key / request-id
+middleware, protocol models); the routes are ours because they talk to a stage graph, not one EngineCore.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from fastapi import FastAPI
+from vllm import envs
+from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
+from vllm.logger import init_logger
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+from vllm_omni.engine.arg_utils import OmniEngineArgs
+from vllm_omni.entrypoints.openai.api_router import router
+from vllm_omni.entrypoints.openai.batch_serving import OmniOpenAIServingChatBatch
+from vllm_omni.entrypoints.openai.errors import register_exception_handlers
+from vllm_omni.entrypoints.openai.metrics import OmniMetrics
+from vllm_omni.entrypoints.openai.serving_base import ServerLimits, maybe_await
+from vllm_omni.entrypoints.openai.serving_chat import OmniOpenAIServingChat
+from vllm_omni.entrypoints.openai.serving_images import OmniOpenAIServingImages
+from vllm_omni.entrypoints.openai.serving_speech import OmniOpenAIServingSpeech
+
+logger = init_logger(__name__)
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    names = getattr(args, "served_model_name", None)
+    if isinstance(names, list | tuple) and names:
+        return names[0]
+    return names or args.model
+
+
+def load_chat_template(path_or_text: str | None) -> str | None:
+    if path_or_text is None:
+        return None
+    from pathlib import Path
+
+    path = Path(path_or_text)
+    return path.read_text() if path.is_file() else path_or_text
+
+
+def build_app(args: argparse.Namespace, engine: Any) -> FastAPI:
+    """The FastAPI app for `engine`; every handler finds what it needs on `app.state`."""
+    if args.disable_fastapi_docs:
+        app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    else:
+        app = FastAPI(title="vllm-omni")
+    app.root_path = args.root_path
+    app.include_router(router)
+    register_exception_handlers(app)
+    init_entrypoints_middleware(args, app, supported_tasks=())
+    init_app_state(app, args, engine)
+    app.state.metrics.install(app)
+    return app
+
+
+def init_app_state(app: FastAPI, args: argparse.Namespace, engine: Any) -> None:
+    model_name = served_model_name(args)
+    state = app.state
+    state.args = args
+    state.engine = engine
+    state.engine_client = None  # vLLM's watchdog expects an EngineCore client; /health covers ours
+    state.model_name = model_name
+    state.model_path = args.model
+    state.metrics = OmniMetrics(model_name)
+    limits = ServerLimits(max_upload_bytes=int(args.max_upload_mb * 2**20),
+                          max_request_outputs=args.max_request_outputs)
+    common = dict(engine=engine, model_name=model_name, metrics=state.metrics, limits=limits)
+    template = load_chat_template(getattr(args, "chat_template", None))
+    state.serving_chat = OmniOpenAIServingChat(**common, chat_template=template)
+    state.serving_chat_batch = OmniOpenAIServingChatBatch(**common, chat_template=template)
+    state.serving_images = OmniOpenAIServingImages(**common)
+    state.serving_speech = OmniOpenAIServingSpeech(**common)
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Only the engine flags the user set (compared with the parser's defaults) travel to `AsyncOmni`."""
+    from vllm_omni.entrypoints.cli.serve import make_omni_arg_parser
+
+    defaults = make_omni_arg_parser(FlexibleArgumentParser()).parse_args([])
+    defaults.model = args.model
+    baseline = OmniEngineArgs.from_cli_args(defaults)
+    return OmniEngineArgs.from_cli_args(args).to_omni_kwargs(baseline)
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    from vllm_omni.entrypoints.async_omni import AsyncOmni
+
+    kwargs = engine_kwargs_from_args(args)
+    logger.info("Starting AsyncOmni for %s with %s", args.model, kwargs)
+    return AsyncOmni(args.model, **kwargs)
+
+
+async def run_server(args: argparse.Namespace, **uvicorn_kwargs: Any) -> None:
+    """Bind the socket first (so the port is ours), start the engine, then serve until SIGINT/SIGTERM."""
+    listen_address, sock = setup_server(args, reuse_port=False)
+    engine = build_engine(args)
+    try:
+        app = build_app(args, engine)
+        logger.info("vllm-omni server for %s listening on %s", args.model, listen_address)
+        shutdown = await serve_http(
+            app,
+            sock=sock,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            timeout_keep_alive=envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+            ssl_ca_certs=args.ssl_ca_certs,
+            ssl_cert_reqs=args.ssl_cert_reqs,
+            **uvicorn_kwargs,
+        )
+        await shutdown
+    finally:
+        await maybe_await(engine.close())
+        sock.close()

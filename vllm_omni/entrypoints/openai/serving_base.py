@@ -1,0 +1,190 @@
+"""What every omni route shares: model checks, per-stage sampling params and one engine call that always
+cleans up (a disconnected client or a cancelled handler aborts the request in the engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_omni.entrypoints.openai.metrics import OmniMetrics
+from vllm_omni.entrypoints.openai.protocol.common import DIFFUSION_FIELD_NAMES, DiffusionFields, parse_size
+from vllm_omni.errors import EngineDeadError, OmniClientError, client_error_from_metadata
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.outputs import OmniRequestOutput
+
+logger = init_logger(__name__)
+
+ABORT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_upload_bytes: int = 20 * 2**20
+    max_request_outputs: int = 8
+
+
+async def maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+class OmniServingBase:
+    """Holds the engine (an `AsyncOmni`) and the server-wide settings the feature handlers need."""
+
+    def __init__(self, engine: Any, model_name: str, metrics: OmniMetrics, limits: ServerLimits) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.limits = limits
+        self.stage_types: list[str] = list(engine.stage_types)
+        self.output_modalities: set[str] = set(engine.output_modalities)
+        self._aborts: set[asyncio.Task] = set()
+
+    def check_model(self, model: str | None) -> None:
+        if model not in (None, "", self.model_name):
+            raise OmniClientError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                                  status_code=404, param="model")
+
+    def require_output(self, modality: str, route: str) -> None:
+        if modality not in self.output_modalities:
+            raise OmniClientError(
+                f"{route} needs a model that outputs {modality}; `{self.model_name}` outputs "
+                f"{sorted(self.output_modalities)}",
+                param="model",
+            )
+
+    # Sampling params -----------------------------------------------------------------------------
+
+    def default_params(self, stage_id: int) -> Any:
+        defaults = list(getattr(self.engine, "default_sampling_params_list", None) or [])
+        return defaults[stage_id] if stage_id < len(defaults) else None
+
+    def build_sampling_params_list(
+        self,
+        *,
+        explicit: list[dict[str, Any]] | None = None,
+        diffusion_fields: DiffusionFields | None = None,
+        first_llm_params: Callable[[Any], Any] | None = None,
+    ) -> list[Any]:
+        """One params object per stage. `explicit` (the request's `sampling_params_list`) wins; otherwise
+        the first AR stage gets params derived from the request, diffusion stages get the request's
+        diffusion fields over their defaults, and every other stage keeps its default."""
+        if explicit is not None:
+            return self._explicit_params(explicit)
+        params: list[Any] = []
+        seen_llm = False
+        for stage_id, stage_type in enumerate(self.stage_types):
+            default = self.default_params(stage_id)
+            if stage_type == "llm" and not seen_llm and first_llm_params is not None:
+                params.append(first_llm_params(default))
+                seen_llm = True
+            elif stage_type == "diffusion":
+                params.append(self.diffusion_params(default, diffusion_fields))
+            else:
+                params.append(default)
+        return params
+
+    def _explicit_params(self, explicit: list[dict[str, Any]]) -> list[Any]:
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
+
+        if len(explicit) != len(self.stage_types):
+            raise OmniClientError(
+                f"sampling_params_list needs one entry per stage ({len(self.stage_types)}: {self.stage_types}), "
+                f"got {len(explicit)}",
+                param="sampling_params_list",
+            )
+        params: list[Any] = []
+        for stage_id, (stage_type, entry) in enumerate(zip(self.stage_types, explicit, strict=True)):
+            param = f"sampling_params_list[{stage_id}]"
+            if not isinstance(entry, dict):
+                raise OmniClientError(f"{param} must be an object", param=param)
+            if stage_type == "diffusion":
+                params.append(self._checked_diffusion_params(entry, param))
+                continue
+            try:
+                params.append(SamplingParams(**entry))
+            except (TypeError, ValueError, VLLMClientError) as exc:
+                raise OmniClientError(f"{param}: {exc}", param=param) from exc
+        return params
+
+    def _checked_diffusion_params(self, entry: dict[str, Any], param: str) -> OmniDiffusionSamplingParams:
+        sp = OmniDiffusionSamplingParams.from_dict(entry)
+        self.check_num_outputs(sp.num_outputs_per_prompt, f"{param}.num_outputs_per_prompt")
+        return sp
+
+    def diffusion_params(self, default: Any, fields: DiffusionFields | None) -> OmniDiffusionSamplingParams:
+        base = default if isinstance(default, OmniDiffusionSamplingParams) else OmniDiffusionSamplingParams()
+        if fields is None:
+            return base.clone()
+        updates = fields.model_dump(include=set(DIFFUSION_FIELD_NAMES - {"size", "cfg_scale"}), exclude_none=True)
+        width, height = parse_size(fields.size)
+        if width is not None:
+            updates.setdefault("width", width)
+            updates.setdefault("height", height)
+        sp = dataclasses.replace(base.clone(), **updates)
+        self.check_num_outputs(sp.num_outputs_per_prompt, "num_outputs_per_prompt")
+        return sp
+
+    def check_num_outputs(self, n: int, param: str) -> None:
+        if n > self.limits.max_request_outputs:
+            raise OmniClientError(
+                f"{param}={n} is more than this server allows per request ({self.limits.max_request_outputs}; "
+                "see --max-request-outputs)",
+                param=param,
+            )
+
+    # Engine calls --------------------------------------------------------------------------------
+
+    async def generate(self, prompt: Any, request_id: str, sampling_params_list: list[Any]
+                       ) -> AsyncIterator[OmniRequestOutput]:
+        """`engine.generate`, plus: failed outputs raise their error, and leaving early aborts the request."""
+        if getattr(self.engine, "is_dead", False):
+            raise EngineDeadError()
+        completed = False
+        outcome = "aborted"
+        self.metrics.request_started()
+        try:
+            async for output in self.engine.generate(prompt, request_id, sampling_params_list):
+                if output.error is not None:
+                    outcome = "error"
+                    raise client_error_from_metadata(output.error, status_code=output.error_status_code,
+                                                     error_type=None)
+                if output.finished:
+                    self.metrics.observe_stages(output.stage_durations)
+                yield output
+            completed = True
+            outcome = "finished"
+        finally:
+            if completed:
+                self.metrics.request_ended(outcome)
+            else:
+                # A task of its own: a cancelled handler (client gone) re-raises at every await, but the
+                # abort must still reach the engine, and the running gauge drops only once it has.
+                task = asyncio.ensure_future(self._abort(request_id, outcome))
+                self._aborts.add(task)
+                task.add_done_callback(self._aborts.discard)
+                await asyncio.shield(task)
+
+    async def generate_final(self, prompt: Any, request_id: str, sampling_params_list: list[Any]
+                             ) -> list[OmniRequestOutput]:
+        """Run to completion; returns the last output of every stage that reported one, in stage order."""
+        last: dict[int, OmniRequestOutput] = {}
+        async for output in self.generate(prompt, request_id, sampling_params_list):
+            last[output.stage_id] = output
+        if not last:
+            raise client_error_from_metadata("No output generated from AsyncOmni", status_code=500, error_type=None)
+        return [last[stage_id] for stage_id in sorted(last)]
+
+    async def _abort(self, request_id: str, outcome: str) -> None:
+        try:
+            await asyncio.wait_for(maybe_await(self.engine.abort(request_id)), ABORT_TIMEOUT_S)
+        except Exception:
+            logger.warning("Abort of request %s did not complete cleanly", request_id, exc_info=True)
+        finally:
+            self.metrics.request_ended(outcome)

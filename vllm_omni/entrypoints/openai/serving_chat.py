@@ -1,0 +1,283 @@
+"""`/v1/chat/completions` on an omni pipeline: text from AR stages, images from diffusion stages and audio
+from audio stages, streamed as SSE or returned at once."""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+)
+from vllm.entrypoints.serve.engine.protocol import UsageInfo
+from vllm.exceptions import VLLMClientError
+from vllm.logger import init_logger
+from vllm.sampling_params import RequestOutputKind
+from vllm.utils import random_uuid
+
+from openai.types.chat.chat_completion_audio import ChatCompletionAudio
+from vllm_omni.entrypoints.openai.errors import exception_to_response
+from vllm_omni.entrypoints.openai.media import audio_to_pcm16, decode_image_url, encode_wav, image_data_url
+from vllm_omni.entrypoints.openai.protocol.chat import OmniChatCompletionRequest, OmniChatMessage, OmniDeltaMessage
+from vllm_omni.entrypoints.openai.protocol.common import DIFFUSION_FIELD_NAMES, DiffusionFields
+from vllm_omni.entrypoints.openai.serving_base import OmniServingBase, maybe_await
+from vllm_omni.errors import OmniClientError
+from vllm_omni.outputs import OmniRequestOutput
+
+logger = init_logger(__name__)
+
+AUDIO_FORMATS = ("wav", "pcm16")
+DEFAULT_MAX_TOKENS = 256
+AUDIO_TTL_S = 3600
+
+
+def output_text(output: OmniRequestOutput) -> str:
+    ro = output.request_output
+    if ro is not None and getattr(ro, "outputs", None):
+        return ro.outputs[0].text
+    return output.text or ""
+
+
+def is_text_output(output: OmniRequestOutput) -> bool:
+    return output.request_output is not None or output.final_output_type == "text"
+
+
+class OmniOpenAIServingChat(OmniServingBase):
+    """Chat completions for any stage graph; the prompt goes to stage 0 (chat template for AR stage 0,
+    last user message + its images for a diffusion stage 0)."""
+
+    def __init__(self, *args: Any, chat_template: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.chat_template = chat_template
+
+    async def create_chat_completion(self, request: OmniChatCompletionRequest, raw_request: Request | None):
+        self.check_model(request.model)
+        modalities = self.resolve_modalities(request)
+        prompt, num_prompt_tokens = await self.build_prompt(request)
+        params = self.build_chat_sampling_params(request)
+        base_id = self.base_request_id(raw_request)
+        request_id = f"chatcmpl-{base_id}"
+        if request.stream:
+            stream = self.chat_stream(request, modalities, prompt, request_id, params, num_prompt_tokens)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        finals = await self.generate_final(prompt, request_id, params)
+        choice, usage = self.build_choice(request, modalities, finals, index=0,
+                                          num_prompt_tokens=num_prompt_tokens)
+        response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=usage)
+        return JSONResponse(response.model_dump(exclude_none=True))
+
+    @staticmethod
+    def base_request_id(raw_request: Request | None) -> str:
+        header = raw_request.headers.get("X-Request-Id") if raw_request is not None else None
+        return header or random_uuid()
+
+    # Validation ----------------------------------------------------------------------------------
+
+    def resolve_modalities(self, request: OmniChatCompletionRequest) -> set[str]:
+        if request.n not in (None, 1):
+            raise OmniClientError("n must be 1; use num_outputs_per_prompt for several images", param="n")
+        if request.tools:
+            raise OmniClientError("tool calling is not supported by this server", param="tools")
+        if request.modalities is None:
+            return set(self.output_modalities)
+        missing = sorted(set(request.modalities) - self.output_modalities)
+        if missing:
+            raise OmniClientError(
+                f"modalities {missing} cannot be produced by `{self.model_name}` "
+                f"(it outputs {sorted(self.output_modalities)})",
+                param="modalities",
+            )
+        if "audio" in request.modalities:
+            fmt = (request.audio or {}).get("format", "wav")
+            if fmt not in AUDIO_FORMATS:
+                raise OmniClientError(f"audio.format must be one of {list(AUDIO_FORMATS)}, got {fmt!r}",
+                                      param="audio.format")
+        return set(request.modalities)
+
+    # Prompt --------------------------------------------------------------------------------------
+
+    async def build_prompt(self, request: OmniChatCompletionRequest) -> tuple[Any, int]:
+        if self.stage_types and self.stage_types[0] == "llm":
+            return await self.templated_prompt(request)
+        return self.diffusion_prompt(request), 0
+
+    async def templated_prompt(self, request: OmniChatCompletionRequest) -> tuple[str, int]:
+        messages = [{"role": m["role"], "content": self.text_only(m, i)} for i, m in enumerate(request.messages)]
+        tokenizer = await maybe_await(self.engine.get_tokenizer())
+        template = request.chat_template or self.chat_template
+        if template is None and not getattr(tokenizer, "chat_template", None):
+            raise OmniClientError(f"`{self.model_name}` has no chat template; pass chat_template",
+                                  param="chat_template")
+        try:
+            prompt = tokenizer.apply_chat_template(
+                messages, tokenize=False, chat_template=template,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                **(request.chat_template_kwargs or {}),
+            )
+        except Exception as exc:  # jinja errors, bad kwargs: the request's fault
+            raise OmniClientError(f"chat template failed: {exc}", param="messages") from exc
+        return prompt, len(tokenizer.encode(prompt, add_special_tokens=False))
+
+    @staticmethod
+    def text_only(message: dict[str, Any], index: int) -> str:
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            return content or ""
+        texts = []
+        for part in content:
+            if part.get("type") != "text":
+                raise OmniClientError(
+                    f"messages[{index}].content: only text parts are accepted for this model, "
+                    f"got {part.get('type')!r}",
+                    param=f"messages[{index}].content",
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
+
+    def diffusion_prompt(self, request: OmniChatCompletionRequest) -> dict[str, Any]:
+        """A diffusion stage takes the last user message: its text is the prompt, its images the inputs."""
+        users = [(i, m) for i, m in enumerate(request.messages) if m.get("role") == "user"]
+        if not users:
+            raise OmniClientError("messages must contain a user message", param="messages")
+        index, message = users[-1]
+        content = message.get("content")
+        parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+        texts, images = [], []
+        for part in parts:
+            param = f"messages[{index}].content"
+            if part.get("type") == "text":
+                texts.append(part["text"])
+            elif part.get("type") == "image_url":
+                url = part["image_url"]["url"] if isinstance(part["image_url"], dict) else part["image_url"]
+                images.append(decode_image_url(url, param, self.limits.max_upload_bytes))
+            else:
+                raise OmniClientError(f"{param}: unsupported content part {part.get('type')!r}", param=param)
+        prompt: dict[str, Any] = {"prompt": "\n".join(texts)}
+        if not prompt["prompt"].strip():
+            raise OmniClientError(f"messages[{index}] has no text prompt", param=f"messages[{index}].content")
+        if request.negative_prompt is not None:
+            prompt["negative_prompt"] = request.negative_prompt
+        if images:
+            prompt["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
+        return prompt
+
+    # Sampling params -----------------------------------------------------------------------------
+
+    def build_chat_sampling_params(self, request: OmniChatCompletionRequest) -> list[Any]:
+        fields = DiffusionFields.model_validate(
+            {k: getattr(request, k) for k in DIFFUSION_FIELD_NAMES if k != "seed" and getattr(request, k) is not None}
+            | ({"seed": request.seed} if request.seed is not None else {})
+        )
+        return self.build_sampling_params_list(
+            explicit=request.sampling_params_list,
+            diffusion_fields=fields,
+            first_llm_params=lambda default: self.llm_params(request, default),
+        )
+
+    @staticmethod
+    def llm_params(request: OmniChatCompletionRequest, default: Any) -> Any:
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        if max_tokens is None:
+            max_tokens = getattr(default, "max_tokens", None) or DEFAULT_MAX_TOKENS
+        try:
+            params = request.to_sampling_params(max_tokens, {})
+        except (ValueError, VLLMClientError) as exc:
+            raise OmniClientError(str(exc), param=getattr(exc, "parameter", None)) from exc
+        # Cumulative outputs: the stream computes its own deltas, whatever the stage graph emits in between.
+        params.output_kind = RequestOutputKind.CUMULATIVE
+        return params
+
+    # Responses -----------------------------------------------------------------------------------
+
+    def build_choice(self, request: OmniChatCompletionRequest, modalities: set[str],
+                     finals: list[OmniRequestOutput], *, index: int, num_prompt_tokens: int
+                     ) -> tuple[ChatCompletionResponseChoice, UsageInfo]:
+        text_out = next((o for o in reversed(finals) if is_text_output(o)), None)
+        text = output_text(text_out) if text_out is not None and "text" in modalities else None
+        images = [img for o in finals for img in o.images] if "image" in modalities else []
+        audio_out = next((o for o in finals if "audio" in o.multimodal_output), None)
+        message = OmniChatMessage(role="assistant", content=self.content(text, images))
+        if audio_out is not None and "audio" in modalities:
+            message.audio = ChatCompletionAudio(**self.audio_payload(request, audio_out, transcript=text or ""))
+        completion = self.completion_info(text_out)
+        usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion[0],
+                          total_tokens=num_prompt_tokens + completion[0])
+        choice = ChatCompletionResponseChoice(index=index, message=message, finish_reason=completion[1])
+        return choice, usage
+
+    @staticmethod
+    def content(text: str | None, images: list[Any]) -> str | list[dict[str, Any]] | None:
+        if not images:
+            return text
+        parts: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+        parts += [{"type": "image_url", "image_url": {"url": image_data_url(img)}} for img in images]
+        return parts
+
+    @staticmethod
+    def completion_info(text_out: OmniRequestOutput | None) -> tuple[int, str]:
+        ro = getattr(text_out, "request_output", None)
+        if ro is None or not getattr(ro, "outputs", None):
+            return 0, "stop"
+        return len(ro.outputs[0].token_ids), ro.outputs[0].finish_reason or "stop"
+
+    @staticmethod
+    def audio_payload(request: OmniChatCompletionRequest, output: OmniRequestOutput, transcript: str
+                      ) -> dict[str, Any]:
+        audio = output.multimodal_output["audio"]
+        rate = int(output.multimodal_output.get("sample_rate", 24000))
+        fmt = (request.audio or {}).get("format", "wav")
+        data = encode_wav(audio, rate) if fmt == "wav" else audio_to_pcm16(audio)
+        return {"id": f"audio-{random_uuid()}", "data": base64.b64encode(data).decode("ascii"),
+                "expires_at": int(time.time()) + AUDIO_TTL_S, "transcript": transcript}
+
+    # Streaming -----------------------------------------------------------------------------------
+
+    async def chat_stream(self, request: OmniChatCompletionRequest, modalities: set[str], prompt: Any,
+                          request_id: str, params: list[Any], num_prompt_tokens: int) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(delta: OmniDeltaMessage, finish_reason: str | None = None, usage: UsageInfo | None = None
+                  ) -> str:
+            choices = [] if usage is not None else [
+                ChatCompletionResponseStreamChoice(index=0, delta=delta, finish_reason=finish_reason)]
+            body = ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
+                                                choices=choices, usage=usage)
+            return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
+
+        yield chunk(OmniDeltaMessage(role="assistant", content=""))
+        sent: dict[int, int] = {}
+        text_out: OmniRequestOutput | None = None
+        try:
+            async for output in self.generate(prompt, request_id, params):
+                if is_text_output(output):
+                    text_out = output
+                    text = output_text(output)
+                    delta, sent[output.stage_id] = text[sent.get(output.stage_id, 0):], len(text)
+                    if delta and "text" in modalities:
+                        yield chunk(OmniDeltaMessage(content=delta))
+                if output.finished and output.images and "image" in modalities:
+                    yield chunk(OmniDeltaMessage(content=self.content(None, output.images)))
+                if output.finished and "audio" in output.multimodal_output and "audio" in modalities:
+                    transcript = output_text(text_out) if text_out is not None else ""
+                    yield chunk(OmniDeltaMessage(audio=self.audio_payload(request, output, transcript)))
+        except Exception as exc:
+            response = exception_to_response(exc)
+            yield f"data: {response.body.decode()}\n\n"
+            yield "data: [DONE]\n\n"
+            return
+        completion_tokens, finish_reason = self.completion_info(text_out)
+        yield chunk(OmniDeltaMessage(), finish_reason=finish_reason)
+        if request.stream_options is not None and request.stream_options.include_usage:
+            usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion_tokens,
+                              total_tokens=num_prompt_tokens + completion_tokens)
+            yield chunk(OmniDeltaMessage(), usage=usage)
+        yield "data: [DONE]\n\n"
+

@@ -1,0 +1,34 @@
+"""`/v1/audio/speech` on pipelines whose final stage produces audio (OpenAI Audio API)."""
+
+from __future__ import annotations
+
+from fastapi.responses import Response
+from vllm.utils import random_uuid
+
+from vllm_omni.entrypoints.openai.media import audio_to_pcm16, encode_wav
+from vllm_omni.entrypoints.openai.protocol.audio import SpeechRequest
+from vllm_omni.entrypoints.openai.serving_base import OmniServingBase
+from vllm_omni.errors import OmniClientError
+
+_MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+
+
+class OmniOpenAIServingSpeech(OmniServingBase):
+    async def create_speech(self, request: SpeechRequest) -> Response:
+        self.check_model(request.model)
+        self.require_output("audio", "/v1/audio/speech")
+        if request.speed != 1.0:
+            raise OmniClientError("speed other than 1.0 is not supported yet", param="speed")
+        prompt = {"prompt": request.input}
+        if request.instructions:
+            prompt["instructions"] = request.instructions
+        if request.voice is not None:
+            prompt["voice"] = request.voice
+        finals = await self.generate_final(prompt, f"speech-{random_uuid()}", self.build_sampling_params_list())
+        output = next((o for o in finals if "audio" in o.multimodal_output), None)
+        if output is None:
+            raise OmniClientError(f"`{self.model_name}` returned no audio for this request", status_code=422)
+        audio = output.multimodal_output["audio"]
+        rate = int(output.multimodal_output.get("sample_rate", 24000))
+        body = encode_wav(audio, rate) if request.response_format == "wav" else audio_to_pcm16(audio)
+        return Response(body, media_type=_MEDIA_TYPES[request.response_format])
