@@ -23,6 +23,7 @@ _DIFFUSION_MODELS: dict[str, tuple[str, OutputModality]] = {
         "vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image_edit:QwenImageEditPipeline",
         "image",
     ),
+    "FluxPipeline": ("vllm_omni.diffusion.models.flux.pipeline_flux:FluxPipeline", "image"),
     "WanPipeline": ("vllm_omni.diffusion.models.wan.pipeline_wan:WanPipeline", "video"),
     "WanImageToVideoPipeline": ("vllm_omni.diffusion.models.wan.pipeline_wan_i2v:WanImageToVideoPipeline", "video"),
 }

@@ -1,0 +1,295 @@
+"""FLUX.1 MMDiT transformer (19 double-stream + 38 single-stream blocks), our own modules.
+
+Checkpoint names are diffusers' `FluxTransformer2DModel` names; `load_weights` maps them onto fused vLLM
+parallel linears (q/k/v stacked; in single blocks q/k/v and the MLP input share one GEMM). The concatenated
+text+image sequence stays concatenated through all single blocks instead of being split and re-joined per block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+from vllm_omni.diffusion.attention.layer import Attention
+from vllm_omni.diffusion.layers.embeddings import MLPEmbedder, timestep_sinusoid
+from vllm_omni.diffusion.layers.modulation import AdaLNModulation, gated_residual, layer_norm_modulate
+from vllm_omni.diffusion.layers.rope import apply_rope_interleaved, multi_axis_rope_cos_sin
+
+RotaryEmb = tuple[torch.Tensor, torch.Tensor]
+
+
+class FluxTimeTextEmbedding(nn.Module):
+    """timestep (+ distilled guidance) sinusoids through MLPs, plus the pooled CLIP projection."""
+
+    def __init__(self, dim: int, pooled_projection_dim: int, guidance_embeds: bool):
+        super().__init__()
+        self.timestep_embedder = MLPEmbedder(256, dim)
+        self.guidance_embedder = MLPEmbedder(256, dim) if guidance_embeds else None
+        self.text_embedder = MLPEmbedder(pooled_projection_dim, dim)
+
+    def forward(self, timestep: torch.Tensor, guidance: torch.Tensor | None, pooled: torch.Tensor) -> torch.Tensor:
+        emb = self.timestep_embedder(timestep_sinusoid(timestep).to(pooled.dtype))
+        if self.guidance_embedder is not None:
+            if guidance is None:
+                raise ValueError("this FLUX transformer is guidance-distilled: `guidance` is required")
+            emb = emb + self.guidance_embedder(timestep_sinusoid(guidance).to(pooled.dtype))
+        return emb + self.text_embedder(pooled)
+
+
+class FluxFeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, prefix: str):
+        super().__init__()
+        self.proj_in = ColumnParallelLinear(dim, hidden_dim, bias=True, prefix=f"{prefix}.proj_in")
+        self.proj_out = RowParallelLinear(hidden_dim, dim, bias=True, prefix=f"{prefix}.proj_out")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj_out(F.gelu(self.proj_in(x)[0], approximate="tanh"))[0]
+
+
+class FluxJointAttention(nn.Module):
+    """Joint text+image attention of a double-stream block (each stream has its own projections)."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, prefix: str):
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.head_dim = head_dim
+        self.local_dim = num_heads // tp * head_dim
+        self.to_qkv = QKVParallelLinear(dim, head_dim, num_heads, bias=True, prefix=f"{prefix}.to_qkv")
+        self.add_qkv = QKVParallelLinear(dim, head_dim, num_heads, bias=True, prefix=f"{prefix}.add_qkv")
+        self.norm_q = nn.RMSNorm(head_dim, eps=1e-6)
+        self.norm_k = nn.RMSNorm(head_dim, eps=1e-6)
+        self.norm_added_q = nn.RMSNorm(head_dim, eps=1e-6)
+        self.norm_added_k = nn.RMSNorm(head_dim, eps=1e-6)
+        self.to_out = RowParallelLinear(num_heads * head_dim, dim, bias=True, prefix=f"{prefix}.to_out")
+        self.to_add_out = RowParallelLinear(num_heads * head_dim, dim, bias=True, prefix=f"{prefix}.to_add_out")
+        self.attn = Attention(num_heads // tp, head_dim, prefix=f"{prefix}.attn")
+
+    def _qkv(self, proj: nn.Module, norm_q: nn.Module, norm_k: nn.Module, x: torch.Tensor):
+        q, k, v = proj(x)[0].split(self.local_dim, dim=-1)
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
+        return norm_q(q), norm_k(k), v
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope: RotaryEmb) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = self._qkv(self.to_qkv, self.norm_q, self.norm_k, x)
+        cq, ck, cv = self._qkv(self.add_qkv, self.norm_added_q, self.norm_added_k, ctx)
+        q = apply_rope_interleaved(torch.cat([cq, q], dim=1), *rope)
+        k = apply_rope_interleaved(torch.cat([ck, k], dim=1), *rope)
+        out = self.attn(q, k, torch.cat([cv, v], dim=1)).flatten(2)
+        ctx_out, x_out = out.split([ctx.shape[1], x.shape[1]], dim=1)
+        return self.to_out(x_out.contiguous())[0], self.to_add_out(ctx_out.contiguous())[0]
+
+
+class FluxTransformerBlock(nn.Module):
+    """Double-stream block: separate adaLN/MLP weights per stream, one joint attention."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, prefix: str):
+        super().__init__()
+        self.norm1 = AdaLNModulation(dim, 6)
+        self.norm1_context = AdaLNModulation(dim, 6)
+        self.attn = FluxJointAttention(dim, num_heads, head_dim, prefix=f"{prefix}.attn")
+        self.ff = FluxFeedForward(dim, 4 * dim, prefix=f"{prefix}.ff")
+        self.ff_context = FluxFeedForward(dim, 4 * dim, prefix=f"{prefix}.ff_context")
+
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, temb: torch.Tensor, rope: RotaryEmb):
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(temb)
+        c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(temb)
+        attn_x, attn_ctx = self.attn(
+            layer_norm_modulate(x, shift_msa, scale_msa), layer_norm_modulate(ctx, c_shift_msa, c_scale_msa), rope
+        )
+        x = gated_residual(x, gate_msa, attn_x)
+        x = gated_residual(x, gate_mlp, self.ff(layer_norm_modulate(x, shift_mlp, scale_mlp)))
+        ctx = gated_residual(ctx, c_gate_msa, attn_ctx)
+        ctx = gated_residual(ctx, c_gate_mlp, self.ff_context(layer_norm_modulate(ctx, c_shift_mlp, c_scale_mlp)))
+        return x, ctx
+
+
+class FluxSingleAttention(nn.Module):
+    """Holds the per-head q/k norms and the attention op of a single-stream block (names as in diffusers)."""
+
+    def __init__(self, num_heads: int, head_dim: int, prefix: str):
+        super().__init__()
+        self.norm_q = nn.RMSNorm(head_dim, eps=1e-6)
+        self.norm_k = nn.RMSNorm(head_dim, eps=1e-6)
+        self.attn = Attention(num_heads, head_dim, prefix=f"{prefix}.attn")
+
+
+class FluxSingleTransformerBlock(nn.Module):
+    """Single-stream block on the joined sequence: attention and MLP run in parallel off one modulated input."""
+
+    def __init__(self, dim: int, num_heads: int, head_dim: int, mlp_ratio: float, prefix: str):
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.head_dim = head_dim
+        self.mlp_dim = int(dim * mlp_ratio)
+        inner = num_heads * head_dim
+        self.local_sizes = [inner // tp] * 3 + [self.mlp_dim // tp]
+        self.norm = AdaLNModulation(dim, 3)
+        self.to_qkv_mlp = MergedColumnParallelLinear(
+            dim, [inner, inner, inner, self.mlp_dim], bias=True, prefix=f"{prefix}.to_qkv_mlp"
+        )
+        self.attn = FluxSingleAttention(num_heads // tp, head_dim, prefix=f"{prefix}.attn")
+        self.proj_out = RowParallelLinear(inner + self.mlp_dim, dim, bias=True, prefix=f"{prefix}.proj_out")
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, rope: RotaryEmb) -> torch.Tensor:
+        shift, scale, gate = self.norm(temb)
+        q, k, v, mlp = self.to_qkv_mlp(layer_norm_modulate(x, shift, scale))[0].split(self.local_sizes, dim=-1)
+        q = apply_rope_interleaved(self.attn.norm_q(q.unflatten(-1, (-1, self.head_dim))), *rope)
+        k = apply_rope_interleaved(self.attn.norm_k(k.unflatten(-1, (-1, self.head_dim))), *rope)
+        out = self.attn.attn(q, k, v.unflatten(-1, (-1, self.head_dim))).flatten(2)
+        out = self.proj_out(torch.cat([out, F.gelu(mlp, approximate="tanh")], dim=-1))[0]
+        return gated_residual(x, gate, out)
+
+
+class FluxTransformer2DModel(nn.Module):
+    """Same config signature and forward inputs as diffusers' `FluxTransformer2DModel` (return: the sample)."""
+
+    _repeated_blocks = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
+
+    def __init__(
+        self,
+        patch_size: int = 1,
+        in_channels: int = 64,
+        out_channels: int | None = None,
+        num_layers: int = 19,
+        num_single_layers: int = 38,
+        attention_head_dim: int = 128,
+        num_attention_heads: int = 24,
+        joint_attention_dim: int = 4096,
+        pooled_projection_dim: int = 768,
+        guidance_embeds: bool = False,
+        axes_dims_rope: tuple[int, ...] = (16, 56, 56),
+        prefix: str = "",
+    ):
+        super().__init__()
+        dim = num_attention_heads * attention_head_dim
+        self.out_channels = out_channels or in_channels
+        self.axes_dims_rope = tuple(axes_dims_rope)
+        self.guidance_embeds = guidance_embeds
+        self.time_text_embed = FluxTimeTextEmbedding(dim, pooled_projection_dim, guidance_embeds)
+        self.context_embedder = nn.Linear(joint_attention_dim, dim)
+        self.x_embedder = nn.Linear(in_channels, dim)
+        self.transformer_blocks = nn.ModuleList(
+            FluxTransformerBlock(dim, num_attention_heads, attention_head_dim, prefix=f"{prefix}transformer_blocks.{i}")
+            for i in range(num_layers)
+        )
+        self.single_transformer_blocks = nn.ModuleList(
+            FluxSingleTransformerBlock(
+                dim, num_attention_heads, attention_head_dim, 4.0, prefix=f"{prefix}single_transformer_blocks.{i}"
+            )
+            for i in range(num_single_layers)
+        )
+        self.norm_out = AdaLNModulation(dim, 2)
+        self.proj_out = nn.Linear(dim, patch_size * patch_size * self.out_channels)
+
+    @classmethod
+    def from_config(cls, config: dict) -> FluxTransformer2DModel:
+        keys = cls.__init__.__code__.co_varnames[1 : cls.__init__.__code__.co_argcount]
+        return cls(**{k: v for k, v in config.items() if k in keys and k != "prefix"})
+
+    def rotary_emb(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> RotaryEmb:
+        """RoPE tables for the joined [text, image] sequence; callers may compute them once per request."""
+        return multi_axis_rope_cos_sin(torch.cat([txt_ids, img_ids], dim=0), self.axes_dims_rope, 10000.0)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        pooled_projections: torch.Tensor,
+        timestep: torch.Tensor,
+        img_ids: torch.Tensor | None = None,
+        txt_ids: torch.Tensor | None = None,
+        guidance: torch.Tensor | None = None,
+        rotary_emb: RotaryEmb | None = None,
+    ) -> torch.Tensor:
+        x = self.x_embedder(hidden_states)
+        timestep = timestep.to(x.dtype) * 1000
+        if guidance is not None:
+            guidance = guidance.to(x.dtype) * 1000
+        temb = self.time_text_embed(timestep, guidance, pooled_projections)
+        ctx = self.context_embedder(encoder_hidden_states)
+        rope = rotary_emb if rotary_emb is not None else self.rotary_emb(txt_ids, img_ids)
+        for block in self.transformer_blocks:
+            x, ctx = block(x, ctx, temb, rope)
+        text_len = ctx.shape[1]
+        joined = torch.cat([ctx, x], dim=1)
+        for block in self.single_transformer_blocks:
+            joined = block(joined, temb, rope)
+        scale, shift = self.norm_out.linear(F.silu(temb).to(joined.dtype)).chunk(2, dim=1)
+        return self.proj_out(layer_norm_modulate(joined[:, text_len:], shift, scale))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load diffusers-named tensors; returns the names of our parameters that were filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            target, shard = _map_name(name)
+            if target.startswith("single_transformer_blocks.") and target.endswith(".proj_out.weight"):
+                tensor = self._interleave_packed_columns(tensor)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter ({target!r})")
+            param = params[target]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            if shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+            loaded.add(target)
+        return loaded
+
+    def _interleave_packed_columns(self, weight: torch.Tensor) -> torch.Tensor:
+        """Reorder proj_out's [attn | mlp] input columns as [attn_0 | mlp_0 | attn_1 | mlp_1 ...] per TP rank,
+        so the row-parallel loader's contiguous slice for rank r is exactly that rank's attention heads + MLP."""
+        tp = get_tensor_model_parallel_world_size()
+        if tp == 1:
+            return weight
+        block = self.single_transformer_blocks[0]
+        attn_cols = weight.shape[1] - block.mlp_dim
+        attn_parts = weight[:, :attn_cols].chunk(tp, dim=1)
+        mlp_parts = weight[:, attn_cols:].chunk(tp, dim=1)
+        return torch.cat([p for pair in zip(attn_parts, mlp_parts, strict=True) for p in pair], dim=1)
+
+
+# (diffusers sub-name, our sub-name, shard id) for tensors that land in a fused parameter.
+_DOUBLE_STACKED = (
+    (".attn.to_q.", ".attn.to_qkv.", "q"),
+    (".attn.to_k.", ".attn.to_qkv.", "k"),
+    (".attn.to_v.", ".attn.to_qkv.", "v"),
+    (".attn.add_q_proj.", ".attn.add_qkv.", "q"),
+    (".attn.add_k_proj.", ".attn.add_qkv.", "k"),
+    (".attn.add_v_proj.", ".attn.add_qkv.", "v"),
+)
+_SINGLE_STACKED = (
+    (".attn.to_q.", ".to_qkv_mlp.", 0),
+    (".attn.to_k.", ".to_qkv_mlp.", 1),
+    (".attn.to_v.", ".to_qkv_mlp.", 2),
+    (".proj_mlp.", ".to_qkv_mlp.", 3),
+)
+_RENAMES = (
+    (".attn.to_out.0.", ".attn.to_out."),
+    (".ff.net.0.proj.", ".ff.proj_in."),
+    (".ff.net.2.", ".ff.proj_out."),
+    (".ff_context.net.0.proj.", ".ff_context.proj_in."),
+    (".ff_context.net.2.", ".ff_context.proj_out."),
+)
+
+
+def _map_name(name: str) -> tuple[str, str | int | None]:
+    stacked = _SINGLE_STACKED if name.startswith("single_transformer_blocks.") else _DOUBLE_STACKED
+    for src, dst, shard in stacked:
+        if src in name:
+            return name.replace(src, dst), shard
+    for src, dst in _RENAMES:
+        if src in name:
+            return name.replace(src, dst), None
+    return name, None
