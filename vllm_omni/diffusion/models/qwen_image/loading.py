@@ -1,0 +1,57 @@
+"""Builds the components of a Qwen-Image(-Edit) checkpoint: reference encoders/VAE, our transformer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig, set_current_attention_config
+from vllm_omni.diffusion.data import OmniDiffusionConfig
+from vllm_omni.diffusion.model_loader.diffusers_loader import iter_component_weights, read_component_config
+from vllm_omni.diffusion.models.qwen_image.transformer_qwen_image import (
+    QwenImageTransformer2DModel,
+    QwenImageTransformerConfig,
+)
+
+
+def load_qwen_image_transformer(od_config: OmniDiffusionConfig, model_dir: Path, device: torch.device,
+                                dtype: torch.dtype) -> QwenImageTransformer2DModel:
+    """Our MMDiT with the checkpoint's weights streamed in by name; every parameter must be filled."""
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    config = QwenImageTransformerConfig.from_dict(read_component_config(model_dir, "transformer"))
+    attention = DiffusionAttentionConfig(od_config.diffusion_attention_backend, od_config.fa_deterministic)
+    with set_current_attention_config(attention), set_default_torch_dtype(dtype), device:
+        model = QwenImageTransformer2DModel(config=config)
+    loaded = model.load_weights(iter_component_weights(model_dir, "transformer"))
+    missing = sorted({name for name, _ in model.named_parameters()} - loaded)
+    if missing:
+        raise ValueError(f"{model_dir / 'transformer'}: checkpoint lacks weights for {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}")
+    model.process_weights_after_loading()
+    return model.eval()
+
+
+def load_qwen_image_components(od_config: OmniDiffusionConfig, model_dir: Path, device: torch.device,
+                               dtype: torch.dtype, *, with_processor: bool) -> dict[str, Any]:
+    from diffusers import AutoencoderKLQwenImage
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    components: dict[str, Any] = dict(
+        tokenizer=AutoTokenizer.from_pretrained(model_dir / "tokenizer"),
+        text_encoder=Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir / "text_encoder", dtype=dtype)
+        .to(device).eval(),
+        transformer=load_qwen_image_transformer(od_config, model_dir, device, dtype),
+        vae=AutoencoderKLQwenImage.from_pretrained(model_dir / "vae", torch_dtype=dtype).to(device).eval(),
+        scheduler_config=json.loads((model_dir / "scheduler" / "scheduler_config.json").read_text()),
+    )
+    if with_processor:
+        # The image half of Qwen2VLProcessor (the full processor needs torchvision for its video half).
+        from transformers import AutoImageProcessor
+
+        components["vl_image_processor"] = AutoImageProcessor.from_pretrained(model_dir / "processor")
+        components["tokenizer"] = AutoTokenizer.from_pretrained(model_dir / "processor")
+    return components
