@@ -7,8 +7,10 @@ in a thread (`asyncio.to_thread(encode_mp4, ...)`), off the engine's critical pa
 from __future__ import annotations
 
 import io
+import tempfile
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -66,8 +68,6 @@ def encode_mp4(frames: np.ndarray, fps: int, *, codec: str = DEFAULT_CODEC, crf:
     `fragmented=True` writes a fragmented MP4 (moov up front, one fragment per keyframe) that a player can
     append chunk by chunk, as the WebSocket video stream needs.
     """
-    import av
-
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
         raise ValueError(f"frames must be uint8 (T, H, W, 3), got {frames.dtype} {frames.shape}")
     if fps < 1:
@@ -75,9 +75,22 @@ def encode_mp4(frames: np.ndarray, fps: int, *, codec: str = DEFAULT_CODEC, crf:
     pad_h, pad_w = frames.shape[1] % 2, frames.shape[2] % 2
     if pad_h or pad_w:
         frames = np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
-    buf = io.BytesIO()
-    options = {"movflags": "frag_keyframe+empty_moov+default_base_moof"} if fragmented else {"movflags": "faststart"}
-    with av.open(buf, mode="w", format="mp4", options=options) as container:
+    if fragmented:
+        buf = io.BytesIO()
+        _write_mp4(buf, frames, fps, codec, crf, {"movflags": "frag_keyframe+empty_moov+default_base_moof"})
+        return buf.getvalue()
+    # faststart (moov before the media, so players can start while downloading) rewrites the file in a second
+    # pass that needs a real path.
+    with tempfile.TemporaryDirectory(prefix="vllm-omni-mp4-") as tmp:
+        path = Path(tmp) / "video.mp4"
+        _write_mp4(str(path), frames, fps, codec, crf, {"movflags": "faststart"})
+        return path.read_bytes()
+
+
+def _write_mp4(target: Any, frames: np.ndarray, fps: int, codec: str, crf: int, options: dict[str, str]) -> None:
+    import av
+
+    with av.open(target, mode="w", format="mp4", options=options) as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"
@@ -87,7 +100,6 @@ def encode_mp4(frames: np.ndarray, fps: int, *, codec: str = DEFAULT_CODEC, crf:
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
-    return buf.getvalue()
 
 
 def decode_mp4(data: bytes) -> np.ndarray:

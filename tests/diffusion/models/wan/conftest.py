@@ -2,42 +2,8 @@
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 import torch
-
-
-def _install_attention_shim() -> None:
-    """TEMPORARY: until vllm_omni/diffusion/attention/layer.py lands, an SDPA layer with the agreed signature."""
-    try:
-        import vllm_omni.diffusion.attention.layer  # noqa: F401
-        return
-    except ImportError:
-        pass
-
-    class Attention(torch.nn.Module):
-        def __init__(self, num_heads, head_dim, *, num_kv_heads=None, softmax_scale=None, causal=False, prefix=""):
-            super().__init__()
-            self.scale, self.causal = softmax_scale, causal
-
-        def forward(self, query, key, value, attn_mask=None):
-            mask = None if attn_mask is None else attn_mask[:, None, None, :]
-            out = torch.nn.functional.scaled_dot_product_attention(
-                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask,
-                is_causal=self.causal, scale=self.scale)
-            return out.transpose(1, 2)
-
-    pkg = types.ModuleType("vllm_omni.diffusion.attention")
-    pkg.__path__ = []
-    layer = types.ModuleType("vllm_omni.diffusion.attention.layer")
-    layer.Attention = Attention
-    sys.modules["vllm_omni.diffusion.attention"] = pkg
-    sys.modules["vllm_omni.diffusion.attention.layer"] = layer
-
-
-_install_attention_shim()
 
 
 @pytest.fixture(scope="session")
