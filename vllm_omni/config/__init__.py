@@ -1,0 +1,27 @@
+"""Configuration layers: PipelineConfig + DeployConfig -> (resolve once) -> VllmOmniConfig."""
+
+from vllm_omni.config.deploy_config import ConnectorConfig, DeployConfig, StageDeployConfig
+from vllm_omni.config.omni_config import StageConfigFactory, VllmOmniConfig, register_pipeline
+from vllm_omni.config.pipeline_config import PipelineConfig, PipelineStageConfig, StageExecutionType
+from vllm_omni.config.stage_config import (
+    BaseVllmOmniStageConfig,
+    VllmOmniARStageConfig,
+    VllmOmniDiffusionStageConfig,
+    VllmOmniGenerationStageConfig,
+)
+
+__all__ = [
+    "BaseVllmOmniStageConfig",
+    "ConnectorConfig",
+    "DeployConfig",
+    "PipelineConfig",
+    "PipelineStageConfig",
+    "StageConfigFactory",
+    "StageDeployConfig",
+    "StageExecutionType",
+    "VllmOmniARStageConfig",
+    "VllmOmniConfig",
+    "VllmOmniDiffusionStageConfig",
+    "VllmOmniGenerationStageConfig",
+    "register_pipeline",
+]

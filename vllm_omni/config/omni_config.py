@@ -1,0 +1,191 @@
+"""Layer 2: resolve a model + authoring configs + overrides into one `VllmOmniConfig`, exactly once.
+
+Precedence for a stage's engine arguments, lowest first: the pipeline's model defaults, the deploy
+config, global Python/CLI arguments (applied to every stage that understands them), and
+`stage_overrides={"<stage_id>": {...}}`. An argument no stage understands is an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from pydantic.dataclasses import dataclass
+
+from vllm_omni.config.deploy_config import ConnectorConfig, DeployConfig
+from vllm_omni.config.pipeline_config import FORBID, PipelineConfig, StageExecutionType
+from vllm_omni.config.stage_config import (
+    StageConfig,
+    VllmOmniARStageConfig,
+    VllmOmniDiffusionStageConfig,
+    VllmOmniGenerationStageConfig,
+)
+from vllm_omni.errors import OmniClientError
+
+_STAGE_CLASSES = {
+    StageExecutionType.AR: VllmOmniARStageConfig,
+    StageExecutionType.GENERATION: VllmOmniGenerationStageConfig,
+    StageExecutionType.DIFFUSION: VllmOmniDiffusionStageConfig,
+}
+
+PipelineFactory = Callable[[], PipelineConfig]
+_PIPELINES: dict[str, PipelineFactory] = {}
+
+
+def register_pipeline(*keys: str) -> Callable[[PipelineFactory], PipelineFactory]:
+    """Register a pipeline for HF `architectures` entries or `model_type` values."""
+
+    def decorator(factory: PipelineFactory) -> PipelineFactory:
+        for key in keys:
+            _PIPELINES[key] = factory
+        return factory
+
+    return decorator
+
+
+@dataclass(config=FORBID)
+class VllmOmniConfig:
+    """Everything every process of one engine needs; plain data, safe to pickle or send."""
+
+    model: str
+    """The model as the user named it (served name)."""
+    model_path: str
+    pipeline_name: str
+    stages: list[StageConfig]
+    connectors: dict[str, ConnectorConfig] = Field(default_factory=dict)
+    """Connector per edge "src->dst"."""
+
+    @property
+    def stage_types(self) -> list[str]:
+        return [s.stage_type for s in self.stages]
+
+    def connector_for(self, src: int, dst: int) -> ConnectorConfig:
+        return self.connectors.get(f"{src}->{dst}", ConnectorConfig())
+
+    @classmethod
+    def from_pipeline_config(
+        cls,
+        model: str,
+        model_path: str,
+        pipeline: PipelineConfig,
+        deploy: DeployConfig,
+        global_args: Mapping[str, Any],
+        stage_overrides: Mapping[str, Mapping[str, Any]],
+    ) -> VllmOmniConfig:
+        _check_stage_ids(deploy, stage_overrides, len(pipeline.stages))
+        stages: list[StageConfig] = []
+        used_globals: set[str] = set()
+        for spec in pipeline.stages:
+            stage_cls = _STAGE_CLASSES[spec.execution_type]
+            known = stage_cls.known_args()
+            stage_deploy = deploy.for_stage(spec.stage_id)
+            overrides = dict(stage_overrides.get(str(spec.stage_id), {}))
+            args = {**spec.engine_args, **stage_deploy.engine_args}
+            for key, value in global_args.items():
+                if key in known:
+                    args[key] = value
+                    used_globals.add(key)
+            args.update(overrides)
+            unknown = sorted(set(args) - known)
+            if unknown:
+                raise OmniClientError(
+                    f"stage {spec.stage_id} ({spec.execution_type.value}) does not accept engine "
+                    f"argument(s) {unknown}", param=unknown[0])
+            stages.append(stage_cls(
+                stage_id=spec.stage_id,
+                model=_stage_model(model_path, spec.model, spec.model_subfolder),
+                inputs=list(spec.inputs),
+                input_processor=spec.input_processor,
+                final_output=spec.final_output,
+                final_output_type=spec.final_output_type,
+                num_replicas=stage_deploy.num_replicas,
+                devices=stage_deploy.devices,
+                engine_args=args,
+                default_sampling_params=dict(spec.default_sampling_params),
+                stage_init_timeout=deploy.stage_init_timeout,
+            ))
+        unused = sorted(set(global_args) - used_globals)
+        if unused:
+            raise OmniClientError(f"unknown engine argument(s) {unused} for pipeline {pipeline.name!r} "
+                                  f"(stage types {[s.stage_type for s in stages]})", param=unused[0])
+        connectors = {f"{src}->{s.stage_id}": deploy.connector_for(src, s.stage_id)
+                      for s in stages for src in s.inputs}
+        return cls(model=model, model_path=model_path, pipeline_name=pipeline.name, stages=stages,
+                   connectors=connectors)
+
+
+class StageConfigFactory:
+    """The one place that turns (model, configs, overrides) into a `VllmOmniConfig`."""
+
+    OMNI_KEYS = ("pipeline_config", "deploy_config", "stage_overrides", "stage_init_timeout")
+
+    @classmethod
+    def create_from_model(cls, model: str, **kwargs: Any) -> VllmOmniConfig:
+        from vllm_omni.testing.tiny_models import resolve_model
+
+        pipeline = kwargs.pop("pipeline_config", None)
+        deploy = kwargs.pop("deploy_config", None)
+        stage_overrides = kwargs.pop("stage_overrides", None) or {}
+        stage_init_timeout = kwargs.pop("stage_init_timeout", None)
+        if isinstance(stage_overrides, str):
+            stage_overrides = json.loads(stage_overrides)
+        stage_overrides = {str(k): v for k, v in stage_overrides.items()}
+
+        model_path = resolve_model(model)
+        if pipeline is None:
+            pipeline = pipeline_for_model(model_path)
+        elif not isinstance(pipeline, PipelineConfig):
+            pipeline = PipelineConfig.from_yaml(pipeline)
+        if deploy is None:
+            deploy = DeployConfig()
+        elif not isinstance(deploy, DeployConfig):
+            deploy = DeployConfig.from_yaml(deploy)
+        if stage_init_timeout is not None:
+            deploy = DeployConfig(stages=deploy.stages, connector=deploy.connector,
+                                  edge_connectors=deploy.edge_connectors, stage_init_timeout=stage_init_timeout)
+        return VllmOmniConfig.from_pipeline_config(model, model_path, pipeline, deploy, kwargs, stage_overrides)
+
+
+def pipeline_for_model(model_path: str) -> PipelineConfig:
+    """model_index.json -> one DIFFUSION stage; a registered architecture -> its pipeline; else one AR stage."""
+    if _read_json(model_path, "model_index.json") is not None:
+        return PipelineConfig.single_stage("diffusion", StageExecutionType.DIFFUSION)
+    hf_config = _read_json(model_path, "config.json")
+    if hf_config is None:
+        raise OmniClientError(f"{model_path} has neither model_index.json nor config.json", param="model")
+    for key in [*hf_config.get("architectures", []), hf_config.get("model_type")]:
+        if key in _PIPELINES:
+            return _PIPELINES[key]()
+    return PipelineConfig.single_stage("llm", StageExecutionType.AR)
+
+
+def _read_json(model_path: str, filename: str) -> dict[str, Any] | None:
+    local = Path(model_path) / filename
+    if Path(model_path).is_dir():
+        return json.loads(local.read_text()) if local.exists() else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    try:
+        return json.loads(Path(hf_hub_download(model_path, filename)).read_text())
+    except (EntryNotFoundError, LocalEntryNotFoundError):
+        return None
+
+
+def _stage_model(model_path: str, stage_model: str | None, subfolder: str | None) -> str:
+    if stage_model is not None:
+        from vllm_omni.testing.tiny_models import resolve_model
+
+        return resolve_model(stage_model)
+    return str(Path(model_path) / subfolder) if subfolder else model_path
+
+
+def _check_stage_ids(deploy: DeployConfig, overrides: Mapping[str, Any], num_stages: int) -> None:
+    bad = sorted({s.stage_id for s in deploy.stages if s.stage_id >= num_stages}
+                 | {int(k) for k in overrides if not k.isdigit() or int(k) >= num_stages})
+    if bad:
+        raise OmniClientError(f"stage id(s) {bad} not in the pipeline (stages 0..{num_stages - 1})",
+                              param="stage_overrides")

@@ -1,0 +1,92 @@
+"""Layer 1a: the stage graph of a model (what runs, in which order, fed by what).
+
+A `PipelineConfig` is the single source of truth for topology. It never says where a stage runs or how
+many replicas it has: that is `DeployConfig`'s job.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass
+
+FORBID = ConfigDict(extra="forbid")
+OutputModality = Literal["text", "image", "video", "audio"]
+
+
+class StageExecutionType(enum.StrEnum):
+    AR = "ar"
+    """Autoregressive: vLLM EngineCore (scheduler, KV cache, continuous batching)."""
+    GENERATION = "generation"
+    """Non-autoregressive model run on batched chunks (e.g. a vocoder)."""
+    DIFFUSION = "diffusion"
+    """Diffusion pipeline on the diffusion runtime (text encoder -> DiT -> VAE in one stage)."""
+
+    @property
+    def stage_type(self) -> str:
+        """The name the serving layer uses (`AsyncOmni.stage_types`)."""
+        return {"ar": "llm", "generation": "generation", "diffusion": "diffusion"}[self.value]
+
+
+@dataclass(config=FORBID)
+class PipelineStageConfig:
+    stage_id: Annotated[int, Field(ge=0)]
+    execution_type: StageExecutionType
+    model: str | None = None
+    """Model of this stage; None = the pipeline's model (or `model_subfolder` inside it)."""
+    model_subfolder: str | None = None
+    inputs: list[int] = Field(default_factory=list)
+    """Upstream stage ids whose outputs feed this stage; empty = the user's prompt."""
+    input_processor: str | None = None
+    """Name of the stage-input processor (engine/stage_input_processors.py) building this stage's input."""
+    final_output: bool = False
+    final_output_type: OutputModality | None = None
+    """None = whatever the stage's engine produces (text for AR, the pipeline's modality for diffusion)."""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Model-defined engine defaults; deploy config and user overrides win over them."""
+    default_sampling_params: dict[str, Any] = Field(default_factory=dict)
+
+
+@dataclass(config=FORBID)
+class PipelineConfig:
+    name: str
+    stages: list[PipelineStageConfig]
+
+    def __post_init__(self) -> None:
+        self._validate_ids()
+        self._validate_edges()
+
+    def _validate_ids(self) -> None:
+        ids = [s.stage_id for s in self.stages]
+        if ids != list(range(len(ids))) or not ids:
+            raise ValueError(f"pipeline {self.name!r}: stage ids must be 0..N-1 in order, got {ids}")
+        if not any(s.final_output for s in self.stages):
+            raise ValueError(f"pipeline {self.name!r}: no stage has final_output: true")
+
+    def _validate_edges(self) -> None:
+        for stage in self.stages:
+            bad = [i for i in stage.inputs if not 0 <= i < stage.stage_id]
+            if bad:
+                raise ValueError(
+                    f"pipeline {self.name!r}: stage {stage.stage_id} inputs {bad} must be earlier stages"
+                )
+            if stage.inputs and stage.input_processor is None:
+                raise ValueError(
+                    f"pipeline {self.name!r}: stage {stage.stage_id} has inputs but no input_processor"
+                )
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> PipelineConfig:
+        data = yaml.safe_load(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"pipeline config {path} must be a mapping")
+        return cls(**data)
+
+    @classmethod
+    def single_stage(cls, name: str, execution_type: StageExecutionType) -> PipelineConfig:
+        return cls(name=name, stages=[PipelineStageConfig(stage_id=0, execution_type=execution_type,
+                                                          final_output=True)])

@@ -1,0 +1,95 @@
+"""Layer 3: one resolved, transport-safe config per stage (plain data, picklable).
+
+Engine objects (vLLM `VllmConfig`, `OmniDiffusionConfig`) are materialized from these inside the process
+that owns the engine, never here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic.dataclasses import dataclass
+
+from vllm_omni.config.pipeline_config import FORBID, OutputModality
+
+StageType = Literal["llm", "generation", "diffusion"]
+
+
+@dataclass(config=FORBID)
+class BaseVllmOmniStageConfig:
+    stage_id: int
+    model: str
+    """Local path or hub id of this stage's model (tiny/ names already resolved)."""
+    inputs: list[int] = Field(default_factory=list)
+    input_processor: str | None = None
+    final_output: bool = False
+    final_output_type: OutputModality | None = None
+    num_replicas: int = 1
+    devices: str | None = None
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Merged engine arguments (pipeline defaults < deploy < global overrides < per-stage overrides)."""
+    default_sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stage_init_timeout: float = 600.0
+
+    @property
+    def name(self) -> str:
+        return f"stage-{self.stage_id}-{self.stage_type}"
+
+
+@dataclass(config=FORBID)
+class VllmOmniARStageConfig(BaseVllmOmniStageConfig):
+    stage_type: Literal["llm"] = "llm"
+
+    @staticmethod
+    def known_args() -> frozenset[str]:
+        return _ar_arg_names()
+
+    def make_engine_args(self):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        return AsyncEngineArgs(model=self.model, **self.engine_args)
+
+
+@dataclass(config=FORBID)
+class VllmOmniGenerationStageConfig(BaseVllmOmniStageConfig):
+    stage_type: Literal["generation"] = "generation"
+
+    @staticmethod
+    def known_args() -> frozenset[str]:
+        return frozenset({"dtype", "device", "max_batch_size"})
+
+
+@dataclass(config=FORBID)
+class VllmOmniDiffusionStageConfig(BaseVllmOmniStageConfig):
+    stage_type: Literal["diffusion"] = "diffusion"
+
+    @staticmethod
+    def known_args() -> frozenset[str]:
+        return _diffusion_arg_names()
+
+    def make_od_config(self):
+        from vllm_omni.diffusion.data import OmniDiffusionConfig
+
+        return OmniDiffusionConfig.from_kwargs(model=self.model, **self.engine_args)
+
+
+StageConfig = VllmOmniARStageConfig | VllmOmniGenerationStageConfig | VllmOmniDiffusionStageConfig
+
+
+@functools.cache
+def _ar_arg_names() -> frozenset[str]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return frozenset(f.name for f in dataclasses.fields(AsyncEngineArgs)) - {"model"}
+
+
+@functools.cache
+def _diffusion_arg_names() -> frozenset[str]:
+    from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig
+
+    names = {f.name for f in dataclasses.fields(OmniDiffusionConfig)}
+    names |= {f.name for f in dataclasses.fields(DiffusionParallelConfig)}
+    return frozenset(names - {"model"})

@@ -1,0 +1,69 @@
+"""The connector interface and the payload it carries."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm_omni.config.deploy_config import ConnectorConfig
+
+
+@dataclass
+class StagePayload:
+    """What one stage hands to the next for one request: small metadata plus (possibly large) tensors."""
+
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class PayloadHandle(msgspec.Struct, kw_only=True, gc=False):
+    """A small, picklable reference to a payload held by a connector; the receiver passes it to `get`."""
+
+    key: str
+    request_id: str
+    metadata: dict[str, Any] = {}
+    tensor_specs: list[tuple[str, str, str, tuple[int, ...]]] = []
+    """(name, segment name, dtype, shape) for tensors held outside the handle (shm connector)."""
+
+
+class OmniConnector(abc.ABC):
+    """`put` stores a payload for `num_readers` consumers and returns a handle; each consumer calls `get` once.
+
+    The payload is freed after the last `get`, on `drop_request` (abort / failure) or on `close`, whichever
+    comes first, so nothing outlives the request.
+    """
+
+    @abc.abstractmethod
+    def put(self, request_id: str, src_stage: int, dst_stage: int, payload: StagePayload,
+            num_readers: int = 1) -> PayloadHandle: ...
+
+    @abc.abstractmethod
+    def get(self, handle: PayloadHandle) -> StagePayload: ...
+
+    @abc.abstractmethod
+    def drop_request(self, request_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    @staticmethod
+    def make_key(request_id: str, src_stage: int, dst_stage: int) -> str:
+        return f"{request_id}:{src_stage}->{dst_stage}"
+
+
+def make_connector(config: ConnectorConfig) -> OmniConnector:
+    if config.name == "inproc":
+        from vllm_omni.connectors.inproc_connector import InProcConnector
+
+        return InProcConnector()
+    if config.name == "shm":
+        from vllm_omni.connectors.shm_connector import SharedMemoryConnector
+
+        return SharedMemoryConnector(threshold_bytes=config.shm_threshold_bytes)
+    raise ValueError(f"unknown connector {config.name!r}")

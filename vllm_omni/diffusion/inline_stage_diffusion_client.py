@@ -1,0 +1,124 @@
+"""DIFFUSION stage run in the engine's own process: `DiffusionEngine` (contract 3) behind the stage interface.
+
+The engine's workers are separate processes; only the scheduler lives here, so no extra IPC hop is needed
+for a one-stage diffusion pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from vllm_omni.engine.stage_client import StageClientBase
+from vllm_omni.errors import EngineDeadError, client_error_from_metadata
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.outputs import OmniRequestOutput
+
+
+class InlineStageDiffusionClient(StageClientBase):
+    stage_type = "diffusion"
+
+    def __init__(self, config, replica_id: int = 0, engine: Any = None) -> None:
+        super().__init__(config, replica_id)
+        self._engine = engine
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"diffusion-stage{self.stage_id}")
+        self._engine_dead = False
+        self._shutting_down = False
+        self._shutdown_complete = False
+        self._shutdown_lock = threading.Lock()
+        self._failure_callback_registered = False
+        if engine is not None:
+            self._register_failure_callback()
+
+    async def start(self) -> None:
+        from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
+
+        od_config = self.config.make_od_config()
+        loop = asyncio.get_running_loop()
+        self._engine = await asyncio.wait_for(loop.run_in_executor(self._executor, DiffusionEngine, od_config),
+                                              timeout=self.config.stage_init_timeout)
+        self._register_failure_callback()
+
+    def _register_failure_callback(self) -> None:
+        if not self._failure_callback_registered:
+            self._engine.register_failure_callback(self._mark_engine_dead)
+            self._failure_callback_registered = True
+
+    def _mark_engine_dead(self, *_: Any) -> None:
+        self._engine_dead = True
+
+    @property
+    def output_modality(self) -> str:
+        return self.config.final_output_type or self._engine.output_modality
+
+    def default_sampling_params(self) -> OmniDiffusionSamplingParams:
+        return OmniDiffusionSamplingParams.from_dict(dict(self.config.default_sampling_params))
+
+    def _make_request(self, request_id: str, prompt: Any, sampling_params: Any):
+        from vllm_omni.diffusion.request import OmniDiffusionRequest
+
+        # Clone now: the caller may reuse one params object for many requests.
+        params = OmniDiffusionSamplingParams.from_params(sampling_params).clone()
+        return OmniDiffusionRequest(prompt=prompt, sampling_params=params, request_id=request_id)
+
+    async def add_request_async(self, request_id: str, prompt: Any, sampling_params: Any) -> Any:
+        """Submit one request; returns an asyncio future of its `DiffusionOutput`."""
+        if self.is_dead:
+            raise EngineDeadError(f"{self.name}: diffusion engine is dead")
+        request = self._make_request(request_id, prompt, sampling_params)
+        return asyncio.wrap_future(self._engine.submit(request))
+
+    async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
+        start = time.perf_counter()
+        future = await self.add_request_async(request_id, prompt, sampling_params)
+        try:
+            result = await future
+        except EngineDeadError:
+            self._engine_dead = True
+            raise
+        if result.error is not None:
+            raise client_error_from_metadata(result.error, status_code=result.error_status_code,
+                                             error_type=result.error_type)
+        yield self._to_output(request_id, result, time.perf_counter() - start)
+
+    def _to_output(self, request_id: str, result: Any, elapsed: float) -> OmniRequestOutput:
+        modality = self.output_modality
+        out = OmniRequestOutput(request_id=request_id, finished=True, stage_id=self.stage_id,
+                                final_output_type=modality, peak_memory_mb=result.peak_memory_mb)
+        if isinstance(result.output, dict):
+            out.multimodal_output = dict(result.output)
+        elif modality == "image":
+            out.images = list(result.output or [])
+        else:
+            out.multimodal_output = {modality: result.output}
+        out.stage_durations = {self.config.stage_type: elapsed}
+        out.stage_durations.update({f"{self.config.stage_type}.{k}": v for k, v in result.stage_durations.items()})
+        return out
+
+    async def abort(self, request_ids: list[str]) -> None:
+        if not self.is_dead:
+            self._engine.abort(list(request_ids))
+
+    async def collective_rpc_async(self, method: str, timeout: float | None = None, args: tuple = (),
+                                   kwargs: dict[str, Any] | None = None) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._executor, lambda: self._engine.collective_rpc(method, tuple(args), kwargs, timeout))
+
+    @property
+    def is_dead(self) -> bool:
+        return self._engine_dead or (self._engine is not None and self._engine.is_dead)
+
+    def shutdown(self) -> None:
+        with self._shutdown_lock:
+            if self._shutdown_complete:
+                return
+            self._shutting_down = True
+            if self._engine is not None:
+                self._engine.close()
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._shutdown_complete = True

@@ -1,0 +1,1 @@
+"""The multi-stage control plane: AsyncOmniEngine -> Orchestrator -> StagePool -> stage clients."""

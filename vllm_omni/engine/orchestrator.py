@@ -1,0 +1,241 @@
+"""Cross-stage request state: routes stage i -> i+1, orders final outputs, handles abort and control RPC.
+
+Runs on the AsyncOmniEngine's background event loop. It never picks models or placement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_omni.config.omni_config import VllmOmniConfig
+from vllm_omni.connectors.base import OmniConnector, PayloadHandle, StagePayload, make_connector
+from vllm_omni.engine.messages import (
+    AbortRequestMessage,
+    AbortResultMessage,
+    AddRequestMessage,
+    CollectiveRPCRequestMessage,
+    CollectiveRPCResultMessage,
+    ErrorMessage,
+    ShutdownMessage,
+)
+from vllm_omni.engine.stage_input_processors import get_stage_input_processor
+from vllm_omni.engine.stage_pool import StagePool
+from vllm_omni.errors import EngineDeadError, OmniClientError, OmniError
+from vllm_omni.outputs import OmniRequestOutput
+
+logger = init_logger(__name__)
+
+DEATH_POLL_INTERVAL_S = 0.5
+
+
+@dataclass
+class OrchestratorRequestState:
+    request_id: str
+    task: asyncio.Task | None = None
+    current_stage: int = 0
+    handles: dict[tuple[int, int], PayloadHandle] = field(default_factory=dict)
+    stage_durations: dict[str, float] = field(default_factory=dict)
+    peak_memory_mb: float = 0.0
+    arrival_time: float = 0.0
+
+
+class Orchestrator:
+    def __init__(self, request_async_queue: Any, output_queue: Any, rpc_queue: Any, stage_pools: list[StagePool],
+                 config: VllmOmniConfig | None = None) -> None:
+        self.request_queue = request_async_queue
+        self.output_queue = output_queue
+        self.rpc_queue = rpc_queue
+        self.stage_pools = stage_pools
+        self.stages = config.stages if config is not None else None
+        self.request_states: dict[str, OrchestratorRequestState] = {}
+        self.connectors: dict[tuple[int, int], OmniConnector] = {}
+        if config is not None:
+            for stage in config.stages:
+                for src in stage.inputs:
+                    self.connectors[(src, stage.stage_id)] = make_connector(config.connector_for(src, stage.stage_id))
+        self._downstream = {i: [s.stage_id for s in (self.stages or []) if i in s.inputs]
+                            for i in range(len(stage_pools))}
+        self._last_final_stage = max((s.stage_id for s in (self.stages or []) if s.final_output), default=0)
+        self.dead_error: str | None = None
+
+    # ---- main loop -------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        monitor = asyncio.create_task(self._monitor_stages())
+        try:
+            while True:
+                msg = await self.request_queue.get()
+                if isinstance(msg, AddRequestMessage):
+                    self._handle_add(msg)
+                elif isinstance(msg, AbortRequestMessage):
+                    asyncio.create_task(self._handle_abort_logged(msg))
+                elif isinstance(msg, CollectiveRPCRequestMessage):
+                    asyncio.create_task(self._handle_collective_rpc(msg))
+                elif isinstance(msg, ShutdownMessage):
+                    return
+                else:
+                    logger.error("[Orchestrator] unknown message %r", msg)
+        finally:
+            monitor.cancel()
+            for state in list(self.request_states.values()):
+                if state.task is not None:
+                    state.task.cancel()
+            for connector in self.connectors.values():
+                connector.close()
+
+    def _handle_add(self, msg: AddRequestMessage) -> None:
+        rid = msg.request_id
+        if self.dead_error is not None:
+            self._emit_error(rid, EngineDeadError(self.dead_error))
+            return
+        if rid in self.request_states:
+            self._emit_error(rid, OmniClientError(f"request id {rid!r} is already in flight", param="request_id"))
+            return
+        if len(msg.sampling_params_list) != len(self.stage_pools):
+            self._emit_error(rid, OmniClientError(
+                f"sampling_params_list has {len(msg.sampling_params_list)} entries but the pipeline has "
+                f"{len(self.stage_pools)} stages", param="sampling_params_list"))
+            return
+        state = OrchestratorRequestState(rid, arrival_time=msg.arrival_time or time.time())
+        self.request_states[rid] = state
+        state.task = asyncio.create_task(self._run_request(state, msg))
+
+    # ---- one request through the stage graph -----------------------------------------------------------
+    async def _run_request(self, state: OrchestratorRequestState, msg: AddRequestMessage) -> None:
+        rid = state.request_id
+        try:
+            for stage_id, pool in enumerate(self.stage_pools):
+                state.current_stage = stage_id
+                prompt = self._stage_input(state, stage_id, msg.prompt)
+                last = None
+                async for out in pool.generate(rid, prompt, msg.sampling_params_list[stage_id]):
+                    last = out
+                    if self._is_final(stage_id):
+                        self._emit_output(state, stage_id, out)
+                if last is None:
+                    raise RuntimeError(f"stage {stage_id} finished request {rid} without an output")
+                self._record_stage(state, last)
+                self._hand_off(state, stage_id, last)
+        except asyncio.CancelledError:
+            raise
+        except EngineDeadError as e:
+            self._mark_dead(str(e))
+            self._emit_error(rid, e)
+        except Exception as e:
+            logger.info("[Orchestrator] request %s failed in stage %d: %s", rid, state.current_stage, e)
+            self._emit_error(rid, e)
+        finally:
+            self._drop_payloads(rid)
+            if self.request_states.get(rid) is state:
+                del self.request_states[rid]
+
+    def _is_final(self, stage_id: int) -> bool:
+        if self.stages is None:
+            return stage_id == len(self.stage_pools) - 1
+        return self.stages[stage_id].final_output
+
+    def _stage_input(self, state: OrchestratorRequestState, stage_id: int, original_prompt: Any) -> Any:
+        if self.stages is None or not self.stages[stage_id].inputs:
+            return original_prompt
+        stage = self.stages[stage_id]
+        payloads = [self.connectors[(src, stage_id)].get(state.handles.pop((src, stage_id)))
+                    for src in stage.inputs]
+        return get_stage_input_processor(stage.input_processor)(payloads, original_prompt)
+
+    def _hand_off(self, state: OrchestratorRequestState, stage_id: int, out: OmniRequestOutput) -> None:
+        for dst in self._downstream.get(stage_id, ()):
+            payload = StagePayload(metadata={"text": out.text, "token_ids": list(out.token_ids)},
+                                   tensors=dict(out.multimodal_output.get("tensors", {})))
+            state.handles[(stage_id, dst)] = self.connectors[(stage_id, dst)].put(state.request_id, stage_id, dst,
+                                                                                   payload)
+
+    def _record_stage(self, state: OrchestratorRequestState, out: OmniRequestOutput) -> None:
+        state.stage_durations.update(out.stage_durations)
+        state.peak_memory_mb = max(state.peak_memory_mb, out.peak_memory_mb)
+
+    def _emit_output(self, state: OrchestratorRequestState, stage_id: int, out: OmniRequestOutput) -> None:
+        if out.finished:
+            state.stage_durations.update(out.stage_durations)
+            out.stage_durations = dict(state.stage_durations)
+            out.peak_memory_mb = max(state.peak_memory_mb, out.peak_memory_mb)
+            out.stage_durations["e2e"] = time.time() - state.arrival_time
+        out.finished = out.finished and stage_id == self._last_final_stage
+        self.output_queue.put_nowait(out)
+
+    def _emit_error(self, request_id: str | None, exc: BaseException, fatal: bool = False) -> None:
+        status = exc.status_code if isinstance(exc, OmniError) else 500
+        self.output_queue.put_nowait(ErrorMessage(error=str(exc) or type(exc).__name__, request_id=request_id,
+                                                  status_code=status, error_type=type(exc).__name__, fatal=fatal))
+
+    def _drop_payloads(self, request_id: str) -> None:
+        for connector in self.connectors.values():
+            connector.drop_request(request_id)
+
+    # ---- abort -----------------------------------------------------------------------------------------
+    async def _handle_abort_logged(self, msg: AbortRequestMessage) -> None:
+        try:
+            await self._handle_abort(msg)
+        except Exception:
+            logger.exception("[Orchestrator] Abort failed for request(s) %s", msg.request_ids)
+
+    async def _handle_abort(self, msg: AbortRequestMessage) -> None:
+        try:
+            await self._cleanup_request_ids(list(msg.request_ids), abort=True)
+        except Exception as e:
+            if msg.rpc_id is None:
+                raise
+            logger.warning("[Orchestrator] Abort failed for request(s) %s: %s", msg.request_ids, e)
+            self.rpc_queue.put_nowait(AbortResultMessage(rpc_id=msg.rpc_id, success=False, error=str(e)))
+            return
+        logger.debug("[Orchestrator] Aborted request(s) %s", msg.request_ids)
+        if msg.rpc_id is not None:
+            self.rpc_queue.put_nowait(AbortResultMessage(rpc_id=msg.rpc_id, success=True))
+
+    async def _cleanup_request_ids(self, request_ids: list[str], *, abort: bool = False) -> None:
+        """Stop the requests' tasks, free them in every stage that holds them and drop their payloads."""
+        for rid in request_ids:
+            state = self.request_states.pop(rid, None)
+            if abort:
+                for pool in self.stage_pools:
+                    if pool.active_replica(rid) is not None:
+                        await pool.abort([rid])
+            if state is not None and state.task is not None:
+                state.task.cancel()
+            self._drop_payloads(rid)
+
+    # ---- control RPC and liveness ----------------------------------------------------------------------
+    async def _handle_collective_rpc(self, msg: CollectiveRPCRequestMessage) -> None:
+        stage_ids = msg.stage_ids if msg.stage_ids is not None else list(range(len(self.stage_pools)))
+        try:
+            results = await asyncio.gather(*(
+                self.stage_pools[sid].collective_rpc_all(msg.method, msg.timeout, msg.args, msg.kwargs)
+                for sid in stage_ids))
+            result = CollectiveRPCResultMessage(rpc_id=msg.rpc_id, results=dict(zip(stage_ids, results, strict=False)))
+        except Exception as e:
+            result = CollectiveRPCResultMessage(rpc_id=msg.rpc_id, error=f"{type(e).__name__}: {e}")
+        self.rpc_queue.put_nowait(result)
+
+    async def _monitor_stages(self) -> None:
+        while self.dead_error is None:
+            for pool in self.stage_pools:
+                if pool.is_dead:
+                    self._mark_dead(f"stage {pool.stage_id} ({pool.stage_type}) died")
+                    break
+            await asyncio.sleep(DEATH_POLL_INTERVAL_S)
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_error is not None:
+            return
+        self.dead_error = reason
+        logger.error("[Orchestrator] engine is dead: %s", reason)
+        for rid, state in list(self.request_states.items()):
+            if state.task is not None:
+                state.task.cancel()
+            self._emit_error(rid, EngineDeadError(reason))
+        self.request_states.clear()
+        self._emit_error(None, EngineDeadError(reason), fatal=True)
+        self.rpc_queue.put_nowait(ErrorMessage(error=reason, fatal=True))

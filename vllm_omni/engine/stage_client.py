@@ -1,0 +1,57 @@
+"""What the Orchestrator needs from a stage, whatever runs it (vLLM EngineCore, diffusion runtime, ...)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, ClassVar
+
+from vllm_omni.config.stage_config import StageConfig
+from vllm_omni.outputs import OmniRequestOutput
+
+
+class StageClientBase:
+    """One replica of one stage, driven from the Orchestrator's event loop.
+
+    `generate` yields the stage's outputs for one request (the last one has `finished=True`); a failure of
+    that request alone raises; the death of the stage raises `EngineDeadError` and sets `is_dead`.
+    """
+
+    stage_type: ClassVar[str]
+
+    def __init__(self, config: StageConfig, replica_id: int = 0) -> None:
+        self.config = config
+        self.stage_id = config.stage_id
+        self.replica_id = replica_id
+        self.final_output = config.final_output
+
+    @property
+    def name(self) -> str:
+        return f"{self.config.name}[{self.replica_id}]"
+
+    async def start(self) -> None:
+        """Start the stage's engine; return when it can take requests."""
+        raise NotImplementedError
+
+    def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
+        raise NotImplementedError
+
+    async def abort(self, request_ids: list[str]) -> None:
+        raise NotImplementedError
+
+    async def collective_rpc_async(self, method: str, timeout: float | None = None, args: tuple = (),
+                                   kwargs: dict[str, Any] | None = None) -> Any:
+        raise NotImplementedError
+
+    def default_sampling_params(self) -> Any:
+        raise NotImplementedError
+
+    @property
+    def output_modality(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def is_dead(self) -> bool:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError

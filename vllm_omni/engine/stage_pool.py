@@ -1,0 +1,97 @@
+"""All replicas of one stage: request dispatch (least in-flight) and control RPC routing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from vllm.logger import init_logger
+
+from vllm_omni.engine.stage_client import StageClientBase
+from vllm_omni.errors import EngineDeadError
+from vllm_omni.outputs import OmniRequestOutput
+
+logger = init_logger(__name__)
+
+
+class StagePool:
+    DISPATCH_WAIT_TIMEOUT_S = 10.0
+    DISPATCH_RETRY_INTERVAL_S = 0.1
+    _ENGINE_CORE_CONTROL_ASYNC_METHODS = frozenset({"pause_scheduler", "resume_scheduler", "sleep", "wake_up"})
+    """AR control methods that go to vLLM's `AsyncMPClient.<method>_async` helpers, not to the workers."""
+
+    def __init__(self, stage_id: int, clients: list[StageClientBase | None], stage_type: str | None = None) -> None:
+        self.stage_id = stage_id
+        self.clients = clients
+        self._stage_type = stage_type
+        self._inflight: dict[str, int] = {}
+        self._load: dict[int, int] = {}
+
+    @property
+    def stage_type(self) -> str:
+        if self._stage_type is None:
+            self._stage_type = next(c.stage_type for c in self.clients if c is not None)
+        return self._stage_type
+
+    @property
+    def is_dead(self) -> bool:
+        attached = [c for c in self.clients if c is not None]
+        return bool(attached) and all(c.is_dead for c in attached)
+
+    def active_replica(self, request_id: str) -> int | None:
+        return self._inflight.get(request_id)
+
+    async def _pick_replica(self) -> int:
+        deadline = asyncio.get_running_loop().time() + self.DISPATCH_WAIT_TIMEOUT_S
+        while True:
+            alive = [i for i, c in enumerate(self.clients) if c is not None and not c.is_dead]
+            if alive:
+                return min(alive, key=lambda i: self._load.get(i, 0))
+            if self.is_dead or asyncio.get_running_loop().time() >= deadline:
+                raise EngineDeadError(f"stage {self.stage_id} has no live replica")
+            await asyncio.sleep(self.DISPATCH_RETRY_INTERVAL_S)
+
+    async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
+        replica = await self._pick_replica()
+        self._inflight[request_id] = replica
+        self._load[replica] = self._load.get(replica, 0) + 1
+        try:
+            async for out in self.clients[replica].generate(request_id, prompt, sampling_params):
+                yield out
+        finally:
+            self._load[replica] -= 1
+            self._inflight.pop(request_id, None)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        by_replica: dict[int, list[str]] = {}
+        for rid in request_ids:
+            if (replica := self._inflight.get(rid)) is not None:
+                by_replica.setdefault(replica, []).append(rid)
+        for replica, ids in by_replica.items():
+            await self.clients[replica].abort(ids)
+
+    async def collective_rpc(self, replica_id: int, method: str, timeout: float | None = None,
+                             args: tuple | list | None = None, kwargs: dict[str, Any] | None = None) -> Any:
+        client = self.clients[replica_id] if replica_id < len(self.clients) else None
+        if client is None:
+            return {"supported": False, "error": f"stage {self.stage_id} replica {replica_id} is not attached"}
+        args = tuple(args or ())
+        try:
+            if self.stage_type == "llm" and method in self._ENGINE_CORE_CONTROL_ASYNC_METHODS:
+                helper = getattr(client, f"{method}_async")
+                return await asyncio.wait_for(helper(*args, **(kwargs or {})), timeout=timeout)
+            return await asyncio.wait_for(
+                client.collective_rpc_async(method=method, timeout=timeout, args=args, kwargs=kwargs),
+                timeout=None if timeout is None else timeout + 1.0)
+        except TimeoutError:
+            return {"supported": False, "error": f"stage {self.stage_id} replica {replica_id}: {method} timed out "
+                                                 f"after {timeout} s"}
+        except Exception as e:
+            logger.warning("stage %d replica %d: %s failed: %s", self.stage_id, replica_id, method, e)
+            return {"supported": False, "error": f"{type(e).__name__}: {e}"}
+
+    async def collective_rpc_all(self, method: str, timeout: float | None = None, args: tuple | None = None,
+                                 kwargs: dict[str, Any] | None = None) -> list[Any]:
+        return list(await asyncio.gather(*(self.collective_rpc(i, method, timeout, args, kwargs)
+                                           for i in range(len(self.clients)))))

@@ -1,0 +1,81 @@
+"""Starts every stage's replicas in order, with a readiness timeout, and shuts them down in reverse order."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+from vllm.logger import init_logger
+
+from vllm_omni.config.omni_config import VllmOmniConfig
+from vllm_omni.config.stage_config import StageConfig
+from vllm_omni.engine.stage_client import StageClientBase
+from vllm_omni.engine.stage_pool import StagePool
+
+logger = init_logger(__name__)
+
+
+def make_stage_client(config: StageConfig, replica_id: int) -> StageClientBase:
+    if config.stage_type == "llm":
+        from vllm_omni.engine.stage_engine_core_client import StageEngineCoreClient
+
+        return StageEngineCoreClient(config, replica_id)
+    if config.stage_type == "diffusion":
+        from vllm_omni.diffusion.inline_stage_diffusion_client import InlineStageDiffusionClient
+
+        return InlineStageDiffusionClient(config, replica_id)
+    raise NotImplementedError(f"stage {config.stage_id}: {config.stage_type} stages are not implemented yet")
+
+
+@contextlib.contextmanager
+def _visible_devices(devices: str | None):
+    """Stage processes inherit the environment at spawn time; stages start one at a time."""
+    if devices is None:
+        yield
+        return
+    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = previous
+
+
+class StageRuntime:
+    def __init__(self, config: VllmOmniConfig) -> None:
+        self.config = config
+        self.pools: list[StagePool] = []
+
+    async def start(self) -> list[StagePool]:
+        try:
+            for stage in self.config.stages:
+                clients: list[StageClientBase | None] = []
+                self.pools.append(StagePool(stage.stage_id, clients, stage.stage_type))
+                for replica in range(stage.num_replicas):
+                    client = make_stage_client(stage, replica)
+                    start = time.perf_counter()
+                    with _visible_devices(stage.devices):
+                        await client.start()
+                    clients.append(client)
+                    logger.info("[StageRuntime] %s ready in %.1f s", client.name, time.perf_counter() - start)
+        except BaseException as e:
+            self.shutdown()
+            failed = self.config.stages[len(self.pools) - 1]
+            raise RuntimeError(f"stage {failed.stage_id} ({failed.stage_type}, model {failed.model}) failed to "
+                               f"start: {type(e).__name__}: {e}") from e
+        return self.pools
+
+    def shutdown(self) -> None:
+        for pool in reversed(self.pools):
+            for client in pool.clients:
+                if client is None:
+                    continue
+                try:
+                    client.shutdown()
+                except Exception:
+                    logger.exception("[StageRuntime] %s failed to shut down cleanly", client.name)
+        self.pools = []

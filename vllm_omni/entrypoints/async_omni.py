@@ -1,0 +1,290 @@
+"""Async frontend: streaming `generate`, acknowledged abort, pause/resume and sleep/wake routed by stage type.
+
+Admission: `pause_generation` and AR `sleep` close admission until `resume_generation`; a diffusion-only
+sleep closes it until `wake_up`. New `generate` calls wait while admission is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from vllm.logger import init_logger
+
+from vllm_omni.engine.messages import CuMemTag, ErrorMessage, OmniACK
+from vllm_omni.entrypoints.omni_base import OmniBase
+from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError
+from vllm_omni.outputs import OmniRequestOutput
+
+logger = init_logger(__name__)
+
+PauseMode = Literal["abort", "wait", "keep"]
+ABORT_TIMEOUT_S = 10.0
+ALL_TAGS = frozenset({CuMemTag.WEIGHTS, CuMemTag.KV_CACHE})
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class AsyncOmni(OmniBase):
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self.request_states: dict[str, _RequestState] = {}
+        self._output_handler: asyncio.Task | None = None
+        self._pause_cond: asyncio.Condition | None = None
+        self._paused = False
+        self._hold_admission_until_resume = False
+        self._sleeping_tags: set[str] = set()
+        self._level2_sleeping = False
+
+    # ---- state -------------------------------------------------------------------------------------------
+    @property
+    def is_dead(self) -> bool:
+        return self.engine.is_dead
+
+    @property
+    def errored(self) -> bool:
+        return self.engine.is_dead
+
+    @property
+    def dead_error(self) -> BaseException:
+        return EngineDeadError(f"engine is dead: {self.engine.dead_error}")
+
+    async def check_health(self) -> None:
+        if self.engine.is_dead:
+            raise self.dead_error
+
+    def is_paused(self) -> bool:
+        return self._paused
+
+    def _cond(self) -> asyncio.Condition:
+        if self._pause_cond is None:
+            self._pause_cond = asyncio.Condition()
+        return self._pause_cond
+
+    # ---- generate / abort --------------------------------------------------------------------------------
+    async def generate(self, prompt: Any, request_id: str, sampling_params_list: Any = None, *,
+                       sampling_params: Any = None) -> AsyncIterator[OmniRequestOutput]:
+        """Stream the request's outputs (partial text from streaming AR stages, then final media)."""
+        if sampling_params_list is None and sampling_params is not None:
+            sampling_params_list = sampling_params
+        params = self._resolve_sampling_params(sampling_params_list)
+        async with self._cond():
+            await self._cond().wait_for(lambda: not self._paused)
+        await self.check_health()
+        if request_id in self.request_states:
+            raise OmniClientError(f"request id {request_id!r} is already in flight", param="request_id")
+        state = _RequestState(request_id)
+        self.request_states[request_id] = state
+        self._ensure_output_handler()
+        self.engine.add_request(request_id, prompt, params)
+        finished = False
+        try:
+            while not finished:
+                item = state.queue.get_nowait() if not state.queue.empty() else await state.queue.get()
+                if isinstance(item, ErrorMessage):
+                    raise _to_exception(item)
+                finished = item.finished
+                yield item
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:
+                self.engine.abort([request_id])
+            raise
+        finally:
+            if self.request_states.get(request_id) is state:
+                del self.request_states[request_id]
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Abort and wait for the engine's ack; the frontend state is dropped only after the ack."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        await self._abort(ids)
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        await self.engine.abort_async(request_ids, timeout=ABORT_TIMEOUT_S)
+        for rid in request_ids:
+            state = self.request_states.pop(rid, None)
+            if state is not None:
+                state.queue.put_nowait(ErrorMessage(error="request aborted", request_id=rid, status_code=499,
+                                                    error_type="aborted"))
+
+    def _ensure_output_handler(self) -> None:
+        if self._output_handler is None or self._output_handler.done():
+            self._output_handler = asyncio.create_task(self._final_output_handler())
+
+    async def _final_output_handler(self) -> None:
+        q = self.engine.output_queue.async_q
+        while True:
+            msg = await q.get()
+            if isinstance(msg, ErrorMessage) and msg.fatal:
+                for state in self.request_states.values():
+                    state.queue.put_nowait(msg)
+                continue
+            state = self.request_states.get(msg.request_id)
+            if state is not None:
+                state.queue.put_nowait(msg)
+
+    # ---- control RPC ------------------------------------------------------------------------------------
+    def _validate_stage_ids(self, stage_ids: list[int] | None) -> list[int]:
+        n = self.num_stages
+        if n == 0:
+            raise ValueError("this engine has no stages")
+        if stage_ids is None:
+            return list(range(n))
+        bad = [s for s in stage_ids if not isinstance(s, int) or not 0 <= s < n]
+        if bad:
+            raise ValueError(f"Invalid stage_ids {bad}; valid range is 0..{n - 1}")
+        return list(stage_ids)
+
+    def _split_stage_ids_by_type(self, stage_ids: list[int] | None = None) -> tuple[list[int], list[int]]:
+        ids = self._validate_stage_ids(stage_ids)
+        types = self.stage_types
+        return [i for i in ids if types[i] != "diffusion"], [i for i in ids if types[i] == "diffusion"]
+
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict[str, Any] | None = None, stage_ids: list[int] | None = None) -> list[Any]:
+        """Call `method` on every replica of the given stages; one result per replica, in stage order."""
+        ids = self._validate_stage_ids(stage_ids)
+        results = await self.engine.collective_rpc_async(method, tuple(args), kwargs, ids, timeout)
+        return [r for sid in ids for r in results.get(sid, [])]
+
+    async def _engine_core_rpc(self, method: str, *, stage_ids: list[int], args: tuple = (),
+                               kwargs: dict[str, Any] | None = None) -> list[Any]:
+        results = await self.collective_rpc(method=method, args=args, kwargs=kwargs, stage_ids=stage_ids)
+        for result in results:
+            if isinstance(result, dict) and result.get("error"):
+                raise RuntimeError(f"{method} failed: {result['error']}")
+        return results
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = True) -> bool:
+        ar_ids, _ = self._split_stage_ids_by_type()
+        if not ar_ids:
+            return True
+        results = await self._engine_core_rpc("reset_prefix_cache", stage_ids=ar_ids,
+                                              args=(reset_running_requests, reset_connector))
+        return all(_coerce_stage_bool(r) for r in results)
+
+    async def reset_mm_cache(self) -> None:
+        ar_ids, _ = self._split_stage_ids_by_type()
+        if ar_ids:
+            await self._engine_core_rpc("reset_mm_cache", stage_ids=ar_ids)
+
+    async def reset_encoder_cache(self) -> None:
+        ar_ids, _ = self._split_stage_ids_by_type()
+        if ar_ids:
+            await self._engine_core_rpc("reset_encoder_cache", stage_ids=ar_ids)
+
+    # ---- pause / resume ----------------------------------------------------------------------------------
+    async def pause_generation(self, *, mode: PauseMode = "abort", wait_for_inflight_requests: bool = False,
+                               clear_cache: bool = True, stage_ids: list[int] | None = None) -> None:
+        if wait_for_inflight_requests:
+            mode = "wait"
+        ar_ids, _ = self._split_stage_ids_by_type(stage_ids)
+        async with self._cond():
+            self._paused = True
+            self._hold_admission_until_resume = True
+        if ar_ids:
+            await self._engine_core_rpc("pause_scheduler", stage_ids=ar_ids,
+                                        kwargs={"mode": mode, "clear_cache": clear_cache})
+        if clear_cache:
+            await self.reset_prefix_cache(reset_running_requests=not wait_for_inflight_requests,
+                                          reset_connector=True)
+            await self.reset_mm_cache()
+            await self.reset_encoder_cache()
+
+    async def resume_generation(self, stage_ids: list[int] | None = None) -> None:
+        ar_ids, _ = self._split_stage_ids_by_type(stage_ids)
+        if ar_ids:
+            await self._engine_core_rpc("resume_scheduler", stage_ids=ar_ids)
+        async with self._cond():
+            self._paused = False
+            self._hold_admission_until_resume = False
+            self._cond().notify_all()
+
+    # ---- sleep / wake ------------------------------------------------------------------------------------
+    async def sleep(self, stage_ids: list[int] | None = None, level: int = 2,
+                    mode: PauseMode = "abort") -> list[OmniACK]:
+        ar_ids, diffusion_ids = self._split_stage_ids_by_type(stage_ids)
+        async with self._cond():
+            self._paused = True
+            if ar_ids:
+                self._hold_admission_until_resume = True
+        acks: list[OmniACK] = []
+        if ar_ids:
+            await self._engine_core_rpc("sleep", stage_ids=ar_ids, args=(level, mode))
+            acks += [OmniACK(task_id=f"engine_core-sleep-{uuid.uuid4().hex[:8]}", status="SUCCESS", stage_id=sid,
+                             rank=0, metadata={"path": "engine_core", "level": level, "mode": mode})
+                     for sid in ar_ids]
+        if diffusion_ids:
+            acks += await self._sleep_diffusion(diffusion_ids, level)
+        self._sleeping_tags |= ALL_TAGS
+        self._level2_sleeping = self._level2_sleeping or level >= 2
+        return acks
+
+    async def _sleep_diffusion(self, stage_ids: list[int], level: int) -> list[OmniACK]:
+        acks = []
+        for sid in stage_ids:
+            await self._engine_core_rpc("sleep", stage_ids=[sid], args=(level,))
+            acks.append(OmniACK(task_id=f"diffusion-sleep-{uuid.uuid4().hex[:8]}", status="SUCCESS", stage_id=sid,
+                                rank=0, metadata={"path": "worker", "level": level}))
+        return acks
+
+    async def wake_up(self, stage_ids: list[int] | None = None, tags: list[str] | None = None) -> list[OmniACK]:
+        requested = set(tags) if tags else set(ALL_TAGS)
+        to_wake = requested & self._sleeping_tags
+        if not to_wake:
+            logger.info("Requested tags %s are already warm. Skipping wake_up.", sorted(requested))
+            return []
+        ar_ids, diffusion_ids = self._split_stage_ids_by_type(stage_ids)
+        acks: list[OmniACK] = []
+        if ar_ids:
+            await self._engine_core_rpc("wake_up", stage_ids=ar_ids, kwargs={"tags": sorted(to_wake)})
+            acks += [OmniACK(task_id=f"engine_core-wake-{uuid.uuid4().hex[:8]}", status="SUCCESS", stage_id=sid,
+                             rank=0, metadata={"path": "engine_core", "tags": sorted(to_wake)}) for sid in ar_ids]
+        if diffusion_ids:
+            acks += await self._wake_diffusion(diffusion_ids, to_wake)
+        self._sleeping_tags -= to_wake
+        if not self._sleeping_tags:
+            self._level2_sleeping = False
+            if not self._hold_admission_until_resume:
+                async with self._cond():
+                    self._paused = False
+                    self._cond().notify_all()
+        return acks
+
+    async def _wake_diffusion(self, stage_ids: list[int], requested_tags: set[str]) -> list[OmniACK]:
+        acks = []
+        for sid in stage_ids:
+            await self._engine_core_rpc("wake_up", stage_ids=[sid], args=(sorted(requested_tags),))
+            acks.append(OmniACK(task_id=f"diffusion-wake-{uuid.uuid4().hex[:8]}", status="SUCCESS", stage_id=sid,
+                                rank=0, metadata={"path": "worker", "tags": sorted(requested_tags)}))
+        return acks
+
+    def close(self) -> None:
+        if self._output_handler is not None and not self._output_handler.done():
+            with contextlib.suppress(RuntimeError):  # loop already closed
+                self._output_handler.get_loop().call_soon_threadsafe(self._output_handler.cancel)
+        super().close()
+
+    def shutdown(self) -> None:
+        self.close()
+
+
+def _coerce_stage_bool(result: Any) -> bool:
+    if isinstance(result, dict):
+        return not result.get("error") and bool(result.get("result", result.get("supported", True)))
+    return bool(result) if result is not None else True
+
+
+def _to_exception(msg: ErrorMessage) -> BaseException:
+    if msg.fatal or msg.error_type == "EngineDeadError":
+        return EngineDeadError(msg.error)
+    if 400 <= msg.status_code < 500:
+        return OmniClientError(msg.error, status_code=msg.status_code, error_type=msg.error_type)
+    return EngineGenerateError(msg.error)
