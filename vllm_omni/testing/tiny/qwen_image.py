@@ -184,7 +184,7 @@ def _build(out_dir: Path, *, edit: bool, seed: int, hidden_size: int, num_layers
     (out_dir / "model_index.json").write_text(json.dumps(index, indent=2))
 
 
-_DEFAULTS = dict(seed=0, hidden_size=64, num_layers=2, num_heads=2, vae_base_dim=8, max_pixels=112 * 112)
+_DEFAULTS = dict(seed=0, hidden_size=64, num_layers=2, num_heads=2, vae_base_dim=4, max_pixels=112 * 112)
 
 
 @register_tiny("qwen-image", "Qwen/Qwen-Image layout: tiny Qwen2.5-VL encoder, 2-layer MMDiT, tiny VAE", **_DEFAULTS)

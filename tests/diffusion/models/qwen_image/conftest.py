@@ -40,3 +40,4 @@ def qwen_image_edit_dir() -> Path:
     from vllm_omni.testing.tiny_models import build_tiny
 
     return build_tiny("qwen-image-edit")
+

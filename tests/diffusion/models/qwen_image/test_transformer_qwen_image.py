@@ -16,7 +16,7 @@ from vllm_omni.diffusion.models.qwen_image.transformer_qwen_image import (
 def models(dist_init, qwen_image_dir):
     from diffusers import QwenImageTransformer2DModel as RefModel
 
-    ref = RefModel.from_pretrained(qwen_image_dir, subfolder="transformer", torch_dtype=torch.float32).eval()
+    ref = RefModel.from_pretrained(qwen_image_dir, subfolder="transformer", dtype=torch.float32).eval()
     config = QwenImageTransformerConfig.from_dict(read_component_config(qwen_image_dir, "transformer"))
     ours = QwenImageTransformer2DModel(config=config)
     loaded = ours.load_weights(iter_component_weights(qwen_image_dir, "transformer", torch.float32))
