@@ -1,0 +1,417 @@
+"""DiT transformer-forward latency: our native transformers vs diffusers, same process, same random weights.
+
+Builds the real-size configs (FLUX.1-dev 11.9B, Qwen-Image 20.4B) with random bf16 weights directly on the GPU,
+copies diffusers' state_dict into ours through our name-mapping loaders, then times every variant of ours
+(attention kernels, regional torch.compile, CUDA-graph replay) against diffusers' eager forward. Prints a table
+(ms, TFLOP/s from FlopCounterMode, % of a bf16 matmul peak measured in the same run, speed-up, PSNR vs
+diffusers and vs our eager path) and writes JSON. `--smoke` runs tiny configs on the CPU in seconds.
+
+  python benchmarks/diffusion/bench_dit_forward.py --models flux qwen-image --sizes 1024 512 --out res.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gc
+import json
+import math
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._dynamo
+
+# Real transformer configs (diffusers `transformer/config.json`) and tiny ones for --smoke.
+FLUX_CONFIG = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                   num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                   axes_dims_rope=(16, 56, 56))
+QWEN_CONFIG = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                   num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56))
+SMOKE = {
+    "flux": dict(FLUX_CONFIG, num_layers=1, num_single_layers=1, attention_head_dim=32, num_attention_heads=2,
+                 joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(8, 12, 12)),
+    "qwen-image": dict(QWEN_CONFIG, num_layers=2, attention_head_dim=32, num_attention_heads=2,
+                       joint_attention_dim=32, axes_dims_rope=(8, 12, 12)),
+}
+TEXT_TOKENS = {"flux": 512, "qwen-image": 128}
+SDPA_KERNELS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+
+
+@dataclass
+class Row:
+    model: str
+    size: int
+    batch: int
+    variant: str
+    ms_median: float | None = None
+    ms_min: float | None = None
+    tflops: float | None = None
+    pct_peak: float | None = None
+    speedup_vs_diffusers: float | None = None
+    psnr_vs_diffusers: float | None = None
+    psnr_vs_ours_eager: float | None = None
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> tuple[float, float]:
+    """(median, min) ms over `iters` calls after `warmup` calls; CUDA events on GPU, wall clock on CPU."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2], times[0]
+
+
+def count_tflop(fn: Callable[[], Any]) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops() / 1e12
+
+
+def matmul_peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
+    n = 8192 if device.type == "cuda" else 512
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    med, _ = timed(lambda: a @ b, device, warmup=3, iters=10)
+    return 2 * n**3 / (med / 1e3) / 1e12
+
+
+def psnr(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """PSNR over the reference's value range (dB); inf when identical."""
+    got, ref = got.double(), ref.double()
+    mse = torch.mean((got - ref) ** 2).item()
+    peak = (ref.max() - ref.min()).item()
+    if not math.isfinite(mse):
+        return float("nan")
+    return float("inf") if mse == 0 else 10 * math.log10(peak**2 / mse)
+
+
+@contextlib.contextmanager
+def vllm_single_rank(device: torch.device):
+    """One-rank torch.distributed + vLLM groups with a current VllmConfig (what a diffusion worker sets up)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import model_parallel_is_initialized
+
+    from vllm_omni.diffusion.data import DiffusionParallelConfig
+    from vllm_omni.diffusion.distributed.parallel_state import (
+        destroy_diffusion_distributed,
+        init_diffusion_distributed,
+    )
+
+    if model_parallel_is_initialized():  # e.g. inside a test session that already set one rank up
+        with set_current_vllm_config(VllmConfig()):
+            yield
+        return
+    vllm_config = init_diffusion_distributed(rank=0, world_size=1, parallel_config=DiffusionParallelConfig(),
+                                             device=device)
+    try:
+        with set_current_vllm_config(vllm_config):
+            yield
+    finally:
+        destroy_diffusion_distributed()
+
+
+def set_attention_backend(model: torch.nn.Module, name: str) -> None:
+    """Re-point every Attention layer of `model` at backend `name` (benchmark-only switch between runs)."""
+    from vllm_omni.diffusion.attention.layer import Attention
+    from vllm_omni.diffusion.attention.selector import get_attn_backend
+
+    backend = get_attn_backend(name)
+    for layer in model.modules():
+        if isinstance(layer, Attention):
+            layer.attn_backend = backend
+            layer.impl = backend.get_impl_cls()(layer.num_heads, layer.head_dim, layer.num_kv_heads,
+                                                layer.softmax_scale, layer.causal)
+
+
+def _finish_load(model: torch.nn.Module, reference: torch.nn.Module) -> torch.nn.Module:
+    loaded = model.load_weights(reference.state_dict().items())
+    missing = {n for n, _ in model.named_parameters()} - loaded
+    if missing:
+        raise RuntimeError(f"parameters not loaded from diffusers: {sorted(missing)[:5]}")
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+    return model.eval()
+
+
+def build_models(name: str, config: dict, device: torch.device, dtype: torch.dtype):
+    """(diffusers model, our model with the same weights); weights are diffusers' own random init."""
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    torch.manual_seed(0)
+    with set_default_torch_dtype(dtype), torch.device(device):
+        if name == "flux":
+            from diffusers import FluxTransformer2DModel as Reference
+
+            from vllm_omni.diffusion.models.flux.transformer_flux import FluxTransformer2DModel
+
+            reference = Reference(**config)
+            ours = FluxTransformer2DModel(**config)
+        else:
+            from diffusers import QwenImageTransformer2DModel as Reference
+
+            from vllm_omni.diffusion.models.qwen_image.transformer_qwen_image import (
+                QwenImageTransformer2DModel,
+                QwenImageTransformerConfig,
+            )
+
+            reference = Reference(**config)
+            ours = QwenImageTransformer2DModel(config=QwenImageTransformerConfig.from_dict(config))
+    reference = reference.to(dtype).eval()
+    return reference, _finish_load(ours, reference)
+
+
+def make_inputs(name: str, config: dict, size: int, batch: int, text_tokens: int, device, dtype, ours):
+    """(diffusers call, our call) on identical random inputs for one size."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    t = torch.full((batch,), 0.5, device=device, dtype=dtype)
+    if name == "flux":
+        side = size // 16
+        x = randn(batch, side * side, config["in_channels"])
+        enc = randn(batch, text_tokens, config["joint_attention_dim"])
+        pooled = randn(batch, config["pooled_projection_dim"])
+        guidance = torch.full((batch,), 3.5, device=device, dtype=torch.float32)
+        from vllm_omni.diffusion.models.flux.pipeline_flux import latent_image_ids
+
+        img_ids = latent_image_ids(side, side).to(device, dtype)
+        txt_ids = torch.zeros(text_tokens, 3, device=device, dtype=dtype)
+        rope = ours.rotary_emb(txt_ids, img_ids)
+
+        def ref_call(model):
+            return model(hidden_states=x, encoder_hidden_states=enc, pooled_projections=pooled, timestep=t,
+                         img_ids=img_ids, txt_ids=txt_ids, guidance=guidance, return_dict=False)[0]
+
+        def our_call(fn):
+            return fn(x, enc, pooled, t, guidance=guidance, rotary_emb=rope)
+        return ref_call, our_call
+    side = size // 16
+    x = randn(batch, side * side, config["in_channels"])
+    enc = randn(batch, text_tokens, config["joint_attention_dim"])
+
+    def ref_call(model):
+        # Batch-1 prompts have no padding: diffusers' QwenImagePipeline then passes no mask, and so do we.
+        return model(hidden_states=x, encoder_hidden_states=enc, encoder_hidden_states_mask=None, timestep=t,
+                     img_shapes=[[(1, side, side)]] * batch, return_dict=False)[0]
+
+    def our_call(fn):
+        return fn(x, enc, None, t, [(1, side, side)])
+    return ref_call, our_call
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, peak: float):
+        self.args, self.device, self.dtype, self.peak = args, device, dtype, peak
+        self.rows: list[Row] = []
+
+    def measure(self, row: Row, fn: Callable[[], torch.Tensor], tflop: float, ref_ms: float | None,
+                ref_out: torch.Tensor | None, eager_out: torch.Tensor | None) -> torch.Tensor | None:
+        try:
+            out = fn()
+            sync(self.device)
+            row.ms_median, row.ms_min = timed(fn, self.device, self.args.warmup, self.args.iters)
+        except Exception as exc:  # a variant that cannot run here is reported, the others go on
+            row.note = f"failed: {type(exc).__name__}: {str(exc)[:300]}"
+            print(json.dumps(asdict(row)), flush=True)
+            self.rows.append(row)
+            return None
+        row.tflops = tflop / (row.ms_median / 1e3)
+        row.pct_peak = 100 * row.tflops / self.peak
+        if ref_ms:
+            row.speedup_vs_diffusers = ref_ms / row.ms_median
+        if ref_out is not None:
+            row.psnr_vs_diffusers = psnr(out, ref_out)
+        if eager_out is not None:
+            row.psnr_vs_ours_eager = psnr(out, eager_out)
+        print(json.dumps(asdict(row)), flush=True)
+        self.rows.append(row)
+        return out
+
+    def run_model(self, name: str) -> None:
+        args, device, dtype = self.args, self.device, self.dtype
+        config = SMOKE[name] if args.smoke else (FLUX_CONFIG if name == "flux" else QWEN_CONFIG)
+        t0 = time.perf_counter()
+        reference, ours = build_models(name, config, device, dtype)
+        print(json.dumps({"model": name, "build_s": round(time.perf_counter() - t0, 1),
+                          "params_b": round(sum(p.numel() for p in reference.parameters()) / 1e9, 2)}), flush=True)
+        text_tokens = 16 if args.smoke else TEXT_TOKENS[name]
+        plans = [(size, batch) for size in args.sizes for batch in args.batches]
+        eager_outs: dict[tuple[int, int], torch.Tensor] = {}
+        ref_info: dict[tuple[int, int], tuple[float, float, torch.Tensor]] = {}
+        with torch.inference_mode():
+            for size, batch in plans:
+                ref_call, our_call = make_inputs(name, config, size, batch, text_tokens, device, dtype, ours)
+                ref_fn, our_fn = functools.partial(ref_call, reference), functools.partial(our_call, ours)
+                tflop = count_tflop(ref_fn)
+                row = Row(name, size, batch, "diffusers eager", extra={"tflop": round(tflop, 2)})
+                ref_out = self.measure(row, ref_fn, tflop, None, None, None)
+                ref_info[(size, batch)] = (row.ms_median, tflop, ref_out)
+                ref_ms = row.ms_median
+                row = Row(name, size, batch, "ours eager (TORCH_SDPA)")
+                eager = self.measure(row, our_fn, tflop, ref_ms, ref_out, None)
+                eager_outs[(size, batch)] = eager
+                if device.type == "cuda":
+                    self._attention_variants(name, size, batch, ours, our_call, tflop, ref_ms, ref_out, eager)
+                    self._graph_variant(name, size, batch, "ours eager + CUDA graph", ours, our_call, tflop,
+                                        ref_ms, ref_out, eager)
+            if args.compile:
+                self._compiled_variants(name, ours, plans, config, text_tokens, ref_info, eager_outs)
+
+    def _attention_variants(self, name, size, batch, ours, our_call, tflop, ref_ms, ref_out, eager) -> None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        for kernel in SDPA_KERNELS:
+            row = Row(name, size, batch, f"ours eager (SDPA {kernel})")
+
+            def fn(kernel=kernel):
+                with sdpa_kernel([getattr(SDPBackend, kernel)]):
+                    return our_call(ours)
+            self.measure(row, fn, tflop, ref_ms, ref_out, eager)
+
+    def _graph_variant(self, name, size, batch, label, ours, our_call, tflop, ref_ms, ref_out, eager) -> None:
+        from vllm_omni.diffusion.layers.cuda_graph import CUDAGraphRunner
+
+        runner = CUDAGraphRunner(ours.forward)
+        row = Row(name, size, batch, label)
+        self.measure(row, lambda: our_call(runner), tflop, ref_ms, ref_out, eager)
+        runner.reset()
+        torch.cuda.empty_cache()
+
+    def _compiled_variants(self, name, ours, plans, config, text_tokens, ref_info, eager_outs) -> None:
+        from vllm_omni.diffusion.layers.compile import compile_repeated_blocks
+
+        compile_repeated_blocks(ours, mode=self.args.compile_mode)
+        for size, batch in plans:
+            ref_ms, tflop, ref_out = ref_info[(size, batch)]
+            _, our_call = make_inputs(name, config, size, batch, text_tokens, self.device, self.dtype, ours)
+            t0 = time.perf_counter()
+            row = Row(name, size, batch, f"ours compiled ({self.args.compile_mode})")
+            out = self.measure(row, functools.partial(our_call, ours), tflop, ref_ms, ref_out,
+                               eager_outs[(size, batch)])
+            row.extra["first_call_s"] = round(time.perf_counter() - t0, 1)
+            if self.device.type == "cuda" and out is not None:
+                self._graph_variant(name, size, batch, "ours compiled + CUDA graph", ours, our_call, tflop, ref_ms,
+                                    ref_out, eager_outs[(size, batch)])
+
+
+def print_table(rows: list[Row]) -> None:
+    def fmt(value, spec):
+        return format("-", f">{spec.split('.')[0]}") if value is None else format(value, spec)
+
+    header = f"{'model':<11}{'size':>6}{'bs':>4}  {'variant':<36}{'ms':>9}{'TFLOP/s':>9}{'%peak':>7}{'x diff':>8}"
+    print("\n" + header + f"{'PSNR/diff':>11}{'PSNR/eager':>11}")
+    for r in rows:
+        print(f"{r.model:<11}{r.size:>6}{r.batch:>4}  {r.variant:<36}{fmt(r.ms_median, '9.2f')}"
+              f"{fmt(r.tflops, '9.1f')}{fmt(r.pct_peak, '7.1f')}{fmt(r.speedup_vs_diffusers, '8.2f')}"
+              f"{fmt(r.psnr_vs_diffusers, '11.1f')}{fmt(r.psnr_vs_ours_eager, '11.1f')}  {r.note[:60]}")
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    import diffusers
+
+    env = {"torch": torch.__version__, "diffusers": diffusers.__version__, "python": platform.python_version(),
+           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+           "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if device.type == "cuda":
+        env["cuda"] = torch.version.cuda
+        env["cudnn"] = torch.backends.cudnn.version()
+        for module in ("triton", "flash_attn", "flashinfer"):
+            try:
+                env[module] = __import__(module).__version__
+            except Exception:  # noqa: BLE001 - absent optional kernel packages are recorded as such
+                env[module] = None
+    return env
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["flux", "qwen-image"], choices=["flux", "qwen-image"])
+    parser.add_argument("--sizes", nargs="+", type=int, default=[1024, 512], help="square image side in pixels")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1])
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time regional torch.compile (+ CUDA graph) variants")
+    parser.add_argument("--compile-mode", default="default", help="torch.compile mode for the blocks")
+    parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU (fp32), seconds")
+    parser.add_argument("--out", type=Path, default=None, help="JSON results path")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.warmup, args.iters = [64], 1, 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # One compiled graph per block class and shape; every layer instance must reuse it, not hit the limit.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    env = environment(device)
+    peak = matmul_peak_tflops(device, dtype)
+    env["matmul_peak_tflops"] = round(peak, 1)
+    print(json.dumps(env), flush=True)
+    bench = Bench(args, device, dtype, peak)
+    with vllm_single_rank(device):
+        for name in args.models:
+            try:
+                bench.run_model(name)
+            except Exception as exc:  # keep the other model's numbers
+                import traceback
+
+                traceback.print_exc()
+                bench.rows.append(Row(name, 0, 0, "build", note=f"failed: {type(exc).__name__}: {exc}"[:300]))
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            if args.out:
+                _write(args, env, bench.rows)
+    print_table(bench.rows)
+    result = _write(args, env, bench.rows)
+    return result
+
+
+def _write(args: argparse.Namespace, env: dict, rows: list[Row]) -> dict[str, Any]:
+    result = {"command": " ".join(sys.argv), "env": env, "rows": [asdict(r) for r in rows]}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()
