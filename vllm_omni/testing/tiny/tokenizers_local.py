@@ -47,24 +47,34 @@ CHATML_TEMPLATE = (
 )
 
 
-def build_qwen_bpe(vocab_size: int = 1024) -> Tokenizer:
-    """A byte-level BPE like Qwen2's (same pre-tokenizer family and special tokens), trained on CORPUS."""
+def build_qwen_bpe(
+    vocab_size: int = 1024,
+    *,
+    corpus: list[str] = CORPUS,
+    special_tokens: list[str] = QWEN_SPECIAL_TOKENS,
+) -> Tokenizer:
+    """A byte-level BPE like Qwen2's (same pre-tokenizer family and special tokens), trained on `corpus`."""
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(QWEN_SPECIAL_TOKENS),
+        vocab_size=vocab_size - len(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
-    tok.add_special_tokens(QWEN_SPECIAL_TOKENS)
+    tok.train_from_iterator(corpus * 4, trainer=trainer)
+    tok.add_special_tokens(special_tokens)
     return tok
 
 
 def save_qwen_tokenizer(
-    out_dir: Path, tok: Tokenizer, *, chat_template: str | None = CHATML_TEMPLATE
+    out_dir: Path,
+    tok: Tokenizer,
+    *,
+    chat_template: str | None = CHATML_TEMPLATE,
+    special_tokens: list[str] = QWEN_SPECIAL_TOKENS,
+    extra_config: dict | None = None,
 ) -> None:
     """Write tokenizer.json + tokenizer_config.json (+ vocab.json/merges.txt) as Qwen repos ship them."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -76,12 +86,12 @@ def save_qwen_tokenizer(
     added = {
         str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
                                   "single_word": False, "special": True}
-        for t in QWEN_SPECIAL_TOKENS
+        for t in special_tokens
     }
     config = {
         "tokenizer_class": "Qwen2Tokenizer",
         "added_tokens_decoder": added,
-        "additional_special_tokens": QWEN_SPECIAL_TOKENS[1:],
+        "additional_special_tokens": special_tokens[1:],
         "bos_token": None,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
@@ -93,4 +103,5 @@ def save_qwen_tokenizer(
     }
     if chat_template is not None:
         config["chat_template"] = chat_template
+    config.update(extra_config or {})
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
