@@ -57,6 +57,8 @@ class VllmOmniConfig:
     stages: list[StageConfig]
     connectors: dict[str, ConnectorConfig] = Field(default_factory=dict)
     """Connector per edge "src->dst"."""
+    init_timeout: float | None = None
+    """Seconds the whole pipeline may take to start; None = the sum of the stages' `stage_init_timeout`."""
 
     @property
     def stage_types(self) -> list[str]:
@@ -74,6 +76,7 @@ class VllmOmniConfig:
         deploy: DeployConfig,
         global_args: Mapping[str, Any],
         stage_overrides: Mapping[str, Mapping[str, Any]],
+        init_timeout: float | None = None,
     ) -> VllmOmniConfig:
         _check_stage_ids(deploy, stage_overrides, len(pipeline.stages))
         stages: list[StageConfig] = []
@@ -114,13 +117,12 @@ class VllmOmniConfig:
         connectors = {f"{src}->{s.stage_id}": deploy.connector_for(src, s.stage_id)
                       for s in stages for src in s.inputs}
         return cls(model=model, model_path=model_path, pipeline_name=pipeline.name, stages=stages,
-                   connectors=connectors)
+                   connectors=connectors, init_timeout=init_timeout)
 
 
 class StageConfigFactory:
     """The one place that turns (model, configs, overrides) into a `VllmOmniConfig`."""
 
-    OMNI_KEYS = ("pipeline_config", "deploy_config", "stage_overrides", "stage_init_timeout")
 
     @classmethod
     def create_from_model(cls, model: str, **kwargs: Any) -> VllmOmniConfig:
@@ -130,6 +132,7 @@ class StageConfigFactory:
         deploy = kwargs.pop("deploy_config", None)
         stage_overrides = kwargs.pop("stage_overrides", None) or {}
         stage_init_timeout = kwargs.pop("stage_init_timeout", None)
+        init_timeout = kwargs.pop("init_timeout", None)
         if isinstance(stage_overrides, str):
             stage_overrides = json.loads(stage_overrides)
         stage_overrides = {str(k): v for k, v in stage_overrides.items()}
@@ -146,7 +149,14 @@ class StageConfigFactory:
         if stage_init_timeout is not None:
             deploy = DeployConfig(stages=deploy.stages, connector=deploy.connector,
                                   edge_connectors=deploy.edge_connectors, stage_init_timeout=stage_init_timeout)
-        return VllmOmniConfig.from_pipeline_config(model, model_path, pipeline, deploy, kwargs, stage_overrides)
+        if init_timeout is not None and pipeline_has(pipeline, StageExecutionType.DIFFUSION):
+            kwargs["init_timeout"] = init_timeout  # a diffusion stage also bounds its own worker start-up
+        return VllmOmniConfig.from_pipeline_config(model, model_path, pipeline, deploy, kwargs, stage_overrides,
+                                                   init_timeout)
+
+
+def pipeline_has(pipeline: PipelineConfig, execution_type: StageExecutionType) -> bool:
+    return any(s.execution_type == execution_type for s in pipeline.stages)
 
 
 def pipeline_for_model(model_path: str) -> PipelineConfig:

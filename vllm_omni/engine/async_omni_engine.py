@@ -54,7 +54,7 @@ class AsyncOmniEngine:
         self._thread = threading.Thread(target=self._run_loop, name="OmniOrchestrator", daemon=True)
         start = time.perf_counter()
         self._thread.start()
-        timeout = sum(s.stage_init_timeout * s.num_replicas for s in config.stages) + 30.0
+        timeout = config.init_timeout or sum(s.stage_init_timeout * s.num_replicas for s in config.stages) + 30.0
         try:
             self._ready.result(timeout=timeout)
         except concurrent.futures.TimeoutError:

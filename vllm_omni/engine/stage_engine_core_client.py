@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from vllm_omni.engine.stage_client import StageClientBase
-from vllm_omni.errors import EngineDeadError, OmniClientError
+from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError
 from vllm_omni.outputs import OmniRequestOutput
 
 # EngineCore utilities (not worker methods) that `collective_rpc_async` forwards as utility calls.
@@ -79,6 +79,9 @@ class StageEngineCoreClient(StageClientBase):
                     token_ids=list(completion.token_ids) if completion else [],
                     request_output=out,
                 )
+                aborted = out.finished and completion is not None and completion.finish_reason == "abort"
+                if aborted and not self.final_output:  # a truncated intermediate result must not feed on
+                    raise EngineGenerateError(f"{self.name}: request {request_id} was aborted by the engine")
                 if out.finished:
                     result.stage_durations[self.config.stage_type] = time.perf_counter() - start
                 yield result

@@ -1,0 +1,147 @@
+"""Shared-memory connector: large tensors go into POSIX shared memory, the handle carries only names.
+
+The producer writes each large tensor once into its own segment (the one unavoidable copy); readers map the
+segment and get a zero-copy view. The segment's name is unlinked after the last reader in this process took
+it, on `release`/`drop_request` (abort, failure) or on `close`, so /dev/shm never outlives the request; live
+views stay valid after the unlink because the mapping, not the name, holds the memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_omni.connectors.base import OmniConnector, PayloadHandle, StagePayload
+
+_INLINE_KEY = "__inline_tensors__"
+_SHM_DIR = "/dev/shm"
+
+
+@dataclass
+class _Entry:
+    request_id: str
+    segments: list[shared_memory.SharedMemory]
+    readers_left: int
+
+
+class SharedMemoryConnector(OmniConnector):
+    def __init__(self, threshold_bytes: int = 1_000_000) -> None:
+        self.threshold_bytes = threshold_bytes
+        self._entries: dict[str, _Entry] = {}
+        self._keys_by_request: dict[str, set[str]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, request_id: str, src_stage: int, dst_stage: int, payload: StagePayload,
+            num_readers: int = 1) -> PayloadHandle:
+        key = self.make_key(request_id, src_stage, dst_stage)
+        inline: dict[str, torch.Tensor] = {}
+        specs: list[tuple[str, str, str, tuple[int, ...]]] = []
+        segments: list[shared_memory.SharedMemory] = []
+        try:
+            for name, tensor in payload.tensors.items():
+                tensor = tensor.detach()
+                nbytes = tensor.numel() * tensor.element_size()
+                if nbytes < self.threshold_bytes or nbytes == 0:
+                    inline[name] = tensor.cpu()
+                    continue
+                shm = shared_memory.SharedMemory(create=True, size=nbytes, name=f"omni_{uuid.uuid4().hex[:20]}")
+                segments.append(shm)
+                _write(shm, tensor)
+                specs.append((name, shm.name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)))
+        except BaseException:
+            for shm in segments:
+                _free(shm)
+            raise
+        with self._lock:
+            self._entries[key] = _Entry(request_id, segments, num_readers)
+            self._keys_by_request.setdefault(request_id, set()).add(key)
+        metadata = dict(payload.metadata)
+        if inline:
+            metadata[_INLINE_KEY] = inline
+        return PayloadHandle(key=key, request_id=request_id, metadata=metadata, tensor_specs=specs)
+
+    def get(self, handle: PayloadHandle) -> StagePayload:
+        """Zero-copy views on the segments; the last reader in this process unlinks them."""
+        with self._lock:
+            entry = self._entries.get(handle.key)
+            if entry is None:
+                raise KeyError(f"payload {handle.key} was already consumed or dropped")
+            tensors = {name: _map(seg, getattr(torch, dtype), shape) for name, seg, dtype, shape in handle.tensor_specs}
+            entry.readers_left -= 1
+            if entry.readers_left <= 0:
+                self._remove(handle.key)
+        return _payload(handle, tensors)
+
+    @staticmethod
+    def open_handle(handle: PayloadHandle) -> StagePayload:
+        """For a reader in another process: map the segments by name (the producer stays the owner)."""
+        tensors = {name: _map(seg, getattr(torch, dtype), shape) for name, seg, dtype, shape in handle.tensor_specs}
+        return _payload(handle, tensors)
+
+    def release(self, handle: PayloadHandle) -> None:
+        with self._lock:
+            self._remove(handle.key)
+
+    def drop_request(self, request_id: str) -> None:
+        with self._lock:
+            for key in list(self._keys_by_request.get(request_id, ())):
+                self._remove(key)
+
+    def close(self) -> None:
+        with self._lock:
+            for key in list(self._entries):
+                self._remove(key)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _remove(self, key: str) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        keys = self._keys_by_request.get(entry.request_id)
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self._keys_by_request[entry.request_id]
+        for shm in entry.segments:
+            _free(shm)
+
+
+def _write(shm: shared_memory.SharedMemory, tensor: torch.Tensor) -> None:
+    """Copy `tensor` into the segment, then drop the producer's mapping (readers map it themselves)."""
+    target = torch.from_numpy(np.frombuffer(shm.buf, dtype=np.uint8)).view(tensor.dtype).view(tensor.shape)
+    target.copy_(tensor)
+    del target
+    shm.close()
+
+
+def _map(segment: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor on its own mapping of the segment; the mapping lives exactly as long as the tensor does."""
+    fd = os.open(os.path.join(_SHM_DIR, segment), os.O_RDWR)
+    try:
+        mapping = mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    return torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8)).view(dtype).view(shape)
+
+
+def _free(shm: shared_memory.SharedMemory) -> None:
+    """Unlink the name; mapped views stay valid until they are garbage collected."""
+    with contextlib.suppress(FileNotFoundError):
+        shm.unlink()
+
+
+def _payload(handle: PayloadHandle, tensors: dict[str, torch.Tensor]) -> StagePayload:
+    metadata: dict[str, Any] = dict(handle.metadata)
+    tensors = {**metadata.pop(_INLINE_KEY, {}), **tensors}
+    return StagePayload(metadata=metadata, tensors=tensors)
