@@ -109,17 +109,18 @@ class OmniEngineArgs(EngineArgs):
                            help="Seconds the whole pipeline may take to start.")
         return parser
 
-    def to_omni_kwargs(self, baseline: OmniEngineArgs | None = None) -> dict[str, Any]:
-        """The engine kwargs that differ from `baseline` (what `AsyncOmni(model, **kw)` takes).
+    @classmethod
+    def omni_kwargs_from_cli(cls, args: argparse.Namespace, defaults: argparse.Namespace) -> dict[str, Any]:
+        """The engine flags set differently from the parser's `defaults`: what `AsyncOmni(model, **kw)` takes.
 
-        The CLI passes the parser's own defaults as `baseline`, so only flags the user set travel on.
+        Works on the parsed namespaces (no `EngineArgs.__post_init__`, which would resolve the model name
+        through the hub), and passes on only what the user changed, so stage defaults stay in charge.
         """
-        baseline = baseline or OmniEngineArgs()
         kwargs: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            if f.name in ("model", "omni"):
+        for f in dataclasses.fields(cls):
+            if f.name in ("model", "omni") or not hasattr(args, f.name):
                 continue
-            value = getattr(self, f.name)
-            if value != getattr(baseline, f.name):
+            value = getattr(args, f.name)
+            if value != getattr(defaults, f.name, f.default):
                 kwargs[f.name] = value
         return kwargs

@@ -11,7 +11,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from vllm import envs
-from vllm.entrypoints.launchers.launcher import serve_http, setup_server
+from vllm.entrypoints.launchers.launcher import create_server_socket, serve_http
 from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
 from vllm.logger import init_logger
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -84,9 +84,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from vllm_omni.entrypoints.cli.serve import make_omni_arg_parser
 
     defaults = make_omni_arg_parser(FlexibleArgumentParser()).parse_args([])
-    defaults.model = args.model
-    baseline = OmniEngineArgs.from_cli_args(defaults)
-    return OmniEngineArgs.from_cli_args(args).to_omni_kwargs(baseline)
+    return OmniEngineArgs.omni_kwargs_from_cli(args, defaults)
 
 
 def build_engine(args: argparse.Namespace) -> Any:
@@ -99,7 +97,8 @@ def build_engine(args: argparse.Namespace) -> Any:
 
 async def run_server(args: argparse.Namespace, **uvicorn_kwargs: Any) -> None:
     """Bind the socket first (so the port is ours), start the engine, then serve until SIGINT/SIGTERM."""
-    listen_address, sock = setup_server(args, reuse_port=False)
+    sock = create_server_socket((args.host or "", args.port), reuse_port=False)
+    listen_address = f"http://{args.host or '0.0.0.0'}:{args.port}"
     engine = build_engine(args)
     try:
         app = build_app(args, engine)

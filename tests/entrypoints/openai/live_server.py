@@ -1,0 +1,86 @@
+"""Start `vllm serve <model> --omni` through vLLM's own `vllm` entry point in a subprocess, for live tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+STARTUP_TIMEOUT_S = 300.0
+SHUTDOWN_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, model: str, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        vllm = Path(sys.executable).with_name("vllm")
+        cmd = [str(vllm), "serve", model, "--omni", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+        self.log = Path(f"/tmp/vllm_omni_live_{self.port}.log")
+        self._log_file = self.log.open("w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.close()
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.close()
+        raise TimeoutError(f"server not ready in {STARTUP_TIMEOUT_S} s:\n{self.log.read_text()[-4000:]}")
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels`."""
+        total = 0.0
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def close(self) -> bool:
+        """SIGTERM the server (it stops its engine); True when it exited cleanly leaving no process behind.
+
+        Whatever is left of its process group afterwards is killed, so a failing test leaks nothing either.
+        """
+        clean = False
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
+                clean = not _group_alive(self.proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        self._log_file.close()
+        return clean
+
+
+def _group_alive(pgid: int) -> bool:
+    time.sleep(1.0)  # children notice their parent's exit
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,112 @@
+"""Live server on the tiny Qwen-Image checkpoint, started as `vllm serve tiny/qwen-image --omni`, driven by
+the official `openai` client and raw HTTP. Pins: the images and chat routes return real pipeline images of
+the asked size, batch chat fans out, and bad input is 4xx with an error body (never 5xx)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import openai
+import pytest
+from PIL import Image
+
+from tests.entrypoints.openai.live_server import LiveServer
+
+MODEL = "tiny/qwen-image"
+FAST = {"num_inference_steps": 2, "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = LiveServer(MODEL, "--max-request-outputs", "4")
+    yield srv
+    assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def decode(b64: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+def test_images_generate(client):
+    res = client.images.generate(model=MODEL, prompt="a red cube", n=2, size="64x32", extra_body=FAST)
+    assert [decode(d.b64_json).size for d in res.data] == [(64, 32), (64, 32)]
+    again = client.images.generate(model=MODEL, prompt="a red cube", n=2, size="64x32", extra_body=FAST)
+    assert again.data[0].b64_json == res.data[0].b64_json  # same seed, same image
+
+
+def test_chat_returns_images(client):
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a cube"}],
+                                         extra_body={**FAST, "size": "32x32"})
+    part = out.choices[0].message.content[0]
+    assert part["type"] == "image_url"
+    url = part["image_url"]["url"]
+    assert decode(url.split(",", 1)[1]).size == (32, 32)
+
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a cube"}],
+                                            stream=True, extra_body={**FAST, "size": "32x32"})
+    chunks = list(stream)
+    parts = [c.choices[0].delta.content for c in chunks if c.choices and isinstance(c.choices[0].delta.content, list)]
+    assert len(parts) == 1 and parts[0][0]["type"] == "image_url"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_batch_chat_raw_http(server):
+    body = {"model": MODEL, "messages": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]],
+            "size": "32x32", **FAST}
+    resp = httpx.post(f"{server.url}/v1/chat/completions/batch", json=body, headers={"X-Request-Id": "rq7"},
+                      timeout=120)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    assert data["id"] == "chatcmpl-batch-rq7"
+    assert [c["index"] for c in data["choices"]] == [0, 1]
+    assert all(c["message"]["content"][0]["type"] == "image_url" for c in data["choices"])
+
+
+@pytest.mark.parametrize(
+    "path,body,status,needle",
+    [
+        ("/v1/images/generations", "{oops", 400, "JSON"),
+        ("/v1/images/generations", {"prompt": "x", "n": "two"}, 400, "n"),
+        ("/v1/images/generations", {"n": 1}, 400, "prompt"),
+        ("/v1/images/generations", {"prompt": "x", "size": "0x0"}, 400, "size"),
+        ("/v1/images/generations", {"prompt": "x", "size": "99999x64"}, 400, "width"),
+        ("/v1/images/generations", {"prompt": "x", "n": 5}, 400, "max-request-outputs"),
+        ("/v1/images/generations", {"prompt": "x", "quality": "medium"}, 400, "quality"),
+        ("/v1/images/generations", {"prompt": "x", "colour": "red"}, 400, "colour"),
+        ("/v1/images/generations", {"prompt": "x", "model": "gpt-image-1"}, 404, "gpt-image-1"),
+        ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "modalities": ["audio"]}, 400,
+         "modalities"),
+        ("/v1/chat/completions/batch", {"messages": [[{"role": "user", "content": "x"}]], "n": 2}, 400, "n"),
+        ("/v1/chat/completions/batch", {"messages": [[{"role": "user", "content": "x"}]], "stream": "nope"}, 400,
+         "stream"),
+        ("/v1/audio/speech", {"input": "hello"}, 400, "audio"),
+        ("/v1/omni/sleep", {"level": 9}, 400, "level"),
+    ],
+)
+def test_bad_requests(server, path, body, status, needle):
+    kwargs = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, str) \
+        else {"json": body}
+    resp = httpx.post(f"{server.url}{path}", timeout=60, **kwargs)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == status and needle in error["message"]
+
+
+def test_bad_edit_upload(server):
+    resp = httpx.post(f"{server.url}/v1/images/edits", data={"prompt": "x"},
+                      files={"image": ("a.png", b"not a png", "image/png")}, timeout=60)
+    assert resp.status_code == 400 and "not a readable image" in resp.json()["error"]["message"]
+
+
+def test_no_5xx_recorded(server):
+    """Everything above, good or bad, was answered without a server error."""
+    assert server.metric("vllm_omni:http_requests_total", status="500") == 0
+    assert server.metric("vllm_omni:http_requests_total", route="/v1/images/generations", status="200") >= 2
