@@ -21,6 +21,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig, set_current_attention_config
 from vllm_omni.diffusion.data import DiffusionOutput
+from vllm_omni.diffusion.layers.compile import accelerate_transformer
 from vllm_omni.diffusion.model_loader.diffusers_loader import iter_component_weights, read_component_config
 from vllm_omni.diffusion.models.flux.transformer_flux import FluxTransformer2DModel
 
@@ -103,6 +104,8 @@ class FluxPipeline(nn.Module):
             if quant_method is not None:
                 quant_method.process_weights_after_loading(module)
         transformer.eval()
+        if not od_config.enforce_eager and device.type == "cuda":
+            accelerate_transformer(transformer)
         kwargs = {"dtype": dtype}
         text_encoder = CLIPTextModel.from_pretrained(model_dir / "text_encoder", **kwargs).to(device).eval()
         text_encoder_2 = T5EncoderModel.from_pretrained(model_dir / "text_encoder_2", **kwargs).to(device).eval()

@@ -1,0 +1,256 @@
+"""End-to-end text-to-image latency: our native pipelines vs diffusers' on the same components, same process.
+
+Real-size components with random bf16 weights are built on the GPU (FLUX.1-dev: CLIP-L, T5-XXL, 11.9B MMDiT,
+AutoencoderKL; Qwen-Image: Qwen2.5-VL-7B, 20.4B MMDiT, Qwen-Image VAE); tokenizers come from our tiny
+checkpoints. Text encoders and VAE are shared by both pipelines; diffusers gets its own transformer and ours a copy
+of the same weights. Our pipeline runs eager, and with `--accelerate` also with compiled blocks + CUDA graphs.
+`--smoke` runs the tiny checkpoints on the CPU.
+
+  python benchmarks/diffusion/bench_pipeline.py --models flux qwen-image --size 1024 --out res.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_dit_forward import (  # noqa: E402
+    FLUX_CONFIG,
+    QWEN_CONFIG,
+    build_models,
+    environment,
+    sync,
+    vllm_single_rank,
+)
+
+from vllm_omni.diffusion.data import OmniDiffusionConfig  # noqa: E402
+from vllm_omni.diffusion.request import OmniDiffusionRequest  # noqa: E402
+from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch  # noqa: E402
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams  # noqa: E402
+
+PROMPT = "A photo of a cat sitting on a red chair in the morning light."
+NEGATIVE = "blurry, low quality"
+
+
+def image_psnr(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    mse = np.mean((a - b) ** 2)
+    return float("inf") if mse == 0 else float(10 * np.log10(255.0**2 / mse))
+
+
+def _public(config: dict) -> dict:
+    return {k: v for k, v in config.items() if not k.startswith("_")}
+
+
+def flux_components(device, dtype, smoke: bool) -> dict[str, Any]:
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
+    from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from vllm_omni.testing.tiny_models import build_tiny
+
+    tiny = build_tiny("flux")
+    if smoke:
+        from diffusers import FluxTransformer2DModel
+
+        return dict(
+            tokenizer=AutoTokenizer.from_pretrained(tiny / "tokenizer"),
+            tokenizer_2=AutoTokenizer.from_pretrained(tiny / "tokenizer_2"),
+            text_encoder=CLIPTextModel.from_pretrained(tiny / "text_encoder").to(device, dtype).eval(),
+            text_encoder_2=T5EncoderModel.from_pretrained(tiny / "text_encoder_2").to(device, dtype).eval(),
+            vae=AutoencoderKL.from_pretrained(tiny / "vae").to(device, dtype).eval(),
+            scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(tiny / "scheduler"),
+            transformer_config=_public(FluxTransformer2DModel.load_config(tiny / "transformer")),
+        )
+    tokenizer = AutoTokenizer.from_pretrained(tiny / "tokenizer")
+    with torch.device(device):
+        torch.set_default_dtype(dtype)
+        try:
+            text_encoder = CLIPTextModel(CLIPTextConfig(
+                hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
+                projection_dim=768, hidden_act="quick_gelu", eos_token_id=tokenizer.eos_token_id))
+            text_encoder_2 = T5EncoderModel(T5Config(
+                vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                feed_forward_proj="gated-gelu", dense_act_fn="gelu_new", is_gated_act=True))
+            vae = AutoencoderKL(
+                in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                layers_per_block=2, scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
+                use_post_quant_conv=False)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    return dict(
+        tokenizer=tokenizer, tokenizer_2=AutoTokenizer.from_pretrained(tiny / "tokenizer_2"),
+        text_encoder=text_encoder.eval(), text_encoder_2=text_encoder_2.eval(), vae=vae.eval(),
+        scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(tiny / "scheduler"),
+        transformer_config=FLUX_CONFIG,
+    )
+
+
+def qwen_components(device, dtype, smoke: bool) -> dict[str, Any]:
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    from vllm_omni.testing.tiny_models import build_tiny
+
+    tiny = build_tiny("qwen-image")
+    scheduler_config = json.loads((tiny / "scheduler" / "scheduler_config.json").read_text())
+    base = dict(tokenizer=AutoTokenizer.from_pretrained(tiny / "tokenizer"), scheduler_config=scheduler_config,
+                scheduler=FlowMatchEulerDiscreteScheduler.from_pretrained(tiny / "scheduler"))
+    if smoke:
+        return dict(base,
+                    text_encoder=Qwen2_5_VLForConditionalGeneration.from_pretrained(tiny / "text_encoder")
+                    .to(device, dtype).eval(),
+                    vae=AutoencoderKLQwenImage.from_pretrained(tiny / "vae").to(device, dtype).eval(),
+                    transformer_config=_public(QwenImageTransformer2DModel.load_config(tiny / "transformer")))
+    config = AutoConfig.from_pretrained(tiny / "text_encoder")
+    text = config.text_config
+    real = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                num_attention_heads=28, num_key_value_heads=4)
+    for key, value in real.items():
+        setattr(text, key, value)
+    text.rope_parameters = dict(text.rope_parameters, mrope_section=[16, 24, 24])
+    config.vision_config.out_hidden_size = 3584
+    with torch.device(device):
+        torch.set_default_dtype(dtype)
+        try:
+            text_encoder = Qwen2_5_VLForConditionalGeneration(config)
+            vae = AutoencoderKLQwenImage(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                                         attn_scales=[], temperal_downsample=[False, True, True])
+        finally:
+            torch.set_default_dtype(torch.float32)
+    return dict(base, text_encoder=text_encoder.eval(), vae=vae.eval(), transformer_config=QWEN_CONFIG)
+
+
+def make_pipelines(name: str, device, dtype, smoke: bool, accelerate: bool):
+    """(diffusers pipeline, our pipeline, our accelerated pipeline or None) sharing encoders and VAE."""
+    comps = (flux_components if name == "flux" else qwen_components)(device, dtype, smoke)
+    reference_tf, ours_tf = build_models(name, comps.pop("transformer_config"), device, dtype)
+    od_config = OmniDiffusionConfig(model=name, dtype=str(dtype).removeprefix("torch."))
+    if name == "flux":
+        from diffusers import FluxPipeline as Reference
+
+        from vllm_omni.diffusion.models.flux.pipeline_flux import FluxPipeline
+
+        reference = Reference(transformer=reference_tf, **{k: v for k, v in comps.items()})
+
+        def ours_with(transformer):
+            return FluxPipeline(od_config=od_config, transformer=transformer, device=device, dtype=dtype, **comps)
+    else:
+        from diffusers import QwenImagePipeline as Reference
+
+        from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
+
+        scheduler_config = comps.pop("scheduler_config")
+        reference = Reference(transformer=reference_tf, **comps)
+        comps.pop("scheduler")
+
+        def ours_with(transformer):
+            return QwenImagePipeline(od_config=od_config, device=device, dtype=dtype, transformer=transformer,
+                                     scheduler_config=scheduler_config, **comps)
+    reference.set_progress_bar_config(disable=True)
+    return reference, ours_with, ours_tf
+
+
+def run_once(fn) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def bench_model(name: str, args, device, dtype) -> list[dict[str, Any]]:
+    reference, ours_with, ours_tf = make_pipelines(name, device, dtype, args.smoke, args.accelerate)
+    steps = args.steps or (28 if name == "flux" else 50)
+    cfg = {"true_cfg_scale": 4.0} if name == "qwen-image" else {}
+    kw = dict(height=args.size, width=args.size, num_inference_steps=steps, **cfg)
+
+    def diffusers_call(num_steps=steps):
+        extra = {"negative_prompt": NEGATIVE} if cfg else {}
+        return reference(prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(0), output_type="pil",
+                         **dict(kw, num_inference_steps=num_steps), **extra).images[0]
+
+    def ours_call(pipe, num_steps=steps):
+        prompt = {"prompt": PROMPT, "negative_prompt": NEGATIVE} if cfg else PROMPT
+        sp = OmniDiffusionSamplingParams(seed=0, **dict(kw, num_inference_steps=num_steps))
+        out = pipe.forward(DiffusionRequestBatch([OmniDiffusionRequest(prompt, sp, "bench")]))[0]
+        if out.error:
+            raise RuntimeError(out.error)
+        return out
+
+    rows = []
+    with torch.inference_mode():
+        diffusers_call(2)
+        sync(device)
+        ref_s, ref_img = run_once(diffusers_call)
+        rows.append({"model": name, "pipeline": "diffusers", "size": args.size, "steps": steps, "s": ref_s, **cfg})
+        print(json.dumps(rows[-1]), flush=True)
+        variants = [("ours eager", ours_tf)]
+        if args.accelerate and device.type == "cuda":
+            variants.append(("ours compiled + CUDA graph", None))
+        for label, transformer in variants:
+            if transformer is None:
+                from vllm_omni.diffusion.layers.compile import accelerate_transformer
+
+                transformer = accelerate_transformer(ours_tf)
+            pipe = ours_with(transformer)
+            t0 = time.perf_counter()
+            ours_call(pipe, 2)
+            warm_s = time.perf_counter() - t0
+            secs, out = run_once(lambda pipe=pipe: ours_call(pipe))
+            rows.append({"model": name, "pipeline": label, "size": args.size, "steps": steps, "s": secs, **cfg,
+                         "speedup_vs_diffusers": ref_s / secs, "psnr_vs_diffusers": image_psnr(out.output[0], ref_img),
+                         "stage_durations": out.stage_durations, "warmup_s": warm_s})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["flux", "qwen-image"], choices=["flux", "qwen-image"])
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=None, help="default: 28 (FLUX), 50 (Qwen-Image, true CFG 4)")
+    parser.add_argument("--accelerate", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.size, args.steps = 64, args.steps or 2
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    env = environment(device)
+    print(json.dumps(env), flush=True)
+    rows: list[dict[str, Any]] = []
+    with vllm_single_rank(device):
+        for name in args.models:
+            try:
+                rows += bench_model(name, args, device, dtype)
+            except Exception as exc:  # keep the other model's numbers
+                import traceback
+
+                traceback.print_exc()
+                rows.append({"model": name, "error": f"{type(exc).__name__}: {exc}"[:400]})
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            result = {"command": " ".join(sys.argv), "env": env, "rows": rows}
+            if args.out:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"\n{'model':<11}{'pipeline':<30}{'size':>6}{'steps':>6}{'s/image':>9}{'x diff':>8}{'PSNR':>7}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['model']:<11}error: {r['error'][:90]}")
+            continue
+        print(f"{r['model']:<11}{r['pipeline']:<30}{r['size']:>6}{r['steps']:>6}{r['s']:>9.2f}"
+              f"{r.get('speedup_vs_diffusers', 1.0):>8.2f}{r.get('psnr_vs_diffusers', float('inf')):>7.1f}")
+    return {"command": " ".join(sys.argv), "env": env, "rows": rows}
+
+
+if __name__ == "__main__":
+    main()
