@@ -75,7 +75,8 @@ def test_precedence_pipeline_deploy_global_stage(tmp_path, lm_dir, diffusion_dir
     pipeline = tmp_path / "p.yaml"
     pipeline.write_text(TWO_STAGE_YAML.replace("{diffusion_dir}", str(diffusion_dir)))
     deploy = tmp_path / "d.yaml"
-    deploy.write_text("stages:\n  - {stage_id: 0, num_replicas: 2, engine_args: {max_num_seqs: 8, max_model_len: 512}}\n"
+    deploy.write_text("stages:\n  - {stage_id: 0, num_replicas: 2,\n"
+                      "     engine_args: {max_num_seqs: 8, max_model_len: 512}}\n"
                       "connector: {name: shm, shm_threshold_bytes: 10}\nstage_init_timeout: 42\n")
     config = StageConfigFactory.create_from_model(
         str(lm_dir), pipeline_config=str(pipeline), deploy_config=str(deploy),
