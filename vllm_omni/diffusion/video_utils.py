@@ -62,11 +62,12 @@ def to_uint8_frames(video: torch.Tensor) -> np.ndarray:
 
 
 def encode_mp4(frames: np.ndarray, fps: int, *, codec: str = DEFAULT_CODEC, crf: int = 18,
-               fragmented: bool = False) -> bytes:
+               fragmented: bool = False, gop: int | None = None) -> bytes:
     """Encode uint8 frames (T, H, W, 3) as an H.264 MP4 (yuv420p; odd sizes are edge-padded to even).
 
     `fragmented=True` writes a fragmented MP4 (moov up front, one fragment per keyframe) that a player can
-    append chunk by chunk, as the WebSocket video stream needs.
+    append chunk by chunk, as the WebSocket video stream needs; `gop` fixes the keyframe interval (so each
+    fragment holds exactly `gop` frames).
     """
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
         raise ValueError(f"frames must be uint8 (T, H, W, 3), got {frames.dtype} {frames.shape}")
@@ -77,29 +78,57 @@ def encode_mp4(frames: np.ndarray, fps: int, *, codec: str = DEFAULT_CODEC, crf:
         frames = np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
     if fragmented:
         buf = io.BytesIO()
-        _write_mp4(buf, frames, fps, codec, crf, {"movflags": "frag_keyframe+empty_moov+default_base_moof"})
+        _write_mp4(buf, frames, fps, codec, crf, {"movflags": "frag_keyframe+empty_moov+default_base_moof"}, gop)
         return buf.getvalue()
     # faststart (moov before the media, so players can start while downloading) rewrites the file in a second
     # pass that needs a real path.
     with tempfile.TemporaryDirectory(prefix="vllm-omni-mp4-") as tmp:
         path = Path(tmp) / "video.mp4"
-        _write_mp4(str(path), frames, fps, codec, crf, {"movflags": "faststart"})
+        _write_mp4(str(path), frames, fps, codec, crf, {"movflags": "faststart"}, gop)
         return path.read_bytes()
 
 
-def _write_mp4(target: Any, frames: np.ndarray, fps: int, codec: str, crf: int, options: dict[str, str]) -> None:
+def _write_mp4(target: Any, frames: np.ndarray, fps: int, codec: str, crf: int, options: dict[str, str],
+               gop: int | None) -> None:
     import av
 
     with av.open(target, mode="w", format="mp4", options=options) as container:
         stream = container.add_stream(codec, rate=fps)
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"
-        stream.options = {"crf": str(crf)} if codec == DEFAULT_CODEC else {}
+        if codec == DEFAULT_CODEC:
+            x264 = f"keyint={gop}:min-keyint={gop}:scenecut=0:bframes=0" if gop else ""
+            stream.options = {"crf": str(crf), **({"x264-params": x264} if x264 else {})}
         for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+
+
+def split_fmp4(data: bytes) -> tuple[bytes, list[bytes]]:
+    """Fragmented MP4 -> (init segment: ftyp + moov, [moof + mdat per fragment]); trailing boxes join the last."""
+    init, fragments, current = b"", [], b""
+    pos = 0
+    while pos + 8 <= len(data):
+        size = int.from_bytes(data[pos:pos + 4], "big")
+        kind = data[pos + 4:pos + 8]
+        if size == 1:
+            size = int.from_bytes(data[pos + 8:pos + 16], "big")
+        elif size == 0:
+            size = len(data) - pos
+        box = data[pos:pos + size]
+        pos += size
+        if kind in (b"ftyp", b"moov") and not fragments and not current:
+            init += box
+        elif kind == b"moof" and current:
+            fragments.append(current)
+            current = box
+        else:
+            current += box
+    if current:
+        fragments.append(current)
+    return init, fragments
 
 
 def decode_mp4(data: bytes) -> np.ndarray:

@@ -25,6 +25,9 @@ from vllm_omni.entrypoints.openai.serving_base import ServerLimits, maybe_await
 from vllm_omni.entrypoints.openai.serving_chat import OmniOpenAIServingChat
 from vllm_omni.entrypoints.openai.serving_images import OmniOpenAIServingImages
 from vllm_omni.entrypoints.openai.serving_speech import OmniOpenAIServingSpeech
+from vllm_omni.entrypoints.openai.serving_video import OmniOpenAIServingVideo
+from vllm_omni.entrypoints.openai.serving_video_stream import OmniStreamingVideoOutputHandler
+from vllm_omni.entrypoints.openai.video_api_router import router as video_router
 
 logger = init_logger(__name__)
 
@@ -53,6 +56,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> FastAPI:
         app = FastAPI(title="vllm-omni")
     app.root_path = args.root_path
     app.include_router(router)
+    app.include_router(video_router)
     register_exception_handlers(app)
     init_entrypoints_middleware(args, app, supported_tasks=())
     init_app_state(app, args, engine)
@@ -77,6 +81,8 @@ def init_app_state(app: FastAPI, args: argparse.Namespace, engine: Any) -> None:
     state.serving_chat_batch = OmniOpenAIServingChatBatch(**common, chat_template=template)
     state.serving_images = OmniOpenAIServingImages(**common)
     state.serving_speech = OmniOpenAIServingSpeech(**common)
+    state.serving_video = OmniOpenAIServingVideo(**common)
+    state.serving_video_stream = OmniStreamingVideoOutputHandler(state.serving_video)
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

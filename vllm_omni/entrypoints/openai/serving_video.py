@@ -1,0 +1,245 @@
+"""`/v1/videos` (OpenAI Videos API: async jobs + a sync MP4 route) on video diffusion pipelines.
+
+A job runs as an asyncio task on the server's loop: the engine generates frames, then MP4 encoding runs in a
+worker thread (`asyncio.to_thread`), so neither the engine nor the event loop waits on the encoder. Jobs live
+in memory (bounded: the oldest finished jobs are dropped first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from vllm.logger import init_logger
+from vllm.utils import random_uuid
+
+from vllm_omni.diffusion.video_utils import encode_mp4
+from vllm_omni.entrypoints.openai.media import decode_image_bytes, decode_image_url
+from vllm_omni.entrypoints.openai.protocol.common import parse_size
+from vllm_omni.entrypoints.openai.protocol.videos import (
+    VideoDeleteResponse,
+    VideoError,
+    VideoGenerationRequest,
+    VideoGenerationStatus,
+    VideoListResponse,
+    VideoResponse,
+    video_response_from_request,
+)
+from vllm_omni.entrypoints.openai.serving_base import OmniServingBase
+from vllm_omni.errors import OmniClientError, OmniError
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+logger = init_logger(__name__)
+
+DEFAULT_FPS = 16
+DEFAULT_NUM_FRAMES = 81
+DEFAULT_SIZE = (832, 480)
+MAX_STORED_JOBS = 256
+SYNC_TIMEOUT_S = float(os.environ.get("VLLM_OMNI_VIDEO_SYNC_TIMEOUT", "14400"))
+"""Seconds `POST /v1/videos/sync` waits for the engine before giving up (and aborting the request)."""
+
+# Request fields copied onto the diffusion sampling params when the client set them.
+_PARAM_FIELDS = ("negative_prompt", "num_inference_steps", "guidance_scale", "guidance_scale_2", "boundary_ratio",
+                 "flow_shift", "seed", "fps", "num_frames", "num_outputs_per_prompt", "quality")
+
+
+@dataclass
+class GeneratedVideo:
+    frames: np.ndarray
+    """uint8 (T, H, W, 3)."""
+    fps: int
+
+
+@dataclass
+class _VideoJob:
+    response: VideoResponse
+    task: asyncio.Task | None = None
+    mp4: list[bytes] = field(default_factory=list)
+
+
+class OmniOpenAIServingVideo(OmniServingBase):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._jobs: OrderedDict[str, _VideoJob] = OrderedDict()
+
+    # ---- request -> engine input ---------------------------------------------------------------------------
+
+    def build_inputs(self, request: VideoGenerationRequest, image: Any | None) -> tuple[dict, list[Any]]:
+        """(prompt, per-stage sampling params): server defaults, overridden by every field the client set."""
+        self.check_model(request.model)
+        self.require_output("video", "the videos API")
+        self._reject_unsupported(request)
+        prompt: dict[str, Any] = {"prompt": request.prompt}
+        if image is None and request.input_reference is not None:
+            image = self.decode_reference(request.input_reference)
+        if image is not None:
+            prompt["multi_modal_data"] = {"image": image}
+        params = []
+        for stage_id, stage_type in enumerate(self.stage_types):
+            default = self.default_params(stage_id)
+            params.append(self.video_params(default, request) if stage_type == "diffusion" else default)
+        return prompt, params
+
+    def video_params(self, default: Any, request: VideoGenerationRequest) -> OmniDiffusionSamplingParams:
+        base = default if isinstance(default, OmniDiffusionSamplingParams) else OmniDiffusionSamplingParams()
+        updates = {name: getattr(request, name) for name in _PARAM_FIELDS if name in request.model_fields_set}
+        width, height = parse_size(request.size)
+        if width is not None:
+            updates.update(width=width, height=height)
+        if request.seconds is not None and "num_frames" not in updates:
+            fps = updates.get("fps") or base.fps or DEFAULT_FPS
+            updates.update(fps=fps, num_frames=int(round(request.seconds * fps)) + 1)
+        sp = dataclasses.replace(base.clone(), **updates)
+        self.check_num_outputs(sp.num_outputs_per_prompt, "num_outputs_per_prompt")
+        return sp
+
+    @staticmethod
+    def _reject_unsupported(request: VideoGenerationRequest) -> None:
+        if request.generate_sound:
+            raise OmniClientError("generate_sound is not supported by this model", param="generate_sound")
+        if request.enable_frame_interpolation:
+            raise OmniClientError("frame interpolation is not supported by this server",
+                                  param="enable_frame_interpolation")
+        for name in ("short_edge", "start_time_seconds"):
+            if getattr(request, name) is not None:
+                raise OmniClientError(f"{name} applies to reference videos, which this model does not take",
+                                      param=name)
+
+    def decode_reference(self, ref: Any) -> Any:
+        if isinstance(ref, dict):
+            if "image_url" not in ref:
+                raise OmniClientError("input_reference must carry image_url (a data: URL)", param="input_reference")
+            ref = ref["image_url"]
+        if not isinstance(ref, str):
+            raise OmniClientError("input_reference must be a data: URL string", param="input_reference")
+        return decode_image_url(ref, "input_reference", self.limits.max_upload_bytes)
+
+    def decode_upload(self, data: bytes) -> Any:
+        if len(data) > self.limits.max_upload_bytes:
+            raise OmniClientError(f"input_reference is over the {self.limits.max_upload_bytes} byte upload limit",
+                                  status_code=413, param="input_reference")
+        return decode_image_bytes(data, "input_reference")
+
+    @staticmethod
+    def describe(params: list[Any]) -> tuple[float, str]:
+        """(seconds, "WxH") of the clip the diffusion stage will make, for the job object."""
+        sp = next((p for p in params if isinstance(p, OmniDiffusionSamplingParams)), OmniDiffusionSamplingParams())
+        fps = sp.fps or DEFAULT_FPS
+        width, height = (sp.width, sp.height) if sp.width and sp.height else DEFAULT_SIZE
+        return ((sp.num_frames or DEFAULT_NUM_FRAMES) - 1) / fps, f"{width}x{height}"
+
+    # ---- generation ----------------------------------------------------------------------------------------
+
+    async def generate_videos(self, prompt: dict, request_id: str, params: list[Any]
+                              ) -> tuple[list[GeneratedVideo], dict[str, float]]:
+        finals = await self.generate_final(prompt, request_id, params)
+        videos: list[GeneratedVideo] = []
+        durations: dict[str, float] = {}
+        for out in finals:
+            durations.update(out.stage_durations)
+            mm = out.multimodal_output or {}
+            if "video" not in mm:
+                continue
+            frames = np.asarray(mm["video"])
+            fps = int(mm.get("fps") or DEFAULT_FPS)
+            videos.extend(GeneratedVideo(f, fps) for f in (frames if frames.ndim == 5 else frames[None]))
+        if not videos:
+            raise OmniClientError(f"`{self.model_name}` returned no video for this request", status_code=422)
+        return videos, durations
+
+    async def create_sync(self, request: VideoGenerationRequest, image: Any | None) -> bytes:
+        """Generate and return the first video as MP4 bytes (the route answers with the body directly)."""
+        prompt, params = self.build_inputs(request, image)
+        try:
+            videos, _ = await asyncio.wait_for(self.generate_videos(prompt, f"video-{random_uuid()}", params),
+                                               SYNC_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise OmniError(f"video generation took longer than {SYNC_TIMEOUT_S:g} s "
+                            "(VLLM_OMNI_VIDEO_SYNC_TIMEOUT)", status_code=504) from exc
+        return await asyncio.to_thread(encode_mp4, videos[0].frames, videos[0].fps)
+
+    # ---- async jobs ----------------------------------------------------------------------------------------
+
+    def create_job(self, request: VideoGenerationRequest, image: Any | None) -> VideoResponse:
+        prompt, params = self.build_inputs(request, image)
+        seconds, size = self.describe(params)
+        video_id = f"video_{random_uuid()}"
+        job = _VideoJob(video_response_from_request(self.model_name, request, video_id, seconds=seconds, size=size))
+        self._jobs[video_id] = job
+        self._evict()
+        job.task = asyncio.create_task(self._run_job(job, prompt, params))
+        return job.response.model_copy()
+
+    async def _run_job(self, job: _VideoJob, prompt: dict, params: list[Any]) -> None:
+        response = job.response
+        response.status = VideoGenerationStatus.IN_PROGRESS
+        try:
+            videos, durations = await self.generate_videos(prompt, response.id, params)
+            job.mp4 = [await asyncio.to_thread(encode_mp4, v.frames, v.fps) for v in videos]
+            response.stage_durations = durations
+            response.progress = 100
+            response.status = VideoGenerationStatus.COMPLETED
+        except asyncio.CancelledError:
+            response.status = VideoGenerationStatus.FAILED
+            response.error = VideoError(code="cancelled", message="the video job was deleted")
+            raise
+        except Exception as exc:
+            logger.info("video job %s failed: %s", response.id, exc)
+            code = "invalid_request" if isinstance(exc, OmniClientError) else "generation_failed"
+            response.status = VideoGenerationStatus.FAILED
+            response.error = VideoError(code=code, message=str(exc) or type(exc).__name__)
+        finally:
+            response.completed_at = int(time.time())
+
+    def _evict(self) -> None:
+        done = [vid for vid, job in self._jobs.items() if job.task is None or job.task.done()]
+        for vid in done[: max(0, len(self._jobs) - MAX_STORED_JOBS)]:
+            del self._jobs[vid]
+
+    def _job(self, video_id: str) -> _VideoJob:
+        job = self._jobs.get(video_id)
+        if job is None:
+            raise OmniClientError(f"video {video_id!r} not found", status_code=404, param="video_id")
+        return job
+
+    def retrieve(self, video_id: str) -> VideoResponse:
+        return self._job(video_id).response.model_copy()
+
+    def content(self, video_id: str, index: int = 0) -> bytes:
+        job = self._job(video_id)
+        if job.response.status != VideoGenerationStatus.COMPLETED:
+            raise OmniClientError(f"video {video_id!r} is not ready (status {job.response.status.value})",
+                                  status_code=409, param="video_id")
+        if not 0 <= index < len(job.mp4):
+            raise OmniClientError(f"index must be in [0, {len(job.mp4)})", param="index")
+        return job.mp4[index]
+
+    def list_videos(self, order: str = "desc", after: str | None = None, limit: int = 20) -> VideoListResponse:
+        if order not in ("asc", "desc"):
+            raise OmniClientError(f"order must be asc or desc, got {order!r}", param="order")
+        if not 1 <= limit <= 100:
+            raise OmniClientError(f"limit must be in [1, 100], got {limit}", param="limit")
+        ids = list(self._jobs) if order == "asc" else list(reversed(self._jobs))
+        if after is not None:
+            if after not in self._jobs:
+                raise OmniClientError(f"after: video {after!r} not found", status_code=404, param="after")
+            ids = ids[ids.index(after) + 1:]
+        page = [self._jobs[vid].response.model_copy() for vid in ids[:limit]]
+        return VideoListResponse(data=page, first_id=page[0].id if page else None,
+                                 last_id=page[-1].id if page else None, has_more=len(ids) > limit)
+
+    async def delete(self, video_id: str) -> VideoDeleteResponse:
+        job = self._job(video_id)
+        del self._jobs[video_id]
+        if job.task is not None and not job.task.done():
+            job.task.cancel()  # `generate` aborts the request in the engine on its way out
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(job.task, 30.0)
+        return VideoDeleteResponse(id=video_id)
