@@ -41,7 +41,7 @@ SMOKE = {
                        joint_attention_dim=32, axes_dims_rope=(8, 12, 12)),
 }
 TEXT_TOKENS = {"flux": 512, "qwen-image": 128}
-SDPA_KERNELS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+SDPA_KERNELS = ("FLASH_ATTENTION", "CUDNN_ATTENTION")
 
 
 @dataclass
@@ -313,17 +313,21 @@ class Bench:
         from vllm_omni.diffusion.layers.compile import compile_repeated_blocks
 
         compile_repeated_blocks(ours, mode=self.args.compile_mode)
-        for size, batch in plans:
-            ref_ms, tflop, ref_out = ref_info[(size, batch)]
-            _, our_call = make_inputs(name, config, size, batch, text_tokens, self.device, self.dtype, ours)
-            t0 = time.perf_counter()
-            row = Row(name, size, batch, f"ours compiled ({self.args.compile_mode})")
-            out = self.measure(row, functools.partial(our_call, ours), tflop, ref_ms, ref_out,
-                               eager_outs[(size, batch)])
-            row.extra["first_call_s"] = round(time.perf_counter() - t0, 1)
-            if self.device.type == "cuda" and out is not None:
-                self._graph_variant(name, size, batch, "ours compiled + CUDA graph", ours, our_call, tflop, ref_ms,
-                                    ref_out, eager_outs[(size, batch)])
+        backends = self.args.attention_backends if self.device.type == "cuda" else ["TORCH_SDPA"]
+        for backend in backends:
+            set_attention_backend(ours, backend)
+            for size, batch in plans:
+                ref_ms, tflop, ref_out = ref_info[(size, batch)]
+                _, our_call = make_inputs(name, config, size, batch, text_tokens, self.device, self.dtype, ours)
+                t0 = time.perf_counter()
+                row = Row(name, size, batch, f"ours compiled ({backend})")
+                out = self.measure(row, functools.partial(our_call, ours), tflop, ref_ms, ref_out,
+                                   eager_outs[(size, batch)])
+                row.extra["first_call_s"] = round(time.perf_counter() - t0, 1)
+                if self.device.type == "cuda" and out is not None:
+                    self._graph_variant(name, size, batch, f"ours compiled ({backend}) + CUDA graph", ours, our_call,
+                                        tflop, ref_ms, ref_out, eager_outs[(size, batch)])
+        set_attention_backend(ours, "TORCH_SDPA")
 
 
 def print_table(rows: list[Row]) -> None:
@@ -365,6 +369,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="also time regional torch.compile (+ CUDA graph) variants")
     parser.add_argument("--compile-mode", default="default", help="torch.compile mode for the blocks")
+    parser.add_argument("--attention-backends", nargs="+", default=["CUDNN_ATTN", "TORCH_SDPA"],
+                        help="our attention backends to time the compiled variants with (CUDA)")
     parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU (fp32), seconds")
     parser.add_argument("--out", type=Path, default=None, help="JSON results path")
     args = parser.parse_args(argv)
@@ -378,6 +384,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     # One compiled graph per block class and shape; every layer instance must reuse it, not hit the limit.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)

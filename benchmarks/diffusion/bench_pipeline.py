@@ -27,6 +27,7 @@ from bench_dit_forward import (  # noqa: E402
     QWEN_CONFIG,
     build_models,
     environment,
+    set_attention_backend,
     sync,
     vllm_single_rank,
 )
@@ -167,6 +168,8 @@ def run_once(fn) -> tuple[float, Any]:
 
 def bench_model(name: str, args, device, dtype) -> list[dict[str, Any]]:
     reference, ours_with, ours_tf = make_pipelines(name, device, dtype, args.smoke, args.accelerate)
+    if args.attention_backend:
+        set_attention_backend(ours_tf, args.attention_backend)
     steps = args.steps or (28 if name == "flux" else 50)
     cfg = {"true_cfg_scale": 4.0} if name == "qwen-image" else {}
     kw = dict(height=args.size, width=args.size, num_inference_steps=steps, **cfg)
@@ -217,6 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=None, help="default: 28 (FLUX), 50 (Qwen-Image, true CFG 4)")
     parser.add_argument("--accelerate", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--attention-backend", default=None, help="our attention backend (e.g. CUDNN_ATTN)")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)

@@ -12,6 +12,13 @@ from vllm_omni.diffusion.attention.backends.sdpa import TorchSDPAImpl
 class CudnnAttentionImpl(TorchSDPAImpl):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attn_mask: torch.Tensor | None) -> torch.Tensor:
+        if attn_mask is None and self.num_kv_heads == self.num_heads:
+            # The aten kernel itself, not SDPA under a context manager: torch.compile traces it as one node.
+            out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), None, False,
+                is_causal=self.causal, scale=self.softmax_scale,
+            )[0]
+            return out.transpose(1, 2)
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return super().forward(query, key, value, attn_mask)
 

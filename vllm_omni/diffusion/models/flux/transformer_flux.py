@@ -19,12 +19,12 @@ from vllm.model_executor.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.layers.embeddings import MLPEmbedder, timestep_sinusoid
 from vllm_omni.diffusion.layers.modulation import AdaLNModulation, gated_residual, layer_norm_modulate
 from vllm_omni.diffusion.layers.rope import apply_rope_interleaved, multi_axis_rope_cos_sin
+from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
 
 RotaryEmb = tuple[torch.Tensor, torch.Tensor]
 

@@ -21,9 +21,9 @@ from vllm.model_executor.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from vllm_omni.diffusion.attention.layer import Attention
+from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
 
 ImageShapes = list[list[tuple[int, int, int]]]
 """Per sample: (frames, height, width) in patches of every image in the sequence (target first)."""

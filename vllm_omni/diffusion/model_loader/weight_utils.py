@@ -1,0 +1,20 @@
+"""Weight loaders for parameters without their own `weight_loader`.
+
+Same contract as vLLM's `default_weight_loader`, kept here because importing `vllm.model_executor.model_loader`
+pulls in vLLM's attention backends, which need vLLM's compiled CUDA extensions (absent where only vLLM's Python
+tree is installed, e.g. our GPU benchmark images).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """Copy `loaded_weight` into `param` (shapes must match; a 1-element tensor may fill a scalar)."""
+    if param.numel() == 1 and loaded_weight.numel() == 1:
+        param.data.fill_(loaded_weight.item())
+        return
+    if param.shape != loaded_weight.shape:
+        raise ValueError(f"weight shape {tuple(loaded_weight.shape)} does not match parameter {tuple(param.shape)}")
+    param.data.copy_(loaded_weight)
