@@ -223,11 +223,11 @@ def _validated(request: OmniDiffusionRequest) -> OmniDiffusionRequest:
     text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
     if not isinstance(text, str):
         raise OmniClientError(f"prompt must be a string, got {type(text).__name__}", param="prompt")
+    if not isinstance(request.sampling_params, OmniDiffusionSamplingParams):
+        request.sampling_params = OmniDiffusionSamplingParams.from_params(request.sampling_params)
     negative = request.negative_prompt
     if negative is not None and not isinstance(negative, str):
         raise OmniClientError("negative_prompt must be a string", param="negative_prompt")
-    if not isinstance(request.sampling_params, OmniDiffusionSamplingParams):
-        request.sampling_params = OmniDiffusionSamplingParams.from_params(request.sampling_params)
     return request
 
 

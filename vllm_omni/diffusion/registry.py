@@ -77,6 +77,9 @@ def resolve_pipeline_class_name(od_config: OmniDiffusionConfig, model_dir: Path)
 
 
 def pipeline_class_path(class_name: str, use_diffusers_adapter: bool = False) -> str:
+    """A "module:Class" name (a custom pipeline) is used as is."""
+    if ":" in class_name and not use_diffusers_adapter:
+        return class_name
     if use_diffusers_adapter or class_name not in _DIFFUSION_MODELS:
         return DIFFUSERS_ADAPTER
     return _DIFFUSION_MODELS[class_name][0]
@@ -90,6 +93,8 @@ def load_pipeline_class(class_name: str, use_diffusers_adapter: bool = False) ->
 def output_modality(class_name: str) -> OutputModality:
     if class_name in _DIFFUSION_MODELS:
         return _DIFFUSION_MODELS[class_name][1]
+    if ":" in class_name:
+        return getattr(load_pipeline_class(class_name), "output_modality", "image")
     if any(hint in class_name for hint in _AUDIO_HINTS):
         return "audio"
     if any(hint in class_name for hint in _VIDEO_HINTS):

@@ -48,6 +48,7 @@ logger = init_logger(__name__)
 _PUMP_POLL_MS = 200
 _PUMP_JOIN_TIMEOUT_S = 2.0
 _DEFAULT_RPC_TIMEOUT_S = 600.0
+_SEND_TIMEOUT_MS = 5000
 
 
 class _RpcWait:
@@ -70,6 +71,7 @@ class MultiprocDiffusionExecutor:
         for rank in range(self.world_size):
             push = self._context.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
+            push.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)  # a PUSH without a live peer would block forever
             push.bind(f"ipc://{self._ipc_dir}/in{rank}")
             pull = self._context.socket(zmq.PULL)
             pull.setsockopt(zmq.LINGER, 0)
@@ -208,10 +210,14 @@ class MultiprocDiffusionExecutor:
         if self._is_failed:
             raise EngineDeadError()
 
-    def _broadcast(self, data: bytes) -> None:
-        with self._send_lock:
-            for sock in self._inputs:
-                sock.send(data, copy=False)
+    def _broadcast(self, data: bytes, flags: int = 0) -> None:
+        try:
+            with self._send_lock:
+                for sock in self._inputs:
+                    sock.send(data, flags=flags, copy=False)
+        except zmq.Again as exc:
+            self._fail("a diffusion worker stopped reading its input")
+            raise EngineDeadError("a diffusion worker stopped reading its input") from exc
 
     # ---- background threads --------------------------------------------------------------------------
 
@@ -275,8 +281,8 @@ class MultiprocDiffusionExecutor:
         deadline = time.monotonic() + timeout
         self._closed = True
         self._monitor_stop_w.send(None)
-        with contextlib.suppress(zmq.ZMQError):
-            self._broadcast(self._codec.encode(Shutdown()))
+        with contextlib.suppress(zmq.ZMQError, EngineDeadError):
+            self._broadcast(self._codec.encode(Shutdown()), flags=zmq.NOBLOCK)
         _stop_processes(self.processes, deadline)
         self._stop.set()
         for thread in getattr(self, "_threads", []):

@@ -102,7 +102,10 @@ class WorkerProc:
     def _execute(self, msg: ExecuteBatch) -> None:
         from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
-        outputs = self.worker.execute_model(DiffusionRequestBatch(msg.requests))
+        try:
+            outputs = self.worker.execute_model(DiffusionRequestBatch(msg.requests))
+        except Exception as exc:  # e.g. asleep: every request of the batch fails, the worker keeps serving
+            outputs = [DiffusionOutput.from_exception(exc) for _ in msg.requests]
         if self.rank != 0:
             return
         try:

@@ -1,0 +1,71 @@
+"""Stand-in pipelines that isolate the runtime's contract (batching, per-request errors, slow and large outputs).
+
+They run in real worker processes; only the model is fake. Each image is a pure function of (seed, prompt), so
+a request gives the same pixels alone or inside a batch. Prompts steer behaviour:
+"fail" -> that request fails with a 422, "break-batch" -> the whole forward raises (the runner then retries
+one by one), "sleep:<s>" -> the forward sleeps, "big" -> a 4 MB array output (travels through shared memory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+from PIL import Image
+
+from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+from vllm_omni.errors import OmniClientError
+
+
+def fake_image(seed: int, prompt: str, size: int) -> Image.Image:
+    mix = int.from_bytes(hashlib.sha256(f"{seed}:{prompt}".encode()).digest()[:8], "little")
+    pixels = np.random.default_rng(mix).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+class FakeBatchPipeline:
+    supports_request_batch: ClassVar[bool] = True
+
+    def __init__(self, od_config: OmniDiffusionConfig) -> None:
+        self.od_config = od_config
+
+    @classmethod
+    def from_pretrained(cls, od_config: OmniDiffusionConfig, model_dir: Path, device: Any, dtype: Any):
+        return cls(od_config)
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        prompts = [r.prompt_text for r in batch.requests]
+        if "break-batch" in prompts:
+            raise RuntimeError("break-batch in this batch")
+        for p in prompts:
+            if p.startswith("sleep:"):
+                time.sleep(float(p.split(":")[1]))
+        return [self._one(r, len(batch)) for r in batch.requests]
+
+    def _one(self, request, batch_size: int) -> DiffusionOutput:
+        sp = request.sampling_params
+        if request.prompt_text == "fail":
+            return DiffusionOutput.from_exception(OmniClientError("prompt 'fail' is refused", status_code=422))
+        if request.prompt_text == "big":
+            return DiffusionOutput(output={"array": np.arange(1_000_000, dtype=np.float32)})
+        size = sp.height or 16
+        images = [fake_image((sp.seed or 0) + i, request.prompt_text, size) for i in range(sp.num_outputs_per_prompt)]
+        return DiffusionOutput(output=images, stage_durations={"denoise": 0.0}, extra={"batch_size": batch_size})
+
+
+class FakeSingleRequestPipeline(FakeBatchPipeline):
+    supports_request_batch: ClassVar[bool] = False
+
+
+class FailingLoadPipeline(FakeBatchPipeline):
+    @classmethod
+    def from_pretrained(cls, od_config, model_dir, device, dtype):
+        raise FileNotFoundError("no weights here: transformer/diffusion_pytorch_model.safetensors")
+
+
+def class_path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
