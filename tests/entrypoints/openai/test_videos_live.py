@@ -1,0 +1,102 @@
+"""Live `vllm serve tiny/wan2.1-t2v --omni`: the Videos API and the video WebSocket on the real engine.
+
+Pins (issue #7 acceptance): the official `openai` client's create -> poll -> download works; `/v1/videos/sync`
+returns an MP4 that PyAV decodes to the asked frame count and size; a `websockets` client gets `video.start`,
+>= 2 binary chunks, `session.done`, and the chunks concatenate to the whole clip; closing the socket while the
+engine works aborts the request (running gauge back to 0, abort counted) and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import httpx
+import openai
+import pytest
+from websockets.sync.client import connect
+
+from tests.entrypoints.openai.live_server import LiveServer
+from vllm_omni.diffusion.video_utils import decode_mp4
+
+MODEL = "tiny/wan2.1-t2v"
+FAST = {"num_frames": 9, "num_inference_steps": 2, "seed": 0}
+logger = logging.getLogger(__name__)
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = LiveServer(MODEL)
+    yield srv
+    assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def test_openai_client_create_poll_download(client):
+    job = client.videos.create(model=MODEL, prompt="A cat walks on the grass.", size="48x32", extra_body=FAST)
+    assert job.status == "queued" and job.size == "48x32"
+    deadline = time.monotonic() + 120
+    while job.status not in ("completed", "failed") and time.monotonic() < deadline:
+        time.sleep(0.5)
+        job = client.videos.retrieve(job.id)
+    assert job.status == "completed", job.error
+    frames = decode_mp4(client.videos.download_content(job.id).read())
+    assert frames.shape == (9, 32, 48, 3)
+    assert job.id in [v.id for v in client.videos.list(limit=5).data]
+
+
+def test_sync_route_returns_decodable_mp4(server):
+    resp = httpx.post(f"{server.url}/v1/videos/sync", timeout=120,
+                      json={"prompt": "Ocean waves.", "size": "32x32", **FAST, "num_frames": 13})
+    assert resp.status_code == 200 and resp.headers["content-type"] == "video/mp4"
+    assert decode_mp4(resp.content).shape == (13, 32, 32, 3)
+    bad = httpx.post(f"{server.url}/v1/videos/sync", timeout=30, json={"prompt": "x", "size": "40x32"})
+    assert bad.status_code == 400 and "width" in bad.json()["error"]["message"]
+
+
+def test_websocket_streams_chunks_that_make_the_clip(server):
+    url = server.url.replace("http", "ws") + "/v1/realtime/video"
+    with connect(url, open_timeout=30, close_timeout=10) as ws:
+        t0 = time.monotonic()
+        ws.send(json.dumps({"type": "session.start", "prompt": "A red car.", "frames_per_chunk": 4,
+                            "sampling_params": {**FAST, "size": "48x32"}}))
+        start = json.loads(ws.recv(timeout=120))
+        assert start["type"] == "video.start" and start["num_frames"] == 9 and start["fps"] == 16
+        chunks, arrivals = [], []
+        while True:
+            msg = json.loads(ws.recv(timeout=60))
+            if msg["type"] == "session.done":
+                break
+            assert msg["type"] == "video.chunk_metadata", msg
+            chunks.append(ws.recv(timeout=60))
+            arrivals.append(time.monotonic() - t0)
+        logger.info("video.start after %.2f s; chunks at %s; timing %s", arrivals[0] if arrivals else -1,
+                    [f"{a:.2f}" for a in arrivals], msg["timing"])
+    assert len(chunks) >= 2 and all(isinstance(c, bytes) for c in chunks)
+    assert decode_mp4(b"".join(chunks)).shape == (9, 32, 48, 3)
+
+
+def test_closing_the_socket_aborts_the_request(server):
+    aborted_before = server.metric("vllm_omni:engine_requests_total", outcome="aborted")
+    url = server.url.replace("http", "ws") + "/v1/realtime/video"
+    with connect(url, open_timeout=30) as ws:
+        ws.send(json.dumps({"type": "session.start", "prompt": "A slow one.",
+                            "sampling_params": {"num_frames": 17, "num_inference_steps": 40, "size": "48x32"}}))
+        deadline = time.monotonic() + 30
+        while server.metric("vllm_omni:requests_running") < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.metric("vllm_omni:requests_running") == 1
+    deadline = time.monotonic() + 30
+    while server.metric("vllm_omni:requests_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.metric("vllm_omni:requests_running") == 0
+    assert server.metric("vllm_omni:engine_requests_total", outcome="aborted") == aborted_before + 1
+    # The engine drops the aborted request and keeps serving.
+    resp = httpx.post(f"{server.url}/v1/videos/sync", timeout=300, json={"prompt": "after", **FAST,
+                                                                        "size": "32x32"})
+    assert resp.status_code == 200 and decode_mp4(resp.content).shape[0] == 9
