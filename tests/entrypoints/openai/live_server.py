@@ -77,10 +77,13 @@ class LiveServer:
         return clean
 
 
-def _group_alive(pgid: int) -> bool:
-    time.sleep(1.0)  # children notice their parent's exit
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
+def _group_alive(pgid: int, grace_s: float = 15.0) -> bool:
+    """Whether any process of the group is still alive `grace_s` after its leader exited."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        time.sleep(0.5)
     return True

@@ -45,18 +45,21 @@ class OmniChatCompletionRequest(OmniChatFields, ChatCompletionRequest):
     @model_validator(mode="before")
     @classmethod
     def _no_unknown_fields(cls, data: Any) -> Any:
-        reject_unknown_fields(cls, data)
+        reject_unknown_fields(data, cls)
         return data
 
 
 class OmniBatchChatCompletionRequest(OmniChatFields, BatchChatCompletionRequest):
+    """N conversations sharing one set of request fields (any field of a single chat request)."""
+
     stream: bool | None = False
     """Accepted for symmetry with chat; batch responses are never streamed."""
 
     @model_validator(mode="before")
     @classmethod
     def _no_unknown_fields(cls, data: Any) -> Any:
-        reject_unknown_fields(cls, data)
+        # Every field of a single chat request is accepted too: it applies to each conversation.
+        reject_unknown_fields(data, cls, OmniChatCompletionRequest)
         return data
 
     def to_omni_chat_request(self, messages: list[Any]) -> OmniChatCompletionRequest:

@@ -11,15 +11,16 @@ from vllm_omni.errors import OmniClientError
 ImageResponseFormat = Literal["b64_json", "url"]
 
 
-def reject_unknown_fields(model_cls: type[BaseModel], data: Any) -> None:
-    """OpenAI-style models accept extra keys silently; ours name the first unknown one instead."""
+def reject_unknown_fields(data: Any, *model_classes: type[BaseModel]) -> None:
+    """OpenAI-style models accept extra keys silently; ours name the first key none of `model_classes` knows."""
     if not isinstance(data, dict):
         return
     known: set[str] = set()
-    for name, info in model_cls.model_fields.items():
-        known.add(name)
-        if info.alias:
-            known.add(info.alias)
+    for model_cls in model_classes:
+        for name, info in model_cls.model_fields.items():
+            known.add(name)
+            if info.alias:
+                known.add(info.alias)
     unknown = sorted(set(data) - known)
     if unknown:
         raise OmniClientError(f"unknown field(s) in request body: {unknown}", param=unknown[0])
