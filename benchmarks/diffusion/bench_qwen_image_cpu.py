@@ -24,7 +24,7 @@ import torch
 CONFIGS = {
     # name: (tiny builder overrides, image side)
     "tiny": ({}, 64),
-    "mid": ({"hidden_size": 256, "num_layers": 6, "num_heads": 8, "vae_base_dim": 16}, 256),
+    "mid": ({"hidden_size": 256, "num_layers": 4, "num_heads": 8, "vae_base_dim": 8}, 128),
 }
 PROMPT, NEGATIVE, STEPS, SEED = "a lighthouse on a cliff at dusk, oil painting", "blurry, low quality", 4, 0
 
