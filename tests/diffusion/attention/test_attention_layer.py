@@ -9,6 +9,7 @@ from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import (
     DiffusionAttentionConfig,
     get_attn_backend,
+    load_backend,
     set_current_attention_config,
 )
 
@@ -88,3 +89,24 @@ def test_unavailable_backend_names_what_is_missing(name, needle):
 def test_capability_flags():
     assert get_attn_backend("TORCH_SDPA").supports_attention_mask()
     assert not get_attn_backend("TORCH_SDPA").supports_multi_doc_packed_varlen()
+
+
+def _cuda_backends() -> list[str]:
+    if not torch.cuda.is_available():
+        return []
+    names = ["TORCH_SDPA", "CUDNN_ATTN", "FLASH_ATTN", "FLASHINFER_ATTN"]
+    return [n for n in names if load_backend(n).unavailable_reason() is None]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", _cuda_backends() or ["TORCH_SDPA"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_cuda_backend_matches_naive_reference(name, masked):
+    q, k, v = (t.cuda().bfloat16() for t in _qkv(b=2, s=40, h=4, d=64, kv_heads=4, s_kv=56))
+    mask = None
+    if masked:
+        mask = torch.ones(2, 56, dtype=torch.bool, device="cuda")
+        mask[0, 30:] = False
+    out = Attention(4, 64, backend=name)(q, k, v, attn_mask=mask)
+    ref = _naive(q.float(), k.float(), v.float(), mask)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

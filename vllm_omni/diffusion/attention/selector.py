@@ -55,7 +55,8 @@ def available_backends() -> list[str]:
     return list(_BACKENDS)
 
 
-def _load(name: str) -> type[AttentionBackend]:
+def load_backend(name: str) -> type[AttentionBackend]:
+    """The backend class registered under `name` (case-insensitive), without checking availability."""
     key = name.strip().upper()
     if key not in _BACKENDS:
         raise ValueError(f"unknown diffusion attention backend {name!r}; choose one of {list(_BACKENDS)}")
@@ -64,7 +65,7 @@ def _load(name: str) -> type[AttentionBackend]:
 
 
 def _default() -> str:
-    if torch.cuda.is_available() and _load("FLASH_ATTN").unavailable_reason() is None:
+    if torch.cuda.is_available() and load_backend("FLASH_ATTN").unavailable_reason() is None:
         return "FLASH_ATTN"
     return "TORCH_SDPA"
 
@@ -72,6 +73,6 @@ def _default() -> str:
 def get_attn_backend(name: str | None = None) -> type[AttentionBackend]:
     """The backend class for `name` (see module doc for None); raises if it cannot run here."""
     name = name or _current.backend or os.environ.get(ENV_VAR) or _default()
-    backend = _load(name)
+    backend = load_backend(name)
     backend.check_available()
     return backend

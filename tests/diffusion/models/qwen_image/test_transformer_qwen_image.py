@@ -52,3 +52,34 @@ def test_unsupported_variant_is_refused():
         QwenImageTransformerConfig.from_dict({"zero_cond_t": True})
     with pytest.raises(ValueError, match="unsupported .* config keys: \\['bogus'\\]"):
         QwenImageTransformerConfig.from_dict({"bogus": 1})
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["TORCH_SDPA", "CUDNN_ATTN", "FLASH_ATTN"])
+def test_cuda_bf16_matches_diffusers(dist_init, qwen_image_dir, backend):
+    """bf16 on the GPU, each attention backend that is installed: close to diffusers' bf16 forward."""
+    from diffusers import QwenImageTransformer2DModel as RefModel
+
+    from vllm_omni.diffusion.attention.selector import load_backend
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.models.qwen_image.loading import load_qwen_image_transformer
+
+    if load_backend(backend).unavailable_reason():
+        pytest.skip(f"{backend} not available here")
+    device = torch.device("cuda")
+    ref = RefModel.from_pretrained(qwen_image_dir, subfolder="transformer", dtype=torch.bfloat16).to(device).eval()
+    ours = load_qwen_image_transformer(OmniDiffusionConfig(model=str(qwen_image_dir),
+                                                           diffusion_attention_backend=backend),
+                                       qwen_image_dir, device, torch.bfloat16)
+    assert all(b.attn.attn.attn_backend.get_name() == backend for b in ours.transformer_blocks)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 16, 64, generator=g).to(device, torch.bfloat16)
+    txt = torch.randn(2, 9, 64, generator=g).to(device, torch.bfloat16)
+    mask = torch.ones(2, 9, dtype=torch.bool, device=device)
+    mask[1, 4:] = False
+    t = torch.tensor([0.7, 0.2], device=device)
+    with torch.no_grad():
+        expected = ref(hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=mask, timestep=t,
+                       img_shapes=[[(1, 4, 4)]] * 2, return_dict=False)[0]
+        got = ours(x, txt, mask, t, [(1, 4, 4)])
+    torch.testing.assert_close(got.float(), expected.float(), atol=5e-2, rtol=5e-2)
