@@ -118,7 +118,9 @@ class QwenEmbedRope(nn.Module):
     def __init__(self, axes_dim: tuple[int, int, int], theta: float = 10000.0) -> None:
         super().__init__()
         self.axes_dim = tuple(axes_dim)
-        self.inv_freqs = [1.0 / torch.pow(theta, torch.arange(0, d, 2).to(torch.float32).div(d)) for d in axes_dim]
+        # On the CPU whatever device the model is built on: positions are made there too, tables moved once.
+        self.inv_freqs = [1.0 / torch.pow(theta, torch.arange(0, d, 2, device="cpu").to(torch.float32).div(d))
+                          for d in axes_dim]
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _angles(self, positions: list[torch.Tensor]) -> torch.Tensor:
