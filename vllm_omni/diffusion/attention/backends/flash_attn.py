@@ -23,7 +23,7 @@ class FlashAttentionImpl(AttentionImpl):
         return self._forward_varlen_masked(query, key, value, attn_mask)
 
     def _forward_varlen_masked(self, query, key, value, attn_mask):
-        """Drop padded keys per sample and run the varlen kernel (one host sync for the lengths)."""
+        """Drop padded keys per sample and run the varlen kernel (max_seqlen_k: the padded length, a valid bound)."""
         from flash_attn import flash_attn_varlen_func
 
         batch, seq_q = query.shape[:2]
@@ -31,7 +31,7 @@ class FlashAttentionImpl(AttentionImpl):
         cu_k = torch.nn.functional.pad(kv_lens.cumsum(0, dtype=torch.int32), (1, 0))
         cu_q = torch.arange(0, (batch + 1) * seq_q, seq_q, dtype=torch.int32, device=query.device)
         out = flash_attn_varlen_func(
-            query.flatten(0, 1), key[attn_mask], value[attn_mask], cu_q, cu_k, seq_q, int(kv_lens.max()),
+            query.flatten(0, 1), key[attn_mask], value[attn_mask], cu_q, cu_k, seq_q, key.shape[1],
             softmax_scale=self.softmax_scale, causal=self.causal, deterministic=self.deterministic,
         )
         return _unwrap(out).unflatten(0, (batch, seq_q))
