@@ -9,6 +9,10 @@ from vllm_omni.model_executor.models.registry import OMNI_AR_MODELS
 def register_models() -> None:
     from vllm import ModelRegistry
 
+    from vllm_omni.model_executor.models.qwen3_omni.compat import alias_qwen2_vl_image_processing
+
+    alias_qwen2_vl_image_processing()  # vLLM's Qwen-VL/Omni models import torchvision-only code otherwise
+
     supported = set(ModelRegistry.get_supported_archs())
     for arch, target in OMNI_AR_MODELS.items():
         if arch not in supported:
