@@ -140,8 +140,9 @@ def _write_scheduler(out: Path, flow_shift: float) -> None:
 
 def _write_wan(out: Path, *, variant: str, vocab_size: int, text_dim: int, num_heads: int, head_dim: int,
                num_layers: int, vae_base_dim: int, clip_hidden: int, clip_image_size: int, flow_shift: float,
-               boundary_ratio: float | None, seed: int) -> None:
+               boundary_ratio: float | None, seed: int, with_clip: bool = True) -> None:
     i2v = variant == "i2v"
+    with_clip = i2v and with_clip
     index: dict[str, Any] = {
         "_class_name": "WanImageToVideoPipeline" if i2v else "WanPipeline",
         "_diffusers_version": "0.33.0.dev0",
@@ -151,10 +152,13 @@ def _write_wan(out: Path, *, variant: str, vocab_size: int, text_dim: int, num_h
         "transformer": ["diffusers", "WanTransformer3DModel"],
         "vae": ["diffusers", "AutoencoderKLWan"],
     }
-    if i2v:
+    if with_clip:
         index["image_encoder"] = ["transformers", "CLIPVisionModel"]
         index["image_processor"] = ["transformers", "CLIPImageProcessor"]
         _write_image_encoder(out, seed=seed + 4, hidden_size=clip_hidden, image_size=clip_image_size)
+    elif i2v:  # Wan2.2 I2V A14B ships without a CLIP image encoder
+        index["image_encoder"] = [None, None]
+        index["image_processor"] = [None, None]
     if boundary_ratio is not None:
         index.update(boundary_ratio=boundary_ratio, expand_timesteps=False,
                      transformer_2=["diffusers", "WanTransformer3DModel"])
@@ -162,7 +166,7 @@ def _write_wan(out: Path, *, variant: str, vocab_size: int, text_dim: int, num_h
     _write_scheduler(out, flow_shift)
     _write_t5_tokenizer(out / "tokenizer", vocab_size)
     _write_text_encoder(out / "text_encoder", vocab_size=vocab_size, d_model=text_dim, seed=seed)
-    dit = dict(in_channels=36 if i2v else 16, text_dim=text_dim, image_dim=clip_hidden if i2v else None,
+    dit = dict(in_channels=36 if i2v else 16, text_dim=text_dim, image_dim=clip_hidden if with_clip else None,
                num_heads=num_heads, head_dim=head_dim, num_layers=num_layers)
     _write_transformer(out / "transformer", seed=seed + 1, **dit)
     if boundary_ratio is not None:
@@ -189,4 +193,10 @@ def build_wan21_i2v(out: Path, **params: Any) -> None:
 @register_tiny("wan2.2-t2v-a14b", "Wan2.2 T2V A14B (layout of Wan-AI/Wan2.2-T2V-A14B-Diffusers): two experts",
                variant="t2v", flow_shift=12.0, boundary_ratio=0.875, **_COMMON)
 def build_wan22_t2v_a14b(out: Path, **params: Any) -> None:
+    _write_wan(out, **params)
+
+
+@register_tiny("wan2.2-i2v-a14b", "Wan2.2 I2V A14B (layout of Wan-AI/Wan2.2-I2V-A14B-Diffusers): two experts, no CLIP",
+               variant="i2v", flow_shift=5.0, boundary_ratio=0.9, with_clip=False, **_COMMON)
+def build_wan22_i2v_a14b(out: Path, **params: Any) -> None:
     _write_wan(out, **params)

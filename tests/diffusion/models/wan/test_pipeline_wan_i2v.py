@@ -71,3 +71,28 @@ def test_i2v_without_image_fails_alone(pipelines):
     bad, ok = ours.forward(DiffusionRequestBatch([missing, good]))
     assert bad.error_status_code == 400 and "image" in bad.error
     assert ok.error is None and ok.output["video"].shape == (9, 32, 48, 3)
+
+
+def test_wan22_i2v_a14b_two_experts_without_clip_match_diffusers(dist_world):
+    from diffusers import WanImageToVideoPipeline as RefPipeline
+
+    from vllm_omni.diffusion.models.wan.pipeline_wan_i2v import WanImageToVideoPipeline
+    from vllm_omni.testing.tiny_models import build_tiny
+
+    model_dir = build_tiny("wan2.2-i2v-a14b")
+    ours = WanImageToVideoPipeline.from_pretrained(OmniDiffusionConfig(model=str(model_dir)), model_dir,
+                                                   torch.device("cpu"), torch.float32)
+    assert ours.image_encoder is None and ours.transformer_2 is not None and ours.boundary_ratio == 0.9
+    ref = RefPipeline.from_pretrained(model_dir, dtype=torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    size = {**SIZE, "num_inference_steps": 6}  # with flow_shift 5 the timesteps straddle 900: both experts run
+    params = dict(guidance_scale=3.5, guidance_scale_2=2.0)
+    image = make_image(3)
+    request = OmniDiffusionRequest({"prompt": "A dog runs.", "multi_modal_data": {"image": image}},
+                                   OmniDiffusionSamplingParams(seed=4, **size, **params), "a14b")
+    (out,) = ours.forward(DiffusionRequestBatch([request]))
+    assert out.error is None, out.error
+    expected = ref(image=image, prompt="A dog runs.", generator=torch.Generator("cpu").manual_seed(4),
+                   output_type="np", **size, **params).frames[0]
+    assert out.output["video"].std() > 1.0
+    assert psnr(out.output["video"], (expected * 255).round().astype(np.uint8)) >= 35.0
