@@ -78,3 +78,21 @@ def test_bad_request_fails_alone(pipes):
     assert outs[1].error is not None and "prompt" in outs[1].error and outs[1].error_status_code == 400
     bad_size = _run(ours, make_request("a boat", height=72, width=64, num_inference_steps=1))[0]
     assert "height must be a multiple of 16" in bad_size.error and bad_size.error_status_code == 400
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_matches_diffusers(dist_init, qwen_image_dir):
+    """On the GPU in bf16 (the serving setup): same image as diffusers' bf16 pipeline, batched CFG included."""
+    from diffusers import QwenImagePipeline as Reference
+
+    device = torch.device("cuda")
+    ref = Reference.from_pretrained(qwen_image_dir, dtype=torch.bfloat16).to(device)
+    ref.set_progress_bar_config(disable=True)
+    ours = QwenImagePipeline.from_pretrained(OmniDiffusionConfig(model=str(qwen_image_dir)), qwen_image_dir,
+                                             device, torch.bfloat16)
+    expected = ref("a red cat on a mat", negative_prompt="blurry", true_cfg_scale=4.0, **SIZE,
+                   generator=torch.Generator().manual_seed(7)).images
+    out = _run(ours, make_request("a red cat on a mat", negative_prompt="blurry", true_cfg_scale=4.0, seed=7,
+                                  **SIZE))[0]
+    assert out.error is None, out.error
+    assert psnr(out.output[0], expected[0]) >= 30
