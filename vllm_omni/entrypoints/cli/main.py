@@ -6,7 +6,12 @@ Subcommand modules load lazily so `--help` and `import vllm_omni` stay fast.
 
 from __future__ import annotations
 
+import argparse
 import sys
+
+from vllm_omni import __version__
+
+SERVE_HELP = "Launch the vllm-omni OpenAI-compatible server."
 
 
 def _strip_global_omni(argv: list[str]) -> list[str]:
@@ -17,15 +22,8 @@ def _strip_global_omni(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    from vllm_omni import __version__
-    from vllm_omni.entrypoints.cli.serve import OmniServeCommand
-
     argv = _strip_global_omni(list(sys.argv[1:] if argv is None else argv))
-    cli_env_setup()
-    parser = FlexibleArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="vllm-omni",
         description="vLLM-Omni CLI: serve omni-modality pipelines (AR, generation and diffusion stages) "
         "behind an OpenAI-compatible API. Reached as `vllm-omni <cmd>` or `vllm <cmd> ... --omni`.",
@@ -33,17 +31,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-v", "--version", action="version", version=f"vllm-omni {__version__}")
     parser.add_argument("--omni", action="store_true", help="Accepted for `vllm --omni ...`; implied here.")
     subparsers = parser.add_subparsers(required=False, dest="subparser")
-    commands = {cmd.name: cmd for cmd in (OmniServeCommand(),)}
-    for cmd in commands.values():
-        cmd.subparser_init(subparsers).set_defaults(dispatch_function=cmd.cmd)
+    if argv[:1] == ["serve"]:
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+        from vllm_omni.entrypoints.cli.serve import OmniServeCommand
+
+        cli_env_setup()
+        command = OmniServeCommand()
+        command.subparser_init(subparsers).set_defaults(dispatch_function=command.cmd)
+    else:  # help/version only: skip building the (heavy) engine-args parser
+        subparsers.add_parser("serve", help=SERVE_HELP)
     args = parser.parse_args(argv)
-    if args.subparser in commands:
-        commands[args.subparser].validate(args)
     if hasattr(args, "dispatch_function"):
+        command.validate(args)
         args.dispatch_function(args)
     else:
         parser.print_help()
-
 
 if __name__ == "__main__":
     main()

@@ -9,6 +9,7 @@ from vllm.entrypoints.launchers.cli_args import FrontendArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from vllm_omni.engine.arg_utils import OmniEngineArgs
+from vllm_omni.entrypoints.cli.main import SERVE_HELP
 
 DESCRIPTION = """Launch the vllm-omni OpenAI-compatible server for MODEL (a Hugging Face id, a local path,
 or a built-in tiny default such as tiny/qwen-image or tiny/qwen2).
@@ -43,6 +44,7 @@ class OmniServeCommand(CLISubcommand):
     @staticmethod
     def cmd(args: argparse.Namespace) -> None:
         import uvloop
+
         from vllm_omni.entrypoints.openai.api_server import run_server
 
         if args.model_tag is not None:
@@ -60,7 +62,7 @@ class OmniServeCommand(CLISubcommand):
     def subparser_init(self, subparsers: argparse._SubParsersAction) -> FlexibleArgumentParser:
         serve_parser = subparsers.add_parser(
             self.name,
-            help="Launch the vllm-omni OpenAI-compatible server.",
+            help=SERVE_HELP,
             description=DESCRIPTION,
             usage="vllm serve MODEL --omni [options]",
         )
