@@ -117,6 +117,7 @@ def qwen_components(device, dtype, smoke: bool) -> dict[str, Any]:
                 num_attention_heads=28, num_key_value_heads=4)
     for key, value in real.items():
         setattr(text, key, value)
+    text.layer_types = ["full_attention"] * text.num_hidden_layers
     text.rope_parameters = dict(text.rope_parameters, mrope_section=[16, 24, 24])
     config.vision_config.out_hidden_size = 3584
     with torch.device(device):
@@ -194,7 +195,7 @@ def bench_model(name: str, args, device, dtype) -> list[dict[str, Any]]:
         ref_s, ref_img = run_once(diffusers_call)
         rows.append({"model": name, "pipeline": "diffusers", "size": args.size, "steps": steps, "s": ref_s, **cfg})
         print(json.dumps(rows[-1]), flush=True)
-        variants = [("ours eager", ours_tf)]
+        variants, eager_img = [("ours eager", ours_tf)], None
         if args.accelerate and device.type == "cuda":
             variants.append(("ours compiled + CUDA graph", None))
         for label, transformer in variants:
@@ -207,8 +208,10 @@ def bench_model(name: str, args, device, dtype) -> list[dict[str, Any]]:
             ours_call(pipe, 2)
             warm_s = time.perf_counter() - t0
             secs, out = run_once(lambda pipe=pipe: ours_call(pipe))
+            eager_img = out.output[0] if eager_img is None else eager_img
             rows.append({"model": name, "pipeline": label, "size": args.size, "steps": steps, "s": secs, **cfg,
                          "speedup_vs_diffusers": ref_s / secs, "psnr_vs_diffusers": image_psnr(out.output[0], ref_img),
+                         "psnr_vs_ours_eager": image_psnr(out.output[0], eager_img),
                          "stage_durations": out.stage_durations, "warmup_s": warm_s})
             print(json.dumps(rows[-1]), flush=True)
     return rows
