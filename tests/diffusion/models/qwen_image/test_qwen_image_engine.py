@@ -41,3 +41,25 @@ def test_batched_requests_match_diffusers(engine, qwen_image_dir):
         expected = ref(prompt, negative_prompt=negative, **SIZE, generator=torch.Generator().manual_seed(seed))
         assert psnr(out.output[0], expected.images[0]) >= 40
         assert out.stage_durations["denoise"] > 0
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_matches_diffusers(qwen_image_dir):
+    """Two worker processes sharding the MMDiT's heads and MLPs (gloo on CPU): same image as diffusers; a
+    request without a seed still works (ranks agree on its random seed)."""
+    from diffusers import QwenImagePipeline as Reference
+
+    config = OmniDiffusionConfig.from_kwargs(model="tiny/qwen-image", dtype="float32", tensor_parallel_size=2,
+                                             init_timeout=300)
+    engine = DiffusionEngine(config)
+    try:
+        out = engine.submit(make_request("a red cat", "tp", negative_prompt="blurry", seed=7, **SIZE)).result(TIMEOUT)
+        unseeded = engine.submit(make_request("a red cat", "tp-noseed", height=64, width=64,
+                                              num_inference_steps=1)).result(TIMEOUT)
+    finally:
+        engine.close()
+    assert out.error is None and unseeded.error is None, (out.error, unseeded.error)
+    ref = Reference.from_pretrained(qwen_image_dir, dtype=torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    expected = ref("a red cat", negative_prompt="blurry", **SIZE, generator=torch.Generator().manual_seed(7))
+    assert psnr(out.output[0], expected.images[0]) >= 40

@@ -232,7 +232,7 @@ class QwenImagePipeline(nn.Module):
         noise = []
         for request in requests:
             sp = request.sampling_params
-            seed = random.getrandbits(63) if sp.seed is None else sp.seed
+            seed = _shared_random_seed() if sp.seed is None else sp.seed
             generator = torch.Generator(device="cpu").manual_seed(seed)
             shape = (sp.num_outputs_per_prompt, 1, channels, 2 * h, 2 * w)  # diffusers' draw shape
             draw = torch.randn(shape, generator=generator, dtype=self.dtype)
@@ -302,6 +302,16 @@ class QwenImagePipeline(nn.Module):
                       ) -> list[DiffusionOutput]:
         return [DiffusionOutput(output=images[i * per_prompt:(i + 1) * per_prompt], stage_durations=dict(durations))
                 for i in range(num_requests)]
+
+
+def _shared_random_seed() -> int:
+    """A random seed every tensor-parallel rank agrees on (ranks must draw the same noise)."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+    seed = random.getrandbits(63)
+    if get_tensor_model_parallel_world_size() > 1:
+        seed = get_tp_group().broadcast_object(seed, src=0)
+    return seed
 
 
 def _true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
