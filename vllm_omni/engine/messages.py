@@ -74,6 +74,8 @@ class ErrorMessage(EngineQueueMessage, kw_only=True):
     status_code: int = 500
     error_type: str | None = None
     fatal: bool = False
+    param: str | None = None
+    """The offending request field, for client errors."""
     rpc_correlation_key: tuple[str, str] | None = None
 
 

@@ -169,7 +169,8 @@ class Orchestrator:
     def _emit_error(self, request_id: str | None, exc: BaseException, fatal: bool = False) -> None:
         status = exc.status_code if isinstance(exc, OmniError) else 500
         self.output_queue.put_nowait(ErrorMessage(error=str(exc) or type(exc).__name__, request_id=request_id,
-                                                  status_code=status, error_type=type(exc).__name__, fatal=fatal))
+                                                  status_code=status, error_type=type(exc).__name__, fatal=fatal,
+                                                  param=getattr(exc, "param", None)))
 
     def _drop_payloads(self, request_id: str) -> None:
         for connector in self.connectors.values():

@@ -61,6 +61,7 @@ class StageEngineCoreClient(StageClientBase):
 
     async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 
         if not isinstance(sampling_params, SamplingParams):
@@ -87,10 +88,10 @@ class StageEngineCoreClient(StageClientBase):
                 yield result
         except VllmEngineDeadError as e:
             raise EngineDeadError(f"{self.name}: EngineCore died") from e
-        except ValueError as e:  # vLLM input validation (prompt too long, bad params, ...)
+        except (VLLMClientError, ValueError) as e:  # vLLM input validation (prompt too long, bad params, ...)
             if self.llm.errored:
                 raise EngineDeadError(f"{self.name}: EngineCore died") from e
-            raise OmniClientError(f"stage {self.stage_id}: {e}") from e
+            raise OmniClientError(f"stage {self.stage_id}: {e}", param=getattr(e, "parameter", None)) from e
 
     async def abort(self, request_ids: list[str]) -> None:
         if not self.llm.errored:

@@ -25,6 +25,8 @@ logger = init_logger(__name__)
 PauseMode = Literal["abort", "wait", "keep"]
 ABORT_TIMEOUT_S = 10.0
 ALL_TAGS = frozenset({CuMemTag.WEIGHTS, CuMemTag.KV_CACHE})
+_ABORTED = object()
+"""Ends an aborted request's stream quietly (the caller asked for it)."""
 
 
 @dataclass
@@ -89,6 +91,8 @@ class AsyncOmni(OmniBase):
         try:
             while not finished:
                 item = state.queue.get_nowait() if not state.queue.empty() else await state.queue.get()
+                if item is _ABORTED:
+                    return
                 if isinstance(item, ErrorMessage):
                     raise _to_exception(item)
                 finished = item.finished
@@ -111,8 +115,7 @@ class AsyncOmni(OmniBase):
         for rid in request_ids:
             state = self.request_states.pop(rid, None)
             if state is not None:
-                state.queue.put_nowait(ErrorMessage(error="request aborted", request_id=rid, status_code=499,
-                                                    error_type="aborted"))
+                state.queue.put_nowait(_ABORTED)
 
     def _ensure_output_handler(self) -> None:
         if self._output_handler is None or self._output_handler.done():
@@ -286,5 +289,5 @@ def _to_exception(msg: ErrorMessage) -> BaseException:
     if msg.fatal or msg.error_type == "EngineDeadError":
         return EngineDeadError(msg.error)
     if 400 <= msg.status_code < 500:
-        return OmniClientError(msg.error, status_code=msg.status_code, error_type=msg.error_type)
+        return OmniClientError(msg.error, status_code=msg.status_code, param=msg.param)
     return EngineGenerateError(msg.error)

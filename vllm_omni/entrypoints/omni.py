@@ -49,7 +49,7 @@ class Omni(OmniBase):
                 if isinstance(msg, ErrorMessage):
                     if msg.status_code == 400:
                         self.engine.abort(sorted(pending - {rid}))
-                        raise OmniClientError(msg.error)
+                        raise OmniClientError(msg.error, param=msg.param)
                     finals[rid][-1] = OmniRequestOutput(request_id=rid, error=msg.error,
                                                         error_status_code=msg.status_code)
                     done = True

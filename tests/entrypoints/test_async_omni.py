@@ -1,0 +1,182 @@
+"""AsyncOmni on a real single-AR-stage pipeline (tiny Qwen2 on vLLM EngineCore, CPU).
+
+Pins: greedy tokens equal the reference (transformers, which the tiny-LM test ties to plain vLLM), streaming
+with per-stage durations, client errors naming the field, acknowledged abort under load (<= 1 s, request
+freed in the stage), pause/resume admission, and stage death -> errors within 10 s, engine dead, and a
+clean close (no child process, no shm segment). One engine for the whole module (~40 s start-up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import psutil
+import pytest
+from vllm import SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+from vllm_omni import AsyncOmni
+from vllm_omni.errors import EngineDeadError, OmniClientError
+from vllm_omni.testing.tiny_models import build_tiny
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+PROMPTS = ["A photo of a cat sitting on a red chair", "hello world"]
+
+
+@pytest.fixture(scope="module")
+def omni():
+    engine = AsyncOmni("tiny/qwen2", dtype="float32", max_model_len=512, max_num_seqs=8, enforce_eager=True,
+                       gpu_memory_utilization=0.15, seed=0)
+    yield engine
+    engine.close()
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, **kw)
+
+
+def hf_greedy(prompt: str, n: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = build_tiny("qwen2")
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, ids.shape[1]:].tolist()
+
+
+def engine_children(me: psutil.Process) -> list[str]:
+    """Our child processes, minus Python's own multiprocessing resource tracker (lives as long as we do)."""
+    out = []
+    for child in me.children(recursive=True):
+        try:
+            cmdline = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "resource_tracker" not in cmdline:
+            out.append(cmdline)
+    return out
+
+
+async def collect(omni, prompt, rid, params):
+    return [out async for out in omni.generate(prompt, rid, params)]
+
+
+async def test_metadata(omni):
+    assert omni.stage_types == ["llm"] and omni.output_modalities == {"text"}
+    assert omni.model_name == "tiny/qwen2" and omni.get_tokenizer() is not None
+    assert isinstance(omni.default_sampling_params_list[0], SamplingParams)
+    await omni.check_health()
+    assert not omni.is_dead and not omni.errored
+
+
+async def test_greedy_tokens_match_reference(omni):
+    results = await asyncio.gather(*(collect(omni, p, f"greedy-{i}", [greedy(16)]) for i, p in enumerate(PROMPTS)))
+    for prompt, outs in zip(PROMPTS, results, strict=True):
+        final = outs[-1]
+        assert final.finished and final.stage_id == 0 and final.final_output_type == "text"
+        assert final.token_ids == hf_greedy(prompt, 16)
+        assert isinstance(final.text, str)  # detokenized by vLLM's incremental detokenizer
+        assert {"llm", "e2e"} <= set(final.stage_durations)
+
+
+async def test_streaming_delta_outputs(omni):
+    outs = await collect(omni, PROMPTS[1], "stream", greedy(8, output_kind=RequestOutputKind.DELTA))
+    assert len(outs) >= 2 and [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    assert sum(len(o.token_ids) for o in outs) == 8
+
+
+async def test_client_errors_name_the_field(omni):
+    with pytest.raises(OmniClientError) as info:
+        await collect(omni, "x", "bad-list", [greedy(4), greedy(4)])
+    assert info.value.param == "sampling_params_list"
+    with pytest.raises(OmniClientError, match="maximum context length") as info:
+        await collect(omni, "word " * 600, "too-long", [greedy(4)])
+    assert info.value.status_code == 400 and info.value.param == "input_tokens"
+    # the engine is still fine
+    outs = await collect(omni, "ok", "after-error", [greedy(2)])
+    assert outs[-1].finished and len(outs[-1].token_ids) == 2
+
+
+async def test_abort_ack_under_load_frees_the_request(omni):
+    stage = omni.engine.stage_clients[0]
+    tasks = {f"load-{i}": asyncio.create_task(collect(omni, PROMPTS[0], f"load-{i}", [greedy(400)]))
+             for i in range(6)}
+    await asyncio.sleep(0.5)
+    start = time.perf_counter()
+    await omni.abort("load-0")
+    ack_s = time.perf_counter() - start
+    assert ack_s <= 1.0, f"abort ack took {ack_s:.2f} s"
+    assert "load-0" not in omni.request_states
+    assert "load-0" not in omni.engine.orchestrator.request_states
+    await asyncio.wait_for(tasks.pop("load-0"), 5)  # the aborted stream ends
+    assert all(not rid.startswith("load-0") for rid in stage.llm.output_processor.request_states)
+    await omni.abort(list(tasks))
+    await asyncio.wait_for(asyncio.gather(*tasks.values()), 10)
+    deadline = time.monotonic() + 5
+    while stage.llm.output_processor.get_num_unfinished_requests() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert stage.llm.output_processor.get_num_unfinished_requests() == 0
+
+
+async def test_cancelled_generate_aborts_in_engine(omni):
+    stage = omni.engine.stage_clients[0]
+    task = asyncio.create_task(collect(omni, PROMPTS[0], "cancel-me", [greedy(400)]))
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    deadline = time.monotonic() + 5
+    while stage.llm.output_processor.get_num_unfinished_requests() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert stage.llm.output_processor.get_num_unfinished_requests() == 0
+    outs = await collect(omni, "again", "cancel-me", [greedy(2)])  # the id is reusable
+    assert outs[-1].finished
+
+
+async def test_pause_holds_admission_until_resume(omni):
+    await omni.pause_generation(mode="abort")
+    assert omni.is_paused()
+    task = asyncio.create_task(collect(omni, PROMPTS[1], "during-pause", [greedy(4)]))
+    await asyncio.sleep(0.5)
+    assert not task.done()
+    await omni.resume_generation()
+    outs = await asyncio.wait_for(task, 10)
+    assert not omni.is_paused() and len(outs[-1].token_ids) == 4
+
+
+async def test_collective_rpc_and_stage_validation(omni):
+    assert await omni.reset_prefix_cache() is True
+    with pytest.raises(ValueError, match=r"Invalid stage_ids \[1\]; valid range is 0..0"):
+        await omni.collective_rpc("reset_prefix_cache", stage_ids=[1])
+
+
+async def test_killed_stage_process_fails_fast_then_close_is_clean(omni):
+    me = psutil.Process()
+    shm_before = set(os.listdir("/dev/shm"))
+    task = asyncio.create_task(collect(omni, PROMPTS[0], "doomed", [greedy(400)]))
+    await asyncio.sleep(0.5)
+    engine_procs = omni.engine.stage_clients[0].llm.engine_core.resources.engine_manager.processes
+    start = time.perf_counter()
+    for proc in engine_procs:
+        os.kill(proc.pid, 9)
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(task, 10)
+    assert time.perf_counter() - start <= 10
+    deadline = time.monotonic() + 10
+    while not omni.is_dead and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert omni.is_dead
+    with pytest.raises(EngineDeadError):
+        await omni.check_health()
+    with pytest.raises(EngineDeadError):
+        await collect(omni, "x", "after-death", [greedy(2)])
+    omni.close()
+    deadline = time.monotonic() + 20
+    while engine_children(me) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert engine_children(me) == []
+    assert not (set(os.listdir("/dev/shm")) - shm_before)
