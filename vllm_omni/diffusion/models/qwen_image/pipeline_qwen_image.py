@@ -69,7 +69,7 @@ class QwenImagePipeline(nn.Module):
 
     def __init__(self, *, od_config: OmniDiffusionConfig, device: torch.device, dtype: torch.dtype,
                  tokenizer: Any, text_encoder: nn.Module, transformer: QwenImageTransformer2DModel, vae: nn.Module,
-                 scheduler_config: dict[str, Any], **extra: Any) -> None:
+                 scheduler_config: dict[str, Any], vl_image_processor: Any = None) -> None:
         super().__init__()
         from diffusers.image_processor import VaeImageProcessor
 
@@ -83,8 +83,8 @@ class QwenImagePipeline(nn.Module):
         self.scheduler_config = scheduler_config
         self.vae_scale_factor = 2 ** len(vae.temperal_downsample)
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
-        for name, value in extra.items():
-            setattr(self, name, value)
+        self.vl_image_processor = vl_image_processor
+        """Qwen2-VL image processor (Edit only: the input image goes to the text encoder too)."""
 
     # ---- loading -------------------------------------------------------------------------------------------
 

@@ -39,7 +39,6 @@ class QwenImageEditPipeline(QwenImagePipeline):
         "<|im_end|>\n<|im_start|>assistant\n"
     )
     prompt_template_drop_tokens: ClassVar[int] = 64
-    vl_image_processor: Any
 
     @classmethod
     def needs_processor(cls) -> bool:
