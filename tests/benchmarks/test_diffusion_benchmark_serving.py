@@ -1,0 +1,38 @@
+"""The serving benchmark against a live `vllm serve tiny/flux --omni` (real server process, real FLUX pipeline):
+pins that it drives /v1/images/generations with bounded concurrency and a Poisson rate, counts every image, and
+reports latency percentiles and the server's per-stage durations."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.entrypoints.openai.live_server import LiveServer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "diffusion"))
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = LiveServer("tiny/flux")
+    yield srv
+    assert srv.close(), f"server did not shut down cleanly; log: {srv.log}"
+
+
+@pytest.mark.timeout(400)
+def test_poisson_rate_with_concurrency_limit(server, tmp_path):
+    import diffusion_benchmark_serving as bench
+
+    out = tmp_path / "serve.json"
+    result = bench.main(["--base-url", server.url, "--num-prompts", "4", "--max-concurrency", "2",
+                         "--request-rate", "20", "--size", "64x64", "--n", "2", "--num-inference-steps", "2",
+                         "--offline-images-per-s", "1.0", "--out", str(out)])
+    summary = result["summary"]
+    assert summary["completed"] == 4 and summary["failed"] == 0, summary["errors"]
+    assert summary["images_per_s"] == pytest.approx(8 / summary["duration_s"])
+    assert 0 < summary["latency_p50_s"] <= summary["latency_p99_s"]
+    stages = set(summary["stage_durations_mean_s"])
+    assert {"diffusion.text_encoder", "diffusion.denoise", "diffusion.vae_decode"} <= stages
+    assert out.exists() and summary["serving_over_offline"] > 0
