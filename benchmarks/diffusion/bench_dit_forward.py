@@ -282,7 +282,7 @@ class Bench:
                 row = Row(name, size, batch, "ours eager (TORCH_SDPA)")
                 eager = self.measure(row, our_fn, tflop, ref_ms, ref_out, None)
                 eager_outs[(size, batch)] = eager
-                if device.type == "cuda":
+                if device.type == "cuda" and args.eager_variants:
                     self._attention_variants(name, size, batch, ours, our_call, tflop, ref_ms, ref_out, eager)
                     self._graph_variant(name, size, batch, "ours eager + CUDA graph", ours, our_call, tflop,
                                         ref_ms, ref_out, eager)
@@ -369,6 +369,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="also time regional torch.compile (+ CUDA graph) variants")
     parser.add_argument("--compile-mode", default="default", help="torch.compile mode for the blocks")
+    parser.add_argument("--eager-variants", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time eager SDPA kernels and eager + CUDA graph (CUDA)")
     parser.add_argument("--attention-backends", nargs="+", default=["CUDNN_ATTN", "TORCH_SDPA"],
                         help="our attention backends to time the compiled variants with (CUDA)")
     parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU (fp32), seconds")
