@@ -7,6 +7,7 @@ same batch); RPC results come from every rank. The loop also exits when the engi
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import sys
@@ -143,13 +144,14 @@ class WorkerProc:
 
 
 def worker_main(spec: WorkerSpec) -> None:
-    """Process entry point. Everything is released by the time `run` returns, so the process skips the
-    interpreter teardown (seconds of module finalization with torch loaded) and exits at once."""
+    """Process entry point. Everything is released by the time `run` returns, so after the exit handlers the
+    process skips the interpreter teardown (seconds of module finalization with torch loaded)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     code = 1
     try:
         code = WorkerProc.run(spec)
     finally:
+        atexit._run_exitfuncs()  # e.g. multiprocessing's finalizers release tqdm's semaphore
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
