@@ -1,10 +1,12 @@
-"""Qwen3-Omni end to end on CPU: vLLM's own thinker -> our talker -> our Code2Wav, against transformers' generate.
+"""Qwen3-Omni end to end on CPU: vLLM thinker -> vLLM talker (ours) -> Code2Wav, against transformers' generate.
 
-What it pins (issue #4's acceptance, on the tiny checkpoint, greedy): the text tokens of vLLM's
-`Qwen3OmniMoeThinkerForConditionalGeneration`, the talker's codec frames and the waveform equal transformers'
-reference `generate` on the same weights (tokens exact; waveform allclose). The stages are chained through the
-same stage-input processors the multi-stage engine uses, in-process (the control plane has no GENERATION stage
-or talker hidden-state plumbing yet).
+What it pins (issue #4's acceptance, on the tiny checkpoint, greedy): the text tokens of vLLM's own
+`Qwen3OmniMoeThinkerForConditionalGeneration`, the codec frames of our talker running on vLLM's EngineCore
+(scheduler, paged KV cache, fused MoE; MTP code predictor inside the forward) and the waveform equal
+transformers' reference `generate` on the same weights (tokens and frames exact; waveform allclose). Two requests
+go through each engine in one batch, so per-request conditioning must not leak between rows. The stages are
+chained through the same stage-input processors the multi-stage engine uses, in-process (the control plane has
+no GENERATION stage or talker wiring yet).
 """
 
 from __future__ import annotations
@@ -19,31 +21,32 @@ from vllm_omni.model_executor.models.qwen3_omni.stage_input_processors import (
     talker_to_code2wav,
     thinker_to_talker,
 )
-from vllm_omni.model_executor.models.qwen3_omni.talker import Qwen3OmniTalker, TalkerSamplingParams
+from vllm_omni.model_executor.models.qwen3_omni.vllm_talker import talker_engine_kwargs, talker_request
 
 from .conftest import chat_prompt_ids
 
 THINKER_TOKENS = 8
 TALKER_TOKENS = 10
 PROMPTS = ["Hello! How are you today?", "Describe the image in detail, then answer the question."]
+ENGINE = dict(dtype="float32", gpu_memory_utilization=0.15, max_model_len=512, enforce_eager=True, seed=0)
 
 
 @pytest.fixture(scope="module")
 def thinker_llm(tiny_path):
     from vllm import LLM
 
-    llm = LLM(model=str(tiny_path), dtype="float32", gpu_memory_utilization=0.15, max_model_len=512,
-              enforce_eager=True, seed=0, limit_mm_per_prompt={"image": 0, "video": 0, "audio": 0})
+    llm = LLM(model=str(tiny_path), limit_mm_per_prompt={"image": 0, "video": 0, "audio": 0}, **ENGINE)
     yield llm
-    del llm
+    llm.llm_engine.engine_core.shutdown()
 
 
-def _vllm_thinker(llm, prompt_ids: list[list[int]]) -> list[list[int]]:
-    from vllm import SamplingParams
+@pytest.fixture(scope="module")
+def talker_llm(tiny_path):
+    from vllm import LLM
 
-    params = SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    llm = LLM(model=str(tiny_path), **{**ENGINE, **talker_engine_kwargs()})
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
 
 
 def _hf_generate(hf_model, ids: torch.Tensor):
@@ -66,19 +69,30 @@ def _hf_generate(hf_model, ids: torch.Tensor):
 
 
 @pytest.mark.slow
-def test_three_stages_equal_transformers_generate(thinker_llm, hf_model, tiny_path) -> None:
-    prompt_ids = [chat_prompt_ids(tiny_path, text) for text in PROMPTS]
-    thinker_out = _vllm_thinker(thinker_llm, [ids[0].tolist() for ids in prompt_ids])  # one batch in vLLM
+def test_three_stages_equal_transformers_generate(thinker_llm, talker_llm, hf_model, tiny_path) -> None:
+    from vllm import SamplingParams
+
+    prompt_ids = [chat_prompt_ids(tiny_path, text)[0].tolist() for text in PROMPTS]
+    thinker_params = SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS, ignore_eos=True)
+    thinker_out = [list(o.outputs[0].token_ids) for o in thinker_llm.generate(
+        [{"prompt_token_ids": ids} for ids in prompt_ids], thinker_params, use_tqdm=False)]
+
     token_ids = Qwen3OmniTokenIds.from_config(hf_model.config)
-    talker = Qwen3OmniTalker.from_pretrained(tiny_path)
+    keys = [f"req-{i}" for i in range(len(PROMPTS))]
+    requests = [talker_request(thinker_to_talker(ids, out, token_ids), key, hf_model.config.talker_config,
+                               max_new_tokens=TALKER_TOKENS)
+                for ids, out, key in zip(prompt_ids, thinker_out, keys, strict=True)]
+    talker_out = talker_llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
+    frames_by_key = talker_llm.collective_rpc("take_talker_frames", args=(keys,))[0]
+
     code2wav = Qwen3OmniCode2Wav.from_pretrained(tiny_path)
-    for ids, text_tokens in zip(prompt_ids, thinker_out, strict=True):
-        ref_tokens, ref_frames, ref_wav = _hf_generate(hf_model, ids)
+    for i, (ids, text_tokens) in enumerate(zip(prompt_ids, thinker_out, strict=True)):
+        ref_tokens, ref_frames, ref_wav = _hf_generate(hf_model, torch.tensor([ids]))
         assert text_tokens == ref_tokens
 
-        talker_prompt = thinker_to_talker(ids[0].tolist(), text_tokens, token_ids)
-        frames = talker.generate(talker_prompt, TalkerSamplingParams(max_new_tokens=TALKER_TOKENS)).frames
+        frames = frames_by_key[keys[i]]
         assert frames == ref_frames
+        assert [f[0] for f in frames] == list(talker_out[i].outputs[0].token_ids)[:len(frames)]
 
         wav = np.concatenate(code2wav(talker_to_code2wav(frames)))
         np.testing.assert_allclose(wav, ref_wav, rtol=1e-5, atol=1e-5)

@@ -13,6 +13,7 @@ needs (per-request decode-time inputs and per-step multi-codebook outputs from t
 from __future__ import annotations
 
 import time
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,16 +92,13 @@ class Qwen3OmniTalker(nn.Module):
         ids = torch.tensor(thinker_ids, dtype=torch.long, device=self.allowed.device)
         return self.talker.text_projection(self.thinker_embed(ids))
 
-    def prompt_embeds(self, prompt: TalkerPrompt, thinker_hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """(P, D) talker prompt embeddings. `thinker_hidden` holds the thinker's `accept_hidden_layer` states,
-        one row per `prompt.multimodal_source_positions` entry."""
-        embeds = self._project_text(prompt.thinker_ids)
+    def prompt_embeds(self, prompt: TalkerPrompt) -> torch.Tensor:
+        """(P, D) talker prompt embeddings: projected thinker token embeddings plus the codec preamble."""
         if prompt.multimodal_positions:
-            if thinker_hidden is None or thinker_hidden.shape[0] != len(prompt.multimodal_positions):
-                raise ValueError(f"talker prompt has {len(prompt.multimodal_positions)} multimodal positions; "
-                                 "thinker_hidden must hold one accept_hidden_layer state per position")
-            mm = self.talker.hidden_projection(thinker_hidden.to(embeds))
-            embeds[torch.tensor(prompt.multimodal_positions, device=embeds.device)] = mm
+            # Audio/image/video placeholders need the thinker's accept_hidden_layer states (vLLM's AR stage does
+            # not export hidden states yet) and the talker's M-RoPE positions over them.
+            raise ValueError("talker prompt has multimodal positions; only text prompts are supported so far")
+        embeds = self._project_text(prompt.thinker_ids)
         codec = torch.tensor(prompt.codec_ids, device=embeds.device)
         has_codec = codec != NO_CODEC
         embeds[has_codec] += self.talker.get_input_embeddings()(codec[has_codec])
@@ -127,21 +125,31 @@ class Qwen3OmniTalker(nn.Module):
         return codes, torch.cat(embeds, dim=1).sum(dim=1)
 
     # ---- generation ---------------------------------------------------------------------------------------
+    def generate(self, prompt: TalkerPrompt, params: TalkerSamplingParams | None = None) -> TalkerOutput:
+        start = time.perf_counter()
+        frames: list[list[int]] = []
+        stream = self.iter_frames(prompt, params)
+        while True:
+            try:
+                frames.append(next(stream))
+            except StopIteration as stop:
+                return TalkerOutput(frames=frames, finish_reason=stop.value,
+                                    stage_durations={"talker": time.perf_counter() - start})
+
     @torch.inference_mode()
-    def generate(self, prompt: TalkerPrompt, params: TalkerSamplingParams | None = None,
-                 thinker_hidden: torch.Tensor | None = None) -> TalkerOutput:
+    def iter_frames(self, prompt: TalkerPrompt,
+                    params: TalkerSamplingParams | None = None) -> Generator[list[int], None, str]:
+        """Yield each frame `[code_0, ..., code_{G-1}]` as soon as it is complete (for streaming audio);
+        returns the finish reason ("stop" = codec EOS, "length")."""
         from transformers import DynamicCache
 
         params = params or TalkerSamplingParams()
-        start = time.perf_counter()
         sample = _Sampler(params, self.allowed)
         trailing = self._project_text(prompt.trailing_thinker_ids)
         tts_pad = self._project_text([prompt.tts_pad_id])[0]
-        inputs = self.prompt_embeds(prompt, thinker_hidden).unsqueeze(0)
+        inputs = self.prompt_embeds(prompt).unsqueeze(0)
         cache = DynamicCache(config=self.talker.config.text_config)
         generated: list[int] = []
-        frames: list[list[int]] = []
-        finish_reason = "length"
         for step in range(params.max_new_tokens):
             past = cache.get_seq_length()
             positions = torch.arange(past, past + inputs.shape[1], device=inputs.device).view(1, 1, -1).expand(3, 1, -1)
@@ -150,16 +158,14 @@ class Qwen3OmniTalker(nn.Module):
             code0 = sample(self.talker.codec_head(hidden), generated)
             generated.append(int(code0))
             if int(code0) == self.codec_eos:
-                finish_reason = "stop"
-                break
+                return "stop"
             if step == params.max_new_tokens - 1:
                 break  # a frame's residual codes are only drawn when it is fed back
             residual, frame_embed = self._predict_residual_codes(hidden, code0, sample)
-            frames.append([int(code0), *residual])
+            yield [int(code0), *residual]
             text = trailing[step] if step < trailing.shape[0] else tts_pad
             inputs = (frame_embed + text).view(1, 1, -1)
-        return TalkerOutput(frames=frames, finish_reason=finish_reason,
-                            stage_durations={"talker": time.perf_counter() - start})
+        return "length"
 
 
 class _Sampler:
