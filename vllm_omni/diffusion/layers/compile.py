@@ -38,5 +38,14 @@ def accelerate_transformer(model: nn.Module, *, compile_blocks: bool = True, cud
     if compile_blocks:
         compile_repeated_blocks(model, mode=compile_mode)
     if cuda_graphs:
-        model.forward = CUDAGraphRunner(model.forward)
+        runner = CUDAGraphRunner(model.forward)
+        model.forward = runner
+        apply = model._apply
+
+        def _apply_and_drop_graphs(fn, *args, **kwargs):
+            # `.to()` / `.cuda()` (e.g. sleep/wake) move the weights: graphs captured on the old addresses are void.
+            runner.reset()
+            return apply(fn, *args, **kwargs)
+
+        model._apply = _apply_and_drop_graphs
     return model

@@ -32,6 +32,10 @@ def load_qwen_image_transformer(od_config: OmniDiffusionConfig, model_dir: Path,
         raise ValueError(f"{model_dir / 'transformer'}: checkpoint lacks weights for {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}")
     model.process_weights_after_loading()
+    if not od_config.enforce_eager and device.type == "cuda":
+        from vllm_omni.diffusion.layers.compile import accelerate_transformer
+
+        accelerate_transformer(model)
     return model.eval()
 
 

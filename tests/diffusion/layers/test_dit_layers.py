@@ -1,0 +1,79 @@
+"""Shared DiT layers: RoPE and modulation helpers equal diffusers' formulas; regional compile finds the repeated
+blocks; the CUDA-graph runner replays per input signature and drops its graphs when the weights move."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from vllm_omni.diffusion.layers.compile import accelerate_transformer, compile_repeated_blocks
+from vllm_omni.diffusion.layers.modulation import gated_residual, layer_norm_modulate
+from vllm_omni.diffusion.layers.rope import apply_rope_interleaved, multi_axis_rope_cos_sin
+
+
+def test_rope_matches_diffusers():
+    from diffusers.models.embeddings import apply_rotary_emb
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    ids = torch.stack([torch.zeros(12), torch.arange(12.0) % 4, torch.arange(12.0) // 4], dim=-1)
+    want_cos, want_sin = FluxPosEmbed(theta=10000, axes_dim=[8, 12, 12])(ids)
+    cos, sin = multi_axis_rope_cos_sin(ids, (8, 12, 12), 10000.0)
+    torch.testing.assert_close((cos, sin), (want_cos, want_sin), rtol=0, atol=0)
+    x = torch.randn(2, 12, 3, 32)
+    want = apply_rotary_emb(x, (want_cos, want_sin), sequence_dim=1)
+    torch.testing.assert_close(apply_rope_interleaved(x, cos, sin), want, rtol=0, atol=0)
+
+
+def test_modulation_helpers():
+    x, shift, scale, gate = torch.randn(2, 5, 8), torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 8)
+    normed = nn.LayerNorm(8, elementwise_affine=False, eps=1e-6)(x)
+    torch.testing.assert_close(layer_norm_modulate(x, shift, scale), normed * (1 + scale[:, None]) + shift[:, None])
+    torch.testing.assert_close(gated_residual(x, gate, normed), x + gate[:, None] * normed)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.linear(x))
+
+
+class _Model(nn.Module):
+    _repeated_blocks = ("_Block",)
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block() for _ in range(3)])
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x, scale: float = 1.0):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) * scale
+
+
+def test_compile_repeated_blocks_counts_only_listed_classes():
+    model = _Model()
+    assert compile_repeated_blocks(model) == 3
+    with pytest.raises(ValueError, match="no _repeated_blocks"):
+        compile_repeated_blocks(nn.Linear(2, 2))
+
+
+@pytest.mark.cuda
+def test_cuda_graph_runner_replays_and_resets_on_move():
+    model = _Model().cuda().eval()
+    eager = _Model().cuda().eval()
+    eager.load_state_dict(model.state_dict())
+    accelerate_transformer(model, compile_blocks=False)
+    with torch.inference_mode():
+        for shape, scale in (((2, 4), 1.0), ((2, 4), 2.0), ((3, 4), 1.0), ((2, 4), 1.0)):
+            x = torch.randn(*shape, device="cuda")
+            torch.testing.assert_close(model(x, scale=scale), eager(x, scale=scale))
+        assert len(model.forward.graphs) == 3
+        model.to("cpu").to("cuda")  # sleep / wake: weights land on new addresses
+        assert not model.forward.graphs
+        x = torch.randn(2, 4, device="cuda")
+        torch.testing.assert_close(model(x), eager(x))
