@@ -78,23 +78,23 @@ def bench_config(name: str, iters: int, with_omni: bool) -> dict:
         with torch.inference_mode():
             ours.forward(DiffusionRequestBatch([OmniDiffusionRequest(PROMPT, params, "bench")]))
 
-    # Interleave so background load hits both alike.
-    ref_ms, ours_ms = [], []
-    for _ in range(iters):
-        ref_ms += _timed(run_ref, 1, warmup=0 if ref_ms else 2)
-        ours_ms += _timed(run_ours, 1, warmup=0 if ours_ms else 2)
-    row = {"config": name, "size": side, "steps": STEPS, "diffusers_ms": statistics.median(ref_ms),
-           "pipeline_ms": statistics.median(ours_ms)}
+    runners = {"diffusers_ms": run_ref, "pipeline_ms": run_ours}
+    omni = None
     if with_omni:
         from vllm_omni import Omni
 
         omni = Omni(model=str(model_dir), dtype="float32")
-        try:
-            row["omni_ms"] = statistics.median(
-                _timed(lambda: omni.generate([PROMPT], params, use_tqdm=False), iters))
-        finally:
+        runners["omni_ms"] = lambda: omni.generate([PROMPT], params, use_tqdm=False)
+    try:
+        # Round-robin so background load hits every column alike.
+        times: dict[str, list[float]] = {key: [] for key in runners}
+        for i in range(iters):
+            for key, fn in runners.items():
+                times[key] += _timed(fn, 1, warmup=2 if i == 0 else 0)
+    finally:
+        if omni is not None:
             omni.close()
-    return row
+    return {"config": name, "size": side, "steps": STEPS, **{k: statistics.median(v) for k, v in times.items()}}
 
 
 def main() -> None:
