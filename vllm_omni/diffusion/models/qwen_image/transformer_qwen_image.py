@@ -8,6 +8,7 @@ parallelism, and attention goes through our `Attention` layer. Inputs are packed
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
@@ -112,8 +113,11 @@ class QwenEmbedRope(nn.Module):
     """3-axis rotary angles (frame, height, width) for image tokens, centred on the image; text after them.
 
     Image `i` of a sample sits at frame index `i`; text positions start past the largest half-extent of the
-    images, so text and image positions never collide. Tables are cached per shape and device.
+    images, so text and image positions never collide. Tables are cached per shape and device (the most
+    recent `max_cached` of them, so a server seeing many sizes and prompt lengths stays bounded).
     """
+
+    max_cached = 64
 
     def __init__(self, axes_dim: tuple[int, int, int], theta: float = 10000.0) -> None:
         super().__init__()
@@ -121,7 +125,7 @@ class QwenEmbedRope(nn.Module):
         # On the CPU whatever device the model is built on: positions are made there too, tables moved once.
         self.inv_freqs = [1.0 / torch.pow(theta, torch.arange(0, d, 2, device="cpu").to(torch.float32).div(d))
                           for d in axes_dim]
-        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cache: OrderedDict[tuple, tuple[torch.Tensor, ...]] = OrderedDict()
 
     def _angles(self, positions: list[torch.Tensor]) -> torch.Tensor:
         """Per-token angles (tokens, head_dim/2) from per-axis integer positions (tokens,)."""
@@ -129,20 +133,24 @@ class QwenEmbedRope(nn.Module):
 
     def forward(self, shapes: list[tuple[int, int, int]], txt_len: int, device: torch.device):
         key = (tuple(shapes), txt_len, device)
-        if key not in self._cache:
+        if key in self._cache:
+            self._cache.move_to_end(key)
+        else:
             image_angles, max_index = [], 0
             for idx, (frame, height, width) in enumerate(shapes):
-                f = torch.arange(idx, idx + frame)
-                h = torch.arange(height) - (height - height // 2)
-                w = torch.arange(width) - (width - width // 2)
+                f = torch.arange(idx, idx + frame, device="cpu")
+                h = torch.arange(height, device="cpu") - (height - height // 2)
+                w = torch.arange(width, device="cpu") - (width - width // 2)
                 grid = torch.meshgrid(f, h, w, indexing="ij")
                 image_angles.append(self._angles([g.reshape(-1) for g in grid]))
                 max_index = max(max_index, height // 2, width // 2)
-            txt_pos = torch.arange(max_index, max_index + txt_len)
+            txt_pos = torch.arange(max_index, max_index + txt_len, device="cpu")
             txt_angles = self._angles([txt_pos] * 3)
             self._cache[key] = tuple(
                 torch.polar(torch.ones_like(a), a).to(device) for a in (torch.cat(image_angles), txt_angles)
             )
+            if len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
         return self._cache[key]
 
 
