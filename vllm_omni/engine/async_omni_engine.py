@@ -29,7 +29,7 @@ from vllm_omni.engine.messages import (
 )
 from vllm_omni.engine.orchestrator import Orchestrator
 from vllm_omni.engine.rpc_result_router import CorrelatedRpcClient
-from vllm_omni.engine.stage_runtime import StageRuntime
+from vllm_omni.engine.stage_runtime import StageClientFactory, StageRuntime, make_stage_client
 
 logger = init_logger(__name__)
 
@@ -37,7 +37,8 @@ SHUTDOWN_JOIN_TIMEOUT_S = 60.0
 
 
 class AsyncOmniEngine:
-    def __init__(self, config: VllmOmniConfig, *, request_queue_size: int = 0) -> None:
+    def __init__(self, config: VllmOmniConfig, *, request_queue_size: int = 0,
+                 stage_client_factory: StageClientFactory | None = None) -> None:
         # Stage processes are started from a thread of a process that runs several threads: fork is unsafe.
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         self.config = config
@@ -47,7 +48,7 @@ class AsyncOmniEngine:
         self.stage_clients: list[Any] = []
         self.stage_metadata: list[dict[str, Any]] = []
         self.orchestrator: Orchestrator | None = None
-        self._runtime = StageRuntime(config)
+        self._runtime = StageRuntime(config, stage_client_factory or make_stage_client)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._closed = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 
 from vllm.logger import init_logger
 
@@ -45,9 +46,13 @@ def _visible_devices(devices: str | None):
             os.environ["CUDA_VISIBLE_DEVICES"] = previous
 
 
+StageClientFactory = Callable[[StageConfig, int], StageClientBase]
+
+
 class StageRuntime:
-    def __init__(self, config: VllmOmniConfig) -> None:
+    def __init__(self, config: VllmOmniConfig, client_factory: StageClientFactory = make_stage_client) -> None:
         self.config = config
+        self.client_factory = client_factory
         self.pools: list[StagePool] = []
 
     async def start(self) -> list[StagePool]:
@@ -56,7 +61,7 @@ class StageRuntime:
                 clients: list[StageClientBase | None] = []
                 self.pools.append(StagePool(stage.stage_id, clients, stage.stage_type))
                 for replica in range(stage.num_replicas):
-                    client = make_stage_client(stage, replica)
+                    client = self.client_factory(stage, replica)
                     start = time.perf_counter()
                     with _visible_devices(stage.devices):
                         await client.start()
