@@ -1,6 +1,6 @@
 """Wan 2.1 / 2.2 video DiT with tensor-parallel linears and our attention layer.
 
-Parameter names follow diffusers' `WanTransformer3DModel` (after `_WEIGHTS_MAPPER`), so the sharded
+Parameter names follow diffusers' `WanTransformer3DModel` (after `_WEIGHT_RENAMES`), so the sharded
 `transformer/diffusion_pytorch_model-*.safetensors` of the Wan-AI/*-Diffusers repos load by name. The math is
 the diffusers model's: modulation and norms in fp32, 3D RoPE over (frame, height, width), cross-attention
 to the text tokens plus (I2V) a separate attention to the CLIP image tokens whose result is added.
@@ -24,15 +24,30 @@ from diffusers.models.embeddings import (
 )
 from diffusers.models.normalization import FP32LayerNorm
 from torch import nn
-from vllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
 from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader, sharded_weight_loader
-from vllm.model_executor.models.utils import WeightsMapper
 
 from vllm_omni.diffusion.attention.layer import Attention
+from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
 
-_WEIGHTS_MAPPER = WeightsMapper(orig_to_new_substr={".to_out.0.": ".to_out.", ".ffn.net.0.proj.": ".ffn.up.",
-                                                    ".ffn.net.2.": ".ffn.down."})
+# diffusers name -> ours (substring replacements; diffusers keeps Dropout/activation slots in its ModuleLists).
+_WEIGHT_RENAMES = ((".to_out.0.", ".to_out."), (".ffn.net.0.proj.", ".ffn.up."), (".ffn.net.2.", ".ffn.down."))
+
+
+def _rename(name: str) -> str:
+    for old, new in _WEIGHT_RENAMES:
+        name = name.replace(old, new)
+    return name
+
+
+def _head_sharded_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """Load this TP rank's slice (dim 0) of a per-head vector."""
+    size = param.shape[0]
+    param.data.copy_(loaded_weight.narrow(0, get_tensor_model_parallel_rank() * size, size))
 
 
 @dataclass(frozen=True)
@@ -83,7 +98,7 @@ class _HeadShardedRMSNorm(nn.Module):
         self.hidden_size = hidden_size
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size // self.tp_size))
-        self.weight.weight_loader = sharded_weight_loader(0)
+        self.weight.weight_loader = _head_sharded_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         square_sum = x.float().pow(2).sum(dim=-1, keepdim=True)
@@ -290,7 +305,8 @@ class WanTransformer3DModel(nn.Module):
         """Load diffusers-named tensors (sharding TP slices); returns the names of the parameters filled."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in _WEIGHTS_MAPPER.apply(weights):
+        for orig_name, tensor in weights:
+            name = _rename(orig_name)
             if name not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
             param = params[name]
