@@ -4,16 +4,16 @@ Each step the talker backbone predicts codebook 0 of one audio frame; the code p
 transformer) then fills codebooks 1..G-1 from the backbone's last hidden state, and the sum of the frame's G
 codec embeddings plus the next trailing thinker token's projected embedding is the next backbone input.
 
-The layers are transformers' Qwen3-Omni modules (built from the checkpoint's `talker_config` and loaded from
-its `talker.*` tensors); this class owns the stage's inputs, the per-step loop and the frame bookkeeping.
-It is not hosted on vLLM's EngineCore yet: see recipes/Qwen/Qwen3-Omni.md ("Talker on vLLM") for what that
-needs (per-request decode-time inputs and per-step multi-codebook outputs from the model runner).
+This is the in-process variant: transformers' Qwen3-Omni layers (built from the checkpoint's `talker_config`,
+loaded from its `talker.*` tensors) driven by our loop, one request at a time. It streams frames as they complete
+(`iter_frames`) and samples the code predictor too. The serving variant runs on vLLM's EngineCore
+(vllm_talker.py: batching, paged KV cache) and shares `predict_residual_codes` with it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,7 +66,6 @@ class Qwen3OmniTalker(nn.Module):
         text = config.thinker_config.text_config
         # The talker's text conditioning is the thinker's input embedding of each token.
         self.thinker_embed = nn.Embedding(text.vocab_size, text.hidden_size)
-        self.num_code_groups = talker_config.num_code_groups
         self.codec_eos = talker_config.codec_eos_token_id
         vocab = talker_config.text_config.vocab_size
         # Only codebook entries and codec EOS may be generated (as in transformers' generate).
@@ -103,26 +102,6 @@ class Qwen3OmniTalker(nn.Module):
         has_codec = codec != NO_CODEC
         embeds[has_codec] += self.talker.get_input_embeddings()(codec[has_codec])
         return embeds
-
-    # ---- one frame -----------------------------------------------------------------------------------------
-    def _predict_residual_codes(self, past_hidden: torch.Tensor, code0: torch.Tensor,
-                                sample) -> tuple[list[int], torch.Tensor]:
-        """Codebooks 1..G-1 for a frame whose codebook-0 id is `code0`; returns them and the frame's summed
-        codec embedding (the next backbone input, before the text conditioning)."""
-        from transformers import DynamicCache
-
-        predictor = self.talker.code_predictor
-        embeds = [self.talker.get_input_embeddings()(code0).view(1, 1, -1)]
-        inputs = torch.cat((past_hidden.view(1, 1, -1), embeds[0]), dim=1)
-        cache = DynamicCache(config=predictor.config)
-        codes = []
-        for group in range(1, self.num_code_groups):
-            hidden = predictor.model(inputs_embeds=inputs, past_key_values=cache, use_cache=True).last_hidden_state
-            code = sample(predictor.lm_head[group - 1](hidden[:, -1]), None)
-            codes.append(int(code))
-            inputs = predictor.model.codec_embedding[group - 1](code.view(1, 1))
-            embeds.append(inputs)
-        return codes, torch.cat(embeds, dim=1).sum(dim=1)
 
     # ---- generation ---------------------------------------------------------------------------------------
     def generate(self, prompt: TalkerPrompt, params: TalkerSamplingParams | None = None) -> TalkerOutput:
@@ -161,11 +140,33 @@ class Qwen3OmniTalker(nn.Module):
                 return "stop"
             if step == params.max_new_tokens - 1:
                 break  # a frame's residual codes are only drawn when it is fed back
-            residual, frame_embed = self._predict_residual_codes(hidden, code0, sample)
+            code0_embed = self.talker.get_input_embeddings()(code0)
+            residual, frame_embed = predict_residual_codes(self.talker.code_predictor, hidden[0], code0_embed,
+                                                           lambda logits: sample(logits, None))
             yield [int(code0), *residual]
             text = trailing[step] if step < trailing.shape[0] else tts_pad
             inputs = (frame_embed + text).view(1, 1, -1)
         return "length"
+
+
+def predict_residual_codes(predictor, past_hidden: torch.Tensor, code0_embed: torch.Tensor,
+                           pick: Callable[[torch.Tensor], torch.Tensor]) -> tuple[list[int], torch.Tensor]:
+    """The MTP step of one frame: codebooks 1..G-1 from the backbone's last hidden state (D,) and codebook 0's
+    embedding (D,), one code predictor step each; returns them and the frame's summed codec embedding (D,),
+    the next backbone input before the text conditioning. `pick` turns a logits row into a code."""
+    from transformers import DynamicCache
+
+    inputs = torch.stack((past_hidden, code0_embed)).unsqueeze(0)
+    cache = DynamicCache(config=predictor.config)
+    total = code0_embed.clone()
+    codes = []
+    for group in range(1, predictor.config.num_code_groups):
+        hidden = predictor.model(inputs_embeds=inputs, past_key_values=cache, use_cache=True).last_hidden_state
+        code = pick(predictor.lm_head[group - 1](hidden[:, -1]))
+        codes.append(int(code))
+        inputs = predictor.model.codec_embedding[group - 1](code.view(1, 1))
+        total = total + inputs[0, 0]
+    return codes, total
 
 
 class _Sampler:

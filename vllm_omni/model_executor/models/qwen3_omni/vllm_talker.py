@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from vllm_omni.model_executor.models.qwen3_omni.stage_input_processors import NO_CODEC, TalkerPrompt
+from vllm_omni.model_executor.models.qwen3_omni.talker import predict_residual_codes
 
 EXTRA_ARGS_KEY = "qwen3_omni_talker"
 ARCHITECTURE = "Qwen3OmniMoeTalkerForConditionalGeneration"
@@ -87,7 +88,6 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
         # Tiny dense transformer over <= G+1 positions per frame: transformers' module, no paged cache needed.
         self.code_predictor = Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration._from_config(
             config.code_predictor_config)
-        self.num_code_groups = config.num_code_groups
         self.codec_eos = config.codec_eos_token_id
         self._requests: dict[str, _RequestState] = {}
         self._finished: dict[str, list[list[int]]] = {}
@@ -168,28 +168,12 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
             code0 = int(input_ids[i]) if input_ids is not None else None
             if state.last_hidden is None or code0 == self.codec_eos:
                 continue
-            residual, frame_embed = self._predict_residual_codes(state.last_hidden, embeds[i])
+            residual, frame_embed = predict_residual_codes(self.code_predictor, state.last_hidden, embeds[i],
+                                                           lambda logits: logits.argmax(dim=-1))
             state.frames.append([code0, *residual])
             text_id = state.trailing_ids[step] if step < len(state.trailing_ids) else state.tts_pad_id
             text = self._project(torch.tensor([text_id], device=embeds.device))[0]
             embeds[i] = (frame_embed + text).to(embeds.dtype)
-
-    def _predict_residual_codes(self, past_hidden: torch.Tensor, code0_embed: torch.Tensor):
-        """Greedy codebooks 1..G-1 of one frame; returns them and the frame's summed codec embedding."""
-        from transformers import DynamicCache
-
-        predictor = self.code_predictor
-        inputs = torch.stack((past_hidden, code0_embed)).unsqueeze(0)
-        cache = DynamicCache(config=predictor.config)
-        total = code0_embed.clone()
-        codes = []
-        for group in range(1, self.num_code_groups):
-            hidden = predictor.model(inputs_embeds=inputs, past_key_values=cache, use_cache=True).last_hidden_state
-            code = predictor.lm_head[group - 1](hidden[:, -1]).argmax(dim=-1)
-            codes.append(int(code))
-            inputs = predictor.model.codec_embedding[group - 1](code.view(1, 1))
-            total = total + inputs[0, 0]
-        return codes, total
 
     # ---- weights -------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -1,0 +1,46 @@
+"""The talker stage's vLLM view of the checkpoint (`hf_overrides`) and its request encoding, without an engine.
+
+Why it matters: vLLM sizes the KV cache, vocabulary and max length from `hf_text_config`; if the override left
+the thinker's config in place the talker would load with the wrong shapes. vLLM also calls the hook with a
+placeholder config to probe `model_type`, which must pass through untouched.
+"""
+
+from __future__ import annotations
+
+from transformers import AutoConfig, PretrainedConfig
+
+from vllm_omni.model_executor.models.qwen3_omni.stage_input_processors import Qwen3OmniTokenIds, thinker_to_talker
+from vllm_omni.model_executor.models.qwen3_omni.vllm_talker import (
+    ARCHITECTURE,
+    EXTRA_ARGS_KEY,
+    talker_hf_overrides,
+    talker_request,
+)
+from vllm_omni.model_executor.models.registry import OMNI_AR_MODELS
+
+
+def test_overrides_hand_vllm_the_talker_config(tiny_path) -> None:
+    config = AutoConfig.from_pretrained(tiny_path)
+    talker = talker_hf_overrides(config)
+    assert talker.architectures == [ARCHITECTURE] and ARCHITECTURE in OMNI_AR_MODELS
+    assert talker.get_text_config() is talker.text_config
+    assert talker.text_config.vocab_size == config.talker_config.text_config.vocab_size
+    assert talker.thinker_vocab_size == config.thinker_config.text_config.vocab_size
+    assert "mrope_section" not in talker.text_config.rope_parameters
+    assert "mrope_section" in config.talker_config.text_config.rope_parameters  # the original is untouched
+    probe = PretrainedConfig(architectures=[""], model_type="dummy_x")
+    assert talker_hf_overrides(probe) is probe
+
+
+def test_request_carries_conditioning_and_codec_vocabulary(tiny_path) -> None:
+    config = AutoConfig.from_pretrained(tiny_path)
+    ids = Qwen3OmniTokenIds.from_config(config)
+    prompt = thinker_to_talker([ids.im_start, ids.user, 5, 6, ids.im_start, ids.assistant, 7], [9, 10, 11],
+                               ids)
+    vllm_prompt, params = talker_request(prompt, "k", config.talker_config, max_new_tokens=5)
+    assert len(vllm_prompt["prompt_token_ids"]) == len(prompt.thinker_ids)
+    spec = params.extra_args[EXTRA_ARGS_KEY]
+    assert spec["key"] == "k" and spec["trailing_thinker_ids"] == prompt.trailing_thinker_ids
+    eos = config.talker_config.codec_eos_token_id
+    assert params.stop_token_ids == [eos] and eos in params.allowed_token_ids
+    assert config.talker_config.codec_pad_id not in params.allowed_token_ids
