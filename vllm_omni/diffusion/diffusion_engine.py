@@ -144,6 +144,13 @@ class DiffusionEngine:
     # ---- scheduling ----------------------------------------------------------------------------------
 
     def _schedule_loop(self) -> None:
+        try:
+            self._schedule_forever()
+        except Exception as exc:  # a bug here must not leave callers waiting forever
+            logger.exception("diffusion scheduler thread crashed")
+            self.executor.fail(f"diffusion scheduler thread crashed: {exc}")
+
+    def _schedule_forever(self) -> None:
         while True:
             with self._cond:
                 batch: list[OmniDiffusionRequest] = []

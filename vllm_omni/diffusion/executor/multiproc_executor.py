@@ -216,7 +216,7 @@ class MultiprocDiffusionExecutor:
                 for sock in self._inputs:
                     sock.send(data, flags=flags, copy=False)
         except zmq.Again as exc:
-            self._fail("a diffusion worker stopped reading its input")
+            self.fail("a diffusion worker stopped reading its input")
             raise EngineDeadError("a diffusion worker stopped reading its input") from exc
 
     # ---- background threads --------------------------------------------------------------------------
@@ -227,7 +227,12 @@ class MultiprocDiffusionExecutor:
         while not self._stop.is_set():
             if not sock.poll(_PUMP_POLL_MS):
                 continue
-            msg = decoder.decode(sock.recv(copy=False).buffer)
+            try:
+                msg = decoder.decode(sock.recv(copy=False).buffer)
+            except Exception as exc:  # we cannot tell whose result it was: nobody may wait forever
+                logger.exception("undecodable message from diffusion worker rank %d", rank)
+                self.fail(f"undecodable message from diffusion worker rank {rank}: {exc}")
+                return
             if isinstance(msg, BatchResult):
                 with self._lock:
                     future = self._batch_futures.pop(msg.batch_id, None)
@@ -250,9 +255,10 @@ class MultiprocDiffusionExecutor:
         reason = "; ".join(f"diffusion worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
                            for rank, proc in dead)
         logger.error("%s; failing all in-flight diffusion requests", reason)
-        self._fail(reason)
+        self.fail(reason)
 
-    def _fail(self, reason: str) -> None:
+    def fail(self, reason: str) -> None:
+        """Mark the executor dead: fail every pending future and fire the failure callbacks (once)."""
         with self._lock:
             if self._is_failed:
                 return
@@ -288,7 +294,7 @@ class MultiprocDiffusionExecutor:
         for thread in getattr(self, "_threads", []):
             if thread is not threading.current_thread():
                 thread.join(_PUMP_JOIN_TIMEOUT_S)
-        self._fail("the diffusion engine was shut down")
+        self.fail("the diffusion engine was shut down")
         for sock in self._inputs + self._outputs:
             sock.close(linger=0)
         self._context.term()
