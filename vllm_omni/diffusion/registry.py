@@ -47,11 +47,12 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
         return path
     if path.exists() or model.startswith((".", "/", "~")):
         raise FileNotFoundError(f"model {model!r} is not a checkpoint directory")
-    from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    from vllm_omni.diffusion.model_loader.diffusers_loader import download_diffusers_checkpoint
+
     try:
-        return Path(snapshot_download(repo_id=model, revision=revision))
+        return download_diffusers_checkpoint(model, revision)
     except LocalEntryNotFoundError as exc:
         raise FileNotFoundError(
             f"model {model!r} is neither a local directory nor in the Hugging Face cache, and the hub cannot be "

@@ -94,3 +94,48 @@ def test_dtype_control_casts_floats_only(tmp_path: Path):
     _shard(tmp_path / "c", "m.safetensors", {"f": torch.ones(2), "i": torch.arange(3)})
     weights = dict(iter_component_weights(tmp_path, "c", dtype=torch.bfloat16))
     assert weights["f"].dtype == torch.bfloat16 and weights["i"].dtype == torch.int64
+
+
+def test_hub_download_fetches_only_indexed_shards(tmp_path: Path, monkeypatch):
+    """The hub is stood in for by a local folder (no network here); pins which files are asked for."""
+    import fnmatch
+    import shutil
+
+    import huggingface_hub
+
+    from vllm_omni.diffusion.model_loader.diffusers_loader import WEIGHT_FILE_PATTERNS, download_diffusers_checkpoint
+
+    remote, local = tmp_path / "remote", tmp_path / "snapshot"
+    (remote / "transformer").mkdir(parents=True)
+    (remote / "model_index.json").write_text(json.dumps({"_class_name": "P", "transformer": ["diffusers", "T"],
+                                                         "vae": ["diffusers", "V"], "scheduler": ["diffusers", "S"]}))
+    _shard(remote / "transformer", "diffusion_pytorch_model-00001-of-00001.safetensors", {"a": torch.ones(1)})
+    _shard(remote / "transformer", "diffusion_pytorch_model-00001-of-00003.safetensors", {"old": torch.ones(1)})
+    _index(remote / "transformer", {"a": "diffusion_pytorch_model-00001-of-00001.safetensors"})
+    _shard(remote / "vae", "diffusion_pytorch_model.safetensors", {"v": torch.ones(1)})
+    (remote / "scheduler").mkdir()
+    (remote / "scheduler" / "scheduler_config.json").write_text("{}")
+    calls = []
+
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None, ignore_patterns=None):
+        calls.append((allow_patterns, ignore_patterns))
+        for path in remote.rglob("*"):
+            rel = str(path.relative_to(remote))
+            if path.is_dir() or (allow_patterns and not any(fnmatch.fnmatch(rel, p) for p in allow_patterns)):
+                continue
+            if ignore_patterns and any(fnmatch.fnmatch(path.name, p) for p in ignore_patterns):
+                continue
+            (local / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, local / rel)
+        return str(local)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    root = download_diffusers_checkpoint("org/model")
+    assert root == local
+    assert calls[0] == (None, list(WEIGHT_FILE_PATTERNS))  # configs, indexes, tokenizers first
+    assert sorted(calls[1][0]) == ["scheduler/*.safetensors",
+                                   "transformer/diffusion_pytorch_model-00001-of-00001.safetensors",
+                                   "vae/*.safetensors"]
+    assert not (local / "transformer" / "diffusion_pytorch_model-00001-of-00003.safetensors").exists()
+    assert dict(iter_component_weights(root, "transformer")).keys() == {"a"}
+    assert dict(iter_component_weights(root, "vae")).keys() == {"v"}

@@ -20,6 +20,31 @@ DIFFUSION_MODEL_WEIGHTS_INDEX = "diffusion_pytorch_model.safetensors.index.json"
 TRANSFORMER_WEIGHTS_INDEX = "model.safetensors.index.json"
 INDEX_FILES = (DIFFUSION_MODEL_WEIGHTS_INDEX, TRANSFORMER_WEIGHTS_INDEX)
 SHARDED_SAFETENSORS_PATTERN = re.compile(r"^(?P<family>.+)-\d+-of-(?P<count>\d+)\.safetensors$")
+WEIGHT_FILE_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.msgpack", "*.h5", "*.onnx",
+                        "*.onnx_data")
+
+
+def download_diffusers_checkpoint(repo_id: str, revision: str | None = None) -> Path:
+    """Fetch a diffusers repo from the hub (or the local cache when offline) without stale shards.
+
+    First everything but weights (configs, indexes, tokenizers), then, per component, only the shards its
+    index lists, or every safetensors file of an unindexed component (validated when loaded). A repo
+    without model_index.json is fetched whole.
+    """
+    from huggingface_hub import snapshot_download
+
+    root = Path(snapshot_download(repo_id, revision=revision, ignore_patterns=list(WEIGHT_FILE_PATTERNS)))
+    if not (root / "model_index.json").is_file():
+        return Path(snapshot_download(repo_id, revision=revision))
+    components = [k for k, v in json.loads((root / "model_index.json").read_text()).items()
+                  if not k.startswith("_") and isinstance(v, list)]
+    patterns = []
+    for sub in components:
+        indexed = _resolve_weight_index(root / sub)
+        patterns += [f"{sub}/*.safetensors"] if indexed is None else [f"{sub}/{name}" for name in indexed]
+    if patterns:
+        snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
+    return root
 
 
 def _natural_sort_key(path: Path) -> list[int | str]:
