@@ -12,11 +12,11 @@ import asyncio
 import os
 import time
 
-import psutil
 import pytest
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
+from tests.entrypoints.leak_checks import shm_segments, wait_until_clean
 from vllm_omni import AsyncOmni
 from vllm_omni.errors import EngineDeadError, OmniClientError
 from vllm_omni.testing.tiny_models import build_tiny
@@ -46,19 +46,6 @@ def hf_greedy(prompt: str, n: int) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = tok(prompt, return_tensors="pt").input_ids
     return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, ids.shape[1]:].tolist()
-
-
-def engine_children(me: psutil.Process) -> list[str]:
-    """Our child processes, minus Python's own multiprocessing resource tracker (lives as long as we do)."""
-    out = []
-    for child in me.children(recursive=True):
-        try:
-            cmdline = " ".join(child.cmdline())
-        except psutil.NoSuchProcess:
-            continue
-        if "resource_tracker" not in cmdline:
-            out.append(cmdline)
-    return out
 
 
 async def collect(omni, prompt, rid, params):
@@ -155,8 +142,7 @@ async def test_collective_rpc_and_stage_validation(omni):
 
 
 async def test_killed_stage_process_fails_fast_then_close_is_clean(omni):
-    me = psutil.Process()
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = shm_segments()
     task = asyncio.create_task(collect(omni, PROMPTS[0], "doomed", [greedy(400)]))
     await asyncio.sleep(0.5)
     engine_procs = omni.engine.stage_clients[0].llm.engine_core.resources.engine_manager.processes
@@ -175,8 +161,5 @@ async def test_killed_stage_process_fails_fast_then_close_is_clean(omni):
     with pytest.raises(EngineDeadError):
         await collect(omni, "x", "after-death", [greedy(2)])
     omni.close()
-    deadline = time.monotonic() + 20
-    while engine_children(me) and time.monotonic() < deadline:
-        await asyncio.sleep(0.2)
-    assert engine_children(me) == []
-    assert not (set(os.listdir("/dev/shm")) - shm_before)
+    children, orphans = await asyncio.to_thread(wait_until_clean, shm_before)
+    assert children == [] and orphans == set()

@@ -1,0 +1,55 @@
+"""Leak checks that tolerate other test processes on the same machine.
+
+A leaked shared-memory segment is one that still exists but no live process maps; a leaked process is a
+child of ours other than Python's multiprocessing resource tracker.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import psutil
+
+
+def engine_children() -> list[str]:
+    out = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            cmdline = " ".join(child.cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "resource_tracker" not in cmdline:
+            out.append(cmdline)
+    return out
+
+
+def shm_segments() -> set[str]:
+    """Shared-memory segments (POSIX semaphores, `sem.*`, are multiprocessing locks, not payloads)."""
+    return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.")}
+
+
+def orphan_segments(before: set[str]) -> set[str]:
+    """Segments created since `before` that exist but are mapped by no live process."""
+    new = shm_segments() - before
+    if not new:
+        return set()
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        mapped.update(name for name in new if f"/dev/shm/{name}" in text)
+    return {name for name in new if name not in mapped and (Path("/dev/shm") / name).exists()}
+
+
+def wait_until_clean(before: set[str], timeout: float = 20.0) -> tuple[list[str], set[str]]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        children, orphans = engine_children(), orphan_segments(before)
+        if not children and not orphans:
+            return children, orphans
+        time.sleep(0.2)
+    return engine_children(), orphan_segments(before)
