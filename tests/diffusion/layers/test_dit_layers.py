@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from vllm_omni.diffusion.layers import cuda_graph
 from vllm_omni.diffusion.layers.compile import accelerate_transformer, compile_repeated_blocks
 from vllm_omni.diffusion.layers.modulation import gated_residual, layer_norm_modulate
 from vllm_omni.diffusion.layers.rope import apply_rope_interleaved, multi_axis_rope_cos_sin
@@ -49,10 +50,11 @@ class _Model(nn.Module):
         self.blocks = nn.ModuleList([_Block() for _ in range(3)])
         self.head = nn.Linear(4, 4)
 
-    def forward(self, x, scale: float = 1.0):
+    def forward(self, x, scale: float = 1.0, shift: tuple[torch.Tensor, ...] | None = None):
         for block in self.blocks:
             x = block(x)
-        return self.head(x) * scale
+        out = self.head(x) * scale
+        return out if shift is None else out + shift[0]
 
 
 def test_compile_repeated_blocks_counts_only_listed_classes():
@@ -60,6 +62,19 @@ def test_compile_repeated_blocks_counts_only_listed_classes():
     assert compile_repeated_blocks(model) == 3
     with pytest.raises(ValueError, match="no _repeated_blocks"):
         compile_repeated_blocks(nn.Linear(2, 2))
+
+
+def test_graph_inputs_include_keyword_tensors_in_a_stable_order():
+    """Regression: keyword tensors (e.g. FLUX's guidance / RoPE tables) must be copied into the graph's static
+    inputs on every replay, or a replay reads the freed tensors of the call that was captured."""
+    x, g, cos, sin = (torch.randn(2) for _ in range(4))
+    inputs = cuda_graph.flatten_call((x,), {"rotary_emb": (cos, sin), "guidance": g, "scale": 2.0})
+    assert [t.data_ptr() for t in cuda_graph._tensors(inputs)] == [t.data_ptr() for t in (x, g, cos, sin)]
+    fresh = [t.clone() for t in cuda_graph._tensors(inputs)]
+    args, items = cuda_graph._rebuild(inputs, list(fresh))
+    kwargs = dict(items)
+    assert args[0] is fresh[0] and kwargs["guidance"] is fresh[1] and kwargs["rotary_emb"] == (fresh[2], fresh[3])
+    assert kwargs["scale"] == 2.0
 
 
 @pytest.mark.cuda
@@ -71,7 +86,8 @@ def test_cuda_graph_runner_replays_and_resets_on_move():
     with torch.inference_mode():
         for shape, scale in (((2, 4), 1.0), ((2, 4), 2.0), ((3, 4), 1.0), ((2, 4), 1.0)):
             x = torch.randn(*shape, device="cuda")
-            torch.testing.assert_close(model(x, scale=scale), eager(x, scale=scale))
+            shift = (torch.randn(4, device="cuda"),)  # a fresh keyword tensor every call
+            torch.testing.assert_close(model(x, scale=scale, shift=shift), eager(x, scale=scale, shift=shift))
         assert len(model.forward.graphs) == 3
         model.to("cpu").to("cuda")  # sleep / wake: weights land on new addresses
         assert not model.forward.graphs

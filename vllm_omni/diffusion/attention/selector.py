@@ -2,8 +2,7 @@
 
 Resolution order: an explicit name, then the backend of the attention config current while the model is
 built (the pipeline sets it from `OmniDiffusionConfig.diffusion_attention_backend`), then env
-`DIFFUSION_ATTENTION_BACKEND`, then the platform default (FLASH_ATTN on CUDA when installed, else CUDNN_ATTN on
-Hopper or newer, else TORCH_SDPA).
+`DIFFUSION_ATTENTION_BACKEND`, then the platform default (FLASH_ATTN on CUDA when installed, else TORCH_SDPA).
 The choice is made once per layer at construction, never swapped while requests run.
 """
 
@@ -68,10 +67,6 @@ def load_backend(name: str) -> type[AttentionBackend]:
 def _default() -> str:
     if torch.cuda.is_available() and load_backend("FLASH_ATTN").unavailable_reason() is None:
         return "FLASH_ATTN"
-    if (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
-            and load_backend("CUDNN_ATTN").unavailable_reason() is None):
-        # Measured on an H200 (docs/benchmarks.md): cuDNN's fused kernel beats SDPA's default pick by 9-13%.
-        return "CUDNN_ATTN"
     return "TORCH_SDPA"
 
 

@@ -30,6 +30,12 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def flatten_call(args: tuple, kwargs: dict[str, Any]) -> tuple:
+    """(args, ((name, value), ...)) with keyword arguments in name order: every tensor, positional or keyword,
+    is then found by `_tensors` in the same order at capture and at replay."""
+    return (tuple(args), tuple(sorted(kwargs.items())))
+
+
 def _rebuild(value: Any, tensors: list[torch.Tensor]) -> Any:
     """`value` with its tensors (in `_tensors` order) replaced by the next items of `tensors`."""
     if isinstance(value, torch.Tensor):
@@ -40,9 +46,10 @@ def _rebuild(value: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 class _Captured:
-    def __init__(self, fn: Callable[..., torch.Tensor], args: tuple, kwargs: dict, pool: Any, warmup: int):
-        self.static_inputs = [t.clone() for t in _tensors((args, kwargs))]
-        s_args, s_kwargs = _rebuild((args, kwargs), list(self.static_inputs))
+    def __init__(self, fn: Callable[..., torch.Tensor], inputs: tuple, pool: Any, warmup: int):
+        self.static_inputs = [t.clone() for t in _tensors(inputs)]
+        s_args, s_items = _rebuild(inputs, list(self.static_inputs))
+        s_kwargs = dict(s_items)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -53,8 +60,8 @@ class _Captured:
         with torch.cuda.graph(self.graph, pool=pool):
             self.static_output = fn(*s_args, **s_kwargs)
 
-    def replay(self, args: tuple, kwargs: dict) -> torch.Tensor:
-        for dst, src in zip(self.static_inputs, _tensors((args, kwargs)), strict=True):
+    def replay(self, inputs: tuple) -> torch.Tensor:
+        for dst, src in zip(self.static_inputs, _tensors(inputs), strict=True):
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src, non_blocking=True)
         self.graph.replay()
@@ -76,15 +83,16 @@ class CUDAGraphRunner:
         self.pool = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        key = _signature((args, sorted(kwargs.items())))
+        inputs = flatten_call(args, kwargs)
+        key = _signature(inputs)
         captured = self.graphs.get(key)
         if captured is None:
             if len(self.graphs) >= self.max_graphs:
                 return self.fn(*args, **kwargs)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            captured = self.graphs[key] = _Captured(self.fn, args, kwargs, self.pool, self.warmup)
-        return captured.replay(args, kwargs)
+            captured = self.graphs[key] = _Captured(self.fn, inputs, self.pool, self.warmup)
+        return captured.replay(inputs)
 
     def reset(self) -> None:
         """Drop every captured graph and its memory."""
