@@ -106,6 +106,12 @@ def test_invalid_input_is_client_error_naming_field(engine):
     assert engine.submit(request("x3")).result(TIMEOUT).error is None
 
 
+def test_unsendable_request_fails_alone(engine):
+    out = engine.submit(request("u1", extra_args={"callback": object()})).result(TIMEOUT)
+    assert "cannot send" in out.error and out.error_status_code == 500
+    assert engine.submit(request("u2")).result(TIMEOUT).error is None and not engine.is_dead
+
+
 def test_abort_drops_waiting_request(engine):
     running = engine.submit(request("a1", "sleep:1.0", height=16))
     time.sleep(0.5)  # a1 is now in flight; a2 has another key, so it waits behind it

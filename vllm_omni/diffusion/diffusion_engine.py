@@ -193,9 +193,11 @@ class DiffusionEngine:
         for i, (future, queued) in enumerate(futures.values()):
             if future.cancelled():
                 continue
-            if outputs is None:
-                error = exc if isinstance(exc, EngineDeadError) else EngineDeadError(f"diffusion batch failed: {exc}")
-                _set(future, exception=error)
+            if isinstance(exc, EngineDeadError):
+                _set(future, exception=exc)
+                continue
+            if exc is not None:  # e.g. the batch could not be sent: its requests fail, the engine goes on
+                _set(future, result=DiffusionOutput.from_exception(exc))
                 continue
             output = outputs[i]
             output.stage_durations["queue"] = queued

@@ -174,10 +174,11 @@ class MultiprocDiffusionExecutor:
         """Run one batch on every rank; the future holds rank 0's outputs (one per request)."""
         future: Future[list[DiffusionOutput]] = Future()
         batch_id = next(self._ids)
+        data = self._codec.encode(ExecuteBatch(batch_id=batch_id, requests=requests))  # may raise: nothing sent
         with self._lock:
             self._check_alive()
             self._batch_futures[batch_id] = future
-        self._broadcast(self._codec.encode(ExecuteBatch(batch_id=batch_id, requests=requests)))
+        self._broadcast(data)
         return future
 
     def collective_rpc(
