@@ -82,7 +82,7 @@ def _write_text_encoder(out: Path, *, vocab_size: int, d_model: int, seed: int) 
 
 
 def _write_transformer(out: Path, *, seed: int, in_channels: int, text_dim: int, image_dim: int | None,
-                       num_heads: int, head_dim: int, num_layers: int) -> None:
+                       num_heads: int, head_dim: int, num_layers: int, out_channels: int = 16) -> None:
     import torch
     from diffusers import WanTransformer3DModel
 
@@ -90,7 +90,7 @@ def _write_transformer(out: Path, *, seed: int, in_channels: int, text_dim: int,
     inner = num_heads * head_dim
     model = WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=num_heads, attention_head_dim=head_dim, in_channels=in_channels,
-        out_channels=16, text_dim=text_dim, freq_dim=32, ffn_dim=2 * inner, num_layers=num_layers,
+        out_channels=out_channels, text_dim=text_dim, freq_dim=32, ffn_dim=2 * inner, num_layers=num_layers,
         cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=image_dim,
         added_kv_proj_dim=inner if image_dim is not None else None, rope_max_seq_len=1024,
     )
@@ -98,14 +98,20 @@ def _write_transformer(out: Path, *, seed: int, in_channels: int, text_dim: int,
     model.save_pretrained(out, max_shard_size=total // 2 + 1, safe_serialization=True)
 
 
-def _write_vae(out: Path, *, seed: int, base_dim: int) -> None:
+def _write_vae(out: Path, *, seed: int, base_dim: int, wan22: bool = False) -> None:
+    """Wan 2.1 VAE (z 16, 8x spatial); `wan22`: the Wan2.2 TI2V VAE (z 48, residual blocks, 2x2 patchify, 16x)."""
     import torch
     from diffusers import AutoencoderKLWan
 
     torch.manual_seed(seed)
-    vae = AutoencoderKLWan(base_dim=base_dim, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
-                           temperal_downsample=[False, True, True], dropout=0.0,
-                           latents_mean=_LATENTS_MEAN, latents_std=_LATENTS_STD)
+    extra: dict[str, Any] = dict(latents_mean=_LATENTS_MEAN, latents_std=_LATENTS_STD)
+    if wan22:  # per-channel stats of the tiny model: fixed stand-ins (the real ones belong to the real weights)
+        extra = dict(z_dim=48, decoder_base_dim=base_dim, is_residual=True, in_channels=12, out_channels=12,
+                     patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+                     latents_mean=[round(0.05 * ((i % 7) - 3), 3) for i in range(48)],
+                     latents_std=[round(0.8 + 0.05 * (i % 9), 3) for i in range(48)])
+    vae = AutoencoderKLWan(base_dim=base_dim, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
+                           temperal_downsample=[False, True, True], dropout=0.0, **{"z_dim": 16, **extra})
     vae.save_pretrained(out, safe_serialization=True)
 
 
@@ -142,6 +148,7 @@ def _write_wan(out: Path, *, variant: str, vocab_size: int, text_dim: int, num_h
                num_layers: int, vae_base_dim: int, clip_hidden: int, clip_image_size: int, flow_shift: float,
                boundary_ratio: float | None, seed: int, with_clip: bool = True) -> None:
     i2v = variant == "i2v"
+    ti2v = variant == "ti2v"
     with_clip = i2v and with_clip
     index: dict[str, Any] = {
         "_class_name": "WanImageToVideoPipeline" if i2v else "WanPipeline",
@@ -162,16 +169,19 @@ def _write_wan(out: Path, *, variant: str, vocab_size: int, text_dim: int, num_h
     if boundary_ratio is not None:
         index.update(boundary_ratio=boundary_ratio, expand_timesteps=False,
                      transformer_2=["diffusers", "WanTransformer3DModel"])
+    if ti2v:
+        index.update(boundary_ratio=None, expand_timesteps=True)
     _write_json(out / "model_index.json", index)
     _write_scheduler(out, flow_shift)
     _write_t5_tokenizer(out / "tokenizer", vocab_size)
     _write_text_encoder(out / "text_encoder", vocab_size=vocab_size, d_model=text_dim, seed=seed)
-    dit = dict(in_channels=36 if i2v else 16, text_dim=text_dim, image_dim=clip_hidden if with_clip else None,
-               num_heads=num_heads, head_dim=head_dim, num_layers=num_layers)
+    dit = dict(in_channels=48 if ti2v else 36 if i2v else 16, out_channels=48 if ti2v else 16, text_dim=text_dim,
+               image_dim=clip_hidden if with_clip else None, num_heads=num_heads, head_dim=head_dim,
+               num_layers=num_layers)
     _write_transformer(out / "transformer", seed=seed + 1, **dit)
     if boundary_ratio is not None:
         _write_transformer(out / "transformer_2", seed=seed + 2, **dit)
-    _write_vae(out / "vae", seed=seed + 3, base_dim=vae_base_dim)
+    _write_vae(out / "vae", seed=seed + 3, base_dim=vae_base_dim, wan22=ti2v)
 
 
 _COMMON = dict(vocab_size=256, text_dim=32, num_heads=2, head_dim=32, num_layers=2, vae_base_dim=8,
@@ -199,4 +209,11 @@ def build_wan22_t2v_a14b(out: Path, **params: Any) -> None:
 @register_tiny("wan2.2-i2v-a14b", "Wan2.2 I2V A14B (layout of Wan-AI/Wan2.2-I2V-A14B-Diffusers): two experts, no CLIP",
                variant="i2v", flow_shift=5.0, boundary_ratio=0.9, with_clip=False, **_COMMON)
 def build_wan22_i2v_a14b(out: Path, **params: Any) -> None:
+    _write_wan(out, **params)
+
+
+@register_tiny("wan2.2-ti2v-5b", "Wan2.2 TI2V 5B (layout of Wan-AI/Wan2.2-TI2V-5B-Diffusers): per-token timesteps, "
+               "48-channel VAE with 16x spatial compression", variant="ti2v", flow_shift=5.0, boundary_ratio=None,
+               **{**_COMMON, "vae_base_dim": 16})
+def build_wan22_ti2v_5b(out: Path, **params: Any) -> None:
     _write_wan(out, **params)

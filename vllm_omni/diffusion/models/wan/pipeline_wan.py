@@ -71,6 +71,9 @@ class WanConditions:
     """Channels concatenated to the noisy latents (I2V: 4 mask channels + 16 image-latent channels)."""
     image_embeds: torch.Tensor | None = None
     """CLIP tokens for the DiT's image cross-attention branch."""
+    first_frame_mask: torch.Tensor | None = None
+    """Wan2.2 TI2V: (1, 1, T, h, w), 0 on the given first frame (whose latents are `latents`), 1 elsewhere; the
+    DiT sees the first frame's latents there and a timestep of 0 on its tokens."""
 
 
 def load_wan_transformer(model_dir: Path, subfolder: str, dtype: torch.dtype, device: torch.device
@@ -95,12 +98,11 @@ class WanPipeline(nn.Module):
     """Text-to-video for Wan2.1 (one DiT) and Wan2.2 A14B (high/low-noise expert pair)."""
 
     supports_request_batch: ClassVar[bool] = True
-    num_latent_channels: ClassVar[int] = 16
 
     def __init__(self, *, od_config: OmniDiffusionConfig, device: torch.device, dtype: torch.dtype, tokenizer: Any,
                  text_encoder: nn.Module, transformer: WanTransformer3DModel,
                  transformer_2: WanTransformer3DModel | None, vae: AutoencoderKLWan, scheduler_config: dict[str, Any],
-                 boundary_ratio: float | None) -> None:
+                 boundary_ratio: float | None, expand_timesteps: bool = False) -> None:
         super().__init__()
         self.od_config = od_config
         self.device = device
@@ -112,6 +114,8 @@ class WanPipeline(nn.Module):
         self.vae = vae
         self.scheduler_config = scheduler_config
         self.boundary_ratio = boundary_ratio
+        self.expand_timesteps = expand_timesteps
+        """Wan2.2 TI2V: one timestep per latent token (so first-frame tokens can be clean)."""
         self.vae_scale_temporal = vae.config.scale_factor_temporal
         self.vae_scale_spatial = vae.config.scale_factor_spatial
 
@@ -124,9 +128,6 @@ class WanPipeline(nn.Module):
 
         model_dir = Path(model_dir)
         index = json.loads((model_dir / "model_index.json").read_text())
-        if index.get("expand_timesteps"):
-            raise ValueError(f"{model_dir}: Wan2.2 TI2V (expand_timesteps=True) is not supported natively yet; "
-                             "pass use_diffusers_adapter=True")
         components = cls._load_components(model_dir, index, device, dtype)
         logger.info("Loaded %s from %s (%s, %s)", cls.__name__, model_dir, device, dtype)
         return cls(od_config=od_config, device=device, dtype=dtype, **components)
@@ -149,6 +150,7 @@ class WanPipeline(nn.Module):
             vae=AutoencoderKLWan.from_pretrained(model_dir / "vae", dtype=torch.float32).to(device).eval(),
             scheduler_config=json.loads((model_dir / "scheduler" / "scheduler_config.json").read_text()),
             boundary_ratio=index.get("boundary_ratio"),
+            expand_timesteps=bool(index.get("expand_timesteps")),
         )
 
     # ---- request handling ----------------------------------------------------------------------------------
@@ -256,7 +258,7 @@ class WanPipeline(nn.Module):
     def prepare_latents(self, requests: list[OmniDiffusionRequest], geometry: WanGeometry, per_prompt: int
                         ) -> torch.Tensor:
         """Noise per request from its own CPU generator, the same draw diffusers makes for that seed."""
-        shape = (per_prompt, self.num_latent_channels, geometry.latent_frames, geometry.latent_height,
+        shape = (per_prompt, self.vae.config.z_dim, geometry.latent_frames, geometry.latent_height,
                  geometry.latent_width)
         noise = []
         for request in requests:
@@ -296,9 +298,9 @@ class WanPipeline(nn.Module):
                 high_noise = boundary is None or t >= boundary
                 model = self.transformer if high_noise else self.transformer_2
                 scale = guidance if high_noise else guidance_2
-                x = latents if conditions.latents is None else torch.cat([latents, conditions.latents], dim=1)
+                x = self.model_input(latents, conditions)
                 x = torch.cat([x, x]) if do_cfg else x
-                pred = model(x.to(self.dtype), t.expand(x.shape[0]), embeds, image_embeds)
+                pred = model(x.to(self.dtype), self.model_timestep(t, x, conditions), embeds, image_embeds)
                 if do_cfg:
                     cond, uncond = pred[:rows], pred[rows:]
                     pred = uncond + scale * (cond - uncond)
@@ -306,7 +308,28 @@ class WanPipeline(nn.Module):
                 progress.update()
         set_forward_context_denoise_step_idx(None)
         set_forward_context_denoise_timestep(None)
+        if conditions.first_frame_mask is not None:
+            latents = self.model_input(latents, conditions)
         return latents
+
+    @staticmethod
+    def model_input(latents: torch.Tensor, conditions: WanConditions) -> torch.Tensor:
+        if conditions.first_frame_mask is not None:  # TI2V: the given first frame replaces the noisy one
+            mask = conditions.first_frame_mask
+            return (1 - mask) * conditions.latents + mask * latents
+        if conditions.latents is not None:  # Wan2.1 I2V: conditioning channels ride along
+            return torch.cat([latents, conditions.latents], dim=1)
+        return latents
+
+    def model_timestep(self, t: torch.Tensor, x: torch.Tensor, conditions: WanConditions) -> torch.Tensor:
+        """(rows,), or (rows, tokens) for Wan2.2 TI2V, where first-frame tokens of an I2V request get 0."""
+        if not self.expand_timesteps:
+            return t.expand(x.shape[0])
+        _, p_h, p_w = self.transformer.config.patch_size
+        mask = conditions.first_frame_mask
+        if mask is None:
+            mask = torch.ones(1, 1, *x.shape[2:], device=x.device)
+        return (mask[0, 0, :, ::p_h, ::p_w] * t).flatten().unsqueeze(0).expand(x.shape[0], -1)
 
     def normalize_latents(self, latents: torch.Tensor, *, inverse: bool) -> torch.Tensor:
         """Map between the DiT's normalized latent space and the VAE's (per-channel mean / std of the VAE)."""

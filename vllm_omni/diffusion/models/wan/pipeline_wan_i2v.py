@@ -1,11 +1,13 @@
-"""Wan 2.1 image-to-video (and Wan2.2 A14B I2V): the T2V pipeline plus first-frame conditioning.
+"""Wan image-to-video (Wan2.1 I2V, Wan2.2 A14B I2V, Wan2.2 TI2V 5B): the T2V pipeline plus first-frame conditioning.
 
 Reference spec: diffusers `WanImageToVideoPipeline.__call__`. On top of text-to-video:
   - the input image (prompt `multi_modal_data["image"]`) is resized to the output size and VAE-encoded as
     the first frame of an otherwise black clip; its normalized latents plus a 4-channel first-frame mask are
     concatenated to the noisy latents (16 + 4 + 16 = 36 DiT input channels),
   - when the checkpoint has a CLIP `image_encoder` (Wan2.1 I2V), its penultimate hidden states feed the DiT's
-    image cross-attention branch.
+    image cross-attention branch;
+  - Wan2.2 TI2V (`expand_timesteps`) instead VAE-encodes the image alone and pins the first latent frame to it,
+    with timestep 0 on those tokens.
 """
 
 from __future__ import annotations
@@ -77,14 +79,33 @@ class WanImageToVideoPipeline(WanPipeline):
             image_embeds = hidden.to(self.dtype).repeat_interleave(per_prompt, dim=0)
             durations["image_encoder"] = time.perf_counter() - start
             start = time.perf_counter()
+        if self.expand_timesteps:
+            latents, first_frame_mask = self.encode_first_frame_latents(images, geometry)
+            durations["vae_encode"] = time.perf_counter() - start
+            return WanConditions(latents=latents.repeat_interleave(per_prompt, dim=0),
+                                 first_frame_mask=first_frame_mask)
         latents = self.encode_first_frames(images, geometry).repeat_interleave(per_prompt, dim=0)
         durations["vae_encode"] = time.perf_counter() - start
         return WanConditions(latents=latents, image_embeds=image_embeds)
 
+    def _preprocess(self, images: list[Image.Image], geometry: WanGeometry) -> torch.Tensor:
+        return torch.cat([self.video_processor.preprocess(img, height=geometry.height, width=geometry.width)
+                          for img in images]).to(self.device, torch.float32)
+
+    def encode_first_frame_latents(self, images: list[Image.Image], geometry: WanGeometry
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Wan2.2 TI2V: latents of the image alone (n, z, 1, h, w) and the (1, 1, T, h, w) first-frame mask."""
+        clip = self._preprocess(images, geometry).unsqueeze(2)
+        latent = self.vae.encode(clip.to(self.vae.dtype)).latent_dist.mode()
+        latent = self.normalize_latents(latent.to(torch.float32), inverse=False)
+        mask = torch.ones(1, 1, geometry.latent_frames, geometry.latent_height, geometry.latent_width,
+                          device=self.device)
+        mask[:, :, 0] = 0
+        return latent, mask
+
     def encode_first_frames(self, images: list[Image.Image], geometry: WanGeometry) -> torch.Tensor:
         """(n, 4 + 16, T, h, w): first-frame mask channels and the VAE latents of [image, black frames...]."""
-        first = torch.cat([self.video_processor.preprocess(img, height=geometry.height, width=geometry.width)
-                           for img in images]).to(self.device, torch.float32)
+        first = self._preprocess(images, geometry)
         n = first.shape[0]
         clip = torch.cat([first.unsqueeze(2), first.new_zeros(n, 3, geometry.num_frames - 1, geometry.height,
                                                               geometry.width)], dim=2)

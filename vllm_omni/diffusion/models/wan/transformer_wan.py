@@ -217,7 +217,10 @@ class WanTransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, image_context: torch.Tensor | None,
                 temb: torch.Tensor, rotary_emb: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        shift, scale, gate, c_shift, c_scale, c_gate = (self.scale_shift_table + temb.float()).chunk(6, dim=1)
+        # temb: (batch, 6, dim), or (batch, seq, 6, dim) with per-token timesteps (Wan2.2 TI2V).
+        table = self.scale_shift_table if temb.ndim == 3 else self.scale_shift_table.unsqueeze(0)
+        mods = [m.squeeze(-2) if temb.ndim == 4 else m for m in (table + temb.float()).chunk(6, dim=-2)]
+        shift, scale, gate, c_shift, c_scale, c_gate = mods
         h = (self.norm1(x.float()) * (1 + scale) + shift).type_as(x)
         x = (x.float() + self.attn1(h, rotary_emb=rotary_emb) * gate).type_as(x)
         h = self.norm2(x.float()).type_as(x)
@@ -250,9 +253,10 @@ class WanConditionEmbedder(nn.Module):
         self.image_embedder = WanImageEmbedding(config.image_dim, dim) if config.image_dim is not None else None
 
     def forward(self, timestep: torch.Tensor, text: torch.Tensor, image: torch.Tensor | None):
-        t_freq = self.timesteps_proj(timestep).to(self.time_embedder.linear_1.weight.dtype)
-        temb = self.time_embedder(t_freq).type_as(text)
-        timestep_proj = self.time_proj(nn.functional.silu(temb)).unflatten(1, (6, -1))
+        """`timestep` is (batch,) or (batch, seq) (one per token); temb follows its shape."""
+        t_freq = self.timesteps_proj(timestep.flatten()).unflatten(0, timestep.shape)
+        temb = self.time_embedder(t_freq.to(self.time_embedder.linear_1.weight.dtype)).type_as(text)
+        timestep_proj = self.time_proj(nn.functional.silu(temb)).unflatten(-1, (6, -1))
         image = self.image_embedder(image) if image is not None and self.image_embedder is not None else None
         return temb, timestep_proj, self.text_embedder(text), image
 
@@ -287,7 +291,10 @@ class WanTransformer3DModel(nn.Module):
             timestep, encoder_hidden_states, encoder_hidden_states_image)
         for block in self.blocks:
             x = block(x, context, image_context, timestep_proj, rotary_emb)
-        shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
+        if temb.ndim == 3:  # per-token timesteps
+            shift, scale = (s.squeeze(2) for s in (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, 2))
+        else:
+            shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
         x = self.proj_out((self.norm_out(x.float()) * (1 + scale) + shift).type_as(x))
         x = x.reshape(batch, frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1)
         return x.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
