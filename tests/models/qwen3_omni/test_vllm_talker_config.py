@@ -7,6 +7,7 @@ placeholder config to probe `model_type`, which must pass through untouched.
 
 from __future__ import annotations
 
+import pytest
 from transformers import AutoConfig, PretrainedConfig
 
 from vllm_omni.model_executor.models.qwen3_omni.stage_input_processors import Qwen3OmniTokenIds, thinker_to_talker
@@ -44,3 +45,13 @@ def test_request_carries_conditioning_and_codec_vocabulary(tiny_path) -> None:
     eos = config.talker_config.codec_eos_token_id
     assert params.stop_token_ids == [eos] and eos in params.allowed_token_ids
     assert config.talker_config.codec_pad_id not in params.allowed_token_ids
+
+
+def test_multimodal_prompt_is_rejected_before_the_engine(tiny_path) -> None:
+    config = AutoConfig.from_pretrained(tiny_path)
+    ids = Qwen3OmniTokenIds.from_config(config)
+    audio = ids.multimodal[0]
+    prompt = thinker_to_talker([ids.im_start, ids.user, audio, ids.im_start, ids.assistant, 7], [9, 10], ids)
+    assert prompt.multimodal_positions == [2] and prompt.multimodal_source_positions == [2]
+    with pytest.raises(ValueError, match="multimodal positions"):
+        talker_request(prompt, "k", config.talker_config)

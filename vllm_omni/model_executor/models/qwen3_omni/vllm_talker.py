@@ -208,6 +208,9 @@ def talker_request(prompt: TalkerPrompt, key: str, talker_config, *, max_new_tok
     import msgspec
     from vllm import SamplingParams
 
+    if prompt.multimodal_positions:
+        raise ValueError("talker prompt has multimodal positions; only text prompts are supported so far (they need "
+                         "the thinker's accept_hidden_layer states and M-RoPE positions)")
     vocab = talker_config.text_config.vocab_size
     eos = talker_config.codec_eos_token_id
     params = SamplingParams(
