@@ -114,8 +114,8 @@ class WanPipeline(nn.Module):
         self.vae = vae
         self.scheduler_config = scheduler_config
         self.boundary_ratio = boundary_ratio
+        # Wan2.2 TI2V: one timestep per latent token (so the tokens of a given first frame can stay clean).
         self.expand_timesteps = expand_timesteps
-        """Wan2.2 TI2V: one timestep per latent token (so first-frame tokens can be clean)."""
         self.vae_scale_temporal = vae.config.scale_factor_temporal
         self.vae_scale_spatial = vae.config.scale_factor_spatial
 
