@@ -59,7 +59,7 @@ class VllmOmniGenerationStageConfig(BaseVllmOmniStageConfig):
 
     @staticmethod
     def known_args() -> frozenset[str]:
-        return frozenset({"dtype", "device", "max_batch_size"})
+        return frozenset({"model_class", "dtype", "device", "max_batch_size"})
 
 
 @dataclass(config=FORBID)

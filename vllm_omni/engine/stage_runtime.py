@@ -26,7 +26,11 @@ def make_stage_client(config: StageConfig, replica_id: int) -> StageClientBase:
         from vllm_omni.diffusion.inline_stage_diffusion_client import InlineStageDiffusionClient
 
         return InlineStageDiffusionClient(config, replica_id)
-    raise NotImplementedError(f"stage {config.stage_id}: {config.stage_type} stages are not implemented yet")
+    if config.stage_type == "generation":
+        from vllm_omni.engine.stage_generation_client import StageGenerationClient
+
+        return StageGenerationClient(config, replica_id)
+    raise ValueError(f"stage {config.stage_id}: unknown stage type {config.stage_type!r}")
 
 
 @contextlib.contextmanager
