@@ -9,7 +9,6 @@ request gives the same image alone, in a batch, or in diffusers.
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from dataclasses import dataclass
@@ -31,8 +30,6 @@ from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_INFERENCE_STEPS = 50
 DEFAULT_TRUE_CFG_SCALE = 4.0
