@@ -191,8 +191,9 @@ class OmniOpenAIServingChat(OmniServingBase):
             params = request.to_sampling_params(max_tokens, {})
         except (ValueError, VLLMClientError) as exc:
             raise OmniClientError(str(exc), param=getattr(exc, "parameter", None)) from exc
-        # Cumulative outputs: the stream computes its own deltas, whatever the stage graph emits in between.
-        params.output_kind = RequestOutputKind.CUMULATIVE
+        # A stream computes its own deltas from cumulative text, whatever the stage graph emits in between;
+        # a plain response needs only the final output.
+        params.output_kind = RequestOutputKind.CUMULATIVE if request.stream else RequestOutputKind.FINAL_ONLY
         return params
 
     # Responses -----------------------------------------------------------------------------------
