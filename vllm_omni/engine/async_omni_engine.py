@@ -95,6 +95,14 @@ class AsyncOmniEngine:
         self._ready.set_result(None)
         try:
             await self.orchestrator.run()
+        except Exception as e:
+            # Waiters must not hang on a loop that is gone: tell every frontend and RPC caller.
+            logger.exception("[AsyncOmniEngine] orchestrator loop crashed")
+            self.orchestrator.dead_error = f"orchestrator crashed: {type(e).__name__}: {e}"
+            fatal = ErrorMessage(error=self.orchestrator.dead_error, fatal=True, status_code=503,
+                                 error_type="EngineDeadError")
+            self.output_queue.sync_q.put(fatal)
+            self.rpc_output_queue.sync_q.put(fatal)
         finally:
             self._runtime.shutdown()
 

@@ -148,7 +148,9 @@ class Orchestrator:
 
     def _hand_off(self, state: OrchestratorRequestState, stage_id: int, out: OmniRequestOutput) -> None:
         for dst in self._downstream.get(stage_id, ()):
-            payload = StagePayload(metadata={"text": out.text, "token_ids": list(out.token_ids)},
+            prompt_ids = getattr(out.request_output, "prompt_token_ids", None)
+            payload = StagePayload(metadata={"text": out.text, "token_ids": list(out.token_ids),
+                                             "prompt_token_ids": list(prompt_ids or [])},
                                    tensors=dict(out.multimodal_output.get("tensors", {})))
             state.handles[(stage_id, dst)] = self.connectors[(stage_id, dst)].put(state.request_id, stage_id, dst,
                                                                                    payload)
@@ -239,4 +241,5 @@ class Orchestrator:
             self._emit_error(rid, EngineDeadError(reason))
         self.request_states.clear()
         self._emit_error(None, EngineDeadError(reason), fatal=True)
-        self.rpc_queue.put_nowait(ErrorMessage(error=reason, fatal=True))
+        self.rpc_queue.put_nowait(ErrorMessage(error=reason, fatal=True, status_code=503,
+                                               error_type="EngineDeadError"))

@@ -72,8 +72,8 @@ class StageRuntime:
                     clients.append(client)
                     logger.info("[StageRuntime] %s ready in %.1f s", client.name, time.perf_counter() - start)
         except BaseException as e:
-            self.shutdown()
             failed = self.config.stages[len(self.pools) - 1]
+            self.shutdown()
             raise RuntimeError(f"stage {failed.stage_id} ({failed.stage_type}, model {failed.model}) failed to "
                                f"start: {type(e).__name__}: {e}") from e
         return self.pools

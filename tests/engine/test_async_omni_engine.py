@@ -1,0 +1,88 @@
+"""AsyncOmniEngine lifecycle with in-process stages: readiness, start-up failure naming the stage, a crashed
+orchestrator loop reported as fatal to every waiter, and shutdown joining the background thread.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from vllm_omni.config.omni_config import VllmOmniConfig
+from vllm_omni.config.stage_config import VllmOmniARStageConfig
+from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
+from vllm_omni.engine.messages import ErrorMessage
+from vllm_omni.engine.stage_client import StageClientBase
+from vllm_omni.outputs import OmniRequestOutput
+
+
+class Echo(StageClientBase):
+    stage_type = "llm"
+    started: list[int] = []
+    stopped: list[int] = []
+
+    async def start(self) -> None:
+        if self.config.engine_args.get("fail"):
+            raise RuntimeError("weights missing")
+        Echo.started.append(self.stage_id)
+
+    async def generate(self, request_id, prompt, sampling_params):
+        yield OmniRequestOutput(request_id=request_id, stage_id=self.stage_id, text=f"{prompt}>{self.stage_id}")
+
+    def default_sampling_params(self):
+        return None
+
+    @property
+    def output_modality(self) -> str:
+        return "text"
+
+    @property
+    def is_dead(self) -> bool:
+        return False
+
+    def shutdown(self) -> None:
+        Echo.stopped.append(self.stage_id)
+
+
+def config(fail_stage: int | None = None) -> VllmOmniConfig:
+    stages = [VllmOmniARStageConfig(stage_id=i, model="echo", final_output=i == 2, inputs=[i - 1] if i else [],
+                                    input_processor="text_to_prompt" if i else None,
+                                    engine_args={"fail": True} if i == fail_stage else {}) for i in range(3)]
+    return VllmOmniConfig(model="echo", model_path="echo", pipeline_name="echo", stages=stages)
+
+
+def test_three_stages_run_and_shut_down_last_first():
+    Echo.started, Echo.stopped = [], []
+    engine = AsyncOmniEngine(config(), stage_client_factory=Echo)
+    try:
+        assert [m["stage_type"] for m in engine.stage_metadata] == ["llm"] * 3 and not engine.is_dead
+        engine.add_request("r", "x", [None] * 3)
+        out = engine.output_queue.sync_q.get(timeout=5)
+        assert out.finished and out.text == "x>0>1>2"
+    finally:
+        engine.shutdown()
+    assert Echo.started == [0, 1, 2] and Echo.stopped == [2, 1, 0]
+    assert not any(t.name == "OmniOrchestrator" and t.is_alive() for t in threading.enumerate())
+
+
+def test_start_failure_names_stage_and_stops_started_ones():
+    Echo.started, Echo.stopped = [], []
+    with pytest.raises(RuntimeError, match=r"stage 1 \(llm, model echo\) failed to start: RuntimeError: weights"):
+        AsyncOmniEngine(config(fail_stage=1), stage_client_factory=Echo)
+    assert Echo.started == [0] and Echo.stopped == [0]
+
+
+def test_crashed_orchestrator_is_fatal_for_waiters(monkeypatch):
+    engine = AsyncOmniEngine(config(), stage_client_factory=Echo)
+    try:
+        def explode(msg):
+            raise RuntimeError("bug in routing")
+
+        monkeypatch.setattr(engine.orchestrator, "_handle_add", explode)
+        engine.add_request("r", "x", [None] * 3)
+        msg = engine.output_queue.sync_q.get(timeout=5)
+        assert isinstance(msg, ErrorMessage) and msg.fatal and "bug in routing" in msg.error
+        engine._thread.join(timeout=10)
+        assert engine.is_dead and "bug in routing" in engine.dead_error
+    finally:
+        engine.shutdown()
