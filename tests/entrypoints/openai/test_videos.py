@@ -188,3 +188,21 @@ def test_websocket_streams_fragmented_mp4(video):
         ws.send_json({"type": "session.start", "prompt": "x", "sampling_params": {"quality": "medium"}})
         err = ws.receive_json()
         assert err["type"] == "error" and err["param"] == "quality"
+
+
+def test_input_reference_reaches_the_engine_as_an_image(video):
+    from PIL import Image
+
+    engine, client = video
+    buf = io.BytesIO()
+    Image.new("RGB", (40, 24), (200, 10, 10)).save(buf, format="PNG")
+    job = oai(client).videos.create(prompt="animate it", input_reference=("ref.png", buf.getvalue(), "image/png"),
+                                    extra_body={"num_frames": 5})
+    assert wait_done(client, job.id)["status"] == "completed"
+    image = engine.seen[-1][0]["multi_modal_data"]["image"]
+    assert image.size == (40, 24) and image.getpixel((0, 0)) == (200, 10, 10)
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    resp = client.post("/v1/videos/sync", json={"prompt": "x", "input_reference": {"image_url": url}})
+    assert resp.status_code == 200 and engine.seen[-1][0]["multi_modal_data"]["image"].size == (40, 24)
