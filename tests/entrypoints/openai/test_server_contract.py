@@ -78,6 +78,25 @@ def test_chat_text_and_audio(ar):
     assert params[0].max_tokens == 5  # the request's fields reach the AR stage only
 
 
+def test_speech(ar):
+    engine, client = ar
+    audio = oai(client).audio.speech.create(model="fake-model", input="hello there", voice="alloy",
+                                            response_format="wav")
+    with wave.open(io.BytesIO(audio.read())) as wav:
+        assert wav.getframerate() == 24000 and wav.getsampwidth() == 2 and wav.getnframes() == 2400
+    assert engine.seen[-1][0] == {"prompt": "hello there", "voice": "alloy"}
+    pcm = client.post("/v1/audio/speech", json={"input": "hi", "response_format": "pcm"})
+    assert pcm.headers["content-type"] == "audio/pcm" and len(pcm.content) == 2400 * 2
+
+
+def test_api_key_guards_v1_routes_only(parser):
+    client = make_client(parser, FakeOmni(stage_types=["diffusion"], output_modalities={"image"}),
+                         "--api-key", "sekret")
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+    assert client.get("/health").status_code == 200
+
+
 def test_chat_text_only_modality_drops_audio(ar):
     _, client = ar
     out = oai(client).chat.completions.create(model="fake-model", messages=CHAT, max_tokens=2, modalities=["text"])
