@@ -26,6 +26,7 @@ from vllm_omni.model_executor.models.qwen3_omni.stage_input_processors import NO
 from vllm_omni.model_executor.models.qwen3_omni.talker import predict_residual_codes
 
 EXTRA_ARGS_KEY = "qwen3_omni_talker"
+MAX_UNCLAIMED_RESULTS = 4096
 ARCHITECTURE = "Qwen3OmniMoeTalkerForConditionalGeneration"
 
 
@@ -54,6 +55,8 @@ class _RequestState:
     tts_pad_id: int
     last_hidden: torch.Tensor | None = None
     frames: list[list[int]] = field(default_factory=list)
+    frame_embeds: list[torch.Tensor] = field(default_factory=list)
+    error: str | None = None
 
 
 @dataclass
@@ -104,11 +107,17 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
         for req_id in req_ids:
             state = self._requests.pop(req_id, None)
             if state is not None:
-                self._finished[state.key] = state.frames
+                self._finished[state.key] = state.error or state.frames
+        while len(self._finished) > MAX_UNCLAIMED_RESULTS:  # never-collected results must not pile up
+            self._finished.pop(next(iter(self._finished)))
 
     def take_frames(self, keys: list[str]) -> dict[str, list[list[int]] | None]:
         """Frames of finished requests (None for keys not finished or unknown)."""
-        return {key: self._finished.pop(key, None) for key in keys}
+        taken = {key: self._finished.pop(key, None) for key in keys}
+        errors = [f"{key}: {v}" for key, v in taken.items() if isinstance(v, str)]
+        if errors:
+            raise RuntimeError("talker request(s) failed: " + "; ".join(errors))
+        return taken
 
     # ---- vLLM model interface --------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -162,15 +171,25 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
             has_codec = codec != NO_CODEC
             value[has_codec] += self.model.embed_input_ids(codec[has_codec])
             embeds[rows] = value.to(embeds.dtype)
-        for offset in torch.nonzero(~prompt).flatten().tolist():  # decode: one token per step
+        decode = torch.nonzero(~prompt).flatten().tolist()
+        for offset in decode:  # one token per step; several when vLLM recomputes a preempted request
             i = row.start + offset
             step = int(pos[offset]) - prompt_len
             code0 = int(input_ids[i]) if input_ids is not None else None
-            if state.last_hidden is None or code0 == self.codec_eos:
+            if code0 == self.codec_eos:
                 continue
-            residual, frame_embed = predict_residual_codes(self.code_predictor, state.last_hidden, embeds[i],
-                                                           lambda logits: logits.argmax(dim=-1))
-            state.frames.append([code0, *residual])
+            if step < len(state.frames):  # recomputed position: the frame is known
+                frame_embed = state.frame_embeds[step]
+            elif step == len(state.frames) and offset == 0 and state.last_hidden is not None:
+                residual, frame_embed = predict_residual_codes(self.code_predictor, state.last_hidden, embeds[i],
+                                                               lambda logits: logits.argmax(dim=-1))
+                state.frames.append([code0, *residual])
+                state.frame_embeds.append(frame_embed)
+            else:
+                # The code predictor needs the previous position's final hidden state, which a recompute chunk
+                # only produces inside this very forward.
+                state.error = state.error or f"position {int(pos[offset])} recomputed without its predecessor"
+                continue
             text_id = state.trailing_ids[step] if step < len(state.trailing_ids) else state.tts_pad_id
             text = self._project(torch.tensor([text_id], device=embeds.device))[0]
             embeds[i] = (frame_embed + text).to(embeds.dtype)
