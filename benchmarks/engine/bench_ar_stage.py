@@ -1,7 +1,7 @@
 """Single AR stage through `AsyncOmni` vs plain vLLM `AsyncLLM`, same process, same tiny Qwen2 weights.
 
-Both engines are started one after the other (start-up = constructor until ready), then warm per-request
-latency of 16-token greedy requests is measured in alternating rounds so machine noise hits both alike.
+Start-up (constructor until ready) is the median over rounds that alternate which engine starts first; then warm
+per-request latency of 16-token greedy requests is measured in alternating rounds so machine noise hits both.
 Token equality is checked on every request. Prints a table and writes JSON to benchmarks/results/.
 
   .venv/bin/python benchmarks/engine/bench_ar_stage.py --requests 40
@@ -41,12 +41,29 @@ async def run(args: argparse.Namespace) -> dict:
     path = resolve_model("tiny/qwen2")
     params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, ignore_eos=True)
 
+    def start_plain():
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, **ENGINE_KWARGS))
+
+    def start_omni():
+        return AsyncOmni("tiny/qwen2", **ENGINE_KWARGS)
+
+    # Start-up rounds alternate the order (omni, plain, plain, omni, ...) so warm caches favour neither.
+    startups: dict[str, list[float]] = {"asyncomni": [], "vllm_asyncllm": []}
+    for r in range(args.startup_rounds):
+        order = [("asyncomni", start_omni), ("vllm_asyncllm", start_plain)]
+        for name, start in order if r % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            engine = start()
+            startups[name].append(time.perf_counter() - t0)
+            engine.close() if name == "asyncomni" else engine.shutdown()
     t0 = time.perf_counter()
-    plain = AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, **ENGINE_KWARGS))
-    startup_plain = time.perf_counter() - t0
+    omni = start_omni()
+    startups["asyncomni"].append(time.perf_counter() - t0)
     t0 = time.perf_counter()
-    omni = AsyncOmni("tiny/qwen2", **ENGINE_KWARGS)
-    startup_omni = time.perf_counter() - t0
+    plain = start_plain()
+    startups["vllm_asyncllm"].append(time.perf_counter() - t0)
+    startup_omni = statistics.median(startups["asyncomni"])
+    startup_plain = statistics.median(startups["vllm_asyncllm"])
 
     async def one_plain(rid: str) -> tuple[float, list[int]]:
         start = time.perf_counter()
@@ -80,6 +97,7 @@ async def run(args: argparse.Namespace) -> dict:
     med_plain, med_omni = statistics.median(lat_plain), statistics.median(lat_omni)
     return {
         "startup_s": {"vllm_asyncllm": startup_plain, "asyncomni": startup_omni},
+        "startup_runs_s": startups,
         "latency_ms": {
             name: {"median": statistics.median(v) * 1e3, "mean": statistics.fmean(v) * 1e3,
                    "p90": percentile(v, 0.9) * 1e3, "min": min(v) * 1e3}
@@ -96,6 +114,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--startup-rounds", type=int, default=2,
+                        help="extra start/stop rounds per engine, alternating order (median reported)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -16,7 +16,7 @@ from vllm_omni import AsyncOmni
 from vllm_omni.errors import OmniClientError
 from vllm_omni.testing.tiny_models import build_tiny
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 CODE2WAV = "vllm_omni.model_executor.models.qwen3_omni.code2wav:Qwen3OmniCode2Wav"
 
 

@@ -21,7 +21,7 @@ from vllm_omni import AsyncOmni
 from vllm_omni.errors import EngineDeadError, OmniClientError
 from vllm_omni.testing.tiny_models import build_tiny
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 PROMPTS = ["A photo of a cat sitting on a red chair", "hello world"]
 
 

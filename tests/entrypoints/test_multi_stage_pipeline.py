@@ -18,7 +18,7 @@ from vllm import SamplingParams
 from vllm_omni import AsyncOmni
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 PIPELINE = Path(__file__).parents[2] / "examples/offline_inference/pipelines/prompt_rewriter_to_qwen_image.yaml"
 
 

@@ -14,6 +14,8 @@ from tests.entrypoints.leak_checks import shm_segments, wait_until_clean
 from vllm_omni import Omni, OmniDiffusionSamplingParams
 from vllm_omni.errors import OmniClientError
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def omni():
