@@ -8,8 +8,9 @@ import torch
 
 @pytest.fixture(scope="session")
 def dist_world():
-    """A gloo world of size 1 with vLLM's TP groups, current for the whole session."""
-    from vllm.config import set_current_vllm_config
+    """A gloo world of size 1 with vLLM's TP groups, current for the whole session (reused if one exists)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import model_parallel_is_initialized
 
     from vllm_omni.diffusion.data import DiffusionParallelConfig
     from vllm_omni.diffusion.distributed.parallel_state import (
@@ -17,6 +18,10 @@ def dist_world():
         init_diffusion_distributed,
     )
 
+    if model_parallel_is_initialized():  # another test module's world: use it, leave it to its owner
+        with set_current_vllm_config(VllmConfig()):
+            yield None
+        return
     config = init_diffusion_distributed(rank=0, world_size=1, parallel_config=DiffusionParallelConfig(),
                                         device=torch.device("cpu"))
     with set_current_vllm_config(config):
