@@ -72,3 +72,28 @@ def test_omni_image_to_video_matches_diffusers():
     video = out.multimodal_output["video"]
     mse = np.mean((video.astype(np.float64) - (expected * 255).round()) ** 2)
     assert video.std() > 1.0 and (mse == 0 or 10 * np.log10(255.0**2 / mse) >= 35.0)
+
+
+def test_omni_wan22_a14b_matches_diffusers():
+    """Both experts (switch at boundary_ratio, guidance_scale_2) through the runtime equal diffusers."""
+    from diffusers import WanPipeline as RefPipeline
+
+    from vllm_omni.entrypoints.omni import Omni
+    from vllm_omni.testing.tiny_models import build_tiny
+
+    size = {**SIZE, "num_inference_steps": 8}  # with flow_shift 12 the timesteps straddle 875: both experts run
+    params = dict(guidance_scale=4.0, guidance_scale_2=3.0)
+    omni = Omni("tiny/wan2.2-t2v-a14b")
+    try:
+        (out,) = omni.generate(["Two astronauts float."], OmniDiffusionSamplingParams(seed=5, **size, **params),
+                               use_tqdm=False)
+    finally:
+        omni.close()
+    assert out.error is None
+    ref = RefPipeline.from_pretrained(build_tiny("wan2.2-t2v-a14b"), dtype=torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    expected = ref(prompt="Two astronauts float.", generator=torch.Generator("cpu").manual_seed(5), output_type="np",
+                   **size, **params).frames[0]
+    video = out.multimodal_output["video"]
+    mse = np.mean((video.astype(np.float64) - (expected * 255).round()) ** 2)
+    assert video.std() > 1.0 and (mse == 0 or 10 * np.log10(255.0**2 / mse) >= 35.0)
