@@ -1,5 +1,6 @@
-"""Live server on the tiny Qwen-Image-Edit checkpoint: `images.edit` (multipart upload) and chat with an
-input image both reach the edit pipeline; a request without its input image is a 400 from the pipeline."""
+"""Live server on the tiny Qwen-Image-Edit checkpoint: `images.edit` (multipart upload) reaches the edit
+pipeline; a request without its input image is a 400 from the pipeline. (Chat with an input image is pinned
+by the contract tests: one more edit forward costs ~20 s on CPU.)"""
 
 from __future__ import annotations
 
@@ -36,13 +37,6 @@ def test_images_edit(server):
                              size="64x64", extra_body=FAST)
     out = Image.open(io.BytesIO(base64.b64decode(res.data[0].b64_json)))
     assert out.size == (64, 64)
-
-    url = "data:image/png;base64," + base64.b64encode(png()).decode()
-    chat = client.chat.completions.create(
-        model=MODEL, extra_body={**FAST, "size": "64x64"},
-        messages=[{"role": "user", "content": [{"type": "text", "text": "make it blue"},
-                                               {"type": "image_url", "image_url": {"url": url}}]}])
-    assert chat.choices[0].message.content[0]["type"] == "image_url"
 
 
 def test_edit_needs_its_image(server):

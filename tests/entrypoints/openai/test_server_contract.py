@@ -148,6 +148,20 @@ def test_images_generate_and_chat_image(dit):
     assert (sp.quality, sp.true_cfg_scale, sp.num_inference_steps) == ("high", 3.0, 4)  # default steps kept
 
 
+def test_chat_input_image_reaches_diffusion_stage(dit):
+    engine, client = dit
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 6), (0, 0, 255)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    oai(client).chat.completions.create(model="fake-model", extra_body={"negative_prompt": "red"}, messages=[
+        {"role": "system", "content": "ignored by diffusion"},
+        {"role": "user", "content": [{"type": "text", "text": "make it"}, {"type": "text", "text": "green"},
+                                     {"type": "image_url", "image_url": {"url": url}}]}])
+    prompt = engine.seen[-1][0]
+    assert prompt["prompt"] == "make it\ngreen" and prompt["negative_prompt"] == "red"
+    assert prompt["multi_modal_data"]["image"].size == (8, 6)
+
+
 def test_images_edit_multipart(dit):
     engine, client = dit
     buf = io.BytesIO()
