@@ -3,7 +3,7 @@
 A builder writes one checkpoint directory (config.json / model_index.json, component subfolders,
 sharded safetensors with their index where the real repo has one, a tokenizer made locally with
 `tokenizers`). Builders are deterministic and cached on disk by a hash of their name, parameters and
-the builder's source, so tests, benchmarks and the built-in defaults share one copy.
+the builders' source, so tests, benchmarks and the built-in defaults share one copy.
 
 Built-in defaults are named `tiny/<name>` (for example `tiny/qwen2`, `tiny/qwen-image`); anything else is
 a Hugging Face hub id or a local path and is returned unchanged by `resolve_model`.
@@ -12,7 +12,6 @@ a Hugging Face hub id or a local path and is returned unchanged by `resolve_mode
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 import shutil
@@ -66,7 +65,7 @@ def build_tiny(name: str, *, root: Path | None = None, **overrides: Any) -> Path
     spec = _REGISTRY[name]
     params = {**spec.params, **overrides}
     digest = hashlib.sha256(
-        json.dumps([name, params, inspect.getsource(spec.builder)], sort_keys=True, default=str).encode()
+        json.dumps([name, params, _builders_source()], sort_keys=True, default=str).encode()
     ).hexdigest()[:12]
     out = (root or cache_root()) / f"{name}-{digest}"
     if (out / ".complete").exists():
@@ -91,6 +90,14 @@ def resolve_model(model: str) -> str:
     if model.startswith(TINY_PREFIX) and not Path(model).exists():
         return str(build_tiny(model))
     return model
+
+
+def _builders_source() -> str:
+    """Source of every builder module: a change to any shared helper rebuilds the checkpoints."""
+    from vllm_omni.testing import tiny
+
+    files = sorted(Path(tiny.__file__).parent.glob("*.py"))
+    return "".join(f.read_text() for f in files)
 
 
 def _load_builders() -> None:
