@@ -15,7 +15,6 @@ import uuid
 from typing import Any
 
 import janus
-from vllm.logger import init_logger
 
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.engine.messages import (
@@ -30,6 +29,7 @@ from vllm_omni.engine.messages import (
 from vllm_omni.engine.orchestrator import Orchestrator
 from vllm_omni.engine.rpc_result_router import CorrelatedRpcClient
 from vllm_omni.engine.stage_runtime import StageClientFactory, StageRuntime, make_stage_client
+from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 

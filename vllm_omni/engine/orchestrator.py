@@ -10,8 +10,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.logger import init_logger
-
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.connectors.base import OmniConnector, PayloadHandle, StagePayload, make_connector
 from vllm_omni.engine.messages import (
@@ -26,6 +24,7 @@ from vllm_omni.engine.messages import (
 from vllm_omni.engine.stage_input_processors import get_stage_input_processor
 from vllm_omni.engine.stage_pool import StagePool
 from vllm_omni.errors import EngineDeadError, OmniClientError, OmniError
+from vllm_omni.logger import init_logger
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = init_logger(__name__)

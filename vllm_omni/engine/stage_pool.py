@@ -6,10 +6,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from vllm.logger import init_logger
-
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.errors import EngineDeadError
+from vllm_omni.logger import init_logger
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = init_logger(__name__)

@@ -7,12 +7,11 @@ import os
 import time
 from collections.abc import Callable
 
-from vllm.logger import init_logger
-
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import StageConfig
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.engine.stage_pool import StagePool
+from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 

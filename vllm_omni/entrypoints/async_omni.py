@@ -13,11 +13,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from vllm.logger import init_logger
-
 from vllm_omni.engine.messages import CuMemTag, ErrorMessage, OmniACK
 from vllm_omni.entrypoints.omni_base import OmniBase
 from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError
+from vllm_omni.logger import init_logger
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = init_logger(__name__)
