@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 
 import httpx
 import openai
@@ -110,3 +111,21 @@ def test_no_5xx_recorded(server):
     """Everything above, good or bad, was answered without a server error."""
     assert server.metric("vllm_omni:http_requests_total", status="500") == 0
     assert server.metric("vllm_omni:http_requests_total", route="/v1/images/generations", status="200") >= 2
+
+
+def test_dead_engine_answers_503(server):
+    """Runs last: kill the diffusion worker; /health and new requests answer 503, and shutdown stays clean."""
+    import psutil
+
+    workers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
+               if "spawn_main" in " ".join(p.cmdline())]
+    assert workers
+    for proc in workers:
+        proc.kill()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and httpx.get(f"{server.url}/health", timeout=10).status_code != 503:
+        time.sleep(0.5)
+    health = httpx.get(f"{server.url}/health", timeout=10)
+    assert health.status_code == 503 and health.json()["error"]["code"] == 503
+    resp = httpx.post(f"{server.url}/v1/images/generations", json={"prompt": "x", **FAST}, timeout=60)
+    assert resp.status_code == 503 and "dead" in resp.json()["error"]["message"]

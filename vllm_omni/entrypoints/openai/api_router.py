@@ -29,7 +29,7 @@ def _state(request: Request):
 async def health(raw_request: Request) -> Response:
     engine = _state(raw_request).engine
     if getattr(engine, "is_dead", False):
-        return error_json("engine is dead", 503)
+        return error_json(str(getattr(engine, "dead_error", "engine is dead")), 503)
     try:
         await maybe_await(engine.check_health())
     except Exception as exc:
