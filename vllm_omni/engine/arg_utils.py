@@ -16,6 +16,8 @@ from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 
 DIFFUSION_ATTENTION_BACKENDS = ("TORCH_SDPA", "FLASH_ATTN", "FLASHINFER_ATTN", "CUDNN_ATTN", "SAGE_ATTN")
 CACHE_BACKENDS = ("cache_dit", "none")
+_FRONTEND_ONLY = frozenset({"model", "omni", "served_model_name"})
+"""Engine-args fields the HTTP server consumes itself; they never reach the stages."""
 
 
 def _json_object(flag: str):
@@ -118,7 +120,7 @@ class OmniEngineArgs(EngineArgs):
         """
         kwargs: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
-            if f.name in ("model", "omni") or not hasattr(args, f.name):
+            if f.name in _FRONTEND_ONLY or not hasattr(args, f.name):
                 continue
             value = getattr(args, f.name)
             if value != getattr(defaults, f.name, f.default):

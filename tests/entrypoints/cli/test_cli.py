@@ -63,7 +63,8 @@ def parser():
 def test_only_changed_engine_flags_reach_async_omni(parser):
     args = parser.parse_args(["tiny/qwen2", "--omni", "--port", "9000", "--max-num-seqs", "2",
                               "--cache-config", '{"Fn_compute_blocks": 1}', "--diffusion-attention-backend",
-                              "TORCH_SDPA", "--stage-overrides", '{"0": {"max_num_seqs": 3}}'])
+                              "TORCH_SDPA", "--stage-overrides", '{"0": {"max_num_seqs": 3}}',
+                              "--served-model-name", "my-model"])
     kwargs = OmniEngineArgs.omni_kwargs_from_cli(args, parser.parse_args([]))
     assert kwargs == {"max_num_seqs": 2, "cache_config": {"Fn_compute_blocks": 1},
                       "diffusion_attention_backend": "TORCH_SDPA", "stage_overrides": {"0": {"max_num_seqs": 3}}}
