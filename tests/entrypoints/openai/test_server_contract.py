@@ -162,6 +162,17 @@ def test_chat_input_image_reaches_diffusion_stage(dit):
     assert prompt["multi_modal_data"]["image"].size == (8, 6)
 
 
+def test_stream_error_is_an_sse_error_event(dit):
+    _, client = dit
+    body = {"messages": CHAT, "stream": True, "size": "13x16"}  # the fake pipeline rejects width 13
+    resp = client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+    events = [line.removeprefix("data: ") for line in resp.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 400 and "multiple of 16" in error["message"]
+
+
 def test_images_edit_multipart(dit):
     engine, client = dit
     buf = io.BytesIO()
