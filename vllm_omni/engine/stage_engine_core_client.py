@@ -13,7 +13,10 @@ from typing import Any
 
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError
+from vllm_omni.logger import init_logger
 from vllm_omni.outputs import OmniRequestOutput
+
+logger = init_logger(__name__)
 
 # EngineCore utilities (not worker methods) that `collective_rpc_async` forwards as utility calls.
 _ENGINE_CORE_UTILITIES = frozenset({"reset_prefix_cache", "reset_mm_cache", "reset_encoder_cache", "is_sleeping",
@@ -31,8 +34,10 @@ class StageEngineCoreClient(StageClientBase):
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        start = time.perf_counter()
         engine_args = self.config.make_engine_args()
         vllm_config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+        configured = time.perf_counter()
         # AsyncLLM's constructor blocks until EngineCore is ready; keep the loop free meanwhile.
         loop = asyncio.get_running_loop()
         self.llm = await asyncio.wait_for(
@@ -40,6 +45,8 @@ class StageEngineCoreClient(StageClientBase):
                 vllm_config, disable_log_stats=engine_args.disable_log_stats)),
             timeout=self.config.stage_init_timeout,
         )
+        logger.info("[%s] vLLM config in %.1f s, EngineCore ready in %.1f s", self.name, configured - start,
+                    time.perf_counter() - configured)
 
     @property
     def vllm_config(self):

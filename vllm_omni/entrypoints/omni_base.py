@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 from typing import Any
 
 from vllm_omni.config.omni_config import StageConfigFactory
 from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 class OmniBase:
     def __init__(self, model: str, **kwargs: Any) -> None:
         self._name = self.__class__.__name__
         self.model_name = model
+        start = time.perf_counter()
         self.config = StageConfigFactory.create_from_model(model, **kwargs)
+        logger.info("[%s] resolved %s into pipeline %r (%s) in %.2f s", self._name, model,
+                    self.config.pipeline_name, self.config.stage_types, time.perf_counter() - start)
         self.engine = AsyncOmniEngine(self.config)
         self.default_sampling_params_list = [m["default_sampling_params"] for m in self.engine.stage_metadata]
 
