@@ -79,3 +79,36 @@ def test_load_failure_names_rank_and_error(tmp_path):
     with pytest.raises(RuntimeError, match=r"rank 0 failed to start(.|\n)*no weights here"):
         make_engine(tmp_path, FailingLoadPipeline)
     assert _child_pids() - before == set()
+
+
+_ORPHAN_SCRIPT = """
+import sys, time
+from fake_pipelines import FakeBatchPipeline, class_path
+from vllm_omni.diffusion.data import OmniDiffusionConfig
+from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
+if __name__ == "__main__":
+    engine = DiffusionEngine(OmniDiffusionConfig(model=sys.argv[1], model_class_name=class_path(FakeBatchPipeline)))
+    print(engine.executor.processes[0].pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_workers_exit_when_the_engine_process_is_killed(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "engine_proc.py"
+    script.write_text(_ORPHAN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        worker_pid = int(proc.stdout.readline())
+        assert psutil.pid_exists(worker_pid)
+        proc.kill()
+        proc.wait(10)
+        gone, alive = psutil.wait_procs([psutil.Process(worker_pid)], timeout=10)
+        assert not alive, "a diffusion worker outlived its engine process"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
