@@ -16,7 +16,7 @@ from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
-pytestmark = pytest.mark.usefixtures("flux_vllm_config")
+pytestmark = pytest.mark.usefixtures("dist_world")
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:

@@ -16,7 +16,7 @@ SIZE = dict(height=64, width=64, num_inference_steps=4)
 
 
 @pytest.fixture(scope="module")
-def pipes(dist_init, qwen_image_dir):
+def pipes(dist_world, qwen_image_dir):
     from diffusers import QwenImagePipeline as Reference
 
     ref = Reference.from_pretrained(qwen_image_dir, dtype=torch.float32)
@@ -81,7 +81,7 @@ def test_bad_request_fails_alone(pipes):
 
 
 @pytest.mark.cuda
-def test_cuda_bf16_matches_diffusers(dist_init, qwen_image_dir):
+def test_cuda_bf16_matches_diffusers(dist_world, qwen_image_dir):
     """On the GPU in bf16 (the serving setup): same image as diffusers' bf16 pipeline, batched CFG included."""
     from diffusers import QwenImagePipeline as Reference
 

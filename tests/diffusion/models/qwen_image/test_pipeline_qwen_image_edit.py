@@ -31,7 +31,7 @@ def _reference_processor(model_dir, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def ours(dist_init, qwen_image_edit_dir):
+def ours(dist_world, qwen_image_edit_dir):
     return QwenImageEditPipeline.from_pretrained(OmniDiffusionConfig(model=str(qwen_image_edit_dir)),
                                                  qwen_image_edit_dir, torch.device("cpu"), torch.float32)
 

@@ -13,7 +13,7 @@ from vllm_omni.diffusion.models.qwen_image.transformer_qwen_image import (
 
 
 @pytest.fixture(scope="module")
-def models(dist_init, qwen_image_dir):
+def models(dist_world, qwen_image_dir):
     from diffusers import QwenImageTransformer2DModel as RefModel
 
     ref = RefModel.from_pretrained(qwen_image_dir, subfolder="transformer", dtype=torch.float32).eval()
@@ -56,7 +56,7 @@ def test_unsupported_variant_is_refused():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["TORCH_SDPA", "CUDNN_ATTN", "FLASH_ATTN"])
-def test_cuda_bf16_matches_diffusers(dist_init, qwen_image_dir, backend):
+def test_cuda_bf16_matches_diffusers(dist_world, qwen_image_dir, backend):
     """bf16 on the GPU, each attention backend that is installed: close to diffusers' bf16 forward."""
     from diffusers import QwenImageTransformer2DModel as RefModel
 
