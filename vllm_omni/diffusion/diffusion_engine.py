@@ -1,6 +1,8 @@
 """The diffusion stage's engine: validates requests, co-batches them, and runs them on the workers.
 
-`submit` is thread-safe and returns a future per request. A scheduler thread forms batches with
+`submit` is thread-safe and returns a future per request; an optional `on_partial` callback receives the
+request's partial results (`PartialResult`: denoise progress, decoded video chunks) on the executor's result
+thread, all of them before the future resolves. A scheduler thread forms batches with
 `RequestScheduler` and keeps one batch in flight; the batch's results resolve the request futures directly
 from the executor's result thread, so a request pays one thread hand-off on the way back.
 """
@@ -18,6 +20,7 @@ from vllm.logger import init_logger
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.executor.multiproc_executor import MultiprocDiffusionExecutor
+from vllm_omni.diffusion.ipc import PartialResult
 from vllm_omni.diffusion.models.interface import supports_request_batch
 from vllm_omni.diffusion.registry import (
     load_pipeline_class,
@@ -53,6 +56,7 @@ class DiffusionEngine:
         self._cond = threading.Condition()
         self._waiting: dict[str, tuple[Future[DiffusionOutput], float]] = {}
         self._running: dict[str, Future[DiffusionOutput]] = {}
+        self._partial_callbacks: dict[str, Callable[[PartialResult], None]] = {}
         self._batch_in_flight = False
         self._stopping = False
         self._counters: Counter[str] = Counter()
@@ -74,8 +78,13 @@ class DiffusionEngine:
     def is_dead(self) -> bool:
         return self.executor.is_failed
 
-    def submit(self, request: OmniDiffusionRequest) -> Future[DiffusionOutput]:
-        """Queue a request; invalid input raises `OmniClientError` here, before anything is queued."""
+    def submit(self, request: OmniDiffusionRequest, on_partial: Callable[[PartialResult], None] | None = None
+               ) -> Future[DiffusionOutput]:
+        """Queue a request; invalid input raises `OmniClientError` here, before anything is queued.
+
+        `on_partial` must return quickly (hand the item to a queue): it runs on the thread that reads the
+        workers' results, so a slow callback delays every request's results (never the workers).
+        """
         request = _validated(request)
         future: Future[DiffusionOutput] = Future()
         with self._cond:
@@ -88,12 +97,16 @@ class DiffusionEngine:
                 raise OmniClientError(f"request_id {rid!r} is already in flight", param="request_id")
             self.scheduler.add_request(request)
             self._waiting[rid] = (future, time.perf_counter())
+            if on_partial is not None:
+                self._partial_callbacks[rid] = on_partial
             self._cond.notify()
         return future
 
     def abort(self, request_ids: list[str]) -> None:
         """Drop queued requests; running ones finish on the workers and their results are discarded."""
         with self._cond:
+            for rid in request_ids:
+                self._partial_callbacks.pop(rid, None)
             for request in self.scheduler.abort(request_ids):
                 self._waiting.pop(request.request_id)[0].cancel()
                 self._counters["num_aborted"] += 1
@@ -172,12 +185,18 @@ class DiffusionEngine:
                 self._batch_in_flight = True
                 self._batch_sizes[len(batch)] += 1
                 self._counters["num_forwards"] += 1
+            streamed = [r.request_id for r in batch if r.request_id in self._partial_callbacks]
             try:
-                batch_future = self.executor.execute_batch(batch)
+                batch_future = self.executor.execute_batch(batch, streamed, self._on_partial if streamed else None)
             except Exception as exc:
                 batch_future = Future()
                 batch_future.set_exception(exc)
             batch_future.add_done_callback(lambda f, futures=futures: self._finish_batch(f, futures))
+
+    def _on_partial(self, partial: PartialResult) -> None:
+        callback = self._partial_callbacks.get(partial.request_id)
+        if callback is not None:
+            callback(partial)
 
     def _finish_batch(
         self, batch_future: Future[list[DiffusionOutput]], futures: dict[str, tuple[Future, float]]
@@ -188,6 +207,7 @@ class DiffusionEngine:
         with self._cond:
             for rid in futures:
                 self._running.pop(rid, None)
+                self._partial_callbacks.pop(rid, None)
             self._batch_in_flight = False
             self._cond.notify()
         for i, (future, queued) in enumerate(futures.values()):
@@ -217,6 +237,7 @@ class DiffusionEngine:
         with self._cond:
             waiting = [future for future, _ in self._waiting.values()]
             self._waiting.clear()
+            self._partial_callbacks.clear()
             self.scheduler.drain()
             self._cond.notify_all()
         for future in waiting:

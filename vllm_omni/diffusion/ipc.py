@@ -35,6 +35,8 @@ _EXT_PIL = 3
 class ExecuteBatch(msgspec.Struct, tag="batch", array_like=True, gc=False):
     batch_id: int
     requests: list[OmniDiffusionRequest]
+    stream_request_ids: list[str] = []
+    """Requests whose submitter listens for `PartialResult`s (rank 0 sends them)."""
 
 
 class RpcCall(msgspec.Struct, tag="rpc", array_like=True, gc=False):
@@ -64,6 +66,17 @@ class BatchResult(msgspec.Struct, tag="result", array_like=True, gc=False):
     outputs: list[DiffusionOutput]
 
 
+class PartialResult(msgspec.Struct, tag="partial", array_like=True, gc=False):
+    """Something a request produced before its final output: kind "progress" ({step, total}) or
+    "video_chunk" ({video: uint8 frames, fps, frame_start}). Sent on the same socket as, and before, the
+    `BatchResult`, so a request's partials never arrive after its final output."""
+
+    batch_id: int
+    request_id: str
+    kind: str
+    data: dict[str, Any] = {}
+
+
 class RpcResult(msgspec.Struct, tag="rpc_result", array_like=True, gc=False):
     call_id: int
     rank: int
@@ -72,7 +85,7 @@ class RpcResult(msgspec.Struct, tag="rpc_result", array_like=True, gc=False):
 
 
 WorkerInput = ExecuteBatch | RpcCall | Shutdown
-WorkerOutput = WorkerReady | WorkerInitFailed | BatchResult | RpcResult
+WorkerOutput = WorkerReady | WorkerInitFailed | BatchResult | PartialResult | RpcResult
 
 
 def new_shm_prefix() -> str:

@@ -30,6 +30,7 @@ from vllm_omni.diffusion.ipc import (
     BatchResult,
     ExecuteBatch,
     MsgCodec,
+    PartialResult,
     RpcCall,
     RpcResult,
     Shutdown,
@@ -84,6 +85,7 @@ class MultiprocDiffusionExecutor:
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
         self._batch_futures: dict[int, Future[list[DiffusionOutput]]] = {}
+        self._partial_handlers: dict[int, Callable[[PartialResult], None]] = {}
         self._rpc_waits: dict[int, _RpcWait] = {}
         self._failure_callbacks: list[Callable[[], None]] = []
         self._is_failed = False
@@ -170,14 +172,23 @@ class MultiprocDiffusionExecutor:
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
         self._failure_callbacks.append(callback)
 
-    def execute_batch(self, requests: list[OmniDiffusionRequest]) -> Future[list[DiffusionOutput]]:
-        """Run one batch on every rank; the future holds rank 0's outputs (one per request)."""
+    def execute_batch(self, requests: list[OmniDiffusionRequest], stream_request_ids: list[str] | None = None,
+                      on_partial: Callable[[PartialResult], None] | None = None) -> Future[list[DiffusionOutput]]:
+        """Run one batch on every rank; the future holds rank 0's outputs (one per request).
+
+        `on_partial` gets the `PartialResult`s of `stream_request_ids` on the result thread, in order and all
+        before the future resolves; it must not block.
+        """
         future: Future[list[DiffusionOutput]] = Future()
         batch_id = next(self._ids)
-        data = self._codec.encode(ExecuteBatch(batch_id=batch_id, requests=requests))  # may raise: nothing sent
+        msg = ExecuteBatch(batch_id=batch_id, requests=requests,
+                           stream_request_ids=list(stream_request_ids or []) if on_partial is not None else [])
+        data = self._codec.encode(msg)  # may raise: nothing sent
         with self._lock:
             self._check_alive()
             self._batch_futures[batch_id] = future
+            if on_partial is not None:
+                self._partial_handlers[batch_id] = on_partial
         self._broadcast(data)
         return future
 
@@ -234,9 +245,18 @@ class MultiprocDiffusionExecutor:
                 logger.exception("undecodable message from diffusion worker rank %d", rank)
                 self.fail(f"undecodable message from diffusion worker rank {rank}: {exc}")
                 return
-            if isinstance(msg, BatchResult):
+            if isinstance(msg, PartialResult):
+                with self._lock:
+                    handler = self._partial_handlers.get(msg.batch_id)
+                if handler is not None:
+                    try:
+                        handler(msg)
+                    except Exception:
+                        logger.exception("partial-output handler of batch %d raised", msg.batch_id)
+            elif isinstance(msg, BatchResult):
                 with self._lock:
                     future = self._batch_futures.pop(msg.batch_id, None)
+                    self._partial_handlers.pop(msg.batch_id, None)
                 if future is not None:
                     future.set_result(msg.outputs)
             elif isinstance(msg, RpcResult):
@@ -266,6 +286,7 @@ class MultiprocDiffusionExecutor:
             self._is_failed = True
             futures = list(self._batch_futures.values())
             self._batch_futures.clear()
+            self._partial_handlers.clear()
             waits = list(self._rpc_waits.values())
         for future in futures:
             future.set_exception(EngineDeadError(f"the diffusion engine is dead: {reason}"))

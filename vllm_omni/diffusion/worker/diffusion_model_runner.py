@@ -14,7 +14,7 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
-from vllm_omni.diffusion.forward_context import set_forward_context
+from vllm_omni.diffusion.forward_context import PartialSink, set_forward_context
 from vllm_omni.diffusion.registry import load_pipeline_class, resolve_model_dir, resolve_pipeline_class_name
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
@@ -62,15 +62,19 @@ class DiffusionModelRunner:
         self.pipeline = None
 
     @torch.inference_mode()
-    def execute_model(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+    def execute_model(self, batch: DiffusionRequestBatch, partial_sink: PartialSink | None = None
+                      ) -> list[DiffusionOutput]:
+        """`partial_sink` receives the pipeline's partial results (a request retried alone after its batch
+        failed reports its progress again from the start)."""
         if self.pipeline is None:
             raise RuntimeError("the diffusion worker is asleep; call wake_up() first")
         self._reset_peak_memory()
         start = time.perf_counter()
-        outputs = self._forward(batch)
+        outputs = self._forward(batch, partial_sink)
         if outputs is None:
             logger.warning("[diffusion rank %d] batch of %d failed; retrying one by one", self.rank, len(batch))
-            outputs = [self._forward_alone(request) for request in batch.requests]
+            outputs = [self._forward(DiffusionRequestBatch([request]), partial_sink)[0]
+                       for request in batch.requests]
         elapsed = time.perf_counter() - start
         peak = self._peak_memory_mb()
         for out in outputs:
@@ -78,10 +82,12 @@ class DiffusionModelRunner:
             out.peak_memory_mb = peak
         return outputs
 
-    def _forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput] | None:
+    def _forward(self, batch: DiffusionRequestBatch, partial_sink: PartialSink | None
+                 ) -> list[DiffusionOutput] | None:
         """The pipeline's outputs, or None when the batch as a whole raised (and has more than one request)."""
         try:
-            with set_forward_context(self.od_config, batch_size=len(batch)):
+            with set_forward_context(self.od_config, batch_size=len(batch), request_ids=batch.request_ids,
+                                     partial_sink=partial_sink):
                 outputs = self.pipeline.forward(batch)
             if len(outputs) != len(batch):
                 raise RuntimeError(f"pipeline returned {len(outputs)} outputs for {len(batch)} requests")
@@ -91,9 +97,6 @@ class DiffusionModelRunner:
                 return None
             logger.info("[diffusion rank %d] request %s failed: %s", self.rank, batch.request_ids[0], exc)
             return [DiffusionOutput.from_exception(exc)]
-
-    def _forward_alone(self, request: Any) -> DiffusionOutput:
-        return self._forward(DiffusionRequestBatch([request]))[0]
 
     def _reset_peak_memory(self) -> None:
         if self.device.type == "cuda":

@@ -15,6 +15,7 @@ from vllm.logger import init_logger
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.parallel_state import destroy_diffusion_distributed, init_diffusion_distributed
+from vllm_omni.diffusion.forward_context import PartialSink
 from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
@@ -61,8 +62,9 @@ class DiffusionWorker:
     def load_model(self) -> None:
         self.model_runner.load_model()
 
-    def execute_model(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
-        return self.model_runner.execute_model(batch)
+    def execute_model(self, batch: DiffusionRequestBatch, partial_sink: PartialSink | None = None
+                      ) -> list[DiffusionOutput]:
+        return self.model_runner.execute_model(batch, partial_sink)
 
     def ping(self) -> dict[str, Any]:
         return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "sleep_level": self.sleep_level}

@@ -22,6 +22,7 @@ from vllm_omni.diffusion.ipc import (
     BatchResult,
     ExecuteBatch,
     MsgCodec,
+    PartialResult,
     RpcCall,
     RpcResult,
     Shutdown,
@@ -106,8 +107,16 @@ class WorkerProc:
     def _execute(self, msg: ExecuteBatch) -> None:
         from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
+        sink = None
+        if self.rank == 0 and msg.stream_request_ids:
+            wanted = frozenset(msg.stream_request_ids)
+
+            def sink(request_id: str, kind: str, data: dict) -> None:
+                if request_id in wanted:
+                    self._send_partial(PartialResult(msg.batch_id, request_id, kind, data))
+
         try:
-            outputs = self.worker.execute_model(DiffusionRequestBatch(msg.requests))
+            outputs = self.worker.execute_model(DiffusionRequestBatch(msg.requests), partial_sink=sink)
         except Exception as exc:  # e.g. asleep: every request of the batch fails, the worker keeps serving
             outputs = [DiffusionOutput.from_exception(exc) for _ in msg.requests]
         if self.rank != 0:
@@ -117,6 +126,14 @@ class WorkerProc:
         except (TypeError, NotImplementedError, msgspec.EncodeError) as exc:
             error = DiffusionOutput.from_exception(RuntimeError(f"pipeline output cannot be sent: {exc}"))
             self._send(BatchResult(batch_id=msg.batch_id, rank=self.rank, outputs=[error] * len(outputs)))
+
+    def _send_partial(self, msg: PartialResult) -> None:
+        """A partial that cannot be encoded is dropped (the final output still comes); the forward goes on."""
+        try:
+            self._send(msg)
+        except (TypeError, NotImplementedError, msgspec.EncodeError) as exc:
+            print(f"[diffusion rank {self.rank}] dropped a {msg.kind!r} partial of {msg.request_id}: {exc}",
+                  file=sys.stderr)
 
     def _rpc(self, msg: RpcCall) -> None:
         from vllm_omni.diffusion.worker.diffusion_worker import RPC_METHODS

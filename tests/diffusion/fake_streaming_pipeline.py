@@ -1,0 +1,57 @@
+"""Stand-in pipeline that reports denoise progress and emits decoded video chunks, like the Wan pipelines do.
+
+The clip is a pure function of (seed, prompt); prompt "stream-fail" fails the request after its partials.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.forward_context import emit_partial, report_progress
+from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+from vllm_omni.errors import OmniClientError
+
+NUM_STEPS = 5
+CHUNK_FRAMES = (1, 4, 4)
+SIZE = 320
+"""320x320x3x4 frames = 1.2 MB: the later chunks travel through shared memory."""
+
+
+def fake_clip(seed: int, prompt: str) -> np.ndarray:
+    mix = int.from_bytes(hashlib.sha256(f"{seed}:{prompt}".encode()).digest()[:8], "little")
+    return np.random.default_rng(mix).integers(0, 256, (sum(CHUNK_FRAMES), SIZE, SIZE, 3), dtype=np.uint8)
+
+
+class FakeStreamingPipeline:
+    supports_request_batch: ClassVar[bool] = True
+
+    def __init__(self, od_config: OmniDiffusionConfig) -> None:
+        self.od_config = od_config
+
+    @classmethod
+    def from_pretrained(cls, od_config: OmniDiffusionConfig, model_dir: Path, device: Any, dtype: Any):
+        return cls(od_config)
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        for step in range(NUM_STEPS):
+            report_progress(step + 1, NUM_STEPS)
+        clips = [fake_clip(r.sampling_params.seed or 0, r.prompt_text) for r in batch.requests]
+        start = 0
+        for size in CHUNK_FRAMES:
+            for request, clip in zip(batch.requests, clips, strict=True):
+                emit_partial(request.request_id, "video_chunk",
+                             {"video": clip[start:start + size], "fps": 8, "frame_start": start})
+            start += size
+        outputs = []
+        for request, clip in zip(batch.requests, clips, strict=True):
+            if request.prompt_text == "stream-fail":
+                error = OmniClientError("refused after streaming", status_code=422)
+                outputs.append(DiffusionOutput.from_exception(error))
+            else:
+                outputs.append(DiffusionOutput(output={"video": clip, "fps": 8}))
+        return outputs
