@@ -1,14 +1,17 @@
 """DIFFUSION stage run in the engine's own process: `DiffusionEngine` (contract 3) behind the stage interface.
 
 The engine's workers are separate processes; only the scheduler lives here, so no extra IPC hop is needed
-for a one-stage diffusion pipeline.
+for a one-stage diffusion pipeline. A request whose params set `stream_partial_outputs` also yields its
+partials (denoise progress, decoded video chunks) as unfinished outputs before the final one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -65,16 +68,25 @@ class InlineStageDiffusionClient(StageClientBase):
         params = OmniDiffusionSamplingParams.from_params(sampling_params).clone()
         return OmniDiffusionRequest(prompt=prompt, sampling_params=params, request_id=request_id)
 
-    async def add_request_async(self, request_id: str, prompt: Any, sampling_params: Any) -> Any:
+    async def add_request_async(self, request_id: str, prompt: Any, sampling_params: Any,
+                                on_partial: Any = None) -> Any:
         """Submit one request; returns an asyncio future of its `DiffusionOutput`."""
         if self.is_dead:
             raise EngineDeadError(f"{self.name}: diffusion engine is dead")
         request = self._make_request(request_id, prompt, sampling_params)
-        return asyncio.wrap_future(self._engine.submit(request))
+        return asyncio.wrap_future(self._engine.submit(request, on_partial=on_partial))
 
     async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
         start = time.perf_counter()
-        future = await self.add_request_async(request_id, prompt, sampling_params)
+        params = OmniDiffusionSamplingParams.from_params(sampling_params)
+        partials = _PartialStream(asyncio.get_running_loop()) if params.stream_partial_outputs else None
+        future = await self.add_request_async(request_id, prompt, params,
+                                              on_partial=None if partials is None else partials.put_threadsafe)
+        if partials is not None:
+            # The future completes after the engine handed over the last partial, so this ends the stream last.
+            future.add_done_callback(lambda _: partials.close())
+            async for partial in partials:
+                yield self._partial_output(request_id, partial)
         try:
             result = await future
         except EngineDeadError:
@@ -84,6 +96,17 @@ class InlineStageDiffusionClient(StageClientBase):
             raise client_error_from_metadata(result.error, status_code=result.error_status_code,
                                              error_type=result.error_type)
         yield self._to_output(request_id, result, time.perf_counter() - start)
+
+    def _partial_output(self, request_id: str, partial: Any) -> OmniRequestOutput:
+        """`{"video_chunk": frames, "fps", "frame_start"}` or `{"progress": {"step", "total"}}`, unfinished."""
+        out = OmniRequestOutput(request_id=request_id, finished=False, stage_id=self.stage_id,
+                                final_output_type=self.output_modality)
+        data = dict(partial.data)
+        if partial.kind == "video_chunk":
+            out.multimodal_output = {"video_chunk": data.pop("video"), **data}
+        else:
+            out.multimodal_output = {partial.kind: data}
+        return out
 
     def _to_output(self, request_id: str, result: Any, elapsed: float) -> OmniRequestOutput:
         modality = self.output_modality
@@ -122,3 +145,41 @@ class InlineStageDiffusionClient(StageClientBase):
                 self._engine.close()
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._shutdown_complete = True
+
+
+class _PartialStream:
+    """One request's partials, handed from the engine's result thread to the event loop.
+
+    The producer never waits (the worker and the result thread must not stall on a slow consumer). While the
+    consumer lags, a newer progress report replaces a pending older one; video chunks are never dropped.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: deque[Any] = deque()
+        self._wakeup = asyncio.Event()
+        self._closed = False
+
+    def put_threadsafe(self, partial: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody listens any more
+            self._loop.call_soon_threadsafe(self._put, partial)
+
+    def _put(self, partial: Any) -> None:
+        if partial.kind == "progress" and self._items and self._items[-1].kind == "progress":
+            self._items[-1] = partial
+        else:
+            self._items.append(partial)
+        self._wakeup.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wakeup.set()
+
+    async def __aiter__(self) -> AsyncIterator[Any]:
+        while True:
+            while self._items:
+                yield self._items.popleft()
+            if self._closed:
+                return
+            self._wakeup.clear()
+            await self._wakeup.wait()

@@ -106,6 +106,90 @@ def _write_mp4(target: Any, frames: np.ndarray, fps: int, codec: str, crf: int, 
             container.mux(packet)
 
 
+class FragmentedMp4Writer:
+    """Incremental H.264 fragmented MP4 for streaming: each `write(frames)` starts a new fragment (an IDR
+    frame) at the chunk's first frame and returns the bytes the muxer has finished, `close()` the rest; all the
+    returned bytes concatenated are one playable MP4.
+
+    The muxer closes a fragment only when the next one starts, so a `write` returns the fragments of the
+    chunks before it (the first one returns just the init segment); `frames_flushed` says how many frames the
+    returned bytes cover so far. Not thread-safe: call it from one thread at a time.
+    """
+
+    def __init__(self, fps: int, width: int, height: int, *, codec: str = DEFAULT_CODEC, crf: int = 18) -> None:
+        import av
+
+        if fps < 1:
+            raise ValueError(f"fps must be >= 1, got {fps}")
+        self.fps = fps
+        self._pad = (height % 2, width % 2)
+        self._sink = _ByteSink()
+        self._frames = 0
+        self.frames_flushed = 0
+        self._container = av.open(self._sink, mode="w", format="mp4",
+                                  options={"movflags": "frag_keyframe+empty_moov+default_base_moof"})
+        self._stream = self._container.add_stream(codec, rate=fps)
+        self._stream.width, self._stream.height = width + self._pad[1], height + self._pad[0]
+        self._stream.pix_fmt = "yuv420p"
+        if codec == DEFAULT_CODEC:  # no lookahead / B-frames: packets leave the encoder with their frame
+            self._stream.options = {"crf": str(crf), "tune": "zerolatency", "forced-idr": "1",
+                                    "x264-params": "keyint=100000:scenecut=0:bframes=0"}
+        self._closed = False
+
+    def write(self, frames: np.ndarray) -> bytes:
+        """Encode uint8 frames (T, H, W, 3) as the next fragment; returns the newly finished bytes."""
+        import av
+
+        if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+            raise ValueError(f"frames must be uint8 (T, H, W, 3), got {frames.dtype} {frames.shape}")
+        if any(self._pad):
+            frames = np.pad(frames, ((0, 0), (0, self._pad[0]), (0, self._pad[1]), (0, 0)), mode="edge")
+        for i, frame in enumerate(frames):
+            video_frame = av.VideoFrame.from_ndarray(frame, format="rgb24")
+            video_frame.pts = self._frames
+            if i == 0:
+                video_frame.pict_type = av.video.frame.PictureType.I
+            self._frames += 1
+            self._mux(self._stream.encode(video_frame))
+        return self._sink.take()
+
+    def close(self) -> bytes:
+        """Flush the encoder and the last fragment; returns the remaining bytes (idempotent)."""
+        if self._closed:
+            return b""
+        self._closed = True
+        try:
+            self._mux(self._stream.encode())
+        finally:
+            self._container.close()
+        self.frames_flushed = self._frames
+        return self._sink.take()
+
+    def _mux(self, packets: list[Any]) -> None:
+        for packet in packets:
+            if packet.is_keyframe and packet.pts is not None:
+                # Everything before this keyframe now sits in finished fragments.
+                self.frames_flushed = round(float(packet.pts * packet.time_base) * self.fps)
+            self._container.mux(packet)
+
+
+
+class _ByteSink:
+    """The file PyAV writes to; not seekable, which the fragmented muxer does not need."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def write(self, data: bytes) -> int:
+        self._buffer += data
+        return len(data)
+
+    def take(self) -> bytes:
+        data = bytes(self._buffer)
+        self._buffer.clear()
+        return data
+
+
 def split_fmp4(data: bytes) -> tuple[bytes, list[bytes]]:
     """Fragmented MP4 -> (init segment: ftyp + moov, [moof + mdat per fragment]); trailing boxes join the last."""
     init, fragments, current = b"", [], b""

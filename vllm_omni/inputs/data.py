@@ -45,6 +45,9 @@ class OmniDiffusionSamplingParams:
     flow_shift: float | None = None
     max_sequence_length: int | None = None
     lora: dict[str, Any] | None = None
+    stream_partial_outputs: bool = False
+    """Stream denoise progress and decoded video chunks as unfinished outputs before the final one (AsyncOmni).
+    Not part of the batching key: streaming and non-streaming requests share forwards."""
     extra_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

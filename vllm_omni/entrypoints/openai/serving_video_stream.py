@@ -3,33 +3,40 @@
 Protocol (JSON text messages, binary media):
   client -> `session.start` {prompt, sampling_params?: {...}, input_reference?: data URL, output_format?: "fmp4",
             frames_per_chunk?: int}, `session.stop`, `session.ping`
-  server -> `video.start` {fps, width, height, num_frames, codec, container, mime_type}, then per chunk a
-            `video.chunk_metadata` {index, frame_start, frame_end, timestamp_start, timestamp_end, num_bytes}
-            followed by one binary message (chunk 0 carries the init segment; the concatenation of all binary
-            messages is one playable MP4), then `session.done` {timing}; `session.pong`; `error` {code, message}.
-The client closing the socket or sending `session.stop` cancels the generation, which aborts the request in
-the engine. Chunks are cut after generation: the engine returns the whole clip at once today, so the first
-chunk arrives after the last frame is decoded (see docs/video.md).
+  server -> `video.start` {fps, width, height, num_frames (asked for), codec, container, mime_type}, then per
+            fragment a `video.chunk_metadata` {index, frame_start, frame_end, timestamp_start, timestamp_end,
+            num_bytes} followed by one binary message (the first carries the init segment; the concatenation of
+            all binary messages is one playable MP4), then `session.done` {timing}; `session.pong`;
+            `error` {code, message}.
+Frames are encoded as the engine decodes them: pipelines that stream (Wan) hand over each temporally decoded
+chunk, which becomes one fragment, sent once the muxer has closed it (when the next chunk arrives, or at the
+end), so the first fragment leaves long before the last frame is decoded. A model that returns the whole clip
+at once is cut into `frames_per_chunk`-frame fragments after generation. Encoding runs in a thread. The
+client closing the socket or sending `session.stop` cancels the generation, which aborts the request in the
+engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from typing import Any
 
+import numpy as np
 from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 from vllm.logger import init_logger
 from vllm.utils import random_uuid
 
-from vllm_omni.diffusion.video_utils import encode_mp4, split_fmp4
+from vllm_omni.diffusion.video_utils import FragmentedMp4Writer
 from vllm_omni.entrypoints.openai.errors import _describe_validation_errors
 from vllm_omni.entrypoints.openai.protocol.videos import VideoGenerationRequest
-from vllm_omni.entrypoints.openai.serving_video import OmniOpenAIServingVideo
+from vllm_omni.entrypoints.openai.serving_video import DEFAULT_FPS, DEFAULT_NUM_FRAMES, OmniOpenAIServingVideo
 from vllm_omni.errors import OmniClientError, OmniError
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 logger = init_logger(__name__)
 
@@ -109,23 +116,17 @@ class OmniStreamingVideoOutputHandler:
                 raise OmniClientError("frames_per_chunk must be a positive integer", param="frames_per_chunk")
             request = self._request(msg)
             prompt, params = self.serving.build_inputs(request, None)
-            videos, durations = await self.serving.generate_videos(prompt, f"video-ws-{random_uuid()}", params)
-            video = videos[0]
-            data = await asyncio.to_thread(encode_mp4, video.frames, video.fps, fragmented=True, gop=chunk)
-            init, fragments = split_fmp4(data)
-            num_frames, height, width = video.frames.shape[:3]
-            await self._send(ws, {"type": "video.start", "fps": video.fps, "width": width, "height": height,
-                                  "num_frames": num_frames, "codec": "h264", "container": "fmp4",
-                                  "mime_type": 'video/mp4; codecs="avc1"', "num_chunks": len(fragments)})
-            for index, fragment in enumerate(fragments):
-                payload = init + fragment if index == 0 else fragment
-                first, last = index * chunk, min((index + 1) * chunk, num_frames)
-                await self._send(ws, {"type": "video.chunk_metadata", "index": index, "frame_start": first,
-                                      "frame_end": last, "timestamp_start": first / video.fps,
-                                      "timestamp_end": last / video.fps, "num_bytes": len(payload)})
-                await asyncio.wait_for(ws.send_bytes(payload), SEND_TIMEOUT_S)
-            await self._send(ws, {"type": "session.done",
-                                  "timing": {"total_s": time.perf_counter() - start, **durations}})
+            params = [dataclasses.replace(p, stream_partial_outputs=True)
+                      if isinstance(p, OmniDiffusionSamplingParams) else p for p in params]
+            asked = next((p.num_frames for p in params if isinstance(p, OmniDiffusionSamplingParams)), None)
+            sender = _FragmentSender(ws, asked or DEFAULT_NUM_FRAMES, start)
+            try:
+                durations = await self._stream(sender, prompt, params, chunk)
+            finally:
+                sender.close()
+            await self._send(ws, {"type": "session.done", "timing": {
+                "total_s": time.perf_counter() - start, "first_chunk_s": sender.first_chunk_s,
+                "num_chunks": sender.index, **durations}})
         except asyncio.CancelledError:
             raise
         except OmniClientError as exc:
@@ -138,6 +139,27 @@ class OmniStreamingVideoOutputHandler:
             logger.exception("video stream failed")
             await self._error(ws, "internal_error", f"{type(exc).__name__}: {exc}")
 
+    async def _stream(self, sender: _FragmentSender, prompt: dict, params: list[Any], frames_per_chunk: int
+                      ) -> dict[str, float]:
+        """Feed the engine's video chunks to `sender` as they come; a clip that only arrives whole is cut into
+        `frames_per_chunk` fragments. Returns the request's stage durations."""
+        durations: dict[str, float] = {}
+        final = None
+        async for out in self.serving.generate(prompt, f"video-ws-{random_uuid()}", params):
+            mm = out.multimodal_output or {}
+            if "video_chunk" in mm:
+                await sender.add(_first_video(mm["video_chunk"]), int(mm.get("fps") or DEFAULT_FPS))
+            elif out.finished and "video" in mm:
+                final, durations = mm, dict(out.stage_durations)
+        if final is None:
+            raise OmniClientError(f"`{self.serving.model_name}` returned no video for this request", status_code=422)
+        if sender.writer is None:
+            frames, fps = _first_video(final["video"]), int(final.get("fps") or DEFAULT_FPS)
+            for first in range(0, frames.shape[0], frames_per_chunk):
+                await sender.add(frames[first:first + frames_per_chunk], fps)
+        await sender.finish()
+        return durations
+
     async def _error(self, ws: WebSocket, code: str, message: str, param: str | None = None) -> None:
         await self._send(ws, {"type": "error", "code": code, "message": message, "param": param})
 
@@ -145,6 +167,60 @@ class OmniStreamingVideoOutputHandler:
     async def _send(ws: WebSocket, msg: dict[str, Any]) -> None:
         with contextlib.suppress(WebSocketDisconnect, RuntimeError):
             await asyncio.wait_for(ws.send_text(json.dumps(msg)), SEND_TIMEOUT_S)
+
+
+class _FragmentSender:
+    """Encodes frame chunks into one fragmented MP4 (in a thread) and sends every finished fragment."""
+
+    def __init__(self, ws: WebSocket, num_frames: int, started: float) -> None:
+        self.ws = ws
+        self.num_frames = num_frames
+        self.started = started
+        self.writer: FragmentedMp4Writer | None = None
+        self.pending = b""
+        self.frames_sent = 0
+        self.index = 0
+        self.first_chunk_s: float | None = None
+
+    async def add(self, frames: np.ndarray, fps: int) -> None:
+        if self.writer is None:
+            height, width = frames.shape[1:3]
+            self.writer = FragmentedMp4Writer(fps, width, height)
+            await OmniStreamingVideoOutputHandler._send(self.ws, {
+                "type": "video.start", "fps": fps, "width": width, "height": height, "num_frames": self.num_frames,
+                "codec": "h264", "container": "fmp4", "mime_type": 'video/mp4; codecs="avc1"'})
+        await self._flush(await asyncio.to_thread(self.writer.write, frames))
+
+    async def finish(self) -> None:
+        await self._flush(await asyncio.to_thread(self.writer.close))
+
+    async def _flush(self, data: bytes) -> None:
+        self.pending += data
+        done = self.writer.frames_flushed
+        if done == self.frames_sent:  # only the init segment so far: it rides with the first fragment
+            return
+        payload, self.pending = self.pending, b""
+        fps = self.writer.fps
+        await OmniStreamingVideoOutputHandler._send(self.ws, {
+            "type": "video.chunk_metadata", "index": self.index, "frame_start": self.frames_sent,
+            "frame_end": done, "timestamp_start": self.frames_sent / fps, "timestamp_end": done / fps,
+            "num_bytes": len(payload)})
+        await asyncio.wait_for(self.ws.send_bytes(payload), SEND_TIMEOUT_S)
+        if self.first_chunk_s is None:
+            self.first_chunk_s = time.perf_counter() - self.started
+        self.frames_sent = done
+        self.index += 1
+
+    def close(self) -> None:
+        if self.writer is not None:
+            with contextlib.suppress(Exception):
+                self.writer.close()
+
+
+def _first_video(video: Any) -> np.ndarray:
+    """(T, H, W, 3) of the first output when a request asked for several (N, T, H, W, 3)."""
+    frames = np.asarray(video)
+    return frames[0] if frames.ndim == 5 else frames
 
 
 async def _cancel(task: asyncio.Task | None) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -27,6 +28,9 @@ from vllm.logger import init_logger
 
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.forward_context import (
+    emit_partial,
+    partials_enabled,
+    report_progress,
     set_forward_context_denoise_step_idx,
     set_forward_context_denoise_timestep,
 )
@@ -229,11 +233,11 @@ class WanPipeline(nn.Module):
         latents = self.denoise(latents, embeds, conditions, sp, guidance, guidance_2, boundary, do_cfg)
         durations["denoise"] = time.perf_counter() - start
 
+        fps = sp.fps or DEFAULT_FPS
         start = time.perf_counter()
-        frames = self.decode(latents)
+        frames = self.decode(latents, requests if partials_enabled() else (), per_prompt, fps)
         durations["vae_decode"] = time.perf_counter() - start
 
-        fps = sp.fps or DEFAULT_FPS
         outputs = []
         for i in range(len(requests)):
             video = frames[i * per_prompt:(i + 1) * per_prompt]
@@ -306,6 +310,7 @@ class WanPipeline(nn.Module):
                     pred = uncond + scale * (cond - uncond)
                 latents = scheduler.step(pred, t, latents, return_dict=False)[0]
                 progress.update()
+                report_progress(i + 1, len(scheduler.timesteps))
         set_forward_context_denoise_step_idx(None)
         set_forward_context_denoise_timestep(None)
         if conditions.first_frame_mask is not None:
@@ -338,8 +343,22 @@ class WanPipeline(nn.Module):
         inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         return latents / inv_std + mean if inverse else (latents - mean) * inv_std
 
-    def decode(self, latents: torch.Tensor) -> Any:
-        """Latents -> uint8 frames (rows, T, H, W, 3), decoded chunk by chunk through the causal VAE."""
+    def decode(self, latents: torch.Tensor, streamed: Sequence[OmniDiffusionRequest] = (), per_prompt: int = 1,
+               fps: int = DEFAULT_FPS) -> Any:
+        """Latents -> uint8 frames (rows, T, H, W, 3), decoded chunk by chunk through the causal VAE.
+
+        Each decoded chunk is also sent to the `streamed` requests' listeners (rows `per_prompt` per request,
+        shaped like the final output) as soon as it exists, so clients see the first frames early.
+        """
         latents = self.normalize_latents(latents.to(self.vae.dtype), inverse=True)
-        chunks = list(iter_wan_vae_decode(self.vae, latents))
+        chunks, frame_start = [], 0
+        for chunk in iter_wan_vae_decode(self.vae, latents):
+            chunks.append(chunk)
+            if streamed:
+                frames = to_uint8_frames(chunk)
+                for i, request in enumerate(streamed):
+                    video = frames[i * per_prompt:(i + 1) * per_prompt]
+                    emit_partial(request.request_id, "video_chunk", {
+                        "video": video[0] if per_prompt == 1 else video, "fps": fps, "frame_start": frame_start})
+            frame_start += chunk.shape[2]
         return to_uint8_frames(torch.cat(chunks, dim=2))
