@@ -33,6 +33,15 @@ _STAGE_CLASSES = {
 
 PipelineFactory = Callable[[], PipelineConfig]
 _PIPELINES: dict[str, PipelineFactory] = {}
+BUILTIN_PIPELINE_MODULES = ("vllm_omni.model_executor.models.qwen3_omni.pipeline",)
+"""Modules registering our models' pipelines, stage-input processors and output collectors (imported lazily)."""
+
+
+def load_builtin_pipelines() -> None:
+    import importlib
+
+    for module in BUILTIN_PIPELINE_MODULES:
+        importlib.import_module(module)
 
 
 def register_pipeline(*keys: str) -> Callable[[PipelineFactory], PipelineFactory]:
@@ -102,6 +111,7 @@ class VllmOmniConfig:
                 model=_stage_model(model_path, spec.model, spec.model_subfolder),
                 inputs=list(spec.inputs),
                 input_processor=spec.input_processor,
+                output_collector=spec.output_collector,
                 final_output=spec.final_output,
                 final_output_type=spec.final_output_type,
                 num_replicas=stage_deploy.num_replicas,
@@ -166,6 +176,7 @@ def pipeline_for_model(model_path: str) -> PipelineConfig:
     hf_config = _read_json(model_path, "config.json")
     if hf_config is None:
         raise OmniClientError(f"{model_path} has neither model_index.json nor config.json", param="model")
+    load_builtin_pipelines()
     for key in [*hf_config.get("architectures", []), hf_config.get("model_type")]:
         if key in _PIPELINES:
             return _PIPELINES[key]()

@@ -43,6 +43,8 @@ class PipelineStageConfig:
     """Upstream stage ids whose outputs feed this stage; empty = the user's prompt."""
     input_processor: str | None = None
     """Name of the stage-input processor (engine/stage_input_processors.py) building this stage's input."""
+    output_collector: str | None = None
+    """Name of the output collector (engine/output_collectors.py) an AR stage awaits per finished request."""
     final_output: bool = False
     final_output_type: OutputModality | None = None
     """None = whatever the stage's engine produces (text for AR, the pipeline's modality for diffusion)."""

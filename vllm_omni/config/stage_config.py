@@ -25,6 +25,7 @@ class BaseVllmOmniStageConfig:
     """Local path or hub id of this stage's model (tiny/ names already resolved)."""
     inputs: list[int] = Field(default_factory=list)
     input_processor: str | None = None
+    output_collector: str | None = None
     final_output: bool = False
     final_output_type: OutputModality | None = None
     num_replicas: int = 1

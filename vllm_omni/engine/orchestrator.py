@@ -21,7 +21,7 @@ from vllm_omni.engine.messages import (
     ErrorMessage,
     ShutdownMessage,
 )
-from vllm_omni.engine.stage_input_processors import get_stage_input_processor
+from vllm_omni.engine.stage_input_processors import StageInputContext, get_stage_input_processor
 from vllm_omni.engine.stage_pool import StagePool
 from vllm_omni.errors import EngineDeadError, OmniClientError, OmniError
 from vllm_omni.logger import init_logger
@@ -109,9 +109,9 @@ class Orchestrator:
         try:
             for stage_id, pool in enumerate(self.stage_pools):
                 state.current_stage = stage_id
-                prompt = self._stage_input(state, stage_id, msg.prompt)
+                prompt, params = self._stage_input(state, stage_id, msg.prompt, msg.sampling_params_list[stage_id])
                 last = None
-                async for out in pool.generate(rid, prompt, msg.sampling_params_list[stage_id]):
+                async for out in pool.generate(rid, prompt, params):
                     last = out
                     if self._is_final(stage_id):
                         self._emit_output(state, stage_id, out)
@@ -137,19 +137,24 @@ class Orchestrator:
             return stage_id == len(self.stage_pools) - 1
         return self.stages[stage_id].final_output
 
-    def _stage_input(self, state: OrchestratorRequestState, stage_id: int, original_prompt: Any) -> Any:
+    def _stage_input(self, state: OrchestratorRequestState, stage_id: int, original_prompt: Any,
+                     params: Any) -> tuple[Any, Any]:
+        """(prompt, sampling params) of this request for `stage_id`."""
         if self.stages is None or not self.stages[stage_id].inputs:
-            return original_prompt
+            return original_prompt, params
         stage = self.stages[stage_id]
         payloads = [self.connectors[(src, stage_id)].get(state.handles.pop((src, stage_id)))
                     for src in stage.inputs]
-        return get_stage_input_processor(stage.input_processor)(payloads, original_prompt)
+        context = StageInputContext(request_id=state.request_id, stage=stage, sampling_params=params)
+        result = get_stage_input_processor(stage.input_processor)(payloads, original_prompt, context)
+        return result.prompt, result.sampling_params
 
     def _hand_off(self, state: OrchestratorRequestState, stage_id: int, out: OmniRequestOutput) -> None:
         for dst in self._downstream.get(stage_id, ()):
             prompt_ids = getattr(out.request_output, "prompt_token_ids", None)
             payload = StagePayload(metadata={"text": out.text, "token_ids": list(out.token_ids),
-                                             "prompt_token_ids": list(prompt_ids or [])},
+                                             "prompt_token_ids": list(prompt_ids or []),
+                                             "stage_data": out.multimodal_output.get("stage_data", {})},
                                    tensors=dict(out.multimodal_output.get("tensors", {})))
             state.handles[(stage_id, dst)] = self.connectors[(stage_id, dst)].put(state.request_id, stage_id, dst,
                                                                                    payload)

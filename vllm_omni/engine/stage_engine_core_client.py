@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from vllm_omni.engine.output_collectors import get_output_collector
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError
 from vllm_omni.logger import init_logger
@@ -91,6 +92,9 @@ class StageEngineCoreClient(StageClientBase):
                 if aborted and not self.final_output:  # a truncated intermediate result must not feed on
                     raise EngineGenerateError(f"{self.name}: request {request_id} was aborted by the engine")
                 if out.finished:
+                    if self.config.output_collector is not None:
+                        collect = get_output_collector(self.config.output_collector)
+                        result.multimodal_output["stage_data"] = await collect(self, request_id, result)
                     result.stage_durations[self.config.stage_type] = time.perf_counter() - start
                 yield result
         except VllmEngineDeadError as e:

@@ -20,6 +20,26 @@ def chat_prompt_ids(path: Path, user_text: str) -> torch.Tensor:
     return tok(text, return_tensors="pt").input_ids
 
 
+def hf_generate(hf_model, ids: torch.Tensor, thinker_tokens: int, talker_tokens: int):
+    """transformers' greedy reference: (text tokens, codec frames, waveform) of one prompt."""
+    seen = {}
+    chunked_decode = hf_model.code2wav.chunked_decode
+
+    def record_codes(codes, **kwargs):
+        seen["frames"] = codes[0].T.tolist()
+        return chunked_decode(codes, **kwargs)
+
+    hf_model.code2wav.chunked_decode = record_codes
+    try:
+        sequences, wav = hf_model.generate(
+            ids, thinker_max_new_tokens=thinker_tokens, thinker_do_sample=False, thinker_eos_token_id=None,
+            talker_do_sample=False, talker_max_new_tokens=talker_tokens, talker_repetition_penalty=1.0,
+            return_audio=True)
+    finally:
+        del hf_model.code2wav.chunked_decode
+    return sequences[0, ids.shape[1]:].tolist(), seen["frames"], wav[0, 0].numpy()
+
+
 @pytest.fixture(scope="module")
 def tiny_path() -> Path:
     return build_tiny("qwen3-omni")

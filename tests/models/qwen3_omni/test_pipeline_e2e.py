@@ -23,7 +23,7 @@ from vllm_omni.model_executor.models.qwen3_omni.stage_input_processors import (
 )
 from vllm_omni.model_executor.models.qwen3_omni.vllm_talker import talker_engine_kwargs, talker_request
 
-from .conftest import chat_prompt_ids
+from .conftest import chat_prompt_ids, hf_generate
 
 THINKER_TOKENS = 8
 TALKER_TOKENS = 10
@@ -49,25 +49,6 @@ def talker_llm(tiny_path):
     llm.llm_engine.engine_core.shutdown()
 
 
-def _hf_generate(hf_model, ids: torch.Tensor):
-    seen = {}
-    chunked_decode = hf_model.code2wav.chunked_decode
-
-    def record_codes(codes, **kwargs):
-        seen["frames"] = codes[0].T.tolist()
-        return chunked_decode(codes, **kwargs)
-
-    hf_model.code2wav.chunked_decode = record_codes
-    try:
-        sequences, wav = hf_model.generate(
-            ids, thinker_max_new_tokens=THINKER_TOKENS, thinker_do_sample=False, thinker_eos_token_id=None,
-            talker_do_sample=False, talker_max_new_tokens=TALKER_TOKENS, talker_repetition_penalty=1.0,
-            return_audio=True)
-    finally:
-        del hf_model.code2wav.chunked_decode
-    return sequences[0, ids.shape[1]:].tolist(), seen["frames"], wav[0, 0].numpy()
-
-
 @pytest.mark.slow
 def test_three_stages_equal_transformers_generate(thinker_llm, talker_llm, hf_model, tiny_path) -> None:
     from vllm import SamplingParams
@@ -87,7 +68,7 @@ def test_three_stages_equal_transformers_generate(thinker_llm, talker_llm, hf_mo
 
     code2wav = Qwen3OmniCode2Wav.from_pretrained(tiny_path)
     for i, (ids, text_tokens) in enumerate(zip(prompt_ids, thinker_out, strict=True)):
-        ref_tokens, ref_frames, ref_wav = _hf_generate(hf_model, torch.tensor([ids]))
+        ref_tokens, ref_frames, ref_wav = hf_generate(hf_model, torch.tensor([ids]), THINKER_TOKENS, TALKER_TOKENS)
         assert text_tokens == ref_tokens
 
         frames = frames_by_key[keys[i]]

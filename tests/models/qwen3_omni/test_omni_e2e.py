@@ -1,0 +1,65 @@
+"""Qwen3-Omni through the control plane: `Omni("tiny/qwen3-omni")` runs thinker -> talker -> code2wav as three
+stages (two vLLM EngineCore processes and an in-process vocoder) and returns the thinker's text and the
+waveform; greedy, both equal transformers' `generate(return_audio=True)` on the same weights, including the
+talker's codec frames handed between stages. Two prompts go in one `generate` call, so per-request
+conditioning must not leak between the talker's batched rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from .conftest import chat_prompt_ids, hf_generate
+
+pytestmark = pytest.mark.slow
+THINKER_TOKENS = 8
+TALKER_TOKENS = 10
+PROMPTS = ["Hello! How are you today?", "Describe the image in detail, then answer the question."]
+
+
+@pytest.fixture(scope="module")
+def omni():
+    from vllm_omni import Omni
+
+    engine = Omni("tiny/qwen3-omni", dtype="float32", gpu_memory_utilization=0.15, max_model_len=512,
+                  enforce_eager=True, seed=0)
+    yield engine
+    engine.close()
+
+
+def test_layout(omni):
+    assert omni.stage_types == ["llm", "llm", "generation"]
+    assert omni.output_modalities == {"text", "audio"}
+
+
+def test_text_frames_and_audio_equal_transformers(omni, hf_model, tiny_path, monkeypatch):
+    from vllm import SamplingParams
+
+    talker = omni.engine.stage_clients[1]
+    frames_seen: dict[str, list] = {}
+    collect = talker.generate
+
+    async def spy(request_id, prompt, params):
+        async for out in collect(request_id, prompt, params):
+            if out.finished:
+                frames_seen[request_id] = out.multimodal_output["stage_data"]["codec_frames"]
+            yield out
+
+    monkeypatch.setattr(talker, "generate", spy)
+    prompt_ids = [chat_prompt_ids(tiny_path, text)[0].tolist() for text in PROMPTS]
+    params = [SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS, ignore_eos=True),
+              SamplingParams(max_tokens=TALKER_TOKENS), None]
+    outputs = omni.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+
+    assert [(o.stage_id, o.final_output_type) for o in outputs] == [(0, "text"), (2, "audio")] * len(PROMPTS)
+    frames_by_request = [frames_seen[rid] for rid in sorted(frames_seen, key=lambda r: int(r.split("-")[0]))]
+    for i, ids in enumerate(prompt_ids):
+        text_out, audio_out = outputs[2 * i], outputs[2 * i + 1]
+        ref_tokens, ref_frames, ref_wav = hf_generate(hf_model, torch.tensor([ids]), THINKER_TOKENS, TALKER_TOKENS)
+        assert text_out.token_ids == ref_tokens
+        assert frames_by_request[i] == ref_frames
+        assert audio_out.finished and audio_out.multimodal_output["sample_rate"] == 24000
+        np.testing.assert_allclose(audio_out.multimodal_output["audio"], ref_wav, rtol=1e-5, atol=1e-5)
+        assert {"llm", "generation", "e2e"} <= set(audio_out.stage_durations)

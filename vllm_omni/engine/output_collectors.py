@@ -1,0 +1,34 @@
+"""Output collectors: fetch what a finished AR request produced besides tokens, for the next stage.
+
+Some AR stage models compute per-request results outside vLLM's token stream (e.g. the Qwen3-Omni talker's
+residual codebooks, kept in the worker). A pipeline names a collector per stage (`output_collector:`); the AR
+stage client awaits it once per finished request, and the returned dict travels to the downstream stages'
+processors as `payload.metadata["stage_data"]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+OutputCollector = Callable[[Any, str, Any], Awaitable[dict[str, Any]]]
+"""`async fn(stage_client, request_id, output: OmniRequestOutput) -> stage_data`."""
+_COLLECTORS: dict[str, OutputCollector] = {}
+
+
+def register_output_collector(name: str) -> Callable[[OutputCollector], OutputCollector]:
+    def decorator(fn: OutputCollector) -> OutputCollector:
+        _COLLECTORS[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_output_collector(name: str) -> OutputCollector:
+    if name not in _COLLECTORS:
+        from vllm_omni.config.omni_config import load_builtin_pipelines
+
+        load_builtin_pipelines()
+    if name not in _COLLECTORS:
+        raise ValueError(f"unknown output collector {name!r}; known: {sorted(_COLLECTORS)}")
+    return _COLLECTORS[name]

@@ -1,0 +1,104 @@
+"""The Qwen3-Omni pipeline: thinker (AR) -> talker (AR, our vLLM model) -> code2wav (GENERATION).
+
+The thinker answers in text (a final output); its prompt and answer token ids become the talker's
+conditioning, set per request through the talker's SamplingParams (`extra_args`); the talker's codec frames,
+kept in its worker, are collected once the request finishes and cut into vocoder chunks for code2wav, whose
+waveform is the audio output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from typing import Any
+
+from vllm_omni.config.omni_config import register_pipeline
+from vllm_omni.config.pipeline_config import PipelineConfig, PipelineStageConfig, StageExecutionType
+from vllm_omni.connectors.base import StagePayload
+from vllm_omni.engine.output_collectors import register_output_collector
+from vllm_omni.engine.stage_input_processors import StageInput, StageInputContext, register_stage_input_processor
+from vllm_omni.errors import OmniClientError
+from vllm_omni.model_executor.models.qwen3_omni.stage_input_processors import (
+    Qwen3OmniTokenIds,
+    talker_to_code2wav,
+    thinker_to_talker,
+)
+
+DEFAULT_SPEAKER = "ethan"
+FRAMES_TIMEOUT_S = 10.0
+"""How long the collector waits for the talker worker to file a finished request's frames (one engine step)."""
+
+
+@register_pipeline("Qwen3OmniMoeForConditionalGeneration", "qwen3_omni_moe")
+def qwen3_omni_pipeline() -> PipelineConfig:
+    from vllm_omni.model_executor.models.qwen3_omni.vllm_talker import talker_engine_kwargs
+
+    ar, generation = StageExecutionType.AR, StageExecutionType.GENERATION
+    return PipelineConfig(name="qwen3_omni", stages=[
+        # The talker takes text prompts only so far, so the thinker's multimodal inputs are off.
+        PipelineStageConfig(stage_id=0, execution_type=ar, final_output=True, final_output_type="text",
+                            engine_args={"limit_mm_per_prompt": {"image": 0, "video": 0, "audio": 0}}),
+        PipelineStageConfig(stage_id=1, execution_type=ar, inputs=[0], input_processor="qwen3_omni_thinker_to_talker",
+                            output_collector="qwen3_omni_talker_frames", engine_args=talker_engine_kwargs(),
+                            default_sampling_params={"max_tokens": 4096}),
+        PipelineStageConfig(stage_id=2, execution_type=generation, inputs=[1],
+                            input_processor="qwen3_omni_talker_to_code2wav", final_output=True,
+                            final_output_type="audio",
+                            engine_args={"model_class": "vllm_omni.model_executor.models.qwen3_omni.code2wav:"
+                                                        "Qwen3OmniCode2Wav"}),
+    ])
+
+
+@functools.cache
+def _hf_config(model_path: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path)
+
+
+@register_stage_input_processor("qwen3_omni_thinker_to_talker", takes_context=True)
+def thinker_to_talker_request(upstream: list[StagePayload], original_prompt: Any,
+                              context: StageInputContext) -> StageInput:
+    """The talker's placeholder prompt and greedy params carrying its conditioning; `voice` picks the speaker."""
+    from vllm.sampling_params import RequestOutputKind
+
+    from vllm_omni.model_executor.models.qwen3_omni.vllm_talker import talker_request
+
+    config = _hf_config(context.stage.model)
+    voice = original_prompt.get("voice") if isinstance(original_prompt, dict) else None
+    thinker = upstream[0].metadata
+    try:
+        prompt = thinker_to_talker(thinker["prompt_token_ids"], thinker["token_ids"],
+                                   Qwen3OmniTokenIds.from_config(config), speaker=voice or DEFAULT_SPEAKER)
+    except ValueError as e:
+        param = "voice" if voice and "speaker" in str(e) else "prompt"
+        raise OmniClientError(f"talker input: {e}", param=param) from e
+    max_tokens = getattr(context.sampling_params, "max_tokens", None) or 4096
+    vllm_prompt, params = talker_request(prompt, context.request_id, config.talker_config, max_new_tokens=max_tokens)
+    params.output_kind = RequestOutputKind.FINAL_ONLY  # only the finished frames feed on
+    return StageInput(vllm_prompt, params)
+
+
+@register_output_collector("qwen3_omni_talker_frames")
+async def collect_talker_frames(client: Any, request_id: str, output: Any) -> dict[str, Any]:
+    """The finished request's codec frames from the talker worker. The worker files them on the engine step
+    after the last token, which may run just after vLLM returned the output: poll briefly."""
+    deadline = time.monotonic() + FRAMES_TIMEOUT_S
+    while True:
+        (taken,) = await client.collective_rpc_async("take_talker_frames", timeout=FRAMES_TIMEOUT_S,
+                                                     args=([request_id],))
+        frames = taken[request_id]
+        if frames is not None:
+            return {"codec_frames": frames}
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"talker frames of request {request_id} not filed within {FRAMES_TIMEOUT_S} s")
+        await asyncio.sleep(0.01)
+
+
+@register_stage_input_processor("qwen3_omni_talker_to_code2wav")
+def talker_to_code2wav_chunks(upstream: list[StagePayload], original_prompt: Any) -> list:
+    frames = upstream[0].metadata["stage_data"].get("codec_frames") or []
+    if not frames:
+        raise RuntimeError("the talker produced no codec frames")
+    return talker_to_code2wav(frames)
