@@ -59,26 +59,49 @@ def test_sync_route_returns_decodable_mp4(server):
     assert bad.status_code == 400 and "width" in bad.json()["error"]["message"]
 
 
-def test_websocket_streams_chunks_that_make_the_clip(server):
+def test_websocket_streams_chunks_while_the_clip_decodes(server):
+    """17 frames = 5 latent frames = 5 decoded chunks; the first fragment must reach the client before the
+    engine's final output (the whole decoded clip) reached the server, i.e. before the full decode finished."""
     url = server.url.replace("http", "ws") + "/v1/realtime/video"
     with connect(url, open_timeout=30, close_timeout=10) as ws:
         t0 = time.monotonic()
-        ws.send(json.dumps({"type": "session.start", "prompt": "A red car.", "frames_per_chunk": 4,
-                            "sampling_params": {**FAST, "size": "48x32"}}))
+        ws.send(json.dumps({"type": "session.start", "prompt": "A red car.",
+                            "sampling_params": {**FAST, "num_frames": 17, "size": "96x64"}}))
         start = json.loads(ws.recv(timeout=120))
-        assert start["type"] == "video.start" and start["num_frames"] == 9 and start["fps"] == 16
-        chunks, arrivals = [], []
+        assert start["type"] == "video.start" and start["num_frames"] == 17 and start["fps"] == 16
+        chunks, arrivals, metas = [], [], []
         while True:
             msg = json.loads(ws.recv(timeout=60))
             if msg["type"] == "session.done":
                 break
             assert msg["type"] == "video.chunk_metadata", msg
+            metas.append(msg)
             chunks.append(ws.recv(timeout=60))
             arrivals.append(time.monotonic() - t0)
-        logger.info("video.start after %.2f s; chunks at %s; timing %s", arrivals[0] if arrivals else -1,
-                    [f"{a:.2f}" for a in arrivals], msg["timing"])
-    assert len(chunks) >= 2 and all(isinstance(c, bytes) for c in chunks)
-    assert decode_mp4(b"".join(chunks)).shape == (9, 32, 48, 3)
+        timing = msg["timing"]
+        logger.info("first binary chunk at %.3f s (client clock); chunks at %s; final output reached the server "
+                    "at %.3f s; timing %s", arrivals[0], [f"{a:.3f}" for a in arrivals], timing["final_output_s"],
+                    timing)
+    assert len(chunks) == 5 and all(isinstance(c, bytes) for c in chunks)
+    assert [(m["frame_start"], m["frame_end"]) for m in metas] == [(0, 1), (1, 5), (5, 9), (9, 13), (13, 17)]
+    # The client's clock started before the server's, so this is the stricter comparison.
+    assert arrivals[0] < timing["final_output_s"], (arrivals, timing)
+    assert decode_mp4(b"".join(chunks)).shape == (17, 64, 96, 3)
+
+
+def test_job_progress_follows_the_denoise_steps(client):
+    job = client.videos.create(model=MODEL, prompt="A slow boat.", size="96x64",
+                               extra_body={**FAST, "num_frames": 17, "num_inference_steps": 30})
+    seen = []
+    deadline = time.monotonic() + 120
+    while job.status not in ("completed", "failed") and time.monotonic() < deadline:
+        job = client.videos.retrieve(job.id)
+        seen.append(job.progress)
+        time.sleep(0.02)
+    logger.info("job progress values seen: %s", sorted(set(seen)))
+    assert job.status == "completed" and job.progress == 100
+    assert any(0 < p < 100 for p in seen), seen
+    assert seen == sorted(seen)
 
 
 def test_closing_the_socket_aborts_the_request(server):

@@ -1,6 +1,7 @@
 """`/v1/videos` (OpenAI Videos API: async jobs + a sync MP4 route) on video diffusion pipelines.
 
-A job runs as an asyncio task on the server's loop: the engine generates frames, then MP4 encoding runs in a
+A job runs as an asyncio task on the server's loop: the engine generates frames (its `progress` follows the
+denoise steps of pipelines that report them), then MP4 encoding runs in a
 worker thread (`asyncio.to_thread`), so neither the engine nor the event loop waits on the encoder. Jobs live
 in memory (bounded: the oldest finished jobs are dropped first).
 """
@@ -10,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,9 +140,15 @@ class OmniOpenAIServingVideo(OmniServingBase):
 
     # ---- generation ----------------------------------------------------------------------------------------
 
-    async def generate_videos(self, prompt: dict, request_id: str, params: list[Any]
+    async def generate_videos(self, prompt: dict, request_id: str, params: list[Any],
+                              on_progress: Callable[[int, int], None] | None = None
                               ) -> tuple[list[GeneratedVideo], dict[str, float]]:
-        finals = await self.generate_final(prompt, request_id, params)
+        """The request's videos and stage durations; `on_progress(step, total)` follows the denoise loop of
+        pipelines that report it."""
+        if on_progress is None:
+            finals = await self.generate_final(prompt, request_id, params)
+        else:
+            finals = await self._generate_with_progress(prompt, request_id, _with_partials(params), on_progress)
         videos: list[GeneratedVideo] = []
         durations: dict[str, float] = {}
         for out in finals:
@@ -153,6 +162,17 @@ class OmniOpenAIServingVideo(OmniServingBase):
         if not videos:
             raise OmniClientError(f"`{self.model_name}` returned no video for this request", status_code=422)
         return videos, durations
+
+    async def _generate_with_progress(self, prompt: dict, request_id: str, params: list[Any],
+                                      on_progress: Callable[[int, int], None]) -> list[Any]:
+        last: dict[int, Any] = {}
+        async for out in self.generate(prompt, request_id, params):
+            progress = (out.multimodal_output or {}).get("progress")
+            if progress is not None:
+                on_progress(progress["step"], progress["total"])
+            elif out.finished:
+                last[out.stage_id] = out
+        return [last[stage_id] for stage_id in sorted(last)]
 
     async def create_sync(self, request: VideoGenerationRequest, image: Any | None) -> bytes:
         """Generate and return the first video as MP4 bytes (the route answers with the body directly)."""
@@ -181,7 +201,8 @@ class OmniOpenAIServingVideo(OmniServingBase):
         response = job.response
         response.status = VideoGenerationStatus.IN_PROGRESS
         try:
-            videos, durations = await self.generate_videos(prompt, response.id, params)
+            videos, durations = await self.generate_videos(prompt, response.id, params,
+                                                           on_progress=functools.partial(_set_progress, job))
             job.mp4 = [await asyncio.to_thread(encode_mp4, v.frames, v.fps) for v in videos]
             response.stage_durations = durations
             response.progress = 100
@@ -243,3 +264,13 @@ class OmniOpenAIServingVideo(OmniServingBase):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(job.task, 30.0)
         return VideoDeleteResponse(id=video_id)
+
+
+def _with_partials(params: list[Any]) -> list[Any]:
+    return [dataclasses.replace(p, stream_partial_outputs=True) if isinstance(p, OmniDiffusionSamplingParams) else p
+            for p in params]
+
+
+def _set_progress(job: _VideoJob, step: int, total: int) -> None:
+    """Denoising is most of a job: it maps to 0-95 %; decoding and encoding fill the rest (100 at the end)."""
+    job.response.progress = max(job.response.progress or 0, min(95, int(95 * step / max(total, 1))))

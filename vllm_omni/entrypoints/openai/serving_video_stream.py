@@ -126,6 +126,7 @@ class OmniStreamingVideoOutputHandler:
                 sender.close()
             await self._send(ws, {"type": "session.done", "timing": {
                 "total_s": time.perf_counter() - start, "first_chunk_s": sender.first_chunk_s,
+                "final_output_s": sender.final_output_s,
                 "num_chunks": sender.index, **durations}})
         except asyncio.CancelledError:
             raise
@@ -151,6 +152,7 @@ class OmniStreamingVideoOutputHandler:
                 await sender.add(_first_video(mm["video_chunk"]), int(mm.get("fps") or DEFAULT_FPS))
             elif out.finished and "video" in mm:
                 final, durations = mm, dict(out.stage_durations)
+                sender.final_output_s = time.perf_counter() - sender.started
         if final is None:
             raise OmniClientError(f"`{self.serving.model_name}` returned no video for this request", status_code=422)
         if sender.writer is None:
@@ -181,6 +183,8 @@ class _FragmentSender:
         self.frames_sent = 0
         self.index = 0
         self.first_chunk_s: float | None = None
+        self.final_output_s: float | None = None
+        """When the engine's final output (the whole clip) reached the server, since the session started."""
 
     async def add(self, frames: np.ndarray, fps: int) -> None:
         if self.writer is None:
