@@ -7,7 +7,7 @@ from vllm.utils import random_uuid
 
 from vllm_omni.entrypoints.openai.media import audio_to_pcm16, encode_wav
 from vllm_omni.entrypoints.openai.protocol.audio import SpeechRequest
-from vllm_omni.entrypoints.openai.serving_base import OmniServingBase
+from vllm_omni.entrypoints.openai.serving_base import OmniServingBase, maybe_await
 from vllm_omni.errors import OmniClientError
 
 _MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
@@ -19,7 +19,7 @@ class OmniOpenAIServingSpeech(OmniServingBase):
         self.require_output("audio", "/v1/audio/speech")
         if request.speed != 1.0:
             raise OmniClientError("speed other than 1.0 is not supported yet", param="speed")
-        prompt = {"prompt": request.input}
+        prompt = {"prompt": await self.speech_prompt(request)}
         if request.instructions:
             prompt["instructions"] = request.instructions
         if request.voice is not None:
@@ -32,3 +32,16 @@ class OmniOpenAIServingSpeech(OmniServingBase):
         rate = int(output.multimodal_output.get("sample_rate", 24000))
         body = encode_wav(audio, rate) if request.response_format == "wav" else audio_to_pcm16(audio)
         return Response(body, media_type=_MEDIA_TYPES[request.response_format])
+
+    async def speech_prompt(self, request: SpeechRequest) -> str:
+        """A pipeline that starts with a chat model (e.g. Qwen3-Omni's thinker) speaks its answer to `input`,
+        so `input` becomes a user turn (with `instructions` as the system turn) under the chat template."""
+        if not self.stage_types or self.stage_types[0] != "llm":
+            return request.input
+        tokenizer = await maybe_await(self.engine.get_tokenizer())
+        if not getattr(tokenizer, "chat_template", None):
+            raise OmniClientError(f"`{self.model_name}` has no chat template to turn `input` into a prompt",
+                                  param="input")
+        messages = [{"role": "system", "content": request.instructions}] if request.instructions else []
+        messages.append({"role": "user", "content": request.input})
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

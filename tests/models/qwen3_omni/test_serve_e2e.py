@@ -1,0 +1,103 @@
+"""Live `vllm serve tiny/qwen3-omni --omni` (thinker and talker on two vLLM EngineCores, code2wav in the server
+process) through the official openai client. Pins: chat with modalities ["text", "audio"] returns the thinker's
+text and a base64 WAV equal to transformers' greedy `generate(return_audio=True)` (same text, same length, same
+samples up to 16-bit quantization), streamed text equals the plain answer and the audio arrives at the end of
+the stream, and `audio.speech.create` returns a WAV of whole codec frames.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import wave
+
+import numpy as np
+import openai
+import pytest
+
+from tests.entrypoints.openai.live_server import LiveServer
+
+from .conftest import chat_prompt_ids, hf_generate
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny/qwen3-omni"
+USER_TEXT = "Hello! How are you today?"
+MESSAGES = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": USER_TEXT}]
+THINKER_TOKENS = 8
+TALKER_TOKENS = 10
+PARAMS_LIST = [{"temperature": 0.0, "max_tokens": THINKER_TOKENS, "ignore_eos": True},
+               {"max_tokens": TALKER_TOKENS}, {}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = LiveServer(MODEL, "--gpu-memory-utilization", "0.15", "--max-model-len", "256", "--enforce-eager",
+                     "--dtype", "float32")
+    yield srv
+    assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, tiny_path):
+    from transformers import AutoTokenizer
+
+    ids = chat_prompt_ids(tiny_path, USER_TEXT)
+    tokens, frames, wav = hf_generate(hf_model, ids, THINKER_TOKENS, TALKER_TOKENS)
+    text = AutoTokenizer.from_pretrained(tiny_path).decode(tokens, skip_special_tokens=True)
+    return text, frames, wav, int(hf_model.code2wav.total_upsample)
+
+
+def read_wav(data: bytes) -> tuple[np.ndarray, int]:
+    with wave.open(io.BytesIO(data)) as f:
+        assert f.getnchannels() == 1 and f.getsampwidth() == 2
+        pcm = np.frombuffer(f.readframes(f.getnframes()), dtype="<i2")
+        return pcm.astype(np.float32) / 32767.0, f.getframerate()
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_chat_text_and_audio_equal_transformers(client, reference):
+    ref_text, ref_frames, ref_wav, samples_per_frame = reference
+    out = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"},
+        extra_body={"sampling_params_list": PARAMS_LIST})
+    message = out.choices[0].message
+    assert message.content == ref_text and message.audio.transcript == ref_text
+    audio, rate = read_wav(base64.b64decode(message.audio.data))
+    assert rate == 24000 and len(audio) == len(ref_frames) * samples_per_frame == len(ref_wav)
+    np.testing.assert_allclose(audio, np.clip(ref_wav, -1, 1), atol=2e-4)
+    assert audio.std() > 1e-3
+
+
+def test_stream_text_then_audio(client, reference):
+    ref_text, ref_frames, _, samples_per_frame = reference
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, modalities=["text", "audio"], stream=True,
+        extra_body={"sampling_params_list": PARAMS_LIST})
+    chunks = [c for c in stream if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == ref_text and len([c for c in chunks if c.choices[0].delta.content]) > 1
+    audio_deltas = [c.choices[0].delta.model_extra.get("audio") for c in chunks
+                    if (c.choices[0].delta.model_extra or {}).get("audio")]
+    assert len(audio_deltas) == 1
+    audio, _ = read_wav(base64.b64decode(audio_deltas[0]["data"]))
+    assert len(audio) == len(ref_frames) * samples_per_frame
+
+
+def test_speech(client, reference):
+    samples_per_frame = reference[3]
+    response = client.audio.speech.create(model=MODEL, voice="ethan", input=USER_TEXT, response_format="wav")
+    audio, rate = read_wav(response.content)
+    assert rate == 24000 and len(audio) > 0 and len(audio) % samples_per_frame == 0
+
+
+def test_unknown_voice_is_a_client_error(client):
+    with pytest.raises(openai.BadRequestError, match="voice"):
+        client.audio.speech.create(model=MODEL, voice="nobody", input=USER_TEXT)
