@@ -7,6 +7,7 @@ large enough for shared memory arrive intact and leave no segment behind.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 
@@ -17,6 +18,8 @@ from fake_streaming_pipeline import CHUNK_FRAMES, NUM_STEPS, FakeStreamingPipeli
 
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
+from vllm_omni.diffusion.inline_stage_diffusion_client import _PartialStream
+from vllm_omni.diffusion.ipc import PartialResult
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
 
@@ -93,3 +96,17 @@ def test_aborted_request_gets_no_more_partials(engine):
     blocker.result(TIMEOUT)
     assert future.cancelled()
     assert all(kind == "final" for kind, _ in recorder.events)
+
+
+def test_partial_stream_keeps_chunks_and_coalesces_lagging_progress():
+    """What the control plane's side does with partials while its consumer lags (no engine needed)."""
+    async def run() -> list:
+        stream = _PartialStream(asyncio.get_running_loop())
+        for step in (1, 2, 3):
+            stream._put(PartialResult(0, "r", "progress", {"step": step, "total": 4}))
+        stream._put(PartialResult(0, "r", "video_chunk", {"video": np.zeros((1, 2, 2, 3), np.uint8)}))
+        stream._put(PartialResult(0, "r", "progress", {"step": 4, "total": 4}))
+        stream.close()
+        return [(p.kind, p.data.get("step")) async for p in stream]
+
+    assert asyncio.run(run()) == [("progress", 3), ("video_chunk", None), ("progress", 4)]

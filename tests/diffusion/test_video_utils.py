@@ -51,3 +51,21 @@ def test_chunked_wan_vae_decode_equals_full_decode():
     torch.testing.assert_close(torch.cat(chunks, dim=2), full, rtol=0, atol=1e-6)
     frames = to_uint8_frames(full)
     assert frames.shape == (2, 13, 32, 48, 3) and frames.dtype == np.uint8
+
+
+def test_fragmented_writer_streams_one_playable_mp4():
+    """Each write returns the fragments finished so far (one chunk behind); the pieces make the whole clip."""
+    from vllm_omni.diffusion.video_utils import FragmentedMp4Writer, split_fmp4
+
+    clip = np.stack([np.full((32, 48, 3), 10 * i, np.uint8) for i in range(13)])
+    writer = FragmentedMp4Writer(16, 48, 32)
+    pieces, flushed = [], []
+    for start, size in ((0, 1), (1, 4), (5, 4), (9, 4)):
+        pieces.append(writer.write(clip[start:start + size]))
+        flushed.append(writer.frames_flushed)
+    pieces.append(writer.close())
+    assert flushed == [0, 1, 5, 9] and writer.frames_flushed == 13
+    init, fragments = split_fmp4(pieces[0])
+    assert init and not fragments  # the first chunk's fragment is still open: only the init segment so far
+    frames = decode_mp4(b"".join(pieces))
+    assert frames.shape == clip.shape and np.abs(frames.astype(int) - clip).max() <= 3

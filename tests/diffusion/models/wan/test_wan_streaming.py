@@ -1,0 +1,53 @@
+"""Wan partial outputs through AsyncOmni (engine, worker process, control plane) on the tiny checkpoint.
+
+Pins: with `stream_partial_outputs`, the request yields denoise progress up to the last step and then every
+decoded temporal chunk (1 frame, then 4 per latent frame) before its final output, and the chunks concatenate
+to exactly the final clip; without it, only the final output comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
+
+PARAMS = {"height": 32, "width": 48, "num_frames": 13, "num_inference_steps": 3, "seed": 0}
+
+
+async def collect(omni, request_id: str, params: SP) -> list:
+    async def run() -> list:
+        return [out async for out in omni.generate("A red car.", request_id, [params])]
+
+    return await asyncio.wait_for(run(), 120)
+
+
+async def streamed_and_plain(omni) -> tuple[list, list]:
+    """One event loop for both requests (AsyncOmni's output handler lives on the loop that first used it)."""
+    return (await collect(omni, "s1", SP(**PARAMS, stream_partial_outputs=True)),
+            await collect(omni, "s2", SP(**PARAMS)))
+
+
+def test_async_omni_streams_progress_and_chunks_that_make_the_clip():
+    from vllm_omni.entrypoints.async_omni import AsyncOmni
+
+    omni = AsyncOmni("tiny/wan2.1-t2v")
+    try:
+        streamed, plain = asyncio.run(streamed_and_plain(omni))
+    finally:
+        omni.close()
+
+    *partials, final = streamed
+    assert final.finished and not any(out.finished for out in partials)
+    steps = [out.multimodal_output["progress"]["step"] for out in partials if "progress" in out.multimodal_output]
+    assert steps == sorted(steps) and steps[-1] == 3  # a lagging consumer may see fewer, never out of order
+    chunks = [out.multimodal_output for out in partials if "video_chunk" in out.multimodal_output]
+    assert [c["video_chunk"].shape[0] for c in chunks] == [1, 4, 4, 4]
+    assert [c["frame_start"] for c in chunks] == [0, 1, 5, 9] and all(c["fps"] == 16 for c in chunks)
+    first_chunk = next(i for i, out in enumerate(partials) if "video_chunk" in out.multimodal_output)
+    assert all("progress" in out.multimodal_output for out in partials[:first_chunk])
+    video = np.asarray(final.multimodal_output["video"])
+    assert np.array_equal(np.concatenate([c["video_chunk"] for c in chunks]), video)
+    assert [out.finished for out in plain] == [True]
+    assert np.array_equal(np.asarray(plain[0].multimodal_output["video"]), video)
