@@ -27,7 +27,14 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-import torch
+# Several processes share the cores here (diffusers in this process, one worker per engine). OpenMP threads that
+# spin after each parallel region (libiomp's default 200 ms block time) steal the cores the next path needs and
+# make the interleaved paths slow each other down. Passive waiting applies to every path alike; set before torch
+# loads, and inherited by the spawned workers.
+os.environ.setdefault("KMP_BLOCKTIME", "0")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 CONFIGS = {
     # name: (tiny builder overrides, image side)
