@@ -67,13 +67,16 @@ def thinker_to_talker_request(upstream: list[StagePayload], original_prompt: Any
 
     config = _hf_config(context.stage.model)
     voice = original_prompt.get("voice") if isinstance(original_prompt, dict) else None
+    ids = Qwen3OmniTokenIds.from_config(config)
+    if voice is not None and str(voice).lower() not in ids.speakers:
+        raise OmniClientError(f"voice {voice!r} is not one of this model's voices {sorted(ids.speakers)}",
+                              param="voice")
     thinker = upstream[0].metadata
     try:
-        prompt = thinker_to_talker(thinker["prompt_token_ids"], thinker["token_ids"],
-                                   Qwen3OmniTokenIds.from_config(config), speaker=voice or DEFAULT_SPEAKER)
+        prompt = thinker_to_talker(thinker["prompt_token_ids"], thinker["token_ids"], ids,
+                                   speaker=voice or DEFAULT_SPEAKER)
     except ValueError as e:
-        param = "voice" if voice and "speaker" in str(e) else "prompt"
-        raise OmniClientError(f"talker input: {e}", param=param) from e
+        raise OmniClientError(f"talker input: {e}", param="prompt") from e
     max_tokens = getattr(context.sampling_params, "max_tokens", None) or 4096
     vllm_prompt, params = talker_request(prompt, context.request_id, config.talker_config, max_new_tokens=max_tokens)
     params.output_kind = RequestOutputKind.FINAL_ONLY  # only the finished frames feed on
