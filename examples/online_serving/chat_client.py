@@ -3,6 +3,8 @@ pipeline produces it.
 
     vllm serve tiny/qwen2 --omni --gpu-memory-utilization 0.15 --max-model-len 512 &
     .venv/bin/python examples/online_serving/chat_client.py --stream
+    vllm serve tiny/qwen3-omni --omni --gpu-memory-utilization 0.15 --max-model-len 512 --dtype float32 &
+    .venv/bin/python examples/online_serving/chat_client.py --audio --voice ethan --max-tokens 16   # reply.wav
     vllm serve tiny/qwen-image --omni &
     .venv/bin/python examples/online_serving/chat_client.py --prompt "a red cube" --size 64x64
 """
@@ -23,6 +25,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--audio", action="store_true", help="ask for text + audio (omni models)")
+    parser.add_argument("--voice", help="speaker for --audio (Qwen3-Omni: ethan, chelsie, aiden)")
     parser.add_argument("--size", help="image size for diffusion models, e.g. 64x64")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
@@ -32,7 +35,8 @@ def main() -> None:
     kwargs: dict = {"model": model, "messages": [{"role": "user", "content": args.prompt}],
                     "max_tokens": args.max_tokens}
     if args.audio:
-        kwargs |= {"modalities": ["text", "audio"], "audio": {"voice": "default", "format": "wav"}}
+        audio = {"format": "wav"} | ({"voice": args.voice} if args.voice else {})
+        kwargs |= {"modalities": ["text", "audio"], "audio": audio}
     if args.size:
         kwargs["extra_body"] = {"size": args.size, "num_inference_steps": args.steps, "seed": 0}
 

@@ -74,7 +74,7 @@ def test_chat_text_and_audio(ar):
         assert wav.getframerate() == 24000 and wav.getnframes() == 2400
     assert msg.audio.transcript == msg.content
     prompt, request_id, params = engine.seen[-1]
-    assert prompt == "<user>draw a cat<assistant>" and request_id == out.id
+    assert prompt == {"prompt": "<user>draw a cat<assistant>", "voice": "a"} and request_id == out.id
     assert params[0].max_tokens == 5  # the request's fields reach the AR stage only
 
 
@@ -84,7 +84,8 @@ def test_speech(ar):
                                             response_format="wav")
     with wave.open(io.BytesIO(audio.read())) as wav:
         assert wav.getframerate() == 24000 and wav.getsampwidth() == 2 and wav.getnframes() == 2400
-    assert engine.seen[-1][0] == {"prompt": "hello there", "voice": "alloy"}
+    # An AR-first pipeline answers `input` as a chat user turn.
+    assert engine.seen[-1][0] == {"prompt": "<user>hello there<assistant>", "voice": "alloy"}
     pcm = client.post("/v1/audio/speech", json={"input": "hi", "response_format": "pcm"})
     assert pcm.headers["content-type"] == "audio/pcm" and len(pcm.content) == 2400 * 2
 

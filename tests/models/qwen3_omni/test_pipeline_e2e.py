@@ -5,8 +5,8 @@ What it pins (issue #4's acceptance, on the tiny checkpoint, greedy): the text t
 (scheduler, paged KV cache, fused MoE; MTP code predictor inside the forward) and the waveform equal
 transformers' reference `generate` on the same weights (tokens and frames exact; waveform allclose). Two requests
 go through each engine in one batch, so per-request conditioning must not leak between rows. The stages are
-chained through the same stage-input processors the multi-stage engine uses, in-process (the control plane has
-no GENERATION stage or talker wiring yet).
+chained through the same stage-input processors the multi-stage engine uses, in-process (test_omni_e2e.py runs
+the same comparison through the control plane).
 """
 
 from __future__ import annotations

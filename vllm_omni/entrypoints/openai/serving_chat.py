@@ -105,7 +105,9 @@ class OmniOpenAIServingChat(OmniServingBase):
 
     async def build_prompt(self, request: OmniChatCompletionRequest) -> tuple[Any, int]:
         if self.stage_types and self.stage_types[0] == "llm":
-            return await self.templated_prompt(request)
+            prompt, num_tokens = await self.templated_prompt(request)
+            voice = (request.audio or {}).get("voice")  # the speaker of an audio stage downstream
+            return ({"prompt": prompt, "voice": voice} if voice else prompt), num_tokens
         return self.diffusion_prompt(request), 0
 
     async def templated_prompt(self, request: OmniChatCompletionRequest) -> tuple[str, int]:
