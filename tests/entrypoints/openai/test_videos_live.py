@@ -109,7 +109,7 @@ def test_closing_the_socket_aborts_the_request(server):
     url = server.url.replace("http", "ws") + "/v1/realtime/video"
     with connect(url, open_timeout=30) as ws:
         ws.send(json.dumps({"type": "session.start", "prompt": "A slow one.",
-                            "sampling_params": {"num_frames": 17, "num_inference_steps": 40, "size": "48x32"}}))
+                            "sampling_params": {"num_frames": 17, "num_inference_steps": 120, "size": "48x32"}}))
         deadline = time.monotonic() + 30
         while server.metric("vllm_omni:requests_running") < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
