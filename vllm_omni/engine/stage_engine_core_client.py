@@ -95,7 +95,9 @@ class StageEngineCoreClient(StageClientBase):
                     if self.config.output_collector is not None:
                         collect = get_output_collector(self.config.output_collector)
                         result.multimodal_output["stage_data"] = await collect(self, request_id, result)
-                    result.stage_durations[self.config.stage_type] = time.perf_counter() - start
+                    elapsed = time.perf_counter() - start
+                    # By type (as one-stage pipelines report it) and by stage (pipelines with several AR stages).
+                    result.stage_durations[self.config.stage_type] = result.stage_durations[self.config.name] = elapsed
                 yield result
         except VllmEngineDeadError as e:
             raise EngineDeadError(f"{self.name}: EngineCore died") from e

@@ -73,8 +73,8 @@ class StageGenerationClient(StageClientBase):
             self._pending = [p for p in self._pending if p[2] is not future]
         out = OmniRequestOutput(request_id=request_id, finished=True, stage_id=self.stage_id,
                                 final_output_type=self.output_modality)
-        name = self.config.stage_type
-        out.stage_durations = {name: time.perf_counter() - start}
+        elapsed = time.perf_counter() - start
+        out.stage_durations = {self.config.stage_type: elapsed, self.config.name: elapsed}
         if self.output_modality == "audio":
             out.multimodal_output = {"audio": np.concatenate(results),
                                      "sample_rate": getattr(self.model, "sample_rate", None)}

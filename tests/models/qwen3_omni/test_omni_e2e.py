@@ -62,4 +62,4 @@ def test_text_frames_and_audio_equal_transformers(omni, hf_model, tiny_path, mon
         assert frames_by_request[i] == ref_frames
         assert audio_out.finished and audio_out.multimodal_output["sample_rate"] == 24000
         np.testing.assert_allclose(audio_out.multimodal_output["audio"], ref_wav, rtol=1e-5, atol=1e-5)
-        assert {"llm", "generation", "e2e"} <= set(audio_out.stage_durations)
+        assert {"stage-0-llm", "stage-1-llm", "stage-2-generation", "e2e"} <= set(audio_out.stage_durations)
