@@ -46,6 +46,12 @@ Text chat needs an AR model: bash tools/run_default.sh tiny/qwen2 --gpu-memory-u
   curl -s $url/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}'
 
+Text + speech needs an omni model: bash tools/run_default.sh tiny/qwen3-omni --gpu-memory-utilization 0.15 \\
+    --max-model-len 512 --dtype float32
+  curl -s $url/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16, "modalities": ["text", "audio"]}' \\
+    | python3 -c 'import sys,json,base64; open("reply.wav","wb").write(base64.b64decode(json.load(sys.stdin)["choices"][0]["message"]["audio"]["data"]))'
+
 Ctrl-C stops the server.
 MSG
 wait "$server"
