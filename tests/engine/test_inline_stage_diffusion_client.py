@@ -29,7 +29,7 @@ class Engine:
     def register_failure_callback(self, fn):
         self.callbacks.append(fn)
 
-    def submit(self, request):
+    def submit(self, request, on_partial=None):
         self.submitted.append(request)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         fut.set_result(self.result)

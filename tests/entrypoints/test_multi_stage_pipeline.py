@@ -50,9 +50,9 @@ async def test_ar_text_conditions_the_image(omni, monkeypatch):
     seen: list = []
     original = diffusion_stage.add_request_async
 
-    async def spy(request_id, prompt, sampling_params):
+    async def spy(request_id, prompt, sampling_params, **kwargs):
         seen.append(prompt)
-        return await original(request_id, prompt, sampling_params)
+        return await original(request_id, prompt, sampling_params, **kwargs)
 
     monkeypatch.setattr(diffusion_stage, "add_request_async", spy)
     (out,) = await run(omni, "two-stage")
