@@ -52,6 +52,18 @@ async def collect(omni, prompt, rid, params):
     return [out async for out in omni.generate(prompt, rid, params)]
 
 
+async def test_second_event_loop_is_refused_not_hung(omni):
+    """One AsyncOmni serves the loop it was first used in; another loop gets a clear error, not a hang."""
+
+    def in_other_loop() -> None:
+        asyncio.run(collect(omni, "hi", "other-loop", SamplingParams(max_tokens=2)))
+
+    await collect(omni, "hi", "first-loop", SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="bound to the event loop"):
+        await asyncio.wait_for(asyncio.to_thread(in_other_loop), timeout=30)
+    assert "other-loop" not in omni.request_states
+
+
 async def test_metadata(omni):
     assert omni.stage_types == ["llm"] and omni.output_modalities == {"text"}
     assert omni.model_name == "tiny/qwen2" and omni.get_tokenizer() is not None

@@ -39,6 +39,7 @@ class AsyncOmni(OmniBase):
         super().__init__(model, **kwargs)
         self.request_states: dict[str, _RequestState] = {}
         self._output_handler: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._pause_cond: asyncio.Condition | None = None
         self._paused = False
         self._hold_admission_until_resume = False
@@ -74,6 +75,7 @@ class AsyncOmni(OmniBase):
     async def generate(self, prompt: Any, request_id: str, sampling_params_list: Any = None, *,
                        sampling_params: Any = None) -> AsyncIterator[OmniRequestOutput]:
         """Stream the request's outputs (partial text from streaming AR stages, then final media)."""
+        self._check_loop()
         if sampling_params_list is None and sampling_params is not None:
             sampling_params_list = sampling_params
         params = self._resolve_sampling_params(sampling_params_list)
@@ -115,6 +117,17 @@ class AsyncOmni(OmniBase):
             state = self.request_states.pop(rid, None)
             if state is not None:
                 state.queue.put_nowait(_ABORTED)
+
+    def _check_loop(self) -> None:
+        # The engine's output queue wakes the loop that first awaited it; a second loop would wait forever.
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop:
+            raise RuntimeError(
+                "this AsyncOmni is bound to the event loop it was first used in; create one AsyncOmni per event "
+                "loop (for example inside the coroutine given to asyncio.run), or use Omni for blocking calls"
+            )
 
     def _ensure_output_handler(self) -> None:
         if self._output_handler is None or self._output_handler.done():
