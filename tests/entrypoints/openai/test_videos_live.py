@@ -108,8 +108,9 @@ def test_closing_the_socket_aborts_the_request(server):
     aborted_before = server.metric("vllm_omni:engine_requests_total", outcome="aborted")
     url = server.url.replace("http", "ws") + "/v1/realtime/video"
     with connect(url, open_timeout=30) as ws:
+        # Long enough (seconds even on an idle machine) that the running gauge is seen before it would finish.
         ws.send(json.dumps({"type": "session.start", "prompt": "A slow one.",
-                            "sampling_params": {"num_frames": 17, "num_inference_steps": 120, "size": "48x32"}}))
+                            "sampling_params": {"num_frames": 33, "num_inference_steps": 800, "size": "64x48"}}))
         deadline = time.monotonic() + 30
         while server.metric("vllm_omni:requests_running") < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
