@@ -7,6 +7,9 @@ from typing import Any, Literal
 
 from vllm_omni.errors import OmniClientError, OmniError
 
+DIFFUSION_LOAD_FORMATS = ("auto", "dummy")
+"""Weight sources of a diffusion stage (a subset of vLLM's `--load-format`)."""
+
 
 @dataclass
 class DiffusionParallelConfig:
@@ -56,6 +59,13 @@ class OmniDiffusionConfig:
     use_diffusers_adapter: bool = False
     """Force the generic diffusers adapter even when a native pipeline exists."""
     enable_progress_bar: bool = False
+    load_format: str = "auto"
+    """auto = the checkpoint's weights; dummy = only its configs and tokenizers are read, every component is
+    built from its config with small random weights (benchmarks of real model sizes without weight files)."""
+
+    def __post_init__(self) -> None:
+        if self.load_format not in DIFFUSION_LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {list(DIFFUSION_LOAD_FORMATS)}, got {self.load_format!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> OmniDiffusionConfig:

@@ -21,6 +21,7 @@ from vllm.logger import init_logger
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.executor.multiproc_executor import MultiprocDiffusionExecutor
 from vllm_omni.diffusion.ipc import PartialResult
+from vllm_omni.diffusion.model_loader.dummy import check_weights_present
 from vllm_omni.diffusion.models.interface import supports_request_batch
 from vllm_omni.diffusion.registry import (
     load_pipeline_class,
@@ -42,7 +43,9 @@ _SCHEDULER_JOIN_TIMEOUT_S = 2.0
 class DiffusionEngine:
     def __init__(self, od_config: OmniDiffusionConfig) -> None:
         self.od_config = od_config
-        model_dir = resolve_model_dir(od_config.model, od_config.revision)
+        model_dir = resolve_model_dir(od_config.model, od_config.revision, od_config.load_format != "dummy")
+        if od_config.load_format == "auto":
+            check_weights_present(model_dir)  # one clear error here rather than a worker's load traceback
         self.model_class_name = resolve_pipeline_class_name(od_config, model_dir)
         self.output_modality = output_modality(self.model_class_name)
         pipeline_cls = load_pipeline_class(self.model_class_name, od_config.use_diffusers_adapter)

@@ -36,8 +36,9 @@ _VIDEO_HINTS = ("Video", "Wan", "I2V", "T2V", "LTX", "Mochi", "Hunyuan", "Cog", 
 _AUDIO_HINTS = ("Audio", "Music")
 
 
-def resolve_model_dir(model: str, revision: str | None = None) -> Path:
-    """`tiny/<name>` -> built tiny checkpoint; local dir as is; anything else -> Hugging Face hub snapshot."""
+def resolve_model_dir(model: str, revision: str | None = None, with_weights: bool = True) -> Path:
+    """`tiny/<name>` -> built tiny checkpoint; local dir as is; anything else -> Hugging Face hub snapshot
+    (configs and tokenizers only when `with_weights` is False)."""
     from vllm_omni.testing.tiny_models import TINY_PREFIX, resolve_model
 
     if model.startswith(TINY_PREFIX) and not Path(model).exists():
@@ -52,7 +53,7 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
     from vllm_omni.diffusion.model_loader.diffusers_loader import download_diffusers_checkpoint
 
     try:
-        return download_diffusers_checkpoint(model, revision)
+        return download_diffusers_checkpoint(model, revision, with_weights)
     except LocalEntryNotFoundError as exc:
         raise FileNotFoundError(
             f"model {model!r} is neither a local directory nor in the Hugging Face cache, and the hub cannot be "

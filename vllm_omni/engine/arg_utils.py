@@ -109,6 +109,9 @@ class OmniEngineArgs(EngineArgs):
                            help="Seconds one stage may take to start.")
         group.add_argument("--init-timeout", type=float, default=None,
                            help="Seconds the whole pipeline may take to start.")
+        # Unset unless given: diffusion stages default to eager and AR stages to compiled, so both
+        # --enforce-eager and --no-enforce-eager must reach the stages.
+        parser.set_defaults(enforce_eager=None)
         return parser
 
     @classmethod

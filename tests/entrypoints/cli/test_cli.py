@@ -70,6 +70,23 @@ def test_only_changed_engine_flags_reach_async_omni(parser):
                       "diffusion_attention_backend": "TORCH_SDPA", "stage_overrides": {"0": {"max_num_seqs": 3}}}
 
 
+@pytest.mark.parametrize("eager", [True, False])
+def test_load_format_and_enforce_eager_reach_the_diffusion_config(parser, eager):
+    """vLLM's own --load-format / --[no-]enforce-eager flags land in the diffusion stage's OmniDiffusionConfig
+    (the diffusion default is eager, so --no-enforce-eager must travel although it equals vLLM's default)."""
+    from vllm_omni.config.omni_config import StageConfigFactory
+
+    flag = "--enforce-eager" if eager else "--no-enforce-eager"
+    args = parser.parse_args(["tiny/qwen-image", "--omni", "--load-format", "dummy", flag, "--max-num-seqs", "2"])
+    kwargs = OmniEngineArgs.omni_kwargs_from_cli(args, parser.parse_args([]))
+    assert kwargs == {"load_format": "dummy", "enforce_eager": eager, "max_num_seqs": 2}
+    (stage,) = StageConfigFactory.create_from_model("tiny/qwen-image", **kwargs).stages
+    od_config = stage.make_od_config()
+    assert (od_config.load_format, od_config.enforce_eager, od_config.max_num_seqs) == ("dummy", eager, 2)
+    assert "enforce_eager" not in OmniEngineArgs.omni_kwargs_from_cli(parser.parse_args(["m"]),
+                                                                      parser.parse_args([]))
+
+
 def test_bad_flag_values_name_the_flag(parser, capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["m", "--stage-overrides", "[1, 2]"])

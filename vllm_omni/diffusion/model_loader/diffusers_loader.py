@@ -24,16 +24,19 @@ WEIGHT_FILE_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.
                         "*.onnx_data")
 
 
-def download_diffusers_checkpoint(repo_id: str, revision: str | None = None) -> Path:
+def download_diffusers_checkpoint(repo_id: str, revision: str | None = None, with_weights: bool = True) -> Path:
     """Fetch a diffusers repo from the hub (or the local cache when offline) without stale shards.
 
     First everything but weights (configs, indexes, tokenizers), then, per component, only the shards its
     index lists, or every safetensors file of an unindexed component (validated when loaded). A repo
-    without model_index.json is fetched whole.
+    without model_index.json is fetched whole. `with_weights=False` stops after the first step
+    (`load_format="dummy"`).
     """
     from huggingface_hub import snapshot_download
 
     root = Path(snapshot_download(repo_id, revision=revision, ignore_patterns=list(WEIGHT_FILE_PATTERNS)))
+    if not with_weights:
+        return root
     if not (root / "model_index.json").is_file():
         return Path(snapshot_download(repo_id, revision=revision))
     components = [k for k, v in json.loads((root / "model_index.json").read_text()).items()

@@ -18,3 +18,11 @@ def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> N
     if param.shape != loaded_weight.shape:
         raise ValueError(f"weight shape {tuple(loaded_weight.shape)} does not match parameter {tuple(param.shape)}")
     param.data.copy_(loaded_weight)
+
+
+def process_weights_after_loading(model: torch.nn.Module) -> None:
+    """Let vLLM's linear methods repack the filled weights for the platform's GEMM (e.g. oneDNN on CPU; once)."""
+    for module in model.modules():
+        quant_method = getattr(module, "quant_method", None)
+        if quant_method is not None:
+            quant_method.process_weights_after_loading(module)

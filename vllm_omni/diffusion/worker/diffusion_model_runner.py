@@ -48,7 +48,8 @@ class DiffusionModelRunner:
         self.pipeline_class_name: str | None = None
 
     def load_model(self) -> None:
-        model_dir = resolve_model_dir(self.od_config.model, self.od_config.revision)
+        model_dir = resolve_model_dir(self.od_config.model, self.od_config.revision,
+                                      with_weights=self.od_config.load_format != "dummy")
         self.pipeline_class_name = resolve_pipeline_class_name(self.od_config, model_dir)
         cls = load_pipeline_class(self.pipeline_class_name, self.od_config.use_diffusers_adapter)
         start = time.perf_counter()

@@ -44,7 +44,12 @@ class DiffusersAdapterPipeline:
     ) -> DiffusersAdapterPipeline:
         from diffusers import DiffusionPipeline
 
-        pipe = DiffusionPipeline.from_pretrained(model_dir, dtype=dtype, **od_config.diffusers_load_kwargs)
+        if od_config.load_format == "dummy":
+            from vllm_omni.diffusion.model_loader.dummy import build_diffusers_pipeline
+
+            pipe = build_diffusers_pipeline(model_dir, device, dtype)
+        else:
+            pipe = DiffusionPipeline.from_pretrained(model_dir, dtype=dtype, **od_config.diffusers_load_kwargs)
         pipe.to(device)
         pipe.set_progress_bar_config(disable=not od_config.enable_progress_bar)
         return cls(pipe, od_config)

@@ -7,6 +7,7 @@ CFG is on, positive and negative prompts go through the transformer as one batch
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from pathlib import Path
@@ -22,7 +23,9 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig, set_current_attention_config
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.layers.compile import accelerate_transformer
-from vllm_omni.diffusion.model_loader.diffusers_loader import iter_component_weights, read_component_config
+from vllm_omni.diffusion.model_loader.diffusers_loader import read_component_config
+from vllm_omni.diffusion.model_loader.dummy import load_native_weights, load_pretrained
+from vllm_omni.diffusion.model_loader.weight_utils import process_weights_after_loading
 from vllm_omni.diffusion.models.flux.transformer_flux import FluxTransformer2DModel
 
 if TYPE_CHECKING:
@@ -95,21 +98,15 @@ class FluxPipeline(nn.Module):
         attn_config = DiffusionAttentionConfig(od_config.diffusion_attention_backend, od_config.fa_deterministic)
         with set_current_attention_config(attn_config), set_default_torch_dtype(dtype), torch.device(device):
             transformer = FluxTransformer2DModel.from_config(config)
-        loaded = transformer.load_weights(iter_component_weights(model_dir, "transformer"))
-        missing = {name for name, _ in transformer.named_parameters()} - loaded
-        if missing:
-            raise ValueError(f"{model_dir / 'transformer'} lacks weights for {sorted(missing)[:5]} ...")
-        for module in transformer.modules():
-            quant_method = getattr(module, "quant_method", None)
-            if quant_method is not None:
-                quant_method.process_weights_after_loading(module)
+        load_native_weights(transformer, model_dir, "transformer", od_config.load_format)
+        process_weights_after_loading(transformer)
         transformer.eval()
         if not od_config.enforce_eager and device.type == "cuda":
             accelerate_transformer(transformer)
-        kwargs = {"dtype": dtype}
-        text_encoder = CLIPTextModel.from_pretrained(model_dir / "text_encoder", **kwargs).to(device).eval()
-        text_encoder_2 = T5EncoderModel.from_pretrained(model_dir / "text_encoder_2", **kwargs).to(device).eval()
-        vae = AutoencoderKL.from_pretrained(model_dir / "vae", dtype=dtype).to(device).eval()
+        load = functools.partial(load_pretrained, device=device, dtype=dtype, load_format=od_config.load_format)
+        text_encoder = load(CLIPTextModel, model_dir / "text_encoder")
+        text_encoder_2 = load(T5EncoderModel, model_dir / "text_encoder_2")
+        vae = load(AutoencoderKL, model_dir / "vae")
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model_dir / "scheduler")
         return cls(od_config=od_config, transformer=transformer, text_encoder=text_encoder,
                    text_encoder_2=text_encoder_2, tokenizer=AutoTokenizer.from_pretrained(model_dir / "tokenizer"),

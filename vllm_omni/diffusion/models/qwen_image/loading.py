@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,8 @@ import torch
 
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig, set_current_attention_config
 from vllm_omni.diffusion.data import OmniDiffusionConfig
-from vllm_omni.diffusion.model_loader.diffusers_loader import iter_component_weights, read_component_config
+from vllm_omni.diffusion.model_loader.diffusers_loader import read_component_config
+from vllm_omni.diffusion.model_loader.dummy import load_native_weights, load_pretrained
 from vllm_omni.diffusion.models.qwen_image.transformer_qwen_image import (
     QwenImageTransformer2DModel,
     QwenImageTransformerConfig,
@@ -19,18 +21,14 @@ from vllm_omni.diffusion.models.qwen_image.transformer_qwen_image import (
 
 def load_qwen_image_transformer(od_config: OmniDiffusionConfig, model_dir: Path, device: torch.device,
                                 dtype: torch.dtype) -> QwenImageTransformer2DModel:
-    """Our MMDiT with the checkpoint's weights streamed in by name; every parameter must be filled."""
+    """Our MMDiT with the checkpoint's weights streamed in by name (every parameter must be filled), or dummy."""
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     config = QwenImageTransformerConfig.from_dict(read_component_config(model_dir, "transformer"))
     attention = DiffusionAttentionConfig(od_config.diffusion_attention_backend, od_config.fa_deterministic)
     with set_current_attention_config(attention), set_default_torch_dtype(dtype), device:
         model = QwenImageTransformer2DModel(config=config)
-    loaded = model.load_weights(iter_component_weights(model_dir, "transformer"))
-    missing = sorted({name for name, _ in model.named_parameters()} - loaded)
-    if missing:
-        raise ValueError(f"{model_dir / 'transformer'}: checkpoint lacks weights for {missing[:8]}"
-                         f"{' ...' if len(missing) > 8 else ''}")
+    load_native_weights(model, model_dir, "transformer", od_config.load_format)
     model.process_weights_after_loading()
     if not od_config.enforce_eager and device.type == "cuda":
         from vllm_omni.diffusion.layers.compile import accelerate_transformer
@@ -44,12 +42,12 @@ def load_qwen_image_components(od_config: OmniDiffusionConfig, model_dir: Path, 
     from diffusers import AutoencoderKLQwenImage
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
+    load = functools.partial(load_pretrained, device=device, dtype=dtype, load_format=od_config.load_format)
     components: dict[str, Any] = dict(
         tokenizer=AutoTokenizer.from_pretrained(model_dir / "tokenizer"),
-        text_encoder=Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir / "text_encoder", dtype=dtype)
-        .to(device).eval(),
+        text_encoder=load(Qwen2_5_VLForConditionalGeneration, model_dir / "text_encoder"),
         transformer=load_qwen_image_transformer(od_config, model_dir, device, dtype),
-        vae=AutoencoderKLQwenImage.from_pretrained(model_dir / "vae", torch_dtype=dtype).to(device).eval(),
+        vae=load(AutoencoderKLQwenImage, model_dir / "vae"),
         scheduler_config=json.loads((model_dir / "scheduler" / "scheduler_config.json").read_text()),
     )
     if with_processor:

@@ -80,20 +80,20 @@ class WanConditions:
     DiT sees the first frame's latents there and a timestep of 0 on its tokens."""
 
 
-def load_wan_transformer(model_dir: Path, subfolder: str, dtype: torch.dtype, device: torch.device
-                         ) -> WanTransformer3DModel:
+def load_wan_transformer(model_dir: Path, subfolder: str, dtype: torch.dtype, device: torch.device,
+                         load_format: str) -> WanTransformer3DModel:
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from vllm_omni.diffusion.model_loader.diffusers_loader import iter_component_weights
+    from vllm_omni.diffusion.model_loader.dummy import load_native_weights
+    from vllm_omni.diffusion.model_loader.weight_utils import process_weights_after_loading
     from vllm_omni.diffusion.models.wan.transformer_wan import WanTransformer3DModel, WanTransformerConfig
 
     config = WanTransformerConfig.from_json(model_dir / subfolder / "config.json")
     with set_default_torch_dtype(dtype):
         model = WanTransformer3DModel(config, prefix=f"{subfolder}.")
-    loaded = model.load_weights(iter_component_weights(model_dir, subfolder, dtype))
-    missing = {name for name, _ in model.named_parameters()} - loaded
-    if missing:
-        raise ValueError(f"{model_dir / subfolder}: checkpoint lacks {sorted(missing)[:8]}")
+    load_native_weights(model, model_dir, subfolder, load_format, dtype)
+    if load_format == "dummy":  # `load_weights` does this itself after filling from a checkpoint
+        process_weights_after_loading(model)
     model.keep_fp32_modules()
     return model.to(device).eval()
 
@@ -132,26 +132,31 @@ class WanPipeline(nn.Module):
 
         model_dir = Path(model_dir)
         index = json.loads((model_dir / "model_index.json").read_text())
-        components = cls._load_components(model_dir, index, device, dtype)
+        components = cls._load_components(model_dir, index, device, dtype, od_config.load_format)
         logger.info("Loaded %s from %s (%s, %s)", cls.__name__, model_dir, device, dtype)
         return cls(od_config=od_config, device=device, dtype=dtype, **components)
 
     @classmethod
-    def _load_components(cls, model_dir: Path, index: dict[str, Any], device: torch.device, dtype: torch.dtype
-                          ) -> dict[str, Any]:
+    def _load_components(cls, model_dir: Path, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
+                         load_format: str) -> dict[str, Any]:
         import json
 
         from diffusers import AutoencoderKLWan
         from transformers import AutoTokenizer, UMT5EncoderModel
 
+        from vllm_omni.diffusion.model_loader.dummy import load_pretrained
+
         has_second = index.get("transformer_2") is not None and (model_dir / "transformer_2").is_dir()
         return dict(
             tokenizer=AutoTokenizer.from_pretrained(model_dir / "tokenizer"),
-            text_encoder=UMT5EncoderModel.from_pretrained(model_dir / "text_encoder", dtype=dtype).to(device).eval(),
-            transformer=load_wan_transformer(model_dir, "transformer", dtype, device),
-            transformer_2=load_wan_transformer(model_dir, "transformer_2", dtype, device) if has_second else None,
+            text_encoder=load_pretrained(UMT5EncoderModel, model_dir / "text_encoder", device=device, dtype=dtype,
+                                         load_format=load_format),
+            transformer=load_wan_transformer(model_dir, "transformer", dtype, device, load_format),
+            transformer_2=load_wan_transformer(model_dir, "transformer_2", dtype, device, load_format)
+            if has_second else None,
             # The VAE stays fp32 (as the Wan-AI examples load it): decode quality is sensitive, its cost is small.
-            vae=AutoencoderKLWan.from_pretrained(model_dir / "vae", dtype=torch.float32).to(device).eval(),
+            vae=load_pretrained(AutoencoderKLWan, model_dir / "vae", device=device, dtype=torch.float32,
+                                load_format=load_format),
             scheduler_config=json.loads((model_dir / "scheduler" / "scheduler_config.json").read_text()),
             boundary_ratio=index.get("boundary_ratio"),
             expand_timesteps=bool(index.get("expand_timesteps")),

@@ -52,14 +52,16 @@ class WanImageToVideoPipeline(WanPipeline):
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_spatial)
 
     @classmethod
-    def _load_components(cls, model_dir: Path, index: dict[str, Any], device: torch.device, dtype: torch.dtype
-                         ) -> dict[str, Any]:
-        components = super()._load_components(model_dir, index, device, dtype)
+    def _load_components(cls, model_dir: Path, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
+                         load_format: str) -> dict[str, Any]:
+        components = super()._load_components(model_dir, index, device, dtype, load_format)
         if components["transformer"].config.image_dim is not None:
             from transformers import CLIPImageProcessor, CLIPVisionModel
 
-            components["image_encoder"] = CLIPVisionModel.from_pretrained(
-                model_dir / "image_encoder", dtype=torch.float32).to(device).eval()
+            from vllm_omni.diffusion.model_loader.dummy import load_pretrained
+
+            components["image_encoder"] = load_pretrained(CLIPVisionModel, model_dir / "image_encoder", device=device,
+                                                          dtype=torch.float32, load_format=load_format)
             components["image_processor"] = CLIPImageProcessor.from_pretrained(model_dir / "image_processor")
         return components
 
