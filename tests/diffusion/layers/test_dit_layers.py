@@ -10,20 +10,27 @@ from torch import nn
 from vllm_omni.diffusion.layers import cuda_graph
 from vllm_omni.diffusion.layers.compile import accelerate_transformer, compile_repeated_blocks
 from vllm_omni.diffusion.layers.modulation import gated_residual, layer_norm_modulate
-from vllm_omni.diffusion.layers.rope import apply_rope_interleaved, multi_axis_rope_cos_sin
+from vllm_omni.diffusion.layers.rope import multi_axis_rope_cos_sin
 
 
 def test_rope_matches_diffusers():
     from diffusers.models.embeddings import apply_rotary_emb
     from diffusers.models.transformers.transformer_flux import FluxPosEmbed
 
+    from vllm_omni.diffusion.layers.qk_norm_rope import qk_norm_rope
+
     ids = torch.stack([torch.zeros(12), torch.arange(12.0) % 4, torch.arange(12.0) // 4], dim=-1)
     want_cos, want_sin = FluxPosEmbed(theta=10000, axes_dim=[8, 12, 12])(ids)
     cos, sin = multi_axis_rope_cos_sin(ids, (8, 12, 12), 10000.0)
-    torch.testing.assert_close((cos, sin), (want_cos, want_sin), rtol=0, atol=0)
+    torch.testing.assert_close((cos, sin), (want_cos[:, ::2], want_sin[:, ::2]), rtol=0, atol=0)
+    torch.testing.assert_close((cos, sin), (want_cos[:, 1::2], want_sin[:, 1::2]), rtol=0, atol=0)
+    # With unit norm weights on unit-RMS heads, the fused op's rotation is diffusers' apply_rotary_emb.
     x = torch.randn(2, 12, 3, 32)
-    want = apply_rotary_emb(x, (want_cos, want_sin), sequence_dim=1)
-    torch.testing.assert_close(apply_rope_interleaved(x, cos, sin), want, rtol=0, atol=0)
+    x = x / x.pow(2).mean(-1, keepdim=True).sqrt()
+    ones = torch.ones(32)
+    qkv = torch.cat([x, x, x], dim=2).flatten(2)
+    q, _, _ = qk_norm_rope(qkv, (ones, ones), (cos, sin), num_heads=3, eps=0.0)
+    torch.testing.assert_close(q, apply_rotary_emb(x, (want_cos, want_sin), sequence_dim=1), rtol=1e-5, atol=1e-5)
 
 
 def test_modulation_helpers():

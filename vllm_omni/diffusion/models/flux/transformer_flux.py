@@ -22,11 +22,14 @@ from vllm.model_executor.layers.linear import (
 
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.layers.embeddings import MLPEmbedder, timestep_sinusoid
+from vllm_omni.diffusion.layers.gelu_linear import linear_gelu_tanh
 from vllm_omni.diffusion.layers.modulation import AdaLNModulation, gated_residual, layer_norm_modulate
-from vllm_omni.diffusion.layers.rope import apply_rope_interleaved, multi_axis_rope_cos_sin
+from vllm_omni.diffusion.layers.qk_norm_rope import qk_norm_rope
+from vllm_omni.diffusion.layers.rope import multi_axis_rope_cos_sin
 from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
 
 RotaryEmb = tuple[torch.Tensor, torch.Tensor]
+"""(cos, sin) per channel pair, (text + image tokens, head_dim / 2), float32."""
 
 
 class FluxTimeTextEmbedding(nn.Module):
@@ -54,7 +57,7 @@ class FluxFeedForward(nn.Module):
         self.proj_out = RowParallelLinear(hidden_dim, dim, bias=True, prefix=f"{prefix}.proj_out")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj_out(F.gelu(self.proj_in(x)[0], approximate="tanh"))[0]
+        return self.proj_out(linear_gelu_tanh(self.proj_in, x))[0]
 
 
 class FluxJointAttention(nn.Module):
@@ -75,18 +78,16 @@ class FluxJointAttention(nn.Module):
         self.to_add_out = RowParallelLinear(num_heads * head_dim, dim, bias=True, prefix=f"{prefix}.to_add_out")
         self.attn = Attention(num_heads // tp, head_dim, prefix=f"{prefix}.attn")
 
-    def _qkv(self, proj: nn.Module, norm_q: nn.Module, norm_k: nn.Module, x: torch.Tensor):
-        q, k, v = proj(x)[0].split(self.local_dim, dim=-1)
-        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in (q, k, v))
-        return norm_q(q), norm_k(k), v
-
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope: RotaryEmb) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v = self._qkv(self.to_qkv, self.norm_q, self.norm_k, x)
-        cq, ck, cv = self._qkv(self.add_qkv, self.norm_added_q, self.norm_added_k, ctx)
-        q = apply_rope_interleaved(torch.cat([cq, q], dim=1), *rope)
-        k = apply_rope_interleaved(torch.cat([ck, k], dim=1), *rope)
-        out = self.attn(q, k, torch.cat([cv, v], dim=1)).flatten(2)
-        ctx_out, x_out = out.split([ctx.shape[1], x.shape[1]], dim=1)
+        txt_len = ctx.shape[1]
+        cos, sin = rope
+        q, k, v = qk_norm_rope(
+            self.to_qkv(x)[0], (self.norm_q.weight, self.norm_k.weight), (cos[txt_len:], sin[txt_len:]),
+            txt_qkv=self.add_qkv(ctx)[0], txt_norms=(self.norm_added_q.weight, self.norm_added_k.weight),
+            txt_rope=(cos[:txt_len], sin[:txt_len]), num_heads=self.local_dim // self.head_dim, eps=self.norm_q.eps,
+        )
+        out = self.attn(q, k, v).flatten(2)
+        ctx_out, x_out = out.split([txt_len, x.shape[1]], dim=1)
         return self.to_out(x_out.contiguous())[0], self.to_add_out(ctx_out.contiguous())[0]
 
 
@@ -143,10 +144,11 @@ class FluxSingleTransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, temb: torch.Tensor, rope: RotaryEmb) -> torch.Tensor:
         shift, scale, gate = self.norm(temb)
-        q, k, v, mlp = self.to_qkv_mlp(layer_norm_modulate(x, shift, scale))[0].split(self.local_sizes, dim=-1)
-        q = apply_rope_interleaved(self.attn.norm_q(q.unflatten(-1, (-1, self.head_dim))), *rope)
-        k = apply_rope_interleaved(self.attn.norm_k(k.unflatten(-1, (-1, self.head_dim))), *rope)
-        out = self.attn.attn(q, k, v.unflatten(-1, (-1, self.head_dim))).flatten(2)
+        qkv_mlp = self.to_qkv_mlp(layer_norm_modulate(x, shift, scale))[0]
+        q, k, v = qk_norm_rope(qkv_mlp, (self.attn.norm_q.weight, self.attn.norm_k.weight), rope,
+                               num_heads=self.local_sizes[0] // self.head_dim, eps=self.attn.norm_q.eps)
+        mlp = qkv_mlp[..., 3 * self.local_sizes[0]:]
+        out = self.attn.attn(q, k, v).flatten(2)
         out = self.proj_out(torch.cat([out, F.gelu(mlp, approximate="tanh")], dim=-1))[0]
         return gated_residual(x, gate, out)
 

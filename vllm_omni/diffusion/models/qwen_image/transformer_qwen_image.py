@@ -24,10 +24,14 @@ from vllm.model_executor.layers.linear import (
 )
 
 from vllm_omni.diffusion.attention.layer import Attention
+from vllm_omni.diffusion.layers.gelu_linear import linear_gelu_tanh
+from vllm_omni.diffusion.layers.qk_norm_rope import qk_norm_rope
 from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
 
 ImageShapes = list[list[tuple[int, int, int]]]
 """Per sample: (frames, height, width) in patches of every image in the sequence (target first)."""
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+"""(cos, sin) float32 (tokens, head_dim / 2): the rotation of each adjacent channel pair."""
 
 
 @dataclass
@@ -125,13 +129,15 @@ class QwenEmbedRope(nn.Module):
         # On the CPU whatever device the model is built on: positions are made there too, tables moved once.
         self.inv_freqs = [1.0 / torch.pow(theta, torch.arange(0, d, 2, device="cpu").to(torch.float32).div(d))
                           for d in axes_dim]
-        self._cache: OrderedDict[tuple, tuple[torch.Tensor, ...]] = OrderedDict()
+        self._cache: OrderedDict[tuple, tuple[RopeTables, RopeTables]] = OrderedDict()
 
     def _angles(self, positions: list[torch.Tensor]) -> torch.Tensor:
         """Per-token angles (tokens, head_dim/2) from per-axis integer positions (tokens,)."""
         return torch.cat([torch.outer(p, f) for p, f in zip(positions, self.inv_freqs, strict=True)], dim=-1)
 
-    def forward(self, shapes: list[tuple[int, int, int]], txt_len: int, device: torch.device):
+    def forward(self, shapes: list[tuple[int, int, int]], txt_len: int, device: torch.device
+                ) -> tuple[RopeTables, RopeTables]:
+        """((cos, sin) of the image tokens, (cos, sin) of the text tokens)."""
         key = (tuple(shapes), txt_len, device)
         if key in self._cache:
             self._cache.move_to_end(key)
@@ -146,18 +152,13 @@ class QwenEmbedRope(nn.Module):
                 max_index = max(max_index, height // 2, width // 2)
             txt_pos = torch.arange(max_index, max_index + txt_len, device="cpu")
             txt_angles = self._angles([txt_pos] * 3)
+            # cos/sin of the same complex unit numbers diffusers builds with torch.polar.
             self._cache[key] = tuple(
-                torch.polar(torch.ones_like(a), a).to(device) for a in (torch.cat(image_angles), txt_angles)
+                (a.cos().to(device), a.sin().to(device)) for a in (torch.cat(image_angles), txt_angles)
             )
             if len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)
         return self._cache[key]
-
-
-def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs of x (batch, seq, heads, head_dim) by complex freqs (seq, head_dim/2)."""
-    rotated = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2)) * freqs[:, None, :]
-    return torch.view_as_real(rotated).flatten(3).type_as(x)
 
 
 class QwenJointAttention(nn.Module):
@@ -182,18 +183,15 @@ class QwenJointAttention(nn.Module):
                                             prefix=f"{prefix}.to_add_out")
         self.attn = Attention(self.num_heads, head_dim, prefix=f"{prefix}.attn")
 
-    def _project(self, qkv_proj: QKVParallelLinear, x: torch.Tensor, norm_q: RMSNorm, norm_k: RMSNorm,
-                 freqs: torch.Tensor):
-        q, k, v = qkv_proj(x).unflatten(-1, (3 * self.num_heads, self.head_dim)).chunk(3, dim=2)
-        return apply_rope(norm_q(q), freqs), apply_rope(norm_k(k), freqs), v
-
     def forward(self, img: torch.Tensor, txt: torch.Tensor, joint_mask: torch.Tensor | None,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        img_freqs, txt_freqs = rope
-        iq, ik, iv = self._project(self.to_qkv, img, self.norm_q, self.norm_k, img_freqs)
-        tq, tk, tv = self._project(self.add_qkv, txt, self.norm_added_q, self.norm_added_k, txt_freqs)
-        out = self.attn(torch.cat([tq, iq], dim=1), torch.cat([tk, ik], dim=1), torch.cat([tv, iv], dim=1),
-                        attn_mask=joint_mask).flatten(2)
+                rope: tuple[RopeTables, RopeTables]) -> tuple[torch.Tensor, torch.Tensor]:
+        img_rope, txt_rope = rope
+        q, k, v = qk_norm_rope(
+            self.to_qkv(img), (self.norm_q.weight, self.norm_k.weight), img_rope,
+            txt_qkv=self.add_qkv(txt), txt_norms=(self.norm_added_q.weight, self.norm_added_k.weight),
+            txt_rope=txt_rope, num_heads=self.num_heads, eps=self.norm_q.eps,
+        )
+        out = self.attn(q, k, v, attn_mask=joint_mask).flatten(2)
         txt_len = txt.shape[1]
         return self.to_out[0](out[:, txt_len:]), self.to_add_out(out[:, :txt_len])
 
@@ -220,7 +218,7 @@ class _GeluProj(nn.Module):
                                          prefix=f"{prefix}.proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.proj(x), approximate="tanh")
+        return linear_gelu_tanh(self.proj, x)
 
 
 class _Modulation(nn.Module):
@@ -245,7 +243,7 @@ class QwenImageTransformerBlock(nn.Module):
         self.txt_mlp = FeedForward(dim, prefix=f"{prefix}.txt_mlp")
 
     def forward(self, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor, joint_mask: torch.Tensor | None,
-                rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                rope: tuple[RopeTables, RopeTables]) -> tuple[torch.Tensor, torch.Tensor]:
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = self.img_mod(temb)
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = self.txt_mod(temb)
         img_attn, txt_attn = self.attn(
