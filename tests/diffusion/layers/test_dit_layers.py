@@ -100,3 +100,9 @@ def test_cuda_graph_runner_replays_and_resets_on_move():
         assert not model.forward.graphs
         x = torch.randn(2, 4, device="cuda")
         torch.testing.assert_close(model(x), eager(x))
+        model.forward.max_graphs = 2
+        for rows in (1, 2, 3, 1):
+            x = torch.randn(rows, 4, device="cuda")
+            torch.testing.assert_close(model(x), eager(x))
+        # Least recently used signatures were evicted (and recaptured on return), never run uncaptured.
+        assert len(model.forward.graphs) == 2

@@ -18,9 +18,12 @@ def compile_repeated_blocks(model: nn.Module, **compile_kwargs: Any) -> int:
         raise ValueError(f"{type(model).__name__} declares no _repeated_blocks to compile")
     import torch._dynamo
 
-    # Every layer instance must reuse its class's compiled graph (one per shape), never hit the recompile limit.
+    # Every layer instance must reuse its class's compiled graph, never hit the recompile limit.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    options = {"fullgraph": True, "dynamic": False, **compile_kwargs}
+    # dynamic=None: the first shape compiles static; a second one (another prompt length or image size)
+    # compiles once with symbolic sizes that serve all later shapes. Static graphs per shape would recompile
+    # for every new prompt length; the symbolic graph measured within 1% of the static one (H200, Qwen-Image).
+    options = {"fullgraph": True, "dynamic": None, **compile_kwargs}
     count = 0
     for module in model.modules():
         if type(module).__name__ in names:

@@ -8,6 +8,7 @@ caller may hold them across replays.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -72,14 +73,15 @@ class CUDAGraphRunner:
     """Call `fn(*args, **kwargs)` through one captured CUDA graph per input signature (all graphs share a pool).
 
     `fn` must be a pure function of its tensor arguments (module parameters are read in place), and must not
-    synchronize with the host. Non-tensor arguments become part of the signature.
+    synchronize with the host. Non-tensor arguments become part of the signature. At most `max_graphs` graphs
+    are kept; a new signature beyond that evicts the least recently used one.
     """
 
     def __init__(self, fn: Callable[..., torch.Tensor], *, warmup: int = 2, max_graphs: int = 8):
         self.fn = fn
         self.warmup = warmup
         self.max_graphs = max_graphs
-        self.graphs: dict[Any, _Captured] = {}
+        self.graphs: OrderedDict[Any, _Captured] = OrderedDict()
         self.pool = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -88,10 +90,12 @@ class CUDAGraphRunner:
         captured = self.graphs.get(key)
         if captured is None:
             if len(self.graphs) >= self.max_graphs:
-                return self.fn(*args, **kwargs)
+                self.graphs.popitem(last=False)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             captured = self.graphs[key] = _Captured(self.fn, inputs, self.pool, self.warmup)
+        else:
+            self.graphs.move_to_end(key)
         return captured.replay(inputs)
 
     def reset(self) -> None:

@@ -69,6 +69,29 @@ def test_batch_equals_single_runs(pipes):
     assert not np.allclose(batched[0].output[0], batched[1].output[0])
 
 
+def test_unmasked_row_groups_equal_masked_batch(pipes):
+    """Large images run rows of different prompt lengths as separate unmasked forwards: same images."""
+    _, ours = pipes
+    specs = [("a tiny house", "dark"), ("an astronaut riding a horse on the moon, photo", "dark")]
+    requests = [make_request(p, f"g{i}", negative_prompt=n, seed=i, output_type="np", **SIZE)
+                for i, (p, n) in enumerate(specs)]
+    masked = _run(ours, *requests)
+    calls = []
+    forward = ours.transformer.forward
+    ours.mask_free_min_image_tokens = 0
+    ours.transformer.forward = lambda x, embeds, mask, *a: calls.append((x.shape[0], mask)) or forward(
+        x, embeds, mask, *a)
+    try:
+        grouped = _run(ours, *requests)
+    finally:
+        del ours.mask_free_min_image_tokens, ours.transformer.forward
+    # Rows: 2 positives of different lengths + 2 equal negatives -> 3 unmasked forwards per step.
+    assert len(calls) == 3 * SIZE["num_inference_steps"] and all(mask is None for _, mask in calls)
+    assert sorted(n for n, _ in calls[:3]) == [1, 1, 2]
+    for a, b in zip(masked, grouped, strict=True):
+        np.testing.assert_allclose(a.output[0], b.output[0], atol=1e-5)
+
+
 def test_bad_request_fails_alone(pipes):
     _, ours = pipes
     good = make_request("a boat", "good", seed=1, **SIZE)
