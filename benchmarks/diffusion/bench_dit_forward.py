@@ -103,6 +103,39 @@ def matmul_peak_tflops(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 / (med / 1e3) / 1e12
 
 
+KERNEL_CATEGORIES = (
+    ("attention", ("attn", "fmha", "flash", "sdpa", "cudnn")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
+    ("triton", ("triton",)),
+)
+
+
+def kernel_breakdown(fn: Callable[[], Any], top: int = 12) -> dict[str, Any]:
+    """GPU time of one call by kernel category (attention / GEMM / Triton / other) and its top kernels.
+
+    Profiles the call without CUDA-graph replay (kernels inside a replayed graph are not reported one by one);
+    at sizes where the forward is device-bound the kernel times are the same."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals = {name: 0.0 for name, _ in KERNEL_CATEGORIES} | {"other": 0.0}
+    kernels = []
+    for event in prof.key_averages():
+        us = event.device_time_total
+        if us <= 0:
+            continue
+        key = event.key.lower()
+        category = next((name for name, marks in KERNEL_CATEGORIES if any(m in key for m in marks)), "other")
+        totals[category] += us / 1e3
+        kernels.append({"ms": round(us / 1e3, 3), "calls": event.count, "category": category, "name": event.key[:100]})
+    kernels.sort(key=lambda k: -k["ms"])
+    return {"ms_by_category": {k: round(v, 2) for k, v in totals.items()}, "top_kernels": kernels[:top]}
+
+
 def psnr(got: torch.Tensor, ref: torch.Tensor) -> float:
     """PSNR over the reference's value range (dB); inf when identical."""
     got, ref = got.double(), ref.double()
@@ -324,6 +357,9 @@ class Bench:
                 out = self.measure(row, functools.partial(our_call, ours), tflop, ref_ms, ref_out,
                                    eager_outs[(size, batch)])
                 row.extra["first_call_s"] = round(time.perf_counter() - t0, 1)
+                if self.args.profile and self.device.type == "cuda" and out is not None:
+                    row.extra["profile"] = kernel_breakdown(functools.partial(our_call, ours))
+                    print(json.dumps({"profile": row.variant, "size": size, **row.extra["profile"]}), flush=True)
                 if self.device.type == "cuda" and out is not None:
                     self._graph_variant(name, size, batch, f"ours compiled ({backend}) + CUDA graph", ours, our_call,
                                         tflop, ref_ms, ref_out, eager_outs[(size, batch)])
@@ -373,6 +409,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also time eager SDPA kernels and eager + CUDA graph (CUDA)")
     parser.add_argument("--attention-backends", nargs="+", default=["CUDNN_ATTN", "TORCH_SDPA"],
                         help="our attention backends to time the compiled variants with (CUDA)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record a per-kernel-category GPU time breakdown of each compiled variant (CUDA)")
     parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU (fp32), seconds")
     parser.add_argument("--out", type=Path, default=None, help="JSON results path")
     args = parser.parse_args(argv)

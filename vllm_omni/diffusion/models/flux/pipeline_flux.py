@@ -27,6 +27,7 @@ from vllm_omni.diffusion.model_loader.diffusers_loader import read_component_con
 from vllm_omni.diffusion.model_loader.dummy import load_native_weights, load_pretrained
 from vllm_omni.diffusion.model_loader.weight_utils import process_weights_after_loading
 from vllm_omni.diffusion.models.flux.transformer_flux import FluxTransformer2DModel
+from vllm_omni.diffusion.timing import elapsed_since
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.data import OmniDiffusionConfig
@@ -142,7 +143,7 @@ class FluxPipeline(nn.Module):
         prompts = [r.prompt_text for r in batch.requests] + [batch.requests[i].negative_prompt for i in cfg_rows]
         embeds, pooled = self.encode_prompt(prompts, sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH)
         embeds, pooled = embeds.repeat_interleave(n, dim=0), pooled.repeat_interleave(n, dim=0)
-        durations["text_encoder"] = self._elapsed(start)
+        durations["text_encoder"] = elapsed_since(start, self.device)
 
         start = time.perf_counter()
         latents = torch.cat([self._initial_noise(r.sampling_params.seed, n, lh, lw) for r in batch.requests])
@@ -166,11 +167,11 @@ class FluxPipeline(nn.Module):
                 pred = pred.index_copy(0, neg_rows, neg + true_cfg * (pos - neg))
             # Flow-matching Euler step in float32, as FlowMatchEulerDiscreteScheduler.step does.
             latents = (latents.float() + (sigmas[i + 1] - sigmas[i]) * pred).to(pred.dtype)
-        durations["denoise"] = self._elapsed(start)
+        durations["denoise"] = elapsed_since(start, self.device)
 
         start = time.perf_counter()
         images = self._decode(latents, lh, lw, sp.output_type)
-        durations["vae_decode"] = self._elapsed(start)
+        durations["vae_decode"] = elapsed_since(start, self.device)
         return [DiffusionOutput(output=images[i * n:(i + 1) * n], stage_durations=dict(durations))
                 for i in range(len(batch))]
 
@@ -195,8 +196,3 @@ class FluxPipeline(nn.Module):
         image = self.vae.decode(latents, return_dict=False)[0]
         out = self.image_processor.postprocess(image, output_type=output_type)
         return list(out)
-
-    def _elapsed(self, start: float) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter() - start

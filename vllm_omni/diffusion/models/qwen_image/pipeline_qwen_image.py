@@ -29,6 +29,7 @@ from vllm_omni.diffusion.forward_context import (
 )
 from vllm_omni.diffusion.models.qwen_image.transformer_qwen_image import QwenImageTransformer2DModel
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
@@ -161,7 +162,7 @@ class QwenImagePipeline(nn.Module):
                                   param="max_sequence_length")
         texts = [r.prompt_text for r in requests] + ([r.negative_prompt for r in requests] if do_cfg else [])
         prompt = self.encode_prompt(texts, max_len, per_prompt)
-        durations["text_encoder"] = time.perf_counter() - start
+        durations["text_encoder"] = elapsed_since(start, self.device)
 
         # 3. Initial noise, one seeded generator per request.
         latents = self.prepare_latents(requests, geometry)
@@ -169,12 +170,12 @@ class QwenImagePipeline(nn.Module):
         # 4. Denoise (positive and negative rows in one transformer forward).
         start = time.perf_counter()
         latents = self.denoise(latents, prompt, geometry, sp, do_cfg)
-        durations["denoise"] = time.perf_counter() - start
+        durations["denoise"] = elapsed_since(start, self.device)
 
         # 5. Decode.
         start = time.perf_counter()
         images = self.decode(latents, geometry, sp.output_type)
-        durations["vae_decode"] = time.perf_counter() - start
+        durations["vae_decode"] = elapsed_since(start, self.device)
         return self.split_outputs(images, len(requests), per_prompt, durations)
 
     # ---- stages --------------------------------------------------------------------------------------------

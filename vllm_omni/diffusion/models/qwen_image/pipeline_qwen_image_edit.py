@@ -17,6 +17,7 @@ import torch
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.errors import OmniClientError
 
 CONDITION_AREA = 1024 * 1024
@@ -80,23 +81,23 @@ class QwenImageEditPipeline(QwenImagePipeline):
         texts = [r.prompt_text for r in requests] + ([r.negative_prompt for r in requests] if do_cfg else [])
         # Edit prompts are not truncated to max_sequence_length (as in diffusers).
         prompt = self.encode_prompt(texts, None, per_prompt, images=images + (images if do_cfg else []))
-        durations["text_encoder"] = time.perf_counter() - start
+        durations["text_encoder"] = elapsed_since(start, self.device)
 
         # 3. Condition latents from the VAE encoder, then initial noise per request.
         start = time.perf_counter()
         condition = self.encode_condition(images, cond_h, cond_w, per_prompt)
-        durations["vae_encode"] = time.perf_counter() - start
+        durations["vae_encode"] = elapsed_since(start, self.device)
         latents = self.prepare_latents(requests, geometry)
 
         # 4. Denoise with the condition tokens appended to every row.
         start = time.perf_counter()
         latents = self.denoise(latents, prompt, geometry, sp, do_cfg, condition=condition)
-        durations["denoise"] = time.perf_counter() - start
+        durations["denoise"] = elapsed_since(start, self.device)
 
         # 5. Decode.
         start = time.perf_counter()
         output = self.decode(latents, geometry, sp.output_type)
-        durations["vae_decode"] = time.perf_counter() - start
+        durations["vae_decode"] = elapsed_since(start, self.device)
         return self.split_outputs(output, len(requests), per_prompt, durations)
 
     def text_encoder_inputs(self, texts: list[str], images: list[Any] | None = None) -> dict[str, torch.Tensor]:

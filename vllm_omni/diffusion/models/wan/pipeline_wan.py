@@ -34,6 +34,7 @@ from vllm_omni.diffusion.forward_context import (
     set_forward_context_denoise_step_idx,
     set_forward_context_denoise_timestep,
 )
+from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.diffusion.video_utils import iter_wan_vae_decode, to_uint8_frames
 from vllm_omni.errors import OmniClientError
 
@@ -229,19 +230,19 @@ class WanPipeline(nn.Module):
         prompts = [r.prompt_text for r in requests]
         negatives = [r.negative_prompt or "" for r in requests] if do_cfg else []
         embeds = self.encode_prompt(prompts + negatives, max_len).repeat_interleave(per_prompt, dim=0)
-        durations["text_encoder"] = time.perf_counter() - start
+        durations["text_encoder"] = elapsed_since(start, self.device)
 
         latents = self.prepare_latents(requests, geometry, per_prompt)
         conditions = self.prepare_conditions(requests, geometry, durations)
 
         start = time.perf_counter()
         latents = self.denoise(latents, embeds, conditions, sp, guidance, guidance_2, boundary, do_cfg)
-        durations["denoise"] = time.perf_counter() - start
+        durations["denoise"] = elapsed_since(start, self.device)
 
         fps = sp.fps or DEFAULT_FPS
         start = time.perf_counter()
         frames = self.decode(latents, requests if partials_enabled() else (), per_prompt, fps)
-        durations["vae_decode"] = time.perf_counter() - start
+        durations["vae_decode"] = elapsed_since(start, self.device)
 
         outputs = []
         for i in range(len(requests)):

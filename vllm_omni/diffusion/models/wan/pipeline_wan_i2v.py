@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_omni.diffusion.models.wan.pipeline_wan import WanConditions, WanGeometry, WanPipeline
+from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.errors import OmniClientError
 
 if TYPE_CHECKING:
@@ -79,15 +80,15 @@ class WanImageToVideoPipeline(WanPipeline):
             pixels = self.image_processor(images=images, return_tensors="pt").to(self.device)
             hidden = self.image_encoder(**pixels, output_hidden_states=True).hidden_states[-2]
             image_embeds = hidden.to(self.dtype).repeat_interleave(per_prompt, dim=0)
-            durations["image_encoder"] = time.perf_counter() - start
+            durations["image_encoder"] = elapsed_since(start, self.device)
             start = time.perf_counter()
         if self.expand_timesteps:
             latents, first_frame_mask = self.encode_first_frame_latents(images, geometry)
-            durations["vae_encode"] = time.perf_counter() - start
+            durations["vae_encode"] = elapsed_since(start, self.device)
             return WanConditions(latents=latents.repeat_interleave(per_prompt, dim=0),
                                  first_frame_mask=first_frame_mask)
         latents = self.encode_first_frames(images, geometry).repeat_interleave(per_prompt, dim=0)
-        durations["vae_encode"] = time.perf_counter() - start
+        durations["vae_encode"] = elapsed_since(start, self.device)
         return WanConditions(latents=latents, image_embeds=image_embeds)
 
     def _preprocess(self, images: list[Image.Image], geometry: WanGeometry) -> torch.Tensor:
