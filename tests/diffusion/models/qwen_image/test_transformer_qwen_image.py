@@ -47,6 +47,21 @@ def test_matches_diffusers(models, shapes):
         torch.testing.assert_close(ours(x[:1], txt[:1], None, t[:1], shapes), got[:1], atol=1e-5, rtol=1e-4)
 
 
+def test_precomputed_step_modulation_equals_inline(models):
+    """A denoise loop's adaLN table, computed for all steps at once, gives each step's forward unchanged."""
+    _, ours = models
+    g = torch.Generator().manual_seed(1)
+    x, txt = torch.randn(2, 16, 64, generator=g), torch.randn(2, 5, 64, generator=g)
+    steps = torch.tensor([0.9, 0.4, 0.05])
+    with torch.no_grad():
+        table = ours.step_modulation(steps, torch.float32)
+        assert table.shape[:3] == (len(ours.transformer_blocks), 2, 3)
+        for i, t in enumerate(steps):
+            want = ours(x, txt, None, t.expand(2), [(1, 4, 4)])
+            got = ours(x, txt, None, t.expand(2), [(1, 4, 4)], table[:, :, i : i + 1])
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
 def test_unsupported_variant_is_refused():
     with pytest.raises(NotImplementedError, match="zero_cond_t"):
         QwenImageTransformerConfig.from_dict({"zero_cond_t": True})

@@ -275,6 +275,8 @@ class QwenImagePipeline(nn.Module):
         host_timesteps = scheduler.timesteps.tolist()  # one sync up front, none per step
         image_tokens = img_len + (condition.shape[1] if condition is not None else 0)
         groups = self.row_groups(prompt, image_tokens)
+        # The timesteps exactly as each step passes them (cast first, then scaled, as diffusers does).
+        modulation = self.transformer.step_modulation(scheduler.timesteps.to(latents.dtype) / 1000, latents.dtype)
         with progress:
             for i, t in enumerate(scheduler.timesteps):
                 set_forward_context_denoise_step_idx(i)
@@ -283,7 +285,7 @@ class QwenImagePipeline(nn.Module):
                 if condition is not None:
                     x = torch.cat([x, condition], dim=1)
                 timestep = (t.expand(x.shape[0]).to(latents.dtype)) / 1000
-                pred = self.predict(x, prompt, timestep, geometry, groups)[:, :img_len]
+                pred = self.predict(x, prompt, timestep, geometry, groups, modulation[:, :, i : i + 1])[:, :img_len]
                 if do_cfg:
                     pred = _true_cfg(pred[:rows], pred[rows:], scale)
                 latents = scheduler.step(pred, t, latents, return_dict=False)[0]
@@ -302,13 +304,16 @@ class QwenImagePipeline(nn.Module):
         return [(torch.tensor(rows, device=self.device), length) for length, rows in by_length.items()]
 
     def predict(self, x: torch.Tensor, prompt: PromptEmbeds, timestep: torch.Tensor, geometry: Geometry,
-                groups: list[tuple[torch.Tensor, int]] | None) -> torch.Tensor:
-        """The transformer's flow for every row: one masked forward, or one unmasked forward per group."""
+                groups: list[tuple[torch.Tensor, int]] | None, modulation: torch.Tensor) -> torch.Tensor:
+        """The transformer's flow for every row: one masked forward, or one unmasked forward per group.
+
+        `modulation` is the step's adaLN table (shared by all rows: they are at the same timestep)."""
         if groups is None:
-            return self.transformer(x, prompt.embeds, prompt.mask, timestep, geometry.img_shapes)
+            return self.transformer(x, prompt.embeds, prompt.mask, timestep, geometry.img_shapes, modulation)
         pred = None
         for rows, length in groups:
-            out = self.transformer(x[rows], prompt.embeds[rows, :length], None, timestep[rows], geometry.img_shapes)
+            out = self.transformer(x[rows], prompt.embeds[rows, :length], None, timestep[rows], geometry.img_shapes,
+                                   modulation)
             if pred is None:
                 pred = out.new_empty(x.shape[0], *out.shape[1:])
             pred[rows] = out

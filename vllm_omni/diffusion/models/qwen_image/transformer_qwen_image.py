@@ -230,7 +230,7 @@ class _Modulation(nn.Module):
         self.linear = ReplicatedLinear(dim, 6 * dim, bias=True, return_bias=False, prefix=prefix)
 
     def forward(self, temb: torch.Tensor) -> torch.Tensor:
-        return self.linear(self.act(temb))[:, None, :].chunk(6, dim=-1)
+        return self.linear(self.act(temb))
 
 
 class QwenImageTransformerBlock(nn.Module):
@@ -242,10 +242,11 @@ class QwenImageTransformerBlock(nn.Module):
         self.img_mlp = FeedForward(dim, prefix=f"{prefix}.img_mlp")
         self.txt_mlp = FeedForward(dim, prefix=f"{prefix}.txt_mlp")
 
-    def forward(self, img: torch.Tensor, txt: torch.Tensor, temb: torch.Tensor, joint_mask: torch.Tensor | None,
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, modulation: torch.Tensor, joint_mask: torch.Tensor | None,
                 rope: tuple[RopeTables, RopeTables]) -> tuple[torch.Tensor, torch.Tensor]:
-        i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = self.img_mod(temb)
-        t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = self.txt_mod(temb)
+        """`modulation` (2, batch or 1, 6 * dim): this block's image and text adaLN parameters."""
+        i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = modulation[0][:, None, :].chunk(6, dim=-1)
+        t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = modulation[1][:, None, :].chunk(6, dim=-1)
         img_attn, txt_attn = self.attn(
             _layer_norm(img) * (1 + i_scale1) + i_shift1,
             _layer_norm(txt) * (1 + t_scale1) + t_shift1,
@@ -309,24 +310,42 @@ class QwenImageTransformer2DModel(nn.Module):
         encoder_hidden_states_mask: torch.Tensor | None,
         timestep: torch.Tensor,
         img_shapes: list[tuple[int, int, int]],
+        modulation: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Predict the flow for packed latents (batch, img_seq, in_channels).
 
         `img_shapes` is shared by the whole batch (the scheduler only co-batches same-size requests);
         `encoder_hidden_states_mask` (batch, txt_seq) bool marks real text tokens, None = all real.
-        `timestep` is in [0, 1] (diffusers pipelines pass t / 1000).
+        `timestep` is in [0, 1] (diffusers pipelines pass t / 1000). `modulation` is this step's slice of
+        `block_modulation(...)` when the caller computed it ahead; None = computed here from `timestep`.
         """
         img = self.img_in(hidden_states)
         txt = self.txt_in(self.txt_norm(encoder_hidden_states))
         temb = self.time_text_embed(timestep.to(img.dtype), img.dtype)
+        if modulation is None:
+            modulation = self.block_modulation(temb)
         rope = self.pos_embed(img_shapes, txt.shape[1], img.device)
         joint_mask = None
         if encoder_hidden_states_mask is not None:
             img_mask = encoder_hidden_states_mask.new_ones(img.shape[:2], dtype=torch.bool)
             joint_mask = torch.cat([encoder_hidden_states_mask.bool(), img_mask], dim=1)
-        for block in self.transformer_blocks:
-            img, txt = block(img, txt, temb, joint_mask, rope)
+        for block, block_modulation in zip(self.transformer_blocks, modulation, strict=True):
+            img, txt = block(img, txt, block_modulation, joint_mask, rope)
         return self.proj_out(self.norm_out(img, temb))
+
+    def block_modulation(self, temb: torch.Tensor) -> torch.Tensor:
+        """Every block's image and text adaLN parameters, (num_layers, 2, *temb.shape[:-1], 6 * dim).
+
+        They depend on the timestep alone. A denoise loop computes them for all its steps at once
+        (`step_modulation`): one GEMM per block with a row per step replaces, every step, 120 GEMVs that
+        each re-read a 113 MB weight (3.7 ms of a 35 ms 512² forward on an H200).
+        """
+        return torch.stack([torch.stack([block.img_mod(temb), block.txt_mod(temb)])
+                            for block in self.transformer_blocks])
+
+    def step_modulation(self, timesteps: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`block_modulation` for each of `timesteps` (steps,), in [0, 1]: (num_layers, 2, steps, 6 * dim)."""
+        return self.block_modulation(self.time_text_embed(timesteps.to(dtype), dtype))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load diffusers-named weights; returns the names of our parameters that were filled."""
