@@ -1,9 +1,9 @@
 """Serving vs offline for one diffusion model, in ONE run: same machine, model, engine flags, prompts, size, steps.
 
-(a) offline: `Omni(model, ...)` generates `--num-prompts` images after one warm-up request; images/s over them,
-    then the engine is closed (its device memory is freed before the server starts).
+(a) offline: `Omni(model, ...)` generates `--num-prompts` images after warm-up requests (one per distinct prompt);
+    images/s over them, then the engine is closed (its device memory is freed before the server starts).
 (b) serving: `python -m vllm_omni.entrypoints.cli.main serve MODEL --omni` (what `vllm serve MODEL --omni` runs)
-    as a subprocess on a free port with the same engine flags; after /health and one warm-up request the load
+    as a subprocess on a free port with the same engine flags; after /health and the same warm-up the load
     generator of diffusion_benchmark_serving.py sends the same requests with at most `--max-concurrency` in
     flight; then the server is stopped (SIGTERM, SIGKILL of its process group after a timeout).
 
@@ -83,15 +83,15 @@ def _mean_stages(durations: list[dict[str, float]]) -> dict[str, float]:
 def run_offline(args: argparse.Namespace) -> dict[str, Any]:
     from vllm_omni import Omni
 
-    prompts = [load_gen.PROMPTS[i % len(load_gen.PROMPTS)] for i in range(args.num_prompts)]
+    prompts = [load_gen.PROMPTS[i % len(load_gen.PROMPTS)] for i in range(max(args.num_prompts, args.warmup))]
     start = time.perf_counter()
     with Omni(args.model, **engine_kwargs(args)) as omni:
         startup = time.perf_counter() - start
-        (warm,) = omni.generate(prompts[0], sampling_params(args), use_tqdm=False)
-        if not warm.ok:
-            raise RuntimeError(f"offline warm-up request failed: {warm.error}")
+        warm = omni.generate(prompts[:args.warmup], sampling_params(args), use_tqdm=False)
+        if not all(w.ok for w in warm):
+            raise RuntimeError(f"offline warm-up request failed: {[w.error for w in warm if not w.ok]}")
         start = time.perf_counter()
-        outputs = omni.generate(prompts, sampling_params(args), use_tqdm=False)
+        outputs = omni.generate(prompts[:args.num_prompts], sampling_params(args), use_tqdm=False)
         duration = time.perf_counter() - start
     failed = [o.error for o in outputs if not o.ok]
     if failed:
@@ -163,7 +163,7 @@ def run_serving(args: argparse.Namespace, log_path: Path) -> dict[str, Any]:
         gen_args = load_gen.parse_args([
             "--base-url", server.url, "--num-prompts", str(args.num_prompts), "--size", f"{width}x{height}",
             "--num-inference-steps", str(args.steps), "--max-concurrency", str(args.max_concurrency),
-            "--request-rate", str(args.request_rate), "--seed", str(args.seed), "--warmup", "1",
+            "--request-rate", str(args.request_rate), "--seed", str(args.seed), "--warmup", str(args.warmup),
             "--timeout", str(args.request_timeout)])
         summary = asyncio.run(load_gen.run(gen_args))
     finally:
@@ -215,6 +215,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=1)
     parser.add_argument("--attention-backend", default=None, help="diffusion attention backend (default: auto)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=len(load_gen.PROMPTS),
+                        help="warm-up requests per path, one per distinct prompt by default (each text length "
+                             "compiles and captures its own graphs when not eager)")
     parser.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for the server's /health")
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--smoke", action="store_true",
@@ -224,7 +227,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.smoke and not args.model:
         parser.error("--model is required (or --smoke)")
-    for name in ("steps", "num_prompts", "max_concurrency", "max_num_seqs"):
+    for name in ("steps", "num_prompts", "max_concurrency", "max_num_seqs", "warmup"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
             args.model = str(write_checkpoint("qwen-image", Path(tmp) / "qwen-image", tiny=True))
             args.load_format, args.size, args.steps = "dummy", (64, 64), 2
-            args.num_prompts, args.max_concurrency = 4, 2
+            args.num_prompts, args.max_concurrency, args.warmup = 4, 2, 1
         offline = run_offline(args)
         serving = run_serving(args, out.with_suffix(".server.log"))
     print_table(offline, serving)
