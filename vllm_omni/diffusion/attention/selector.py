@@ -2,7 +2,8 @@
 
 Resolution order: an explicit name, then the backend of the attention config current while the model is
 built (the pipeline sets it from `OmniDiffusionConfig.diffusion_attention_backend`), then env
-`DIFFUSION_ATTENTION_BACKEND`, then the platform default (FLASH_ATTN on CUDA when installed, else TORCH_SDPA).
+`DIFFUSION_ATTENTION_BACKEND`, then the platform default: on Hopper and newer GPUs CUDNN_ATTN, else FLASH_ATTN
+when installed, else TORCH_SDPA (always TORCH_SDPA on CPU).
 The choice is made once per layer at construction, never swapped while requests run.
 """
 
@@ -65,7 +66,13 @@ def load_backend(name: str) -> type[AttentionBackend]:
 
 
 def _default() -> str:
-    if torch.cuda.is_available() and load_backend("FLASH_ATTN").unavailable_reason() is None:
+    """On an H200 cuDNN's fused kernel ran Qwen-Image's 4224-token attention at 543 TFLOP/s, the flash kernel
+    (what SDPA picks unmasked) at 322; FlashAttention-2's own package is no faster than the latter on Hopper."""
+    if not torch.cuda.is_available():
+        return "TORCH_SDPA"
+    if torch.cuda.get_device_capability() >= (9, 0) and load_backend("CUDNN_ATTN").unavailable_reason() is None:
+        return "CUDNN_ATTN"
+    if load_backend("FLASH_ATTN").unavailable_reason() is None:
         return "FLASH_ATTN"
     return "TORCH_SDPA"
 
