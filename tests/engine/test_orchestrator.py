@@ -35,13 +35,14 @@ def two_stage_config(connector: str = "inproc") -> VllmOmniConfig:
 
 
 class Harness:
-    def __init__(self, clients: list[FakeStageClient], config: VllmOmniConfig | None) -> None:
+    def __init__(self, clients: list[FakeStageClient], config: VllmOmniConfig | None,
+                 stage_modalities: list[str] | None = None) -> None:
         self.requests: asyncio.Queue = asyncio.Queue()
         self.outputs: queue.Queue = queue.Queue()
         self.rpc: queue.Queue = queue.Queue()
         self.clients = clients
         pools = [StagePool(c.stage_id, [c], c.stage_type) for c in clients]
-        self.orch = Orchestrator(self.requests, self.outputs, self.rpc, pools, config)
+        self.orch = Orchestrator(self.requests, self.outputs, self.rpc, pools, config, stage_modalities)
         self.task = asyncio.create_task(self.orch.run())
 
     async def next_output(self, timeout: float = 5.0):
@@ -78,6 +79,28 @@ async def test_two_stages_route_text_and_stream_only_final_stage(connector):
     assert h.clients[1].add_request_calls == [("r1", "hello|s0")]
     assert {"stage0", "stage1", "e2e"} <= set(outs[-1].stage_durations)
     assert "r1" not in h.orch.request_states and len(h.orch.connectors[(0, 1)]) == 0
+    await h.close()
+
+
+async def test_requested_modalities_decide_how_far_a_request_runs():
+    """Text and audio both final (Qwen3-Omni's shape): a text-only request never reaches the audio stage."""
+    config = two_stage_config("shm")
+    config.stages[0].final_output = True
+    h = Harness([FakeStageClient(0), FakeStageClient(1)], config, stage_modalities=["text", "audio"])
+    await h.requests.put(AddRequestMessage(request_id="t", prompt="hi", sampling_params_list=[None, None],
+                                           output_modalities=["text"]))
+    out = await h.next_output()
+    assert (out.stage_id, out.finished, out.text) == (0, True, "hi|s0")
+    assert h.clients[1].add_request_calls == [] and len(h.orch.connectors[(0, 1)]) == 0
+    await h.requests.put(AddRequestMessage(request_id="a", prompt="hi", sampling_params_list=[None, None],
+                                           output_modalities=["audio"]))
+    outs = [await h.next_output() for _ in range(2)]
+    assert [(o.stage_id, o.finished) for o in outs] == [(0, False), (1, True)]
+    await h.requests.put(AddRequestMessage(request_id="v", prompt="hi", sampling_params_list=[None, None],
+                                           output_modalities=["video"]))
+    err = await h.next_output()
+    assert isinstance(err, ErrorMessage) and err.status_code == 400 and err.param == "modalities"
+    assert "['audio', 'text']" in err.error and h.clients[0].add_request_calls[-1][0] == "a"
     await h.close()
 
 

@@ -87,7 +87,8 @@ class AsyncOmniEngine:
             self.stage_clients = [pool.clients[0] for pool in pools]
             self.stage_metadata = [self._describe(client) for client in self.stage_clients]
             self.orchestrator = Orchestrator(self.request_queue.async_q, self.output_queue.sync_q,
-                                             self.rpc_output_queue.sync_q, pools, self.config)
+                                             self.rpc_output_queue.sync_q, pools, self.config,
+                                             stage_modalities=[m["output_modality"] for m in self.stage_metadata])
         except BaseException as e:
             self._runtime.shutdown()
             self._ready.set_exception(e)
@@ -132,10 +133,12 @@ class AsyncOmniEngine:
             return self.orchestrator.dead_error
         return None if self._thread.is_alive() else "the engine's orchestrator thread stopped"
 
-    def add_request(self, request_id: str, prompt: Any, sampling_params_list: list[Any]) -> None:
+    def add_request(self, request_id: str, prompt: Any, sampling_params_list: list[Any],
+                    output_modalities: list[str] | None = None) -> None:
         self.request_queue.sync_q.put(AddRequestMessage(request_id=request_id, prompt=prompt,
                                                         sampling_params_list=list(sampling_params_list),
-                                                        arrival_time=time.time()))
+                                                        arrival_time=time.time(),
+                                                        output_modalities=output_modalities))
 
     def abort(self, request_ids: list[str]) -> None:
         """Fire and forget: the orchestrator frees the requests in every stage; no result is sent."""

@@ -22,6 +22,9 @@ class AddRequestMessage(EngineQueueMessage, kw_only=True):
     sampling_params_list: list[Any]
     """One entry per stage (vLLM `SamplingParams` for AR stages, `OmniDiffusionSamplingParams` for diffusion)."""
     arrival_time: float = 0.0
+    output_modalities: list[str] | None = None
+    """Final outputs the caller wants ("text", "audio", ...): the request stops after the last stage that makes
+    one of them (text-only Qwen3-Omni skips talker and vocoder). None = every final output."""
 
 
 class AbortRequestMessage(EngineQueueMessage, kw_only=True):

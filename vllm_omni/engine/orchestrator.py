@@ -45,7 +45,8 @@ class OrchestratorRequestState:
 
 class Orchestrator:
     def __init__(self, request_async_queue: Any, output_queue: Any, rpc_queue: Any, stage_pools: list[StagePool],
-                 config: VllmOmniConfig | None = None) -> None:
+                 config: VllmOmniConfig | None = None, stage_modalities: list[str] | None = None) -> None:
+        """`stage_modalities`: the output modality of each stage (for requests that ask for some of them)."""
         self.request_queue = request_async_queue
         self.output_queue = output_queue
         self.rpc_queue = rpc_queue
@@ -59,7 +60,8 @@ class Orchestrator:
                     self.connectors[(src, stage.stage_id)] = make_connector(config.connector_for(src, stage.stage_id))
         self._downstream = {i: [s.stage_id for s in (self.stages or []) if i in s.inputs]
                             for i in range(len(stage_pools))}
-        self._last_final_stage = max((s.stage_id for s in (self.stages or []) if s.final_output), default=0)
+        self.stage_modalities = stage_modalities
+        self._last_final_stage = max((i for i in range(len(stage_pools)) if self._is_final(i)), default=0)
         self.dead_error: str | None = None
 
     # ---- main loop -------------------------------------------------------------------------------------
@@ -107,18 +109,19 @@ class Orchestrator:
     async def _run_request(self, state: OrchestratorRequestState, msg: AddRequestMessage) -> None:
         rid = state.request_id
         try:
-            for stage_id, pool in enumerate(self.stage_pools):
+            last_stage = self._last_stage(msg.output_modalities)
+            for stage_id, pool in enumerate(self.stage_pools[: last_stage + 1]):
                 state.current_stage = stage_id
                 prompt, params = self._stage_input(state, stage_id, msg.prompt, msg.sampling_params_list[stage_id])
                 last = None
                 async for out in pool.generate(rid, prompt, params):
                     last = out
                     if self._is_final(stage_id):
-                        self._emit_output(state, stage_id, out)
+                        self._emit_output(state, stage_id, out, last_stage)
                 if last is None:
                     raise RuntimeError(f"stage {stage_id} finished request {rid} without an output")
                 self._record_stage(state, last)
-                self._hand_off(state, stage_id, last)
+                self._hand_off(state, stage_id, last, last_stage)
         except asyncio.CancelledError:
             raise
         except EngineDeadError as e:
@@ -137,6 +140,18 @@ class Orchestrator:
             return stage_id == len(self.stage_pools) - 1
         return self.stages[stage_id].final_output
 
+    def _last_stage(self, modalities: list[str] | None) -> int:
+        """The last stage a request runs: the last final stage, or the last one making a requested modality."""
+        if modalities is None or self.stage_modalities is None:
+            return self._last_final_stage
+        finals = [i for i in range(len(self.stage_pools)) if self._is_final(i)]
+        wanted = [i for i in finals if self.stage_modalities[i] in modalities]
+        if not wanted:
+            available = sorted({self.stage_modalities[i] for i in finals})
+            raise OmniClientError(f"modalities {sorted(modalities)} cannot be produced by this pipeline "
+                                  f"(it outputs {available})", param="modalities")
+        return max(wanted)
+
     def _stage_input(self, state: OrchestratorRequestState, stage_id: int, original_prompt: Any,
                      params: Any) -> tuple[Any, Any]:
         """(prompt, sampling params) of this request for `stage_id`."""
@@ -149,8 +164,11 @@ class Orchestrator:
         result = get_stage_input_processor(stage.input_processor)(payloads, original_prompt, context)
         return result.prompt, result.sampling_params
 
-    def _hand_off(self, state: OrchestratorRequestState, stage_id: int, out: OmniRequestOutput) -> None:
+    def _hand_off(self, state: OrchestratorRequestState, stage_id: int, out: OmniRequestOutput,
+                  last_stage: int) -> None:
         for dst in self._downstream.get(stage_id, ()):
+            if dst > last_stage:
+                continue
             prompt_ids = getattr(out.request_output, "prompt_token_ids", None)
             payload = StagePayload(metadata={"text": out.text, "token_ids": list(out.token_ids),
                                              "prompt_token_ids": list(prompt_ids or []),
@@ -163,13 +181,14 @@ class Orchestrator:
         state.stage_durations.update(out.stage_durations)
         state.peak_memory_mb = max(state.peak_memory_mb, out.peak_memory_mb)
 
-    def _emit_output(self, state: OrchestratorRequestState, stage_id: int, out: OmniRequestOutput) -> None:
+    def _emit_output(self, state: OrchestratorRequestState, stage_id: int, out: OmniRequestOutput,
+                     last_stage: int) -> None:
         if out.finished:
             state.stage_durations.update(out.stage_durations)
             out.stage_durations = dict(state.stage_durations)
             out.peak_memory_mb = max(state.peak_memory_mb, out.peak_memory_mb)
             out.stage_durations["e2e"] = time.time() - state.arrival_time
-        out.finished = out.finished and stage_id == self._last_final_stage
+        out.finished = out.finished and stage_id == last_stage
         self.output_queue.put_nowait(out)
 
     def _emit_error(self, request_id: str | None, exc: BaseException, fatal: bool = False) -> None:

@@ -73,8 +73,11 @@ class AsyncOmni(OmniBase):
 
     # ---- generate / abort --------------------------------------------------------------------------------
     async def generate(self, prompt: Any, request_id: str, sampling_params_list: Any = None, *,
-                       sampling_params: Any = None) -> AsyncIterator[OmniRequestOutput]:
-        """Stream the request's outputs (partial text from streaming AR stages, then final media)."""
+                       sampling_params: Any = None, output_modalities: list[str] | None = None
+                       ) -> AsyncIterator[OmniRequestOutput]:
+        """Stream the request's outputs (partial text from streaming AR stages, then final media).
+
+        `output_modalities` (e.g. ["text"]) stops the request after the last stage making one of them."""
         self._check_loop()
         if sampling_params_list is None and sampling_params is not None:
             sampling_params_list = sampling_params
@@ -87,7 +90,7 @@ class AsyncOmni(OmniBase):
         state = _RequestState(request_id)
         self.request_states[request_id] = state
         self._ensure_output_handler()
-        self.engine.add_request(request_id, prompt, params)
+        self.engine.add_request(request_id, prompt, params, output_modalities)
         finished = False
         try:
             while not finished:

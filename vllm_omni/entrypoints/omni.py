@@ -21,14 +21,16 @@ class Omni(OmniBase):
     """Runs every prompt through the whole pipeline; returns one output per (prompt, final stage)."""
 
     def generate(self, prompts: Any, sampling_params_list: Any = None, *, use_tqdm: bool = True,
-                 timeout: float | None = None) -> list[OmniRequestOutput]:
+                 timeout: float | None = None, output_modalities: list[str] | None = None
+                 ) -> list[OmniRequestOutput]:
+        """`output_modalities` (e.g. ["text"]) stops each request after the last stage making one of them."""
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         params = [self._final_only(p) for p in self._resolve_sampling_params(sampling_params_list)]
         batch = uuid.uuid4().hex[:8]
         request_ids = [f"{i}-{batch}" for i in range(len(prompts))]
         for rid, prompt in zip(request_ids, prompts, strict=False):
-            self.engine.add_request(rid, prompt, params)
+            self.engine.add_request(rid, prompt, params, output_modalities)
         finals: dict[str, dict[int, OmniRequestOutput]] = {rid: {} for rid in request_ids}
         pending = set(request_ids)
         waited = 0.0

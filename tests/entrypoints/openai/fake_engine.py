@@ -67,7 +67,8 @@ class FakeOmni:
         if self.is_dead:
             raise RuntimeError("dead")
 
-    async def generate(self, prompt: Any, request_id: str, sampling_params_list: list[Any] | None = None):
+    async def generate(self, prompt: Any, request_id: str, sampling_params_list: list[Any] | None = None,
+                       output_modalities: list[str] | None = None):
         self.seen.append((prompt, request_id, sampling_params_list))
         self.running.add(request_id)
         try:

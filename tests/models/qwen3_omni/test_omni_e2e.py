@@ -63,3 +63,18 @@ def test_text_frames_and_audio_equal_transformers(omni, hf_model, tiny_path, mon
         assert audio_out.finished and audio_out.multimodal_output["sample_rate"] == 24000
         np.testing.assert_allclose(audio_out.multimodal_output["audio"], ref_wav, rtol=1e-5, atol=1e-5)
         assert {"stage-0-llm", "stage-1-llm", "stage-2-generation", "e2e"} <= set(audio_out.stage_durations)
+
+
+def test_text_only_request_stops_after_the_thinker(omni, tiny_path):
+    """`output_modalities=["text"]`: only the thinker runs; its text equals that of a full text + audio run."""
+    from vllm import SamplingParams
+
+    prompt = {"prompt_token_ids": chat_prompt_ids(tiny_path, PROMPTS[0])[0].tolist()}
+    params = [SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS, ignore_eos=True),
+              SamplingParams(max_tokens=TALKER_TOKENS), None]
+    full = omni.generate([prompt], params, use_tqdm=False)
+    text_only = omni.generate([prompt], params, use_tqdm=False, output_modalities=["text"])
+    assert [(o.stage_id, o.final_output_type, o.finished) for o in text_only] == [(0, "text", True)]
+    assert text_only[0].token_ids == full[0].token_ids
+    assert "stage-0-llm" in text_only[0].stage_durations
+    assert not any(key.startswith(("stage-1", "stage-2")) for key in text_only[0].stage_durations)

@@ -2,7 +2,7 @@
 process) through the official openai client. Pins: chat with modalities ["text", "audio"] returns the thinker's
 text and a base64 WAV equal to transformers' greedy `generate(return_audio=True)` (same text, same samples up to
 16-bit quantization), streamed text equals the plain answer and the audio arrives at the end of
-the stream, and `audio.speech.create` returns a WAV.
+the stream, a text-only chat never runs the talker or the vocoder, and `audio.speech.create` returns a WAV.
 """
 
 from __future__ import annotations
@@ -75,6 +75,18 @@ def test_chat_text_and_audio_equal_transformers(client, reference):
     assert rate == 24000 and len(audio) == len(ref_wav)
     np.testing.assert_allclose(audio, np.clip(ref_wav, -1, 1), atol=2e-4)
     assert audio.std() > 1e-3
+
+
+def test_text_only_chat_skips_talker_and_vocoder(server, client, reference):
+    """modalities=["text"]: the thinker's answer alone; the talker and the vocoder never see the request."""
+    count = "vllm_omni:stage_duration_seconds_count"
+    before = {s: server.metric(count, stage=s) for s in ("stage-0-llm", "stage-1-llm", "stage-2-generation")}
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, modalities=["text"],
+                                         extra_body={"sampling_params_list": PARAMS_LIST})
+    assert out.choices[0].message.content == reference[0] and out.choices[0].message.audio is None
+    after = {s: server.metric(count, stage=s) for s in before}
+    assert after["stage-0-llm"] == before["stage-0-llm"] + 1
+    assert after["stage-1-llm"] == before["stage-1-llm"] and after["stage-2-generation"] == before["stage-2-generation"]
 
 
 def test_stream_text_then_audio(client, reference):

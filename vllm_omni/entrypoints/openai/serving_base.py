@@ -141,8 +141,8 @@ class OmniServingBase:
 
     # Engine calls --------------------------------------------------------------------------------
 
-    async def generate(self, prompt: Any, request_id: str, sampling_params_list: list[Any]
-                       ) -> AsyncIterator[OmniRequestOutput]:
+    async def generate(self, prompt: Any, request_id: str, sampling_params_list: list[Any],
+                       output_modalities: list[str] | None = None) -> AsyncIterator[OmniRequestOutput]:
         """`engine.generate`, plus: failed outputs raise their error, and leaving early aborts the request."""
         if getattr(self.engine, "is_dead", False):
             raise EngineDeadError()
@@ -150,7 +150,8 @@ class OmniServingBase:
         outcome = "aborted"
         self.metrics.request_started()
         try:
-            async for output in self.engine.generate(prompt, request_id, sampling_params_list):
+            async for output in self.engine.generate(prompt, request_id, sampling_params_list,
+                                                     output_modalities=output_modalities):
                 if output.error is not None:
                     outcome = "error"
                     raise client_error_from_metadata(output.error, status_code=output.error_status_code,
@@ -171,11 +172,11 @@ class OmniServingBase:
                 task.add_done_callback(self._aborts.discard)
                 await asyncio.shield(task)
 
-    async def generate_final(self, prompt: Any, request_id: str, sampling_params_list: list[Any]
-                             ) -> list[OmniRequestOutput]:
+    async def generate_final(self, prompt: Any, request_id: str, sampling_params_list: list[Any],
+                             output_modalities: list[str] | None = None) -> list[OmniRequestOutput]:
         """Run to completion; returns the last output of every stage that reported one, in stage order."""
         last: dict[int, OmniRequestOutput] = {}
-        async for output in self.generate(prompt, request_id, sampling_params_list):
+        async for output in self.generate(prompt, request_id, sampling_params_list, output_modalities):
             last[output.stage_id] = output
         if not last:
             raise client_error_from_metadata("No output generated from AsyncOmni", status_code=500, error_type=None)

@@ -67,7 +67,7 @@ class OmniOpenAIServingChat(OmniServingBase):
         if request.stream:
             stream = self.chat_stream(request, modalities, prompt, request_id, params, num_prompt_tokens)
             return StreamingResponse(stream, media_type="text/event-stream")
-        finals = await self.generate_final(prompt, request_id, params)
+        finals = await self.generate_final(prompt, request_id, params, self.requested(request, modalities))
         choice, usage = self.build_choice(request, modalities, finals, index=0,
                                           num_prompt_tokens=num_prompt_tokens)
         response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=usage)
@@ -100,6 +100,11 @@ class OmniOpenAIServingChat(OmniServingBase):
                 raise OmniClientError(f"audio.format must be one of {list(AUDIO_FORMATS)}, got {fmt!r}",
                                       param="audio.format")
         return set(request.modalities)
+
+    @staticmethod
+    def requested(request: OmniChatCompletionRequest, modalities: set[str]) -> list[str] | None:
+        """What the engine must produce: only what the request asked for (text-only skips audio stages)."""
+        return None if request.modalities is None else sorted(modalities)
 
     # Prompt --------------------------------------------------------------------------------------
 
@@ -259,7 +264,7 @@ class OmniOpenAIServingChat(OmniServingBase):
         sent: dict[int, int] = {}
         text_out: OmniRequestOutput | None = None
         try:
-            async for output in self.generate(prompt, request_id, params):
+            async for output in self.generate(prompt, request_id, params, self.requested(request, modalities)):
                 if is_text_output(output):
                     text_out = output
                     text = output_text(output)
