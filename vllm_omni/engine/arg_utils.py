@@ -59,6 +59,9 @@ class OmniEngineArgs(EngineArgs):
     """Extra kwargs for diffusers `from_pretrained` (generic adapter path)."""
     use_diffusers_adapter: bool = False
     """Run diffusion models through the generic diffusers adapter even when a native pipeline exists."""
+    model_class_name: str | None = None
+    """Diffusion pipeline class instead of `_class_name` of model_index.json (e.g. `WanImageToVideoPipeline`
+    for Wan2.2-TI2V-5B image-to-video, or a `module:Class` path)."""
     num_gpus: int | None = None
     """Devices per diffusion stage (None = the stage's default)."""
     stage_init_timeout: float | None = None
@@ -104,6 +107,9 @@ class OmniEngineArgs(EngineArgs):
                            help="Extra kwargs for diffusers from_pretrained (adapter path), as JSON.")
         group.add_argument("--use-diffusers-adapter", action="store_true",
                            help="Force the generic diffusers adapter for diffusion models.")
+        group.add_argument("--model-class-name", default=None,
+                           help="Diffusion pipeline class instead of model_index.json's _class_name "
+                                "(e.g. WanImageToVideoPipeline, or module:Class).")
         group.add_argument("--num-gpus", type=int, default=None, help="Devices per diffusion stage.")
         group.add_argument("--stage-init-timeout", type=float, default=None,
                            help="Seconds one stage may take to start.")

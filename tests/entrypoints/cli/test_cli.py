@@ -40,7 +40,8 @@ def test_serve_help_lists_omni_flags(parser, capsys):
         parser.parse_args(["--help=OmniConfig"])
     out = capsys.readouterr().out
     for flag in ("--stage-overrides", "--diffusion-attention-backend", "--request-batch-max-wait-ms",
-                 "--cache-backend", "--cache-config", "--fa-deterministic", "--stage-init-timeout"):
+                 "--cache-backend", "--cache-config", "--fa-deterministic", "--stage-init-timeout",
+                 "--model-class-name"):
         assert flag in out
 
 
@@ -85,6 +86,17 @@ def test_load_format_and_enforce_eager_reach_the_diffusion_config(parser, eager)
     assert (od_config.load_format, od_config.enforce_eager, od_config.max_num_seqs) == ("dummy", eager, 2)
     assert "enforce_eager" not in OmniEngineArgs.omni_kwargs_from_cli(parser.parse_args(["m"]),
                                                                       parser.parse_args([]))
+
+
+def test_model_class_name_reaches_the_diffusion_config(parser):
+    """TI2V-5B image-to-video over HTTP: `--model-class-name WanImageToVideoPipeline`."""
+    from vllm_omni.config.omni_config import StageConfigFactory
+
+    args = parser.parse_args(["tiny/wan2.2-ti2v-5b", "--omni", "--model-class-name", "WanImageToVideoPipeline"])
+    kwargs = OmniEngineArgs.omni_kwargs_from_cli(args, parser.parse_args([]))
+    assert kwargs == {"model_class_name": "WanImageToVideoPipeline"}
+    (stage,) = StageConfigFactory.create_from_model("tiny/wan2.2-ti2v-5b", **kwargs).stages
+    assert stage.make_od_config().model_class_name == "WanImageToVideoPipeline"
 
 
 def test_bad_flag_values_name_the_flag(parser, capsys):
