@@ -50,7 +50,7 @@ def test_text_frames_and_audio_equal_transformers(omni, hf_model, tiny_path, mon
     monkeypatch.setattr(talker, "generate", spy)
     prompt_ids = [chat_prompt_ids(tiny_path, text)[0].tolist() for text in PROMPTS]
     params = [SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS, ignore_eos=True),
-              SamplingParams(max_tokens=TALKER_TOKENS), None]
+              SamplingParams(max_tokens=TALKER_TOKENS, temperature=0.0), None]
     outputs = omni.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
 
     assert [(o.stage_id, o.final_output_type) for o in outputs] == [(0, "text"), (2, "audio")] * len(PROMPTS)
@@ -71,10 +71,46 @@ def test_text_only_request_stops_after_the_thinker(omni, tiny_path):
 
     prompt = {"prompt_token_ids": chat_prompt_ids(tiny_path, PROMPTS[0])[0].tolist()}
     params = [SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS, ignore_eos=True),
-              SamplingParams(max_tokens=TALKER_TOKENS), None]
+              SamplingParams(max_tokens=TALKER_TOKENS, temperature=0.0), None]
     full = omni.generate([prompt], params, use_tqdm=False)
     text_only = omni.generate([prompt], params, use_tqdm=False, output_modalities=["text"])
     assert [(o.stage_id, o.final_output_type, o.finished) for o in text_only] == [(0, "text", True)]
     assert text_only[0].token_ids == full[0].token_ids
     assert "stage-0-llm" in text_only[0].stage_durations
     assert not any(key.startswith(("stage-1", "stage-2")) for key in text_only[0].stage_durations)
+
+
+def test_talker_samples_when_asked_and_seeds_reproduce(omni, tiny_path, monkeypatch):
+    """Talker `SamplingParams(temperature > 0, seed)`: vLLM samples codebook 0 and the code predictor the others;
+    the same seed gives the same frames, another seed or greedy decoding other frames."""
+    from vllm import SamplingParams
+
+    talker = omni.engine.stage_clients[1]
+    frames: dict[str, list] = {}
+    collect = talker.generate
+
+    async def spy(request_id, prompt, params):
+        async for out in collect(request_id, prompt, params):
+            if out.finished:
+                frames[request_id] = out.multimodal_output["stage_data"]["codec_frames"]
+            yield out
+
+    monkeypatch.setattr(talker, "generate", spy)
+    prompt = {"prompt_token_ids": chat_prompt_ids(tiny_path, PROMPTS[0])[0].tolist()}
+    thinker = SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS, ignore_eos=True)
+
+    def run(talker_params):
+        frames.clear()
+        outputs = omni.generate([prompt], [thinker, talker_params, None], use_tqdm=False)
+        assert outputs[-1].finished and outputs[-1].final_output_type == "audio"
+        (got,) = frames.values()
+        return got
+
+    sampled = [run(SamplingParams(max_tokens=TALKER_TOKENS, temperature=0.9, top_k=50, seed=seed))
+               for seed in (7, 7, 8)]
+    greedy = run(SamplingParams(max_tokens=TALKER_TOKENS, temperature=0.0))
+    assert sampled[0] == sampled[1]
+    assert sampled[0] != sampled[2] and sampled[0] != greedy
+    assert {len(frame) for frame in sampled[0]} == {len(greedy[0])}  # every frame has all its codebooks
+    # No talker params: the stage default, transformers' sampling (temperature 0.9, top-k 50, penalty 1.05).
+    assert omni.default_sampling_params_list[1].temperature == 0.9

@@ -26,7 +26,7 @@ MESSAGES = [{"role": "system", "content": "You are a helpful assistant."}, {"rol
 THINKER_TOKENS = 8
 TALKER_TOKENS = 10
 PARAMS_LIST = [{"temperature": 0.0, "max_tokens": THINKER_TOKENS, "ignore_eos": True},
-               {"max_tokens": TALKER_TOKENS}, {}]
+               {"max_tokens": TALKER_TOKENS, "temperature": 0.0}, {}]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_omni.config.omni_config import register_pipeline
 from vllm_omni.config.pipeline_config import PipelineConfig, PipelineStageConfig, StageExecutionType
@@ -25,7 +25,14 @@ from vllm_omni.model_executor.models.qwen3_omni.stage_input_processors import (
     thinker_to_talker,
 )
 
+if TYPE_CHECKING:
+    from vllm_omni.model_executor.models.qwen3_omni.talker import TalkerSamplingParams
+
 DEFAULT_SPEAKER = "ethan"
+TALKER_DEFAULT_SAMPLING = {"max_tokens": 4096, "temperature": 0.9, "top_k": 50, "top_p": 1.0,
+                           "repetition_penalty": 1.05}
+"""The talker's decoding when a request names none: transformers' `Qwen3OmniMoeForConditionalGeneration.generate`
+defaults (greedy talkers tend to loop)."""
 FRAMES_TIMEOUT_S = 10.0
 """How long the collector waits for the talker worker to file a finished request's frames (one engine step)."""
 
@@ -41,7 +48,7 @@ def qwen3_omni_pipeline() -> PipelineConfig:
                             engine_args={"limit_mm_per_prompt": {"image": 0, "video": 0, "audio": 0}}),
         PipelineStageConfig(stage_id=1, execution_type=ar, inputs=[0], input_processor="qwen3_omni_thinker_to_talker",
                             output_collector="qwen3_omni_talker_frames", engine_args=talker_engine_kwargs(),
-                            default_sampling_params={"max_tokens": 4096}),
+                            default_sampling_params=TALKER_DEFAULT_SAMPLING),
         PipelineStageConfig(stage_id=2, execution_type=generation, inputs=[1],
                             input_processor="qwen3_omni_talker_to_code2wav", final_output=True,
                             final_output_type="audio",
@@ -60,7 +67,10 @@ def _hf_config(model_path: str):
 @register_stage_input_processor("qwen3_omni_thinker_to_talker", takes_context=True)
 def thinker_to_talker_request(upstream: list[StagePayload], original_prompt: Any,
                               context: StageInputContext) -> StageInput:
-    """The talker's placeholder prompt and greedy params carrying its conditioning; `voice` picks the speaker."""
+    """The talker's placeholder prompt and params carrying its conditioning; `voice` picks the speaker.
+
+    Of the caller's talker `SamplingParams`: `max_tokens` (codec frames) and `temperature` / `top_k` / `top_p` /
+    `repetition_penalty` / `seed` (temperature 0 = greedy)."""
     from vllm.sampling_params import RequestOutputKind
 
     from vllm_omni.model_executor.models.qwen3_omni.vllm_talker import talker_request
@@ -71,16 +81,33 @@ def thinker_to_talker_request(upstream: list[StagePayload], original_prompt: Any
     if voice is not None and str(voice).lower() not in ids.speakers:
         raise OmniClientError(f"voice {voice!r} is not one of this model's voices {sorted(ids.speakers)}",
                               param="voice")
+    sampling = _talker_sampling(context.sampling_params)
     thinker = upstream[0].metadata
     try:
         prompt = thinker_to_talker(thinker["prompt_token_ids"], thinker["token_ids"], ids,
                                    speaker=voice or DEFAULT_SPEAKER)
     except ValueError as e:
         raise OmniClientError(f"talker input: {e}", param="prompt") from e
-    max_tokens = getattr(context.sampling_params, "max_tokens", None) or 4096
-    vllm_prompt, params = talker_request(prompt, context.request_id, config.talker_config, max_new_tokens=max_tokens)
+    vllm_prompt, params = talker_request(prompt, context.request_id, config.talker_config,
+                                         max_new_tokens=sampling.max_new_tokens, sampling=sampling)
     params.output_kind = RequestOutputKind.FINAL_ONLY  # only the finished frames feed on
     return StageInput(vllm_prompt, params)
+
+
+def _talker_sampling(params: Any) -> TalkerSamplingParams:
+    """The talker's decoding from the caller's stage-1 `SamplingParams` (None: greedy, 4096 frames at most)."""
+    from vllm_omni.model_executor.models.qwen3_omni.talker import TalkerSamplingParams
+
+    fields: dict[str, Any] = {"max_new_tokens": getattr(params, "max_tokens", None) or 4096}
+    temperature = getattr(params, "temperature", 0.0) or 0.0
+    if temperature > 0:
+        fields.update(temperature=temperature, top_k=max(getattr(params, "top_k", 0) or 0, 0),
+                      top_p=getattr(params, "top_p", 1.0), seed=getattr(params, "seed", None),
+                      repetition_penalty=getattr(params, "repetition_penalty", 1.0))
+    try:
+        return TalkerSamplingParams(**fields)
+    except ValueError as e:
+        raise OmniClientError(f"talker sampling params: {e}", param="sampling_params_list") from e
 
 
 @register_output_collector("qwen3_omni_talker_frames")

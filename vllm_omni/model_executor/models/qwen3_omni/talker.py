@@ -123,7 +123,7 @@ class Qwen3OmniTalker(nn.Module):
         from transformers import DynamicCache
 
         params = params or TalkerSamplingParams()
-        sample = _Sampler(params, self.allowed)
+        sample = CodecSampler(params, self.allowed)
         trailing = self._project_text(prompt.trailing_thinker_ids)
         tts_pad = self._project_text([prompt.tts_pad_id])[0]
         inputs = self.prompt_embeds(prompt).unsqueeze(0)
@@ -169,11 +169,11 @@ def predict_residual_codes(predictor, past_hidden: torch.Tensor, code0_embed: to
     return codes, total
 
 
-class _Sampler:
+class CodecSampler:
     """Greedy / top-k / top-p over one row of logits; the talker's codebook-0 calls pass its history (for the
     repetition penalty) and are restricted to codec ids, the code predictor's calls pass None."""
 
-    def __init__(self, params: TalkerSamplingParams, allowed: torch.Tensor) -> None:
+    def __init__(self, params: TalkerSamplingParams, allowed: torch.Tensor | None) -> None:
         self.params = params
         self.allowed = allowed
         self.generator = None

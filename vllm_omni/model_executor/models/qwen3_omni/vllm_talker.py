@@ -16,14 +16,18 @@ M-RoPE with equal temporal/height/width positions is the same rotation.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from vllm_omni.model_executor.models.qwen3_omni.stage_input_processors import NO_CODEC, TalkerPrompt
-from vllm_omni.model_executor.models.qwen3_omni.talker import predict_residual_codes
+from vllm_omni.model_executor.models.qwen3_omni.talker import (
+    CodecSampler,
+    TalkerSamplingParams,
+    predict_residual_codes,
+)
 
 EXTRA_ARGS_KEY = "qwen3_omni_talker"
 MAX_UNCLAIMED_RESULTS = 4096
@@ -57,6 +61,8 @@ class _RequestState:
     frames: list[list[int]] = field(default_factory=list)
     frame_embeds: list[torch.Tensor] = field(default_factory=list)
     error: str | None = None
+    pick_code: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits.argmax(dim=-1)
+    """Codebooks 1..G-1 (the code predictor): greedy, or sampled when the request samples codebook 0."""
 
 
 @dataclass
@@ -150,6 +156,9 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
                 thinker_ids=torch.tensor(spec["thinker_ids"], dtype=torch.long, device=device),
                 codec_ids=torch.tensor(spec["codec_ids"], dtype=torch.long, device=device),
                 trailing_ids=list(spec["trailing_thinker_ids"]), tts_pad_id=int(spec["tts_pad_id"]))
+            if spec.get("code_sampling"):
+                sampler = CodecSampler(TalkerSamplingParams(**spec["code_sampling"]), allowed=None)
+                state.pick_code = lambda logits: sampler(logits, None)
             self._requests[row.req_id] = state
         return state
 
@@ -182,7 +191,7 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
                 frame_embed = state.frame_embeds[step]
             elif step == len(state.frames) and offset == 0 and state.last_hidden is not None:
                 residual, frame_embed = predict_residual_codes(self.code_predictor, state.last_hidden, embeds[i],
-                                                               lambda logits: logits.argmax(dim=-1))
+                                                               state.pick_code)
                 state.frames.append([code0, *residual])
                 state.frame_embeds.append(frame_embed)
             else:
@@ -222,18 +231,34 @@ def talker_engine_kwargs() -> dict:
             "enable_prefix_caching": False, "async_scheduling": False, "enforce_eager": True}
 
 
-def talker_request(prompt: TalkerPrompt, key: str, talker_config, *, max_new_tokens: int = 4096):
-    """(vLLM prompt, SamplingParams) of one greedy talker request; its frames are collected under `key`."""
+def talker_request(prompt: TalkerPrompt, key: str, talker_config, *, max_new_tokens: int = 4096,
+                   sampling: TalkerSamplingParams | None = None):
+    """(vLLM prompt, SamplingParams) of one talker request; its frames are collected under `key`.
+
+    `sampling` (None = greedy): vLLM's sampler draws codebook 0 with its temperature / top-k / top-p / repetition
+    penalty / seed; the code predictor then samples the other codebooks as transformers does (top-k 50, top-p 0.8)
+    from a generator seeded with the same seed, and decodes greedily when codebook 0 does.
+    """
     import msgspec
     from vllm import SamplingParams
 
     if prompt.multimodal_positions:
         raise ValueError("talker prompt has multimodal positions; only text prompts are supported so far (they need "
                          "the thinker's accept_hidden_layer states and M-RoPE positions)")
+    sampling = sampling or TalkerSamplingParams()
     vocab = talker_config.text_config.vocab_size
     eos = talker_config.codec_eos_token_id
+    spec = {"key": key, **msgspec.to_builtins(prompt)}
+    sample = sampling.temperature > 0
+    if sample:
+        spec["code_sampling"] = {"temperature": 1.0, "top_k": 50, "top_p": 0.8, "seed": sampling.seed}
     params = SamplingParams(
-        temperature=0.0, max_tokens=max_new_tokens, stop_token_ids=[eos], detokenize=False,
+        temperature=sampling.temperature, top_k=sampling.top_k if sample else 0, top_p=sampling.top_p,
+        repetition_penalty=sampling.repetition_penalty, seed=sampling.seed, max_tokens=max_new_tokens,
+        stop_token_ids=[eos], detokenize=False,
         allowed_token_ids=[*range(vocab - 1024), eos],  # codebook entries and codec EOS only, as transformers
-        extra_args={EXTRA_ARGS_KEY: {"key": key, **msgspec.to_builtins(prompt)}})
-    return {"prompt_token_ids": [0] * len(prompt.thinker_ids)}, params
+        extra_args={EXTRA_ARGS_KEY: spec})
+    # Prompt embeddings come from `spec`, so the ids only hold places: one the sampler never allows, so vLLM's
+    # repetition penalty (which counts prompt ids) weighs the generated codes alone, as transformers' does.
+    placeholder = next(i for i in range(vocab - 1, vocab - 1025, -1) if i != eos)
+    return {"prompt_token_ids": [placeholder] * len(prompt.thinker_ids)}, params
