@@ -34,20 +34,27 @@ def test_layout(omni):
     assert omni.output_modalities == {"text", "audio"}
 
 
-def test_text_frames_and_audio_equal_transformers(omni, hf_model, tiny_path, monkeypatch):
-    from vllm import SamplingParams
-
+@pytest.fixture
+def talker_frames(omni, monkeypatch) -> dict[str, list]:
+    """Codec frames of each finished talker request (by request id), seen on their way to code2wav."""
     talker = omni.engine.stage_clients[1]
-    frames_seen: dict[str, list] = {}
+    frames: dict[str, list] = {}
     collect = talker.generate
 
     async def spy(request_id, prompt, params):
         async for out in collect(request_id, prompt, params):
             if out.finished:
-                frames_seen[request_id] = out.multimodal_output["stage_data"]["codec_frames"]
+                frames[request_id] = out.multimodal_output["stage_data"]["codec_frames"]
             yield out
 
     monkeypatch.setattr(talker, "generate", spy)
+    return frames
+
+
+def test_text_frames_and_audio_equal_transformers(omni, hf_model, tiny_path, talker_frames):
+    from vllm import SamplingParams
+
+    frames_seen = talker_frames
     prompt_ids = [chat_prompt_ids(tiny_path, text)[0].tolist() for text in PROMPTS]
     params = [SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS, ignore_eos=True),
               SamplingParams(max_tokens=TALKER_TOKENS, temperature=0.0), None]
@@ -80,22 +87,12 @@ def test_text_only_request_stops_after_the_thinker(omni, tiny_path):
     assert not any(key.startswith(("stage-1", "stage-2")) for key in text_only[0].stage_durations)
 
 
-def test_talker_samples_when_asked_and_seeds_reproduce(omni, tiny_path, monkeypatch):
+def test_talker_samples_when_asked_and_seeds_reproduce(omni, tiny_path, talker_frames):
     """Talker `SamplingParams(temperature > 0, seed)`: vLLM samples codebook 0 and the code predictor the others;
     the same seed gives the same frames, another seed or greedy decoding other frames."""
     from vllm import SamplingParams
 
-    talker = omni.engine.stage_clients[1]
-    frames: dict[str, list] = {}
-    collect = talker.generate
-
-    async def spy(request_id, prompt, params):
-        async for out in collect(request_id, prompt, params):
-            if out.finished:
-                frames[request_id] = out.multimodal_output["stage_data"]["codec_frames"]
-            yield out
-
-    monkeypatch.setattr(talker, "generate", spy)
+    frames = talker_frames
     prompt = {"prompt_token_ids": chat_prompt_ids(tiny_path, PROMPTS[0])[0].tolist()}
     thinker = SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS, ignore_eos=True)
 
