@@ -21,10 +21,14 @@ from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.errors import OmniClientError
 
 
-def fake_image(seed: int, prompt: str, size: int) -> Image.Image:
+def seeded_pixels(seed: int, prompt: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Random uint8 pixels that depend on (seed, prompt) only."""
     mix = int.from_bytes(hashlib.sha256(f"{seed}:{prompt}".encode()).digest()[:8], "little")
-    pixels = np.random.default_rng(mix).integers(0, 256, (size, size, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
+    return np.random.default_rng(mix).integers(0, 256, shape, dtype=np.uint8)
+
+
+def fake_image(seed: int, prompt: str, size: int) -> Image.Image:
+    return Image.fromarray(seeded_pixels(seed, prompt, (size, size, 3)))
 
 
 class FakeBatchPipeline:

@@ -5,13 +5,10 @@ The clip is a pure function of (seed, prompt); prompt "stream-fail" fails the re
 
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
-from typing import Any, ClassVar
-
 import numpy as np
+from fake_pipelines import FakeBatchPipeline, seeded_pixels
 
-from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.forward_context import emit_partial, report_progress
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.errors import OmniClientError
@@ -23,20 +20,10 @@ SIZE = 320
 
 
 def fake_clip(seed: int, prompt: str) -> np.ndarray:
-    mix = int.from_bytes(hashlib.sha256(f"{seed}:{prompt}".encode()).digest()[:8], "little")
-    return np.random.default_rng(mix).integers(0, 256, (sum(CHUNK_FRAMES), SIZE, SIZE, 3), dtype=np.uint8)
+    return seeded_pixels(seed, prompt, (sum(CHUNK_FRAMES), SIZE, SIZE, 3))
 
 
-class FakeStreamingPipeline:
-    supports_request_batch: ClassVar[bool] = True
-
-    def __init__(self, od_config: OmniDiffusionConfig) -> None:
-        self.od_config = od_config
-
-    @classmethod
-    def from_pretrained(cls, od_config: OmniDiffusionConfig, model_dir: Path, device: Any, dtype: Any):
-        return cls(od_config)
-
+class FakeStreamingPipeline(FakeBatchPipeline):
     def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
         for step in range(NUM_STEPS):
             report_progress(step + 1, NUM_STEPS)

@@ -44,6 +44,15 @@ def load_builtin_pipelines() -> None:
         importlib.import_module(module)
 
 
+def lookup_registered(registry: dict[str, Any], name: str, kind: str) -> Any:
+    """`registry[name]`, importing the built-in pipelines (which register their hooks) on a first miss."""
+    if name not in registry:
+        load_builtin_pipelines()
+    if name not in registry:
+        raise ValueError(f"unknown {kind} {name!r}; known: {sorted(registry)}")
+    return registry[name]
+
+
 def register_pipeline(*keys: str) -> Callable[[PipelineFactory], PipelineFactory]:
     """Register a pipeline for HF `architectures` entries or `model_type` values."""
 

@@ -25,10 +25,6 @@ def register_output_collector(name: str) -> Callable[[OutputCollector], OutputCo
 
 
 def get_output_collector(name: str) -> OutputCollector:
-    if name not in _COLLECTORS:
-        from vllm_omni.config.omni_config import load_builtin_pipelines
+    from vllm_omni.config.omni_config import lookup_registered
 
-        load_builtin_pipelines()
-    if name not in _COLLECTORS:
-        raise ValueError(f"unknown output collector {name!r}; known: {sorted(_COLLECTORS)}")
-    return _COLLECTORS[name]
+    return lookup_registered(_COLLECTORS, name, "output collector")

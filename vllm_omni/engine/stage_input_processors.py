@@ -46,13 +46,9 @@ def register_stage_input_processor(name: str, *, takes_context: bool = False
 
 def get_stage_input_processor(name: str) -> StageInputProcessor:
     """The processor as `fn(upstream, original_prompt, context) -> StageInput`, whatever its registered form."""
-    if name not in _PROCESSORS:
-        from vllm_omni.config.omni_config import load_builtin_pipelines
+    from vllm_omni.config.omni_config import lookup_registered
 
-        load_builtin_pipelines()
-    if name not in _PROCESSORS:
-        raise ValueError(f"unknown stage input processor {name!r}; known: {sorted(_PROCESSORS)}")
-    fn, takes_context = _PROCESSORS[name]
+    fn, takes_context = lookup_registered(_PROCESSORS, name, "stage input processor")
 
     def run(upstream: list[StagePayload], original_prompt: Any, context: StageInputContext) -> StageInput:
         result = fn(upstream, original_prompt, context) if takes_context else fn(upstream, original_prompt)
