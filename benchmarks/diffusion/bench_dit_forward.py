@@ -185,14 +185,13 @@ def set_attention_backend(model: torch.nn.Module, name: str) -> None:
 
 
 def _finish_load(model: torch.nn.Module, reference: torch.nn.Module) -> torch.nn.Module:
+    from vllm_omni.diffusion.model_loader.weight_utils import process_weights_after_loading
+
     loaded = model.load_weights(reference.state_dict().items())
     missing = {n for n, _ in model.named_parameters()} - loaded
     if missing:
         raise RuntimeError(f"parameters not loaded from diffusers: {sorted(missing)[:5]}")
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(module)
+    process_weights_after_loading(model)
     return model.eval()
 
 

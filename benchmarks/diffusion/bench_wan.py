@@ -41,6 +41,7 @@ def build_transformers(config: dict, device: torch.device, dtype: torch.dtype):
     from diffusers import WanTransformer3DModel as Reference
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    from vllm_omni.diffusion.model_loader.weight_utils import process_weights_after_loading
     from vllm_omni.diffusion.models.wan.transformer_wan import WanTransformer3DModel, WanTransformerConfig
 
     torch.manual_seed(0)
@@ -52,6 +53,7 @@ def build_transformers(config: dict, device: torch.device, dtype: torch.dtype):
     with set_default_torch_dtype(dtype), torch.device(device):
         ours = WanTransformer3DModel(WanTransformerConfig(**config))
     ours.load_weights(reference.state_dict().items())
+    process_weights_after_loading(ours)
     ours.keep_fp32_modules()
     return reference, ours.to(device).eval()
 

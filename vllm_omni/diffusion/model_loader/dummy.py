@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from vllm_omni.diffusion.model_loader.diffusers_loader import WEIGHT_FILE_PATTERNS, iter_component_weights
+from vllm_omni.diffusion.model_loader.weight_utils import process_weights_after_loading
 
 DUMMY_LOW, DUMMY_HIGH, DUMMY_SEED = -1e-3, 1e-3, 1234
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
@@ -91,15 +92,17 @@ def build_diffusers_pipeline(model_dir: Path, device: torch.device, dtype: torch
 
 def load_native_weights(model: nn.Module, model_dir: Path, subfolder: str, load_format: str,
                         dtype: torch.dtype | None = None) -> None:
-    """Fill one of our transformers: the checkpoint's tensors by name (every parameter must get one) or dummy."""
+    """Fill one of our transformers: the checkpoint's tensors by name (every parameter must get one) or dummy;
+    then let vLLM's linear methods prepare the filled weights."""
     if load_format == "dummy":
         initialize_dummy_weights(model)
-        return
-    loaded = model.load_weights(iter_component_weights(model_dir, subfolder, dtype))
-    missing = sorted({name for name, _ in model.named_parameters()} - loaded)
-    if missing:
-        raise ValueError(f"{Path(model_dir) / subfolder}: checkpoint lacks weights for {missing[:8]}"
-                         f"{' ...' if len(missing) > 8 else ''}")
+    else:
+        loaded = model.load_weights(iter_component_weights(model_dir, subfolder, dtype))
+        missing = sorted({name for name, _ in model.named_parameters()} - loaded)
+        if missing:
+            raise ValueError(f"{Path(model_dir) / subfolder}: checkpoint lacks weights for {missing[:8]}"
+                             f"{' ...' if len(missing) > 8 else ''}")
+    process_weights_after_loading(model)
 
 
 def check_weights_present(model_dir: Path) -> None:

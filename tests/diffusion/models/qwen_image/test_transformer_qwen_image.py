@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vllm_omni.diffusion.model_loader.diffusers_loader import iter_component_weights, read_component_config
+from vllm_omni.diffusion.model_loader.weight_utils import process_weights_after_loading
 from vllm_omni.diffusion.models.qwen_image.transformer_qwen_image import (
     QwenImageTransformer2DModel,
     QwenImageTransformerConfig,
@@ -21,7 +22,7 @@ def models(dist_world, qwen_image_dir):
     ours = QwenImageTransformer2DModel(config=config)
     loaded = ours.load_weights(iter_component_weights(qwen_image_dir, "transformer", torch.float32))
     assert loaded == {name for name, _ in ours.named_parameters()}
-    ours.process_weights_after_loading()
+    process_weights_after_loading(ours)
     return ref, ours
 
 

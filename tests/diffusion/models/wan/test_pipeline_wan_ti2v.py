@@ -36,10 +36,12 @@ def test_per_token_timesteps_match_diffusers(dist_world, ti2v_dir):
     from diffusers import WanTransformer3DModel as RefModel
 
     from vllm_omni.diffusion.model_loader.diffusers_loader import iter_component_weights
+    from vllm_omni.diffusion.model_loader.weight_utils import process_weights_after_loading
     from vllm_omni.diffusion.models.wan.transformer_wan import WanTransformer3DModel, WanTransformerConfig
 
     ours = WanTransformer3DModel(WanTransformerConfig.from_json(ti2v_dir / "transformer" / "config.json"))
     ours.load_weights(iter_component_weights(ti2v_dir, "transformer"))
+    process_weights_after_loading(ours)
     ref = RefModel.from_pretrained(ti2v_dir / "transformer", dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 48, 3, 4, 6, generator=gen)

@@ -12,11 +12,13 @@ import torch
 
 def _load_ours(model_dir):
     from vllm_omni.diffusion.model_loader.diffusers_loader import iter_component_weights
+    from vllm_omni.diffusion.model_loader.weight_utils import process_weights_after_loading
     from vllm_omni.diffusion.models.wan.transformer_wan import WanTransformer3DModel, WanTransformerConfig
 
     model = WanTransformer3DModel(WanTransformerConfig.from_json(model_dir / "transformer" / "config.json"))
     loaded = model.load_weights(iter_component_weights(model_dir, "transformer"))
     assert loaded == {n for n, _ in model.named_parameters()}, "every parameter must come from the checkpoint"
+    process_weights_after_loading(model)
     return model.eval()
 
 

@@ -25,7 +25,6 @@ from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.layers.compile import accelerate_transformer
 from vllm_omni.diffusion.model_loader.diffusers_loader import read_component_config
 from vllm_omni.diffusion.model_loader.dummy import load_native_weights, load_pretrained
-from vllm_omni.diffusion.model_loader.weight_utils import process_weights_after_loading
 from vllm_omni.diffusion.models.flux.transformer_flux import FluxTransformer2DModel
 from vllm_omni.diffusion.timing import elapsed_since
 
@@ -100,7 +99,6 @@ class FluxPipeline(nn.Module):
         with set_current_attention_config(attn_config), set_default_torch_dtype(dtype), torch.device(device):
             transformer = FluxTransformer2DModel.from_config(config)
         load_native_weights(transformer, model_dir, "transformer", od_config.load_format)
-        process_weights_after_loading(transformer)
         transformer.eval()
         if not od_config.enforce_eager and device.type == "cuda":
             accelerate_transformer(transformer)

@@ -29,7 +29,6 @@ def load_qwen_image_transformer(od_config: OmniDiffusionConfig, model_dir: Path,
     with set_current_attention_config(attention), set_default_torch_dtype(dtype), device:
         model = QwenImageTransformer2DModel(config=config)
     load_native_weights(model, model_dir, "transformer", od_config.load_format)
-    model.process_weights_after_loading()
     if not od_config.enforce_eager and device.type == "cuda":
         from vllm_omni.diffusion.layers.compile import accelerate_transformer
 

@@ -368,13 +368,6 @@ class QwenImageTransformer2DModel(nn.Module):
             loaded.add(target)
         return loaded
 
-    def process_weights_after_loading(self) -> None:
-        """Let vLLM's linear methods repack weights for the platform's GEMM (e.g. oneDNN on CPU)."""
-        for module in self.modules():
-            method = getattr(module, "quant_method", None)
-            if method is not None:
-                method.process_weights_after_loading(module)
-
 
 def _rename(name: str) -> str:
     """diffusers names -> ours where the module path differs (mod Sequential index)."""

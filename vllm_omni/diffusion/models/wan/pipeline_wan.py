@@ -86,15 +86,12 @@ def load_wan_transformer(model_dir: Path, subfolder: str, dtype: torch.dtype, de
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     from vllm_omni.diffusion.model_loader.dummy import load_native_weights
-    from vllm_omni.diffusion.model_loader.weight_utils import process_weights_after_loading
     from vllm_omni.diffusion.models.wan.transformer_wan import WanTransformer3DModel, WanTransformerConfig
 
     config = WanTransformerConfig.from_json(model_dir / subfolder / "config.json")
     with set_default_torch_dtype(dtype):
         model = WanTransformer3DModel(config, prefix=f"{subfolder}.")
     load_native_weights(model, model_dir, subfolder, load_format, dtype)
-    if load_format == "dummy":  # `load_weights` does this itself after filling from a checkpoint
-        process_weights_after_loading(model)
     model.keep_fp32_modules()
     return model.to(device).eval()
 

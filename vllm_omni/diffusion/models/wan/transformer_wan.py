@@ -319,8 +319,4 @@ class WanTransformer3DModel(nn.Module):
             param = params[name]
             getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(name)
-        for module in self.modules():
-            quant_method = getattr(module, "quant_method", None)
-            if quant_method is not None:
-                quant_method.process_weights_after_loading(module)
         return loaded
