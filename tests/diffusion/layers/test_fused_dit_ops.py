@@ -70,11 +70,12 @@ def test_triton_kernel_matches_reference_in_interpreter(tmp_path):
         for n in (5, 9):
             a = torch.rand(n, D // 2) * 6
             tables.append((a.cos(), a.sin()))
-        segments = [(txt, (w[0], w[1]), tables[0]), (img, (w[2], w[3]), tables[1])]
-        want = [torch.cat(p, 1) for p in zip(*[m._reference_segment(x, ww, r, H, 1e-6) for x, ww, r in segments])]
-        got = m._triton_qk_norm_rope(segments, H, 1e-6)
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        both = [(txt, (w[0], w[1]), tables[0]), (img, (w[2], w[3]), tables[1])]
+        for segments in (both, both[1:]):  # text + image in one launch; one already joined stream
+            want = [torch.cat(p, 1) for p in zip(*[m._reference_segment(x, ww, r, H, 1e-6) for x, ww, r in segments])]
+            got = m._triton_qk_norm_rope(segments, H, 1e-6)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         print("OK")
     """)
     env = dict(os.environ, TRITON_INTERPRET="1")
