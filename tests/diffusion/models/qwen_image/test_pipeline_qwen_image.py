@@ -69,27 +69,26 @@ def test_batch_equals_single_runs(pipes):
     assert not np.allclose(batched[0].output[0], batched[1].output[0])
 
 
-def test_unmasked_row_groups_equal_masked_batch(pipes):
-    """Large images run rows of different prompt lengths as separate unmasked forwards: same images."""
+def test_rows_of_different_prompt_lengths_share_one_forward(pipes):
+    """Positive and negative rows of different prompt lengths: one transformer forward per step, told each row's
+    real text length (no mask), and the same images as each request alone."""
     _, ours = pipes
     specs = [("a tiny house", "dark"), ("an astronaut riding a horse on the moon, photo", "dark")]
     requests = [make_request(p, f"g{i}", negative_prompt=n, seed=i, output_type="np", **SIZE)
                 for i, (p, n) in enumerate(specs)]
-    masked = _run(ours, *requests)
     calls = []
     forward = ours.transformer.forward
-    ours.mask_free_min_image_tokens = 0
-    ours.transformer.forward = lambda x, embeds, mask, *a: calls.append((x.shape[0], mask)) or forward(
+    ours.transformer.forward = lambda x, embeds, mask, *a: calls.append((x.shape[0], mask, a[-1])) or forward(
         x, embeds, mask, *a)
     try:
-        grouped = _run(ours, *requests)
+        batched = _run(ours, *requests)
     finally:
-        del ours.mask_free_min_image_tokens, ours.transformer.forward
-    # Rows: 2 positives of different lengths + 2 equal negatives -> 3 unmasked forwards per step.
-    assert len(calls) == 3 * SIZE["num_inference_steps"] and all(mask is None for _, mask in calls)
-    assert sorted(n for n, _ in calls[:3]) == [1, 1, 2]
-    for a, b in zip(masked, grouped, strict=True):
-        np.testing.assert_allclose(a.output[0], b.output[0], atol=1e-5)
+        del ours.transformer.forward
+    assert len(calls) == SIZE["num_inference_steps"]
+    rows, mask, lengths = calls[0]
+    assert rows == 4 and mask is None and len(set(lengths)) == 3 and lengths[2] == lengths[3]
+    for request, out in zip(requests, batched, strict=True):
+        np.testing.assert_allclose(out.output[0], _run(ours, request)[0].output[0], atol=1e-5)
 
 
 def test_bad_request_fails_alone(pipes):
@@ -124,11 +123,10 @@ def test_cuda_bf16_matches_diffusers(dist_world, qwen_image_dir):
 @pytest.mark.cuda
 def test_accelerated_pipeline_matches_eager_on_cuda(dist_world, qwen_image_dir):
     """enforce_eager=False on CUDA (compiled blocks, fused Triton q/k prologue, CUDA graphs), CFG rows of different
-    prompt lengths as unmasked forwards, prompts of new lengths: same images as the eager pipeline."""
+    prompt lengths in one forward, prompts of new lengths: same images as the eager pipeline."""
     device = torch.device("cuda", torch.cuda.current_device())
     pipes = [QwenImagePipeline.from_pretrained(OmniDiffusionConfig(model=str(qwen_image_dir), enforce_eager=eager),
                                                qwen_image_dir, device, torch.bfloat16) for eager in (True, False)]
-    pipes[1].mask_free_min_image_tokens = 0  # tiny images: take the large-image path too
     for prompt, negative in (("a red cat on a mat", "blurry"), ("a boat", "low quality, watermark, text, frame")):
         request = make_request(prompt, negative_prompt=negative, true_cfg_scale=4.0, seed=7, **SIZE)
         eager, fast = (_run(p, request)[0] for p in pipes)

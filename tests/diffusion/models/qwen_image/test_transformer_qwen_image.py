@@ -48,6 +48,15 @@ def test_matches_diffusers(models, shapes):
         torch.testing.assert_close(ours(x[:1], txt[:1], None, t[:1], shapes), got[:1], atol=1e-5, rtol=1e-4)
 
 
+def test_mask_must_be_trailing_padding(models):
+    """A mask is read as each row's real-token count; a mask with holes (not diffusers' padding) is refused."""
+    _, ours = models
+    x, txt = torch.randn(1, 16, 64), torch.randn(1, 5, 64)
+    mask = torch.tensor([[True, False, True, True, True]])
+    with pytest.raises(ValueError, match="real tokens first, then padding"), torch.no_grad():
+        ours(x, txt, mask, torch.tensor([0.5]), [(1, 4, 4)])
+
+
 def test_precomputed_step_modulation_equals_inline(models):
     """A denoise loop's adaLN table, computed for all steps at once, gives each step's forward unchanged."""
     _, ours = models

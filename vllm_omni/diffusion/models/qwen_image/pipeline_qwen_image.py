@@ -2,9 +2,8 @@
 
 Numerically this is diffusers' `QwenImagePipeline`; what differs is how work is batched: all prompts of a
 request batch (and their negatives, for true CFG) go through the text encoder together, and positive and
-negative rows run through the transformer in ONE forward, text padded to a common length and masked — except
-for large images, where rows of different prompt lengths run as separate unmasked forwards (see
-`QwenImagePipeline.mask_free_min_image_tokens`).
+negative rows run through the transformer in ONE forward, text padded to a common length (each row then attends
+over its own real tokens only, without a mask: see `QwenJointAttention`).
 Each request draws its initial noise from its own seeded CPU generator exactly as diffusers does, so a
 request gives the same image alone, in a batch, or in diffusers.
 """
@@ -42,11 +41,10 @@ MAX_SEQUENCE_LENGTH = 1024
 
 @dataclass
 class PromptEmbeds:
-    """Text conditioning for every transformer row: embeddings (rows, seq, dim) + real-token mask or None."""
+    """Text conditioning for every transformer row: embeddings (rows, seq, dim), zero-padded at the end."""
 
     embeds: torch.Tensor
-    mask: torch.Tensor | None
-    lengths: list[int]
+    lengths: tuple[int, ...]
     """Real text tokens of each row."""
 
 
@@ -68,10 +66,6 @@ class QwenImagePipeline(nn.Module):
     prompt_template_drop_tokens: ClassVar[int] = 34
     """Template tokens before the user's text; their hidden states are dropped."""
     default_sample_size: ClassVar[int] = 128
-    mask_free_min_image_tokens: int = 2048
-    """From this many image tokens on, rows whose prompts differ in length run as separate unmasked forwards
-    rather than one padded + masked batch. Measured on an H200 (bf16, compiled + CUDA graph, 128 vs 24 text
-    tokens): 1024² (4096 tokens) 251 ms as two forwards vs 267 ms masked; 512² (1024 tokens) 72 vs 66 ms."""
 
     def __init__(self, *, od_config: OmniDiffusionConfig, device: torch.device, dtype: torch.dtype,
                  tokenizer: Any, text_encoder: nn.Module, transformer: QwenImageTransformer2DModel, vae: nn.Module,
@@ -210,14 +204,10 @@ class QwenImagePipeline(nn.Module):
             rows = [r[:max_len] for r in rows]
         seq = max(r.shape[0] for r in rows)
         embeds = hidden.new_zeros(len(rows), seq, hidden.shape[-1])
-        mask = torch.zeros(len(rows), seq, dtype=torch.bool, device=self.device)
         for i, row in enumerate(rows):
             embeds[i, : row.shape[0]] = row
-            mask[i, : row.shape[0]] = True
         embeds = embeds.to(self.dtype).repeat_interleave(per_prompt, dim=0)
-        mask = mask.repeat_interleave(per_prompt, dim=0)
-        lengths = [row.shape[0] for row in rows for _ in range(per_prompt)]
-        return PromptEmbeds(embeds, None if bool(mask.all()) else mask, lengths)
+        return PromptEmbeds(embeds, tuple(row.shape[0] for row in rows for _ in range(per_prompt)))
 
     @staticmethod
     def pack_latents(latents: torch.Tensor) -> torch.Tensor:
@@ -273,8 +263,6 @@ class QwenImagePipeline(nn.Module):
         progress = tqdm(total=len(scheduler.timesteps), desc="Qwen-Image denoise",
                         disable=not self.od_config.enable_progress_bar)
         host_timesteps = scheduler.timesteps.tolist()  # one sync up front, none per step
-        image_tokens = img_len + (condition.shape[1] if condition is not None else 0)
-        groups = self.row_groups(prompt, image_tokens)
         # The timesteps exactly as each step passes them (cast first, then scaled, as diffusers does).
         modulation = self.transformer.step_modulation(scheduler.timesteps.to(latents.dtype) / 1000, latents.dtype)
         with progress:
@@ -285,7 +273,8 @@ class QwenImagePipeline(nn.Module):
                 if condition is not None:
                     x = torch.cat([x, condition], dim=1)
                 timestep = (t.expand(x.shape[0]).to(latents.dtype)) / 1000
-                pred = self.predict(x, prompt, timestep, geometry, groups, modulation[:, :, i : i + 1])[:, :img_len]
+                pred = self.transformer(x, prompt.embeds, None, timestep, geometry.img_shapes,
+                                        modulation[:, :, i : i + 1], prompt.lengths)[:, :img_len]
                 if do_cfg:
                     pred = _true_cfg(pred[:rows], pred[rows:], scale)
                 latents = scheduler.step(pred, t, latents, return_dict=False)[0]
@@ -293,31 +282,6 @@ class QwenImagePipeline(nn.Module):
         set_forward_context_denoise_step_idx(None)
         set_forward_context_denoise_timestep(None)
         return latents
-
-    def row_groups(self, prompt: PromptEmbeds, image_tokens: int) -> list[tuple[torch.Tensor, int]] | None:
-        """(row indices, text length) per distinct prompt length, when those run as separate forwards."""
-        if prompt.mask is None or image_tokens < self.mask_free_min_image_tokens:
-            return None
-        by_length: dict[int, list[int]] = {}
-        for row, length in enumerate(prompt.lengths):
-            by_length.setdefault(length, []).append(row)
-        return [(torch.tensor(rows, device=self.device), length) for length, rows in by_length.items()]
-
-    def predict(self, x: torch.Tensor, prompt: PromptEmbeds, timestep: torch.Tensor, geometry: Geometry,
-                groups: list[tuple[torch.Tensor, int]] | None, modulation: torch.Tensor) -> torch.Tensor:
-        """The transformer's flow for every row: one masked forward, or one unmasked forward per group.
-
-        `modulation` is the step's adaLN table (shared by all rows: they are at the same timestep)."""
-        if groups is None:
-            return self.transformer(x, prompt.embeds, prompt.mask, timestep, geometry.img_shapes, modulation)
-        pred = None
-        for rows, length in groups:
-            out = self.transformer(x[rows], prompt.embeds[rows, :length], None, timestep[rows], geometry.img_shapes,
-                                   modulation)
-            if pred is None:
-                pred = out.new_empty(x.shape[0], *out.shape[1:])
-            pred[rows] = out
-        return pred
 
     def normalize_latents(self, latents: torch.Tensor, *, inverse: bool) -> torch.Tensor:
         """Between the DiT's normalized latent space and the VAE's (per-channel mean / std of the VAE)."""

@@ -162,7 +162,13 @@ class QwenEmbedRope(nn.Module):
 
 
 class QwenJointAttention(nn.Module):
-    """q/k/v of both streams, per-head RMS norm, RoPE, one joint attention (text first), two out projections."""
+    """q/k/v of both streams, per-head RMS norm, RoPE, one joint attention, two out projections.
+
+    The joint sequence is image tokens then text tokens, so a row whose prompt is padded attends over a prefix
+    of it (`txt_lengths`): each such row runs its own unmasked attention instead of the batch running a masked
+    one. Attention does not depend on token order (positions are in the RoPE tables), so this equals diffusers'
+    text-first masked attention on every real token.
+    """
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, prefix: str) -> None:
         super().__init__()
@@ -183,17 +189,26 @@ class QwenJointAttention(nn.Module):
                                             prefix=f"{prefix}.to_add_out")
         self.attn = Attention(self.num_heads, head_dim, prefix=f"{prefix}.attn")
 
-    def forward(self, img: torch.Tensor, txt: torch.Tensor, joint_mask: torch.Tensor | None,
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, txt_lengths: tuple[int, ...] | None,
                 rope: tuple[RopeTables, RopeTables]) -> tuple[torch.Tensor, torch.Tensor]:
         img_rope, txt_rope = rope
         q, k, v = qk_norm_rope(
             self.to_qkv(img), (self.norm_q.weight, self.norm_k.weight), img_rope,
             txt_qkv=self.add_qkv(txt), txt_norms=(self.norm_added_q.weight, self.norm_added_k.weight),
-            txt_rope=txt_rope, num_heads=self.num_heads, eps=self.norm_q.eps,
+            txt_rope=txt_rope, num_heads=self.num_heads, eps=self.norm_q.eps, text_first=False,
         )
-        out = self.attn(q, k, v, attn_mask=joint_mask).flatten(2)
-        txt_len = txt.shape[1]
-        return self.to_out[0](out[:, txt_len:]), self.to_add_out(out[:, :txt_len])
+        img_len = img.shape[1]
+        if txt_lengths is None:
+            out = self.attn(q, k, v, attn_mask=None)
+        else:
+            # Padded positions (past a row's prefix) get zeros; nothing real attends to them.
+            out = torch.cat([
+                F.pad(self.attn(q[b : b + 1, :end], k[b : b + 1, :end], v[b : b + 1, :end], attn_mask=None),
+                      (0, 0, 0, 0, 0, q.shape[1] - end))
+                for b, end in enumerate(img_len + n for n in txt_lengths)
+            ])
+        out = out.flatten(2)
+        return self.to_out[0](out[:, :img_len]), self.to_add_out(out[:, img_len:])
 
 
 class FeedForward(nn.Module):
@@ -242,15 +257,16 @@ class QwenImageTransformerBlock(nn.Module):
         self.img_mlp = FeedForward(dim, prefix=f"{prefix}.img_mlp")
         self.txt_mlp = FeedForward(dim, prefix=f"{prefix}.txt_mlp")
 
-    def forward(self, img: torch.Tensor, txt: torch.Tensor, modulation: torch.Tensor, joint_mask: torch.Tensor | None,
-                rope: tuple[RopeTables, RopeTables]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, modulation: torch.Tensor,
+                txt_lengths: tuple[int, ...] | None, rope: tuple[RopeTables, RopeTables]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """`modulation` (2, batch or 1, 6 * dim): this block's image and text adaLN parameters."""
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = modulation[0][:, None, :].chunk(6, dim=-1)
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = modulation[1][:, None, :].chunk(6, dim=-1)
         img_attn, txt_attn = self.attn(
             _layer_norm(img) * (1 + i_scale1) + i_shift1,
             _layer_norm(txt) * (1 + t_scale1) + t_shift1,
-            joint_mask,
+            txt_lengths,
             rope,
         )
         img = img + i_gate1 * img_attn
@@ -311,11 +327,15 @@ class QwenImageTransformer2DModel(nn.Module):
         timestep: torch.Tensor,
         img_shapes: list[tuple[int, int, int]],
         modulation: torch.Tensor | None = None,
+        txt_lengths: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """Predict the flow for packed latents (batch, img_seq, in_channels).
 
-        `img_shapes` is shared by the whole batch (the scheduler only co-batches same-size requests);
-        `encoder_hidden_states_mask` (batch, txt_seq) bool marks real text tokens, None = all real.
+        `img_shapes` is shared by the whole batch (the scheduler only co-batches same-size requests).
+        Rows whose prompt is shorter than `txt_seq` are padded at the end: `txt_lengths` gives each row's real
+        text tokens (None = all real). `encoder_hidden_states_mask` (batch, txt_seq) bool is diffusers' way to
+        say the same; it must be such a padding mask and costs a host sync to read, so callers that know
+        the lengths pass them.
         `timestep` is in [0, 1] (diffusers pipelines pass t / 1000). `modulation` is this step's slice of
         `block_modulation(...)` when the caller computed it ahead; None = computed here from `timestep`.
         """
@@ -325,12 +345,12 @@ class QwenImageTransformer2DModel(nn.Module):
         if modulation is None:
             modulation = self.block_modulation(temb)
         rope = self.pos_embed(img_shapes, txt.shape[1], img.device)
-        joint_mask = None
-        if encoder_hidden_states_mask is not None:
-            img_mask = encoder_hidden_states_mask.new_ones(img.shape[:2], dtype=torch.bool)
-            joint_mask = torch.cat([encoder_hidden_states_mask.bool(), img_mask], dim=1)
+        if txt_lengths is None and encoder_hidden_states_mask is not None:
+            txt_lengths = padding_lengths(encoder_hidden_states_mask)
+        if txt_lengths is not None and all(n == txt.shape[1] for n in txt_lengths):
+            txt_lengths = None
         for block, block_modulation in zip(self.transformer_blocks, modulation, strict=True):
-            img, txt = block(img, txt, block_modulation, joint_mask, rope)
+            img, txt = block(img, txt, block_modulation, txt_lengths, rope)
         return self.proj_out(self.norm_out(img, temb))
 
     def block_modulation(self, temb: torch.Tensor) -> torch.Tensor:
@@ -367,6 +387,15 @@ class QwenImageTransformer2DModel(nn.Module):
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(target)
         return loaded
+
+
+def padding_lengths(mask: torch.Tensor) -> tuple[int, ...]:
+    """Real tokens per row of a (batch, seq) mask that pads at the end; refuses any other mask."""
+    mask = mask.bool()
+    lengths = mask.sum(dim=1)
+    if not torch.equal(mask, torch.arange(mask.shape[1], device=mask.device) < lengths[:, None]):
+        raise ValueError("encoder_hidden_states_mask must mark each row's real tokens first, then padding")
+    return tuple(lengths.tolist())
 
 
 def _rename(name: str) -> str:
