@@ -115,25 +115,33 @@ def kernel_breakdown(fn: Callable[[], Any], top: int = 12) -> dict[str, Any]:
 
     Profiles the call without CUDA-graph replay (kernels inside a replayed graph are not reported one by one);
     at sizes where the forward is device-bound the kernel times are the same."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    # Which host ops issue memsets (each one is a node of the replayed graph, i.e. one more gap).
+    memset_sources: dict[str, int] = {}
+    for event in prof.events():
+        memsets = sum(kernel.name.startswith("Memset") for kernel in getattr(event, "kernels", ()))
+        if memsets and not any(child.kernels for child in event.cpu_children):
+            memset_sources[event.name] = memset_sources.get(event.name, 0) + memsets
     totals = {name: 0.0 for name, _ in KERNEL_CATEGORIES} | {"other": 0.0}
     kernels = []
     for event in prof.key_averages():
         us = event.device_time_total
-        if us <= 0:
+        if us <= 0 or event.device_type != DeviceType.CUDA:  # host ops carry their kernels' time too
             continue
         key = event.key.lower()
         category = next((name for name, marks in KERNEL_CATEGORIES if any(m in key for m in marks)), "other")
         totals[category] += us / 1e3
         kernels.append({"ms": round(us / 1e3, 3), "calls": event.count, "category": category, "name": event.key[:100]})
     kernels.sort(key=lambda k: -k["ms"])
-    return {"ms_by_category": {k: round(v, 2) for k, v in totals.items()}, "top_kernels": kernels[:top]}
+    return {"ms_by_category": {k: round(v, 2) for k, v in totals.items()},
+            "gpu_ops": sum(k["calls"] for k in kernels), "memset_sources": memset_sources, "top_kernels": kernels[:top]}
 
 
 def psnr(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -301,7 +309,7 @@ class Bench:
         reference, ours = build_models(name, config, device, dtype)
         print(json.dumps({"model": name, "build_s": round(time.perf_counter() - t0, 1),
                           "params_b": round(sum(p.numel() for p in reference.parameters()) / 1e9, 2)}), flush=True)
-        text_tokens = 16 if args.smoke else TEXT_TOKENS[name]
+        text_tokens = args.text_tokens or (16 if args.smoke else TEXT_TOKENS[name])
         plans = [(size, batch) for size in args.sizes for batch in args.batches]
         eager_outs: dict[tuple[int, int], torch.Tensor] = {}
         ref_info: dict[tuple[int, int], tuple[float, float, torch.Tensor]] = {}
@@ -419,6 +427,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["flux", "qwen-image"], choices=["flux", "qwen-image"])
     parser.add_argument("--sizes", nargs="+", type=int, default=[1024, 512], help="square image side in pixels")
+    parser.add_argument("--text-tokens", type=int, default=None,
+                        help="prompt tokens per sample (default: 512 FLUX, 128 Qwen-Image)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)

@@ -167,6 +167,37 @@ def run_once(fn) -> tuple[float, Any]:
     return time.perf_counter() - start, out
 
 
+def forward_times(pipe, call) -> dict[str, float]:
+    """Median GPU ms of the transformer calls one `call()` makes, by text length, and the whole call's step time
+    not spent in them: where the denoise loop's time goes besides the forwards."""
+    transformer = pipe.transformer
+    inner, events = transformer.forward, []
+
+    def timed_forward(*fargs, **fkwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = inner(*fargs, **fkwargs)
+        end.record()
+        text = fkwargs.get("encoder_hidden_states", fargs[1] if len(fargs) > 1 else None)
+        events.append((text.shape[1], start, end))
+        return out
+
+    transformer.forward = timed_forward
+    try:
+        out = call()
+    finally:
+        transformer.forward = inner
+    torch.cuda.synchronize()
+    by_length: dict[int, list[float]] = {}
+    for length, start, end in events:
+        by_length.setdefault(length, []).append(start.elapsed_time(end))
+    result = {f"forward_ms_text_{n}": float(np.median(v)) for n, v in sorted(by_length.items())}
+    result["forwards"] = len(events)
+    result["denoise_s"] = out.stage_durations.get("denoise")
+    result["forward_sum_s"] = sum(start.elapsed_time(end) for _, start, end in events) / 1e3
+    return result
+
+
 def bench_model(name: str, args, device, dtype) -> list[dict[str, Any]]:
     reference, ours_with, ours_tf = make_pipelines(name, device, dtype, args.smoke, args.accelerate)
     if args.attention_backend:
@@ -213,6 +244,8 @@ def bench_model(name: str, args, device, dtype) -> list[dict[str, Any]]:
                          "speedup_vs_diffusers": ref_s / secs, "psnr_vs_diffusers": image_psnr(out.output[0], ref_img),
                          "psnr_vs_ours_eager": image_psnr(out.output[0], eager_img),
                          "stage_durations": out.stage_durations, "warmup_s": warm_s})
+            if args.forward_times and device.type == "cuda":
+                rows[-1]["forward_times"] = forward_times(pipe, lambda pipe=pipe: ours_call(pipe))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -224,6 +257,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=None, help="default: 28 (FLUX), 50 (Qwen-Image, true CFG 4)")
     parser.add_argument("--accelerate", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--attention-backend", default=None, help="our attention backend (e.g. CUDNN_ATTN)")
+    parser.add_argument("--forward-times", action="store_true",
+                        help="one more run of ours timing each transformer call (GPU events) against the denoise time")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
