@@ -19,12 +19,11 @@ def gated_residual(residual: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) 
 
 
 class AdaLNModulation(nn.Module):
-    """`linear(silu(temb))` split into `num_chunks` (B, D) tensors (shift/scale/gate sets of an adaLN block)."""
+    """`linear(silu(temb))`: the `num_chunks` (B, D) shift/scale/gate sets of an adaLN block, side by side."""
 
     def __init__(self, dim: int, num_chunks: int, *, cond_dim: int | None = None, bias: bool = True):
         super().__init__()
-        self.num_chunks = num_chunks
         self.linear = nn.Linear(cond_dim or dim, num_chunks * dim, bias=bias)
 
-    def forward(self, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.linear(F.silu(temb)).chunk(self.num_chunks, dim=1)
+    def forward(self, temb: torch.Tensor) -> torch.Tensor:
+        return self.linear(F.silu(temb))

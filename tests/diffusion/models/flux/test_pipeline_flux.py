@@ -57,6 +57,24 @@ def test_transformer_matches_diffusers(ours, reference):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_precomputed_step_modulation_equals_inline(ours):
+    """A denoise loop's adaLN table, computed for all steps and rows at once, gives each step's forward unchanged."""
+    transformer = ours.transformer
+    torch.manual_seed(1)
+    x, enc = torch.randn(2, 16, 64), torch.randn(2, 7, transformer.context_embedder.in_features)
+    pooled = torch.randn(2, transformer.time_text_embed.text_embedder.linear_1.in_features)
+    g = torch.tensor([3.5, 2.0])
+    rope = transformer.rotary_emb(torch.zeros(7, 3), torch.zeros(16, 3))
+    steps = torch.tensor([[0.9, 0.9], [0.4, 0.4], [0.05, 0.05]])
+    with torch.inference_mode():
+        table = transformer.step_modulation(steps, g, pooled, torch.float32)
+        for i, t in enumerate(steps):
+            want = transformer(x, enc, pooled, t, guidance=g, rotary_emb=rope)
+            got = transformer(x, enc, pooled, t, guidance=g, rotary_emb=rope,
+                              modulation=transformer.step_slice(table, i))
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
 def _request(prompt, seed: int, **params) -> OmniDiffusionRequest:
     sp = OmniDiffusionSamplingParams(height=64, width=64, num_inference_steps=3, seed=seed, **params)
     return OmniDiffusionRequest(prompt=prompt, sampling_params=sp, request_id=f"r{seed}")

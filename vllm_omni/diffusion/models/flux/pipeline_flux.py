@@ -155,10 +155,13 @@ class FluxPipeline(nn.Module):
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype)
         img_ids = latent_image_ids(lh // 2, lw // 2).to(self.device, self.dtype)
         rope = self.transformer.rotary_emb(txt_ids, img_ids)
+        # Every step's adaLN parameters at once, from the timesteps exactly as each step passes them.
+        step_timesteps = timesteps[:, None].expand(-1, embeds.shape[0]).to(latents.dtype) / 1000
+        modulation = self.transformer.step_modulation(step_timesteps, guidance, pooled, self.dtype)
         for i in tqdm(range(steps), disable=not self.od_config.enable_progress_bar, desc="denoise"):
             model_in = torch.cat([latents, latents.index_select(0, neg_rows)]) if len(cfg_rows) else latents
-            timestep = timesteps[i].expand(model_in.shape[0]).to(latents.dtype)
-            pred = self.transformer(model_in, embeds, pooled, timestep / 1000, guidance=guidance, rotary_emb=rope)
+            pred = self.transformer(model_in, embeds, pooled, step_timesteps[i], guidance=guidance, rotary_emb=rope,
+                                    modulation=self.transformer.step_slice(modulation, i))
             if len(cfg_rows):
                 pred, neg = pred[: latents.shape[0]], pred[latents.shape[0]:]
                 pos = pred.index_select(0, neg_rows)

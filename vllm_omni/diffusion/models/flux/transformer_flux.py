@@ -30,6 +30,9 @@ from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
 
 RotaryEmb = tuple[torch.Tensor, torch.Tensor]
 """(cos, sin) per channel pair, (text + image tokens, head_dim / 2), float32."""
+FluxModulation = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""Every adaLN parameter of one forward: double blocks (num_layers, 2, batch, 6 * dim) [image, text], single
+blocks (num_single_layers, batch, 3 * dim), final norm (batch, 2 * dim)."""
 
 
 class FluxTimeTextEmbedding(nn.Module):
@@ -102,9 +105,10 @@ class FluxTransformerBlock(nn.Module):
         self.ff = FluxFeedForward(dim, 4 * dim, prefix=f"{prefix}.ff")
         self.ff_context = FluxFeedForward(dim, 4 * dim, prefix=f"{prefix}.ff_context")
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, temb: torch.Tensor, rope: RotaryEmb):
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(temb)
-        c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(temb)
+    def forward(self, x: torch.Tensor, ctx: torch.Tensor, modulation: torch.Tensor, rope: RotaryEmb):
+        """`modulation` (2, batch, 6 * dim): this block's image and text adaLN parameters."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = modulation[0].chunk(6, dim=-1)
+        c_shift_msa, c_scale_msa, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = modulation[1].chunk(6, dim=-1)
         attn_x, attn_ctx = self.attn(
             layer_norm_modulate(x, shift_msa, scale_msa), layer_norm_modulate(ctx, c_shift_msa, c_scale_msa), rope
         )
@@ -142,8 +146,9 @@ class FluxSingleTransformerBlock(nn.Module):
         self.attn = FluxSingleAttention(num_heads // tp, head_dim, prefix=f"{prefix}.attn")
         self.proj_out = RowParallelLinear(inner + self.mlp_dim, dim, bias=True, prefix=f"{prefix}.proj_out")
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor, rope: RotaryEmb) -> torch.Tensor:
-        shift, scale, gate = self.norm(temb)
+    def forward(self, x: torch.Tensor, modulation: torch.Tensor, rope: RotaryEmb) -> torch.Tensor:
+        """`modulation` (batch, 3 * dim): this block's adaLN parameters."""
+        shift, scale, gate = modulation.chunk(3, dim=-1)
         qkv_mlp = self.to_qkv_mlp(layer_norm_modulate(x, shift, scale))[0]
         q, k, v = qk_norm_rope(qkv_mlp, (self.attn.norm_q.weight, self.attn.norm_k.weight), rope,
                                num_heads=self.local_sizes[0] // self.head_dim, eps=self.attn.norm_q.eps)
@@ -213,22 +218,61 @@ class FluxTransformer2DModel(nn.Module):
         txt_ids: torch.Tensor | None = None,
         guidance: torch.Tensor | None = None,
         rotary_emb: RotaryEmb | None = None,
+        modulation: FluxModulation | None = None,
     ) -> torch.Tensor:
+        """`modulation`: this step's slice of `step_modulation(...)` when the caller computed it ahead (then
+        `timestep`, `guidance` and `pooled_projections` are not read); None = computed here."""
         x = self.x_embedder(hidden_states)
-        timestep = timestep.to(x.dtype) * 1000
-        if guidance is not None:
-            guidance = guidance.to(x.dtype) * 1000
-        temb = self.time_text_embed(timestep, guidance, pooled_projections)
+        if modulation is None:
+            modulation = self.block_modulation(self.temb(timestep, guidance, pooled_projections, x.dtype))
+        double, single, final = modulation
         ctx = self.context_embedder(encoder_hidden_states)
         rope = rotary_emb if rotary_emb is not None else self.rotary_emb(txt_ids, img_ids)
-        for block in self.transformer_blocks:
-            x, ctx = block(x, ctx, temb, rope)
+        for block, block_modulation in zip(self.transformer_blocks, double, strict=True):
+            x, ctx = block(x, ctx, block_modulation, rope)
         text_len = ctx.shape[1]
         joined = torch.cat([ctx, x], dim=1)
-        for block in self.single_transformer_blocks:
-            joined = block(joined, temb, rope)
-        scale, shift = self.norm_out.linear(F.silu(temb).to(joined.dtype)).chunk(2, dim=1)
+        for block, block_modulation in zip(self.single_transformer_blocks, single, strict=True):
+            joined = block(joined, block_modulation, rope)
+        scale, shift = final.chunk(2, dim=1)
         return self.proj_out(layer_norm_modulate(joined[:, text_len:], shift, scale))
+
+    def temb(self, timestep: torch.Tensor, guidance: torch.Tensor | None, pooled: torch.Tensor,
+             dtype: torch.dtype) -> torch.Tensor:
+        """The conditioning vector (batch, dim); `timestep` and `guidance` as the pipeline passes them (/ 1000)."""
+        return self.time_text_embed(timestep.to(dtype) * 1000, None if guidance is None else guidance.to(dtype) * 1000,
+                                    pooled)
+
+    def block_modulation(self, temb: torch.Tensor) -> FluxModulation:
+        """Every block's adaLN parameters for the conditioning `temb` (rows, dim).
+
+        They depend on the timestep, the guidance and the pooled prompt only: a denoise loop computes them for
+        all its steps at once (`step_modulation`), one GEMM per block with a row per step instead of, every
+        step, 77 GEMVs that re-read 6.5 GB of weights (~1.8 ms of a 126 ms 1024² forward on an H200).
+        """
+        double = torch.stack([torch.stack([block.norm1(temb), block.norm1_context(temb)])
+                              for block in self.transformer_blocks])
+        single = torch.stack([block.norm(temb) for block in self.single_transformer_blocks])
+        return double, single, self.norm_out(temb)
+
+    def step_modulation(self, timesteps: torch.Tensor, guidance: torch.Tensor | None, pooled: torch.Tensor,
+                        dtype: torch.dtype) -> FluxModulation:
+        """`block_modulation` for each step: `timesteps` (steps, batch) as each step's forward would get them;
+        the batch dimension becomes (steps, batch). Step `i`'s forward takes `step_slice(table, i)`."""
+        steps, batch = timesteps.shape
+
+        def per_step(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.repeat(steps, *([1] * (t.dim() - 1)))
+
+        temb = self.temb(timesteps.reshape(-1), per_step(guidance), per_step(pooled), dtype)
+        double, single, final = self.block_modulation(temb)
+        return (double.unflatten(2, (steps, batch)), single.unflatten(1, (steps, batch)),
+                final.unflatten(0, (steps, batch)))
+
+    @staticmethod
+    def step_slice(table: FluxModulation, step: int) -> FluxModulation:
+        double, single, final = table
+        return double[:, :, step], single[:, step], final[step]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load diffusers-named tensors; returns the names of our parameters that were filled."""
