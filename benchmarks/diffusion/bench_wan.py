@@ -58,8 +58,9 @@ def build_transformers(config: dict, device: torch.device, dtype: torch.dtype):
     return reference, ours.to(device).eval()
 
 
-def bench_dit_step(reference, ours, frames: int, height: int, width: int, text_tokens: int, device, dtype,
-                   warmup: int, iters: int) -> dict[str, Any]:
+def dit_step_fns(reference, ours, frames: int, height: int, width: int, text_tokens: int, device, dtype):
+    """(diffusers CFG step, ours(fn) CFG step, tokens) on fixed random inputs; diffusers runs positive and negative
+    one after the other (as its pipeline does), ours as one batch of 2 through `fn`."""
     g = torch.Generator().manual_seed(1)
     latent = torch.randn(1, 16, (frames - 1) // 4 + 1, height // 8, width // 8, generator=g).to(device, dtype)
     pos = torch.randn(1, text_tokens, 4096 if reference.config.text_dim == 4096 else reference.config.text_dim,
@@ -73,17 +74,39 @@ def bench_dit_step(reference, ours, frames: int, height: int, width: int, text_t
             b = reference(latent, t, neg, return_dict=False)[0]
         return b + 5.0 * (a - b)
 
-    def ours_step():
+    def ours_step(fn=ours):
         with torch.no_grad():
-            out = ours(torch.cat([latent, latent]), t.expand(2), torch.cat([pos, neg]))
+            out = fn(torch.cat([latent, latent]), t.expand(2), torch.cat([pos, neg]))
         return out[1:] + 5.0 * (out[:1] - out[1:])
 
+    return diffusers_step, ours_step, latent.shape[2] * latent.shape[3] * latent.shape[4] // 4
+
+
+def bench_dit_step(reference, ours, frames: int, height: int, width: int, text_tokens: int, device, dtype,
+                   warmup: int, iters: int) -> tuple[dict[str, Any], torch.Tensor]:
+    diffusers_step, ours_step, tokens = dit_step_fns(reference, ours, frames, height, width, text_tokens, device,
+                                                     dtype)
     ref_ms, _ = timed(diffusers_step, device, warmup, iters)
     our_ms, _ = timed(ours_step, device, warmup, iters)
-    diff = (ours_step().float() - diffusers_step().float()).abs().max().item()
-    tokens = latent.shape[2] * latent.shape[3] * latent.shape[4] // 4
+    eager = ours_step().float()
+    diff = (eager - diffusers_step().float()).abs().max().item()
     return {"what": "DiT CFG step", "frames": frames, "size": f"{width}x{height}", "tokens": tokens,
-            "diffusers_ms": ref_ms, "ours_ms": our_ms, "speedup": ref_ms / our_ms, "max_abs_diff": diff}
+            "diffusers_ms": ref_ms, "ours_ms": our_ms, "speedup": ref_ms / our_ms, "max_abs_diff": diff}, eager
+
+
+def bench_dit_step_compiled(row: dict[str, Any], eager: torch.Tensor, reference, ours, height: int, width: int,
+                            text_tokens: int, device, dtype, warmup: int, iters: int) -> None:
+    """Adds ours with compiled blocks (compile them first), and replayed as a CUDA graph, to an eager `row`."""
+    from vllm_omni.diffusion.layers.cuda_graph import CUDAGraphRunner
+
+    _, ours_step, _ = dit_step_fns(reference, ours, row["frames"], height, width, text_tokens, device, dtype)
+    variants = [("compiled", ours)]
+    if device.type == "cuda":
+        variants.append(("compiled_graph", CUDAGraphRunner(ours.forward)))
+    for label, fn in variants:
+        row[f"ours_{label}_ms"], _ = timed(lambda fn=fn: ours_step(fn), device, warmup, iters)
+        row[f"speedup_{label}"] = row["diffusers_ms"] / row[f"ours_{label}_ms"]
+        row[f"{label}_max_abs_diff_vs_eager"] = (ours_step(fn).float() - eager).abs().max().item()
 
 
 def build_pipelines(args, device, dtype, reference, ours):
@@ -153,6 +176,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--no-pipeline", action="store_true", help="only the DiT step")
+    parser.add_argument("--compile", action="store_true",
+                        help="DiT step also with compiled blocks and as a CUDA graph (the pipeline stays eager)")
     parser.add_argument("--smoke", action="store_true", help="tiny checkpoint on the CPU (fp32)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -172,10 +197,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             config = WAN21_13B
         reference, ours = build_transformers(config, device, dtype)
+        eager_outs = []
         for frames in args.frames:
-            rows.append(bench_dit_step(reference, ours, frames, args.height, args.width, 512, device, dtype,
-                                       args.warmup, args.iters))
-            print(json.dumps(rows[-1]), flush=True)
+            row, eager = bench_dit_step(reference, ours, frames, args.height, args.width, 512, device, dtype,
+                                        args.warmup, args.iters)
+            rows.append(row)
+            eager_outs.append(eager)
+            print(json.dumps(row), flush=True)
+        if args.compile:
+            from vllm_omni.diffusion.layers.compile import compile_repeated_blocks
+
+            compile_repeated_blocks(ours)
+            for row, eager in zip(rows, eager_outs, strict=True):
+                bench_dit_step_compiled(row, eager, reference, ours, args.height, args.width, 512, device, dtype,
+                                        args.warmup, args.iters)
+                print(json.dumps(row), flush=True)
         if not args.no_pipeline:
             ref, our = build_pipelines(args, device, dtype, reference, ours)
             for frames in args.frames:
@@ -189,6 +225,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         stages = json.dumps({k: round(v, 2) for k, v in r.get("stages", {}).items()})
         extra = (f"max|diff| {r['max_abs_diff']:.3g}" if unit == "ms" else
                  f"PSNR {r['psnr_vs_diffusers']:.1f} dB, stages {stages}")
+        if "ours_compiled_ms" in r:
+            extra += f"; compiled {r['ours_compiled_ms']:.1f} ms ({r['speedup_compiled']:.2f}x)"
+        if "ours_compiled_graph_ms" in r:
+            extra += f", + CUDA graph {r['ours_compiled_graph_ms']:.1f} ms ({r['speedup_compiled_graph']:.2f}x)"
         print(f"{r['what']:<14}{r['frames']:>7}{r['size']:>9}{ref_v:>10.1f}{unit:<2}{our_v:>8.1f}{unit:<2}"
               f"{r['speedup']:>7.2f}  {extra}")
     result = {"command": " ".join(sys.argv), "env": env, "rows": rows}

@@ -43,3 +43,19 @@ def test_transformer_matches_diffusers(dist_world, request, fixture):
         got = ours(x, t, text, image)
     assert got.shape == expected.shape == (2, 16, 3, 8, 12)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_blocks_match_eager(dist_world, wan21_i2v_dir):
+    """`enforce_eager=False` compiles every block (whole graph, no breaks): same output as eager (I2V branch too)."""
+    from vllm_omni.diffusion.layers.compile import compile_repeated_blocks
+
+    ours = _load_ours(wan21_i2v_dir)
+    cfg = ours.config
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, cfg.in_channels, 3, 8, 12, generator=gen)
+    t = torch.tensor([999.0, 250.0])
+    text, image = torch.randn(2, 512, cfg.text_dim, generator=gen), torch.randn(2, 17, cfg.image_dim, generator=gen)
+    with torch.no_grad():
+        eager = ours(x, t, text, image)
+        assert compile_repeated_blocks(ours) == cfg.num_layers
+        torch.testing.assert_close(ours(x, t, text, image), eager, rtol=1e-4, atol=1e-4)

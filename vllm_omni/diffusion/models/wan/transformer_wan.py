@@ -265,6 +265,7 @@ class WanTransformer3DModel(nn.Module):
     """Denoises video latents (batch, C, T, H, W) given a timestep per sample and text (+ image) tokens."""
 
     _no_split_modules = ["WanTransformerBlock"]
+    _repeated_blocks = ["WanTransformerBlock"]
     _keep_in_fp32_modules = ["time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"]
 
     def __init__(self, config: WanTransformerConfig, prefix: str = "") -> None:
