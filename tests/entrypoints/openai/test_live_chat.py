@@ -1,10 +1,12 @@
 """Live server on the tiny Qwen2 checkpoint (one AR stage on vLLM's EngineCore), started as
 `vllm serve tiny/qwen2 --omni`. Pins: chat (stream and not) and batch chat through the official client and
-raw HTTP, 4xx for routes/modalities the model cannot serve, and that a client leaving mid-stream aborts its
-request in the engine (the running gauge drops back to 0 and the abort is counted)."""
+raw HTTP, 4xx for routes/modalities the model cannot serve, that a client leaving mid-stream aborts its
+request in the engine (the running gauge drops back to 0 and the abort is counted), and tool calling through
+vLLM's hermes parser (required / named tool choice constrain the random model to well-formed calls)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -20,7 +22,8 @@ MESSAGES = [{"role": "user", "content": "hello"}]
 @pytest.fixture(scope="module")
 def server():
     srv = LiveServer(MODEL, "--gpu-memory-utilization", "0.15", "--max-model-len", "512",
-                     "--max-num-seqs", "4", "--enforce-eager")
+                     "--max-num-seqs", "4", "--enforce-eager", "--enable-auto-tool-choice",
+                     "--tool-call-parser", "hermes")
     yield srv
     assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
 
@@ -109,3 +112,64 @@ def test_disconnect_mid_stream_aborts(server):
 
 def test_no_5xx_recorded(server):
     assert server.metric("vllm_omni:http_requests_total", status="500") == 0
+
+
+CITIES = ["Paris", "Rome"]
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather in a city", "strict": True,
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": CITIES}},
+                       "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "Local time in a city", "strict": True,
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": CITIES}},
+                       "required": ["city"], "additionalProperties": False}}},
+]
+WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+# Seeded sampling: greedy decoding of the random model pads the constrained JSON with whitespace forever.
+SAMPLE = dict(max_tokens=200, temperature=1.0, seed=0)
+
+
+def _calls(message) -> list[tuple[str, dict]]:
+    return [(call.function.name, json.loads(call.function.arguments)) for call in message.tool_calls or []]
+
+
+def test_tool_choice_required_and_named(client):
+    out = client.chat.completions.create(model=MODEL, messages=WEATHER, tools=TOOLS, tool_choice="required",
+                                         **SAMPLE)
+    choice = out.choices[0]
+    calls = _calls(choice.message)
+    assert calls and choice.finish_reason == "tool_calls", choice
+    assert all(name in {"get_weather", "get_time"} and args["city"] in CITIES for name, args in calls)
+    assert all(call.id and call.type == "function" for call in choice.message.tool_calls)
+
+    named = {"type": "function", "function": {"name": "get_time"}}
+    out = client.chat.completions.create(model=MODEL, messages=WEATHER, tools=TOOLS, tool_choice=named, **SAMPLE)
+    assert [name for name, _ in _calls(out.choices[0].message)] == ["get_time"]
+    assert out.choices[0].finish_reason == "stop"  # OpenAI: a named tool call finishes with "stop"
+
+    stream = client.chat.completions.create(model=MODEL, messages=WEATHER, tools=TOOLS, tool_choice=named,
+                                            stream=True, **SAMPLE)
+    streamed: dict[int, dict[str, str]] = {}
+    for c in stream:
+        for delta in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            call = streamed.setdefault(delta.index, {"name": "", "arguments": ""})
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+    assert [(v["name"], json.loads(v["arguments"])) for v in streamed.values()] == _calls(out.choices[0].message)
+
+
+def test_tool_results_in_history_and_auto_choice(client):
+    """A conversation carrying an assistant tool call and its result renders and runs; under "auto" the
+    random model may or may not call a tool, and the answer is well-formed either way."""
+    history = WEATHER + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    out = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=8, temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content or choice.message.tool_calls
+    assert all(name in {"get_weather", "get_time"} for name, _ in _calls(choice.message))
+

@@ -24,6 +24,7 @@ from vllm_omni.entrypoints.cli.serve import make_omni_arg_parser
 from vllm_omni.entrypoints.openai.api_server import build_app
 
 CHAT = [{"role": "user", "content": "draw a cat"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +216,10 @@ def test_models_health_metrics_sleep(dit):
         ("/v1/chat/completions", {"messages": CHAT, "sampling_params_list": [{}]}, 400, "one entry per stage"),
         ("/v1/chat/completions", {"messages": CHAT, "sampling_params_list": [{"max_tokens": -1}, {}]}, 400,
          "sampling_params_list[0]"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [TOOL]}, 400, "--enable-auto-tool-choice"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [TOOL], "tool_choice": "required"}, 400,
+         "--tool-call-parser"),
+        ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, 400, "tools"),
         ("/v1/chat/completions/batch", {"messages": [CHAT], "n": 2}, 400, "n"),
         ("/v1/chat/completions/batch", {"messages": []}, 400, "messages"),
         ("/v1/images/generations", {"prompt": "x"}, 400, "outputs image"),

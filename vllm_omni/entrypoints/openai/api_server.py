@@ -76,9 +76,13 @@ def init_app_state(app: FastAPI, args: argparse.Namespace, engine: Any) -> None:
     limits = ServerLimits(max_upload_bytes=int(args.max_upload_mb * 2**20),
                           max_request_outputs=args.max_request_outputs)
     common = dict(engine=engine, model_name=model_name, metrics=state.metrics, limits=limits)
-    template = load_chat_template(getattr(args, "chat_template", None))
-    state.serving_chat = OmniOpenAIServingChat(**common, chat_template=template)
-    state.serving_chat_batch = OmniOpenAIServingChatBatch(**common, chat_template=template)
+    if getattr(args, "reasoning_parser", None):
+        raise ValueError("--reasoning-parser is not supported with --omni yet")
+    chat = dict(chat_template=load_chat_template(getattr(args, "chat_template", None)),
+                tool_parser=getattr(args, "tool_call_parser", None),
+                enable_auto_tools=bool(getattr(args, "enable_auto_tool_choice", False)))
+    state.serving_chat = OmniOpenAIServingChat(**common, **chat)
+    state.serving_chat_batch = OmniOpenAIServingChatBatch(**common, **chat)
     state.serving_images = OmniOpenAIServingImages(**common)
     state.serving_speech = OmniOpenAIServingSpeech(**common)
     state.serving_video = OmniOpenAIServingVideo(**common)

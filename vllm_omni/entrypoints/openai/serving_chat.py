@@ -1,15 +1,22 @@
 """`/v1/chat/completions` on an omni pipeline: text from AR stages, images from diffusion stages and audio
-from audio stages, streamed as SSE or returned at once."""
+from audio stages, streamed as SSE or returned at once.
+
+Tool calling goes through vLLM's own parsers (`--enable-auto-tool-choice --tool-call-parser NAME`, as with
+`vllm serve`): the parser constrains generation for `tool_choice="required"` / a named function and extracts the
+calls from the text."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaToolCall, ToolCall
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -19,6 +26,8 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
 from vllm.exceptions import VLLMClientError
 from vllm.logger import init_logger
+from vllm.parser import Parser, ParserManager
+from vllm.renderers.chat_utils import make_tool_call_id
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils import random_uuid
 
@@ -53,23 +62,28 @@ class OmniOpenAIServingChat(OmniServingBase):
     """Chat completions for any stage graph; the prompt goes to stage 0 (chat template for AR stage 0,
     last user message + its images for a diffusion stage 0)."""
 
-    def __init__(self, *args: Any, chat_template: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, chat_template: str | None = None, tool_parser: str | None = None,
+                 enable_auto_tools: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
+        self.tool_parser = tool_parser
+        self.enable_auto_tools = enable_auto_tools
+        self._parser_cls: type[Parser] | None = None
 
     async def create_chat_completion(self, request: OmniChatCompletionRequest, raw_request: Request | None):
         self.check_model(request.model)
         modalities = self.resolve_modalities(request)
+        request, parser = await self.prepare_tools(request)
         prompt, num_prompt_tokens = await self.build_prompt(request)
         params = self.build_chat_sampling_params(request)
         base_id = self.base_request_id(raw_request)
         request_id = f"chatcmpl-{base_id}"
         if request.stream:
-            stream = self.chat_stream(request, modalities, prompt, request_id, params, num_prompt_tokens)
+            stream = self.chat_stream(request, modalities, prompt, request_id, params, num_prompt_tokens, parser)
             return StreamingResponse(stream, media_type="text/event-stream")
         finals = await self.generate_final(prompt, request_id, params, self.requested(request, modalities))
         choice, usage = self.build_choice(request, modalities, finals, index=0,
-                                          num_prompt_tokens=num_prompt_tokens)
+                                          num_prompt_tokens=num_prompt_tokens, parser=parser)
         response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=usage)
         return JSONResponse(response.model_dump(exclude_none=True))
 
@@ -83,8 +97,6 @@ class OmniOpenAIServingChat(OmniServingBase):
     def resolve_modalities(self, request: OmniChatCompletionRequest) -> set[str]:
         if request.n not in (None, 1):
             raise OmniClientError("n must be 1; use num_outputs_per_prompt for several images", param="n")
-        if request.tools:
-            raise OmniClientError("tool calling is not supported by this server", param="tools")
         if request.modalities is None:
             return set(self.output_modalities)
         missing = sorted(set(request.modalities) - self.output_modalities)
@@ -101,6 +113,28 @@ class OmniOpenAIServingChat(OmniServingBase):
                                       param="audio.format")
         return set(request.modalities)
 
+    async def prepare_tools(self, request: OmniChatCompletionRequest
+                            ) -> tuple[OmniChatCompletionRequest, Parser | None]:
+        """The request as vLLM's tool parser adjusts it (structured output for required / named tool choice),
+        and a parser for this request's output; (request, None) when no tool may be called."""
+        if not request.tools or request.tool_choice == "none":
+            return request, None
+        if not (self.stage_types and self.stage_types[0] == "llm"):
+            raise OmniClientError(f"`{self.model_name}` does not start with a text model: no tool calling",
+                                  param="tools")
+        auto = request.tool_choice in (None, "auto")
+        if self.tool_parser is None or (auto and not self.enable_auto_tools):
+            flags = "--enable-auto-tool-choice and --tool-call-parser" if auto else "--tool-call-parser"
+            raise OmniClientError(f'tool_choice={json.dumps(request.tool_choice or "auto")} requires the server to '
+                                  f"be started with {flags}", param="tool_choice")
+        tokenizer = await maybe_await(self.engine.get_tokenizer())
+        if self._parser_cls is None:
+            self._parser_cls = ParserManager.get_parser(tool_parser_name=self.tool_parser,
+                                                        enable_auto_tools=self.enable_auto_tools,
+                                                        model_name=self.model_name, tokenizer=tokenizer)
+        parser = self._parser_cls(tokenizer, request.tools)
+        return parser.adjust_request(request), parser
+
     @staticmethod
     def requested(request: OmniChatCompletionRequest, modalities: set[str]) -> list[str] | None:
         """What the engine must produce: only what the request asked for (text-only skips audio stages)."""
@@ -116,7 +150,7 @@ class OmniOpenAIServingChat(OmniServingBase):
         return self.diffusion_prompt(request), 0
 
     async def templated_prompt(self, request: OmniChatCompletionRequest) -> tuple[str, int]:
-        messages = [{"role": m["role"], "content": self.text_only(m, i)} for i, m in enumerate(request.messages)]
+        messages = [self.template_message(m, i) for i, m in enumerate(request.messages)]
         tokenizer = await maybe_await(self.engine.get_tokenizer())
         template = request.chat_template or self.chat_template
         if template is None and not getattr(tokenizer, "chat_template", None):
@@ -127,11 +161,32 @@ class OmniOpenAIServingChat(OmniServingBase):
                 messages, tokenize=False, chat_template=template,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
+                tools=[tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None,
                 **(request.chat_template_kwargs or {}),
             )
         except Exception as exc:  # jinja errors, bad kwargs: the request's fault
             raise OmniClientError(f"chat template failed: {exc}", param="messages") from exc
         return prompt, len(tokenizer.encode(prompt, add_special_tokens=False))
+
+    @classmethod
+    def template_message(cls, message: dict[str, Any], index: int) -> dict[str, Any]:
+        """What the chat template gets: text content, plus the tool fields of assistant / tool messages
+        (arguments as objects, the way HF templates print them)."""
+        out = {"role": message["role"], "content": cls.text_only(message, index)}
+        for key in ("name", "tool_call_id"):
+            if message.get(key) is not None:
+                out[key] = message[key]
+        if message.get("tool_calls"):
+            out["tool_calls"] = [cls.template_tool_call(call) for call in message["tool_calls"]]
+        return out
+
+    @staticmethod
+    def template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+        function = dict(call.get("function") or {})
+        if isinstance(function.get("arguments"), str):
+            with contextlib.suppress(json.JSONDecodeError):  # otherwise the template prints it as given
+                function["arguments"] = json.loads(function["arguments"])
+        return {**call, "function": function}
 
     @staticmethod
     def text_only(message: dict[str, Any], index: int) -> str:
@@ -206,20 +261,37 @@ class OmniOpenAIServingChat(OmniServingBase):
     # Responses -----------------------------------------------------------------------------------
 
     def build_choice(self, request: OmniChatCompletionRequest, modalities: set[str],
-                     finals: list[OmniRequestOutput], *, index: int, num_prompt_tokens: int
-                     ) -> tuple[ChatCompletionResponseChoice, UsageInfo]:
+                     finals: list[OmniRequestOutput], *, index: int, num_prompt_tokens: int,
+                     parser: Parser | None = None) -> tuple[ChatCompletionResponseChoice, UsageInfo]:
         text_out = next((o for o in reversed(finals) if is_text_output(o)), None)
         text = output_text(text_out) if text_out is not None and "text" in modalities else None
+        completion = self.completion_info(text_out)
+        tool_calls: list[ToolCall] = []
+        finish_reason = completion[1]
+        if parser is not None and text is not None:
+            text, tool_calls, finish_reason = self.parse_tool_calls(request, parser, text_out, finish_reason)
         images = [img for o in finals for img in o.images] if "image" in modalities else []
         audio_out = next((o for o in finals if "audio" in o.multimodal_output), None)
-        message = OmniChatMessage(role="assistant", content=self.content(text, images))
+        message = OmniChatMessage(role="assistant", content=self.content(text, images), tool_calls=tool_calls)
         if audio_out is not None and "audio" in modalities:
             message.audio = ChatCompletionAudio(**self.audio_payload(request, audio_out, transcript=text or ""))
-        completion = self.completion_info(text_out)
         usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion[0],
                           total_tokens=num_prompt_tokens + completion[0])
-        choice = ChatCompletionResponseChoice(index=index, message=message, finish_reason=completion[1])
+        choice = ChatCompletionResponseChoice(index=index, message=message, finish_reason=finish_reason)
         return choice, usage
+
+    def parse_tool_calls(self, request: OmniChatCompletionRequest, parser: Parser, text_out: OmniRequestOutput,
+                         finish_reason: str) -> tuple[str | None, list[ToolCall], str]:
+        """(content, tool calls, finish reason) of a finished text output, as vLLM's chat server reports them:
+        finish_reason "tool_calls" when tools were called under "auto" or "required", "stop" for a named one."""
+        ro = text_out.request_output
+        token_ids = list(ro.outputs[0].token_ids) if ro is not None and ro.outputs else None
+        _, content, calls = parser.parse(output_text(text_out), request, enable_auto_tools=self.enable_auto_tools,
+                                         model_output_token_ids=token_ids)
+        tool_calls = [ToolCall(id=call.id or make_tool_call_id(), function=call) for call in calls or []]
+        if tool_calls and request.tool_choice in (None, "auto", "required"):
+            finish_reason = "tool_calls"
+        return content, tool_calls, finish_reason
 
     @staticmethod
     def content(text: str | None, images: list[Any]) -> str | list[dict[str, Any]] | None:
@@ -249,7 +321,10 @@ class OmniOpenAIServingChat(OmniServingBase):
     # Streaming -----------------------------------------------------------------------------------
 
     async def chat_stream(self, request: OmniChatCompletionRequest, modalities: set[str], prompt: Any,
-                          request_id: str, params: list[Any], num_prompt_tokens: int) -> AsyncIterator[str]:
+                          request_id: str, params: list[Any], num_prompt_tokens: int,
+                          parser: Parser | None = None) -> AsyncIterator[str]:
+        """SSE chunks. With a tool parser the text is held back and sent once parsed, as content and/or
+        complete tool calls in one delta (clients accumulate deltas the same way)."""
         created = int(time.time())
 
         def chunk(delta: OmniDeltaMessage, finish_reason: str | None = None, usage: UsageInfo | None = None
@@ -269,7 +344,7 @@ class OmniOpenAIServingChat(OmniServingBase):
                     text_out = output
                     text = output_text(output)
                     delta, sent[output.stage_id] = text[sent.get(output.stage_id, 0):], len(text)
-                    if delta and "text" in modalities:
+                    if delta and "text" in modalities and parser is None:
                         yield chunk(OmniDeltaMessage(content=delta))
                 if output.finished and output.images and "image" in modalities:
                     yield chunk(OmniDeltaMessage(content=self.content(None, output.images)))
@@ -282,6 +357,14 @@ class OmniOpenAIServingChat(OmniServingBase):
             yield "data: [DONE]\n\n"
             return
         completion_tokens, finish_reason = self.completion_info(text_out)
+        if parser is not None and text_out is not None and "text" in modalities:
+            content, tool_calls, finish_reason = self.parse_tool_calls(request, parser, text_out, finish_reason)
+            deltas = [DeltaToolCall(index=i, id=call.id, type="function",
+                                    function=DeltaFunctionCall(name=call.function.name,
+                                                               arguments=call.function.arguments))
+                      for i, call in enumerate(tool_calls)]
+            if content or deltas:
+                yield chunk(OmniDeltaMessage(content=content or None, tool_calls=deltas))
         yield chunk(OmniDeltaMessage(), finish_reason=finish_reason)
         if request.stream_options is not None and request.stream_options.include_usage:
             usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion_tokens,
