@@ -55,6 +55,27 @@ def test_chat(client):
     assert chunks[-1].usage.completion_tokens == 16
 
 
+def test_n_completions(client):
+    """n > 1: n choices from one request (vLLM's parallel sampling), streamed per choice index too."""
+    kw = dict(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=0, n=3,
+              extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(**kw)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" and c.message.content for c in out.choices)
+    assert out.usage.completion_tokens == 3 * 8
+    assert len({c.message.content for c in out.choices}) > 1  # each child samples with its own seed
+
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    texts, finish = {}, {}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+    assert texts == {c.index: c.message.content for c in out.choices}
+    assert finish == {0: "length", 1: "length", 2: "length"}
+    assert chunks[-1].usage.completion_tokens == 3 * 8
+
+
 def test_batch_chat(server):
     body = {"model": MODEL, "messages": [MESSAGES, [{"role": "user", "content": "bye"}]], "max_tokens": 5,
             "ignore_eos": True}

@@ -220,6 +220,10 @@ def test_models_health_metrics_sleep(dit):
         ("/v1/chat/completions", {"messages": CHAT, "tools": [TOOL], "tool_choice": "required"}, 400,
          "--tool-call-parser"),
         ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required"}, 400, "tools"),
+        ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "text-only answer"),  # this model also speaks
+        ("/v1/chat/completions", {"messages": CHAT, "n": 99, "modalities": ["text"]}, 400, "max-request-outputs"),
+        ("/v1/chat/completions", {"messages": CHAT, "n": 2, "modalities": ["text"], "tools": [TOOL]}, 400,
+         "tool calling"),
         ("/v1/chat/completions/batch", {"messages": [CHAT], "n": 2}, 400, "n"),
         ("/v1/chat/completions/batch", {"messages": []}, 400, "messages"),
         ("/v1/images/generations", {"prompt": "x"}, 400, "outputs image"),

@@ -17,6 +17,7 @@ from vllm.logger import init_logger
 
 from vllm_omni.entrypoints.openai.protocol.chat import OmniBatchChatCompletionRequest, OmniChatCompletionRequest
 from vllm_omni.entrypoints.openai.serving_chat import OmniOpenAIServingChat
+from vllm_omni.errors import OmniClientError
 
 logger = init_logger(__name__)
 
@@ -29,6 +30,8 @@ class OmniOpenAIServingChatBatch(OmniOpenAIServingChat):
     async def create_batch_chat_completion(self, request: OmniBatchChatCompletionRequest,
                                            raw_request: Request | None) -> JSONResponse:
         self.check_model(request.model)
+        if request.n not in (None, 1):
+            raise OmniClientError("n must be 1 for batch chat (one answer per conversation)", param="n")
         if request.stream:
             logger.warning("Batch chat completions are never streamed; ignoring stream=true")
         base_id = self.base_request_id(raw_request)
@@ -56,4 +59,5 @@ class OmniOpenAIServingChatBatch(OmniOpenAIServingChat):
         prompt, num_prompt_tokens = await self.build_prompt(request)
         params = self.build_chat_sampling_params(request)
         finals = await self.generate_final(prompt, request_id, params)
-        return self.build_choice(request, modalities, finals, index=index, num_prompt_tokens=num_prompt_tokens)
+        return self.build_choice(request, modalities, finals, index=index, num_prompt_tokens=num_prompt_tokens,
+                                 completion_index=0)

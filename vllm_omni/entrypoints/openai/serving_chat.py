@@ -12,6 +12,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -47,11 +48,27 @@ DEFAULT_MAX_TOKENS = 256
 AUDIO_TTL_S = 3600
 
 
-def output_text(output: OmniRequestOutput) -> str:
+@dataclass
+class Completion:
+    """One of a text output's `n` completions."""
+
+    index: int
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def completions(output: OmniRequestOutput) -> list[Completion]:
+    """The completions a text output carries (vLLM streams the `n` completions of a request one at a time)."""
     ro = output.request_output
-    if ro is not None and getattr(ro, "outputs", None):
-        return ro.outputs[0].text
-    return output.text or ""
+    if ro is None or not hasattr(ro, "outputs"):
+        return [Completion(0, output.text or "")]
+    return [Completion(getattr(c, "index", pos), c.text, list(getattr(c, "token_ids", [])),
+                       getattr(c, "finish_reason", None)) for pos, c in enumerate(ro.outputs)]
+
+
+def output_text(output: OmniRequestOutput, index: int = 0) -> str:
+    return next((c.text for c in completions(output) if c.index == index), "")
 
 
 def is_text_output(output: OmniRequestOutput) -> bool:
@@ -82,9 +99,13 @@ class OmniOpenAIServingChat(OmniServingBase):
             stream = self.chat_stream(request, modalities, prompt, request_id, params, num_prompt_tokens, parser)
             return StreamingResponse(stream, media_type="text/event-stream")
         finals = await self.generate_final(prompt, request_id, params, self.requested(request, modalities))
-        choice, usage = self.build_choice(request, modalities, finals, index=0,
-                                          num_prompt_tokens=num_prompt_tokens, parser=parser)
-        response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice], usage=usage)
+        built = [self.build_choice(request, modalities, finals, index=i, num_prompt_tokens=num_prompt_tokens,
+                                   parser=parser) for i in range(request.n or 1)]
+        completion_tokens = sum(usage.completion_tokens or 0 for _, usage in built)
+        usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=num_prompt_tokens + completion_tokens)
+        response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=[c for c, _ in built],
+                                          usage=usage)
         return JSONResponse(response.model_dump(exclude_none=True))
 
     @staticmethod
@@ -95,8 +116,17 @@ class OmniOpenAIServingChat(OmniServingBase):
     # Validation ----------------------------------------------------------------------------------
 
     def resolve_modalities(self, request: OmniChatCompletionRequest) -> set[str]:
-        if request.n not in (None, 1):
-            raise OmniClientError("n must be 1; use num_outputs_per_prompt for several images", param="n")
+        modalities = self.requested_modalities(request)
+        if (request.n or 1) > 1:
+            if modalities != {"text"} or not (self.stage_types and self.stage_types[0] == "llm"):
+                raise OmniClientError("n > 1 needs a text-only answer from an AR model; use "
+                                      "num_outputs_per_prompt for several images", param="n")
+            if request.tools and request.tool_choice != "none":
+                raise OmniClientError("n > 1 cannot be combined with tool calling", param="n")
+            self.check_num_outputs(request.n, "n")
+        return modalities
+
+    def requested_modalities(self, request: OmniChatCompletionRequest) -> set[str]:
         if request.modalities is None:
             return set(self.output_modalities)
         missing = sorted(set(request.modalities) - self.output_modalities)
@@ -262,10 +292,14 @@ class OmniOpenAIServingChat(OmniServingBase):
 
     def build_choice(self, request: OmniChatCompletionRequest, modalities: set[str],
                      finals: list[OmniRequestOutput], *, index: int, num_prompt_tokens: int,
-                     parser: Parser | None = None) -> tuple[ChatCompletionResponseChoice, UsageInfo]:
+                     parser: Parser | None = None, completion_index: int | None = None
+                     ) -> tuple[ChatCompletionResponseChoice, UsageInfo]:
+        """Choice `index` of the answer, made from text completion `completion_index` (default: `index`; a
+        batch answers conversation `index` with its only completion, 0)."""
+        which = index if completion_index is None else completion_index
         text_out = next((o for o in reversed(finals) if is_text_output(o)), None)
-        text = output_text(text_out) if text_out is not None and "text" in modalities else None
-        completion = self.completion_info(text_out)
+        text = output_text(text_out, which) if text_out is not None and "text" in modalities else None
+        completion = self.completion_info(text_out, which)
         tool_calls: list[ToolCall] = []
         finish_reason = completion[1]
         if parser is not None and text is not None:
@@ -302,11 +336,12 @@ class OmniOpenAIServingChat(OmniServingBase):
         return parts
 
     @staticmethod
-    def completion_info(text_out: OmniRequestOutput | None) -> tuple[int, str]:
-        ro = getattr(text_out, "request_output", None)
-        if ro is None or not getattr(ro, "outputs", None):
+    def completion_info(text_out: OmniRequestOutput | None, index: int = 0) -> tuple[int, str]:
+        """(completion tokens, finish reason) of completion `index`."""
+        found = next((c for c in completions(text_out) if c.index == index), None) if text_out else None
+        if found is None:
             return 0, "stop"
-        return len(ro.outputs[0].token_ids), ro.outputs[0].finish_reason or "stop"
+        return len(found.token_ids), found.finish_reason or "stop"
 
     @staticmethod
     def audio_payload(request: OmniChatCompletionRequest, output: OmniRequestOutput, transcript: str
@@ -327,25 +362,29 @@ class OmniOpenAIServingChat(OmniServingBase):
         complete tool calls in one delta (clients accumulate deltas the same way)."""
         created = int(time.time())
 
-        def chunk(delta: OmniDeltaMessage, finish_reason: str | None = None, usage: UsageInfo | None = None
-                  ) -> str:
+        def chunk(delta: OmniDeltaMessage, finish_reason: str | None = None, usage: UsageInfo | None = None,
+                  index: int = 0) -> str:
             choices = [] if usage is not None else [
-                ChatCompletionResponseStreamChoice(index=0, delta=delta, finish_reason=finish_reason)]
+                ChatCompletionResponseStreamChoice(index=index, delta=delta, finish_reason=finish_reason)]
             body = ChatCompletionStreamResponse(id=request_id, created=created, model=self.model_name,
                                                 choices=choices, usage=usage)
             return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
 
-        yield chunk(OmniDeltaMessage(role="assistant", content=""))
-        sent: dict[int, int] = {}
+        for index in range(request.n or 1):
+            yield chunk(OmniDeltaMessage(role="assistant", content=""), index=index)
+        sent: dict[tuple[int, int], int] = {}
+        latest: dict[int, Completion] = {}  # per choice: its completion as last seen
         text_out: OmniRequestOutput | None = None
         try:
             async for output in self.generate(prompt, request_id, params, self.requested(request, modalities)):
                 if is_text_output(output):
                     text_out = output
-                    text = output_text(output)
-                    delta, sent[output.stage_id] = text[sent.get(output.stage_id, 0):], len(text)
-                    if delta and "text" in modalities and parser is None:
-                        yield chunk(OmniDeltaMessage(content=delta))
+                    for completion in completions(output):
+                        key = (output.stage_id, completion.index)
+                        delta, sent[key] = completion.text[sent.get(key, 0):], len(completion.text)
+                        latest[completion.index] = completion
+                        if delta and "text" in modalities and parser is None:
+                            yield chunk(OmniDeltaMessage(content=delta), index=completion.index)
                 if output.finished and output.images and "image" in modalities:
                     yield chunk(OmniDeltaMessage(content=self.content(None, output.images)))
                 if output.finished and "audio" in output.multimodal_output and "audio" in modalities:
@@ -356,16 +395,20 @@ class OmniOpenAIServingChat(OmniServingBase):
             yield f"data: {response.body.decode()}\n\n"
             yield "data: [DONE]\n\n"
             return
-        completion_tokens, finish_reason = self.completion_info(text_out)
-        if parser is not None and text_out is not None and "text" in modalities:
-            content, tool_calls, finish_reason = self.parse_tool_calls(request, parser, text_out, finish_reason)
+        finish_reasons = {i: (latest[i].finish_reason or "stop") if i in latest else "stop"
+                          for i in range(request.n or 1)}
+        completion_tokens = sum(len(c.token_ids) for c in latest.values())
+        if parser is not None and text_out is not None and "text" in modalities:  # n == 1 with tools
+            content, tool_calls, finish_reasons[0] = self.parse_tool_calls(request, parser, text_out,
+                                                                           finish_reasons[0])
             deltas = [DeltaToolCall(index=i, id=call.id, type="function",
                                     function=DeltaFunctionCall(name=call.function.name,
                                                                arguments=call.function.arguments))
                       for i, call in enumerate(tool_calls)]
             if content or deltas:
                 yield chunk(OmniDeltaMessage(content=content or None, tool_calls=deltas))
-        yield chunk(OmniDeltaMessage(), finish_reason=finish_reason)
+        for index, finish_reason in finish_reasons.items():
+            yield chunk(OmniDeltaMessage(), finish_reason=finish_reason, index=index)
         if request.stream_options is not None and request.stream_options.include_usage:
             usage = UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=completion_tokens,
                               total_tokens=num_prompt_tokens + completion_tokens)
