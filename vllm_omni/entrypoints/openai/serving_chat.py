@@ -90,7 +90,7 @@ class OmniOpenAIServingChat(OmniServingBase):
     async def create_chat_completion(self, request: OmniChatCompletionRequest, raw_request: Request | None):
         self.check_model(request.model)
         modalities = self.resolve_modalities(request)
-        request, parser = await self.prepare_tools(request)
+        request, parser = await self.prepare_tools(request, modalities)
         prompt, num_prompt_tokens = await self.build_prompt(request)
         params = self.build_chat_sampling_params(request)
         base_id = self.base_request_id(raw_request)
@@ -143,7 +143,7 @@ class OmniOpenAIServingChat(OmniServingBase):
                                       param="audio.format")
         return set(request.modalities)
 
-    async def prepare_tools(self, request: OmniChatCompletionRequest
+    async def prepare_tools(self, request: OmniChatCompletionRequest, modalities: set[str]
                             ) -> tuple[OmniChatCompletionRequest, Parser | None]:
         """The request as vLLM's tool parser adjusts it (structured output for required / named tool choice),
         and a parser for this request's output; (request, None) when no tool may be called."""
@@ -152,6 +152,9 @@ class OmniOpenAIServingChat(OmniServingBase):
         if not (self.stage_types and self.stage_types[0] == "llm"):
             raise OmniClientError(f"`{self.model_name}` does not start with a text model: no tool calling",
                                   param="tools")
+        if modalities != {"text"}:  # later stages would speak / draw the tool-call markup
+            raise OmniClientError(f"tool calling needs a text-only answer: pass modalities=['text'] (this model "
+                                  f"outputs {sorted(self.output_modalities)})", param="modalities")
         auto = request.tool_choice in (None, "auto")
         if self.tool_parser is None or (auto and not self.enable_auto_tools):
             flags = "--enable-auto-tool-choice and --tool-call-parser" if auto else "--tool-call-parser"
