@@ -6,9 +6,13 @@ the elementwise work around the GEMMs (adaLN modulation, gating, RoPE, GELU, q/k
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
 
 
 def compile_repeated_blocks(model: nn.Module, **compile_kwargs: Any) -> int:
@@ -52,3 +56,11 @@ def accelerate_transformer(model: nn.Module, *, compile_blocks: bool = True, cud
 
         model._apply = _apply_and_drop_graphs
     return model
+
+
+def accelerate_if_requested(model: nn.Module, od_config: OmniDiffusionConfig, device: torch.device, *,
+                            cuda_graphs: bool = True) -> None:
+    """`accelerate_transformer` when the stage asks for it (`enforce_eager=False`) and `model` runs on CUDA;
+    elsewhere the flag changes nothing."""
+    if not od_config.enforce_eager and device.type == "cuda":
+        accelerate_transformer(model, cuda_graphs=cuda_graphs)

@@ -87,6 +87,11 @@ class OmniOpenAIServingChat(OmniServingBase):
         self.enable_auto_tools = enable_auto_tools
         self._parser_cls: type[Parser] | None = None
 
+    @property
+    def starts_with_ar(self) -> bool:
+        """Whether stage 0 is an AR (text) model: chat template, tools and n > 1 apply to it."""
+        return bool(self.stage_types) and self.stage_types[0] == "llm"
+
     async def create_chat_completion(self, request: OmniChatCompletionRequest, raw_request: Request | None):
         self.check_model(request.model)
         modalities = self.resolve_modalities(request)
@@ -118,7 +123,7 @@ class OmniOpenAIServingChat(OmniServingBase):
     def resolve_modalities(self, request: OmniChatCompletionRequest) -> set[str]:
         modalities = self.requested_modalities(request)
         if (request.n or 1) > 1:
-            if modalities != {"text"} or not (self.stage_types and self.stage_types[0] == "llm"):
+            if modalities != {"text"} or not self.starts_with_ar:
                 raise OmniClientError("n > 1 needs a text-only answer from an AR model; use "
                                       "num_outputs_per_prompt for several images", param="n")
             if request.tools and request.tool_choice != "none":
@@ -149,7 +154,7 @@ class OmniOpenAIServingChat(OmniServingBase):
         and a parser for this request's output; (request, None) when no tool may be called."""
         if not request.tools or request.tool_choice == "none":
             return request, None
-        if not (self.stage_types and self.stage_types[0] == "llm"):
+        if not self.starts_with_ar:
             raise OmniClientError(f"`{self.model_name}` does not start with a text model: no tool calling",
                                   param="tools")
         if modalities != {"text"}:  # later stages would speak / draw the tool-call markup
@@ -176,7 +181,7 @@ class OmniOpenAIServingChat(OmniServingBase):
     # Prompt --------------------------------------------------------------------------------------
 
     async def build_prompt(self, request: OmniChatCompletionRequest) -> tuple[Any, int]:
-        if self.stage_types and self.stage_types[0] == "llm":
+        if self.starts_with_ar:
             prompt, num_tokens = await self.templated_prompt(request)
             voice = (request.audio or {}).get("voice")  # the speaker of an audio stage downstream
             return ({"prompt": prompt, "voice": voice} if voice else prompt), num_tokens

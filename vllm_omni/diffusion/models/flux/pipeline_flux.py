@@ -22,7 +22,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig, set_current_attention_config
 from vllm_omni.diffusion.data import DiffusionOutput
-from vllm_omni.diffusion.layers.compile import accelerate_transformer
+from vllm_omni.diffusion.layers.compile import accelerate_if_requested
 from vllm_omni.diffusion.model_loader.diffusers_loader import read_component_config
 from vllm_omni.diffusion.model_loader.dummy import load_native_weights, load_pretrained
 from vllm_omni.diffusion.models.flux.transformer_flux import FluxTransformer2DModel
@@ -100,8 +100,7 @@ class FluxPipeline(nn.Module):
             transformer = FluxTransformer2DModel.from_config(config)
         load_native_weights(transformer, model_dir, "transformer", od_config.load_format)
         transformer.eval()
-        if not od_config.enforce_eager and device.type == "cuda":
-            accelerate_transformer(transformer)
+        accelerate_if_requested(transformer, od_config, device)
         load = functools.partial(load_pretrained, device=device, dtype=dtype, load_format=od_config.load_format)
         text_encoder = load(CLIPTextModel, model_dir / "text_encoder")
         text_encoder_2 = load(T5EncoderModel, model_dir / "text_encoder_2")

@@ -11,6 +11,7 @@ import torch
 
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig, set_current_attention_config
 from vllm_omni.diffusion.data import OmniDiffusionConfig
+from vllm_omni.diffusion.layers.compile import accelerate_if_requested
 from vllm_omni.diffusion.model_loader.diffusers_loader import read_component_config
 from vllm_omni.diffusion.model_loader.dummy import load_native_weights, load_pretrained
 from vllm_omni.diffusion.models.qwen_image.transformer_qwen_image import (
@@ -29,10 +30,7 @@ def load_qwen_image_transformer(od_config: OmniDiffusionConfig, model_dir: Path,
     with set_current_attention_config(attention), set_default_torch_dtype(dtype), device:
         model = QwenImageTransformer2DModel(config=config)
     load_native_weights(model, model_dir, "transformer", od_config.load_format)
-    if not od_config.enforce_eager and device.type == "cuda":
-        from vllm_omni.diffusion.layers.compile import accelerate_transformer
-
-        accelerate_transformer(model)
+    accelerate_if_requested(model, od_config, device)
     return model.eval()
 
 

@@ -34,7 +34,7 @@ from vllm_omni.diffusion.forward_context import (
     set_forward_context_denoise_step_idx,
     set_forward_context_denoise_timestep,
 )
-from vllm_omni.diffusion.layers.compile import accelerate_transformer
+from vllm_omni.diffusion.layers.compile import accelerate_if_requested
 from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.diffusion.video_utils import iter_wan_vae_decode, to_uint8_frames
 from vllm_omni.errors import OmniClientError
@@ -132,12 +132,11 @@ class WanPipeline(nn.Module):
         model_dir = Path(model_dir)
         index = json.loads((model_dir / "model_index.json").read_text())
         components = cls._load_components(model_dir, index, device, dtype, od_config.load_format)
-        if not od_config.enforce_eager and device.type == "cuda":
-            # Compiled blocks only: at video lengths the forward is GPU-bound, a CUDA graph adds nothing
-            # (H200, Wan2.1 1.3B, 33 frames: CFG step 425.6 ms eager, 276.0 compiled, 275.7 as a graph).
-            for name in ("transformer", "transformer_2"):
-                if components.get(name) is not None:
-                    accelerate_transformer(components[name], cuda_graphs=False)
+        # Compiled blocks only: at video lengths the forward is GPU-bound, a CUDA graph adds nothing
+        # (H200, Wan2.1 1.3B, 33 frames: CFG step 425.6 ms eager, 276.0 compiled, 275.7 as a graph).
+        for name in ("transformer", "transformer_2"):
+            if components.get(name) is not None:
+                accelerate_if_requested(components[name], od_config, device, cuda_graphs=False)
         logger.info("Loaded %s from %s (%s, %s)", cls.__name__, model_dir, device, dtype)
         return cls(od_config=od_config, device=device, dtype=dtype, **components)
 
