@@ -212,14 +212,14 @@ def build_models(name: str, config: dict, device: torch.device, dtype: torch.dty
         if name == "flux":
             from diffusers import FluxTransformer2DModel as Reference
 
-            from vllm_omni.diffusion.models.flux.transformer_flux import FluxTransformer2DModel
+            from vllm_omni.models.flux.transformer import FluxTransformer2DModel
 
             reference = Reference(**config)
             ours = FluxTransformer2DModel(**config)
         else:
             from diffusers import QwenImageTransformer2DModel as Reference
 
-            from vllm_omni.diffusion.models.qwen_image.transformer_qwen_image import (
+            from vllm_omni.models.qwen_image.transformer import (
                 QwenImageTransformer2DModel,
                 QwenImageTransformerConfig,
             )
@@ -244,7 +244,7 @@ def make_inputs(name: str, config: dict, size: int, batch: int, text_tokens: int
         enc = randn(batch, text_tokens, config["joint_attention_dim"])
         pooled = randn(batch, config["pooled_projection_dim"])
         guidance = torch.full((batch,), 3.5, device=device, dtype=torch.float32)
-        from vllm_omni.diffusion.models.flux.pipeline_flux import latent_image_ids
+        from vllm_omni.models.flux.pipeline import latent_image_ids
 
         img_ids = latent_image_ids(side, side).to(device, dtype)
         txt_ids = torch.zeros(text_tokens, 3, device=device, dtype=dtype)

@@ -55,7 +55,7 @@ def flux_components(device, dtype, smoke: bool) -> dict[str, Any]:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
     from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from vllm_omni.testing.tiny_models import build_tiny
+    from vllm_omni.models.tiny import build_tiny
 
     tiny = build_tiny("flux")
     if smoke:
@@ -99,7 +99,7 @@ def qwen_components(device, dtype, smoke: bool) -> dict[str, Any]:
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-    from vllm_omni.testing.tiny_models import build_tiny
+    from vllm_omni.models.tiny import build_tiny
 
     tiny = build_tiny("qwen-image")
     scheduler_config = json.loads((tiny / "scheduler" / "scheduler_config.json").read_text())
@@ -139,7 +139,7 @@ def make_pipelines(name: str, device, dtype, smoke: bool, accelerate: bool):
     if name == "flux":
         from diffusers import FluxPipeline as Reference
 
-        from vllm_omni.diffusion.models.flux.pipeline_flux import FluxPipeline
+        from vllm_omni.models.flux.pipeline import FluxPipeline
 
         reference = Reference(transformer=reference_tf, **{k: v for k, v in comps.items()})
 
@@ -148,7 +148,7 @@ def make_pipelines(name: str, device, dtype, smoke: bool, accelerate: bool):
     else:
         from diffusers import QwenImagePipeline as Reference
 
-        from vllm_omni.diffusion.models.qwen_image.pipeline_qwen_image import QwenImagePipeline
+        from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
 
         scheduler_config = comps.pop("scheduler_config")
         reference = Reference(transformer=reference_tf, **comps)

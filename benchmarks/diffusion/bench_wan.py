@@ -42,7 +42,7 @@ def build_transformers(config: dict, device: torch.device, dtype: torch.dtype):
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     from vllm_omni.diffusion.model_loader.weight_utils import process_weights_after_loading
-    from vllm_omni.diffusion.models.wan.transformer_wan import WanTransformer3DModel, WanTransformerConfig
+    from vllm_omni.models.wan.transformer import WanTransformer3DModel, WanTransformerConfig
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -116,8 +116,8 @@ def build_pipelines(args, device, dtype, reference, ours):
     from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
     from vllm_omni.diffusion.data import OmniDiffusionConfig
-    from vllm_omni.diffusion.models.wan.pipeline_wan import WanPipeline
-    from vllm_omni.testing.tiny_models import build_tiny
+    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.models.wan.pipeline import WanPipeline
 
     tiny = build_tiny("wan2.1-t2v")
     tokenizer = AutoTokenizer.from_pretrained(tiny / "tokenizer")
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     with vllm_single_rank(device):
         if args.smoke:
-            from vllm_omni.testing.tiny_models import build_tiny
+            from vllm_omni.models.tiny import build_tiny
 
             config = json.loads((build_tiny("wan2.1-t2v") / "transformer" / "config.json").read_text())
             config = {k: v for k, v in config.items() if not k.startswith("_")}

@@ -45,11 +45,11 @@ def _reference(hf_model, ids: list[int], args) -> tuple[float, list[int], np.nda
 
 
 def _ours(talker, code2wav, token_ids, ids: list[int], text_tokens: list[int], args) -> dict:
-    from vllm_omni.model_executor.models.qwen3_omni.stage_input_processors import (
+    from vllm_omni.models.qwen3_omni.stage_input_processors import (
         talker_to_code2wav,
         thinker_to_talker,
     )
-    from vllm_omni.model_executor.models.qwen3_omni.talker import TalkerSamplingParams
+    from vllm_omni.models.qwen3_omni.talker import TalkerSamplingParams
 
     start = time.perf_counter()
     prompt = thinker_to_talker(ids, text_tokens, token_ids)
@@ -89,10 +89,10 @@ def main() -> None:
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
     from vllm import LLM, SamplingParams
 
-    from vllm_omni.model_executor.models.qwen3_omni.code2wav import Qwen3OmniCode2Wav
-    from vllm_omni.model_executor.models.qwen3_omni.stage_input_processors import Qwen3OmniTokenIds
-    from vllm_omni.model_executor.models.qwen3_omni.talker import Qwen3OmniTalker
-    from vllm_omni.testing.tiny_models import build_tiny
+    from vllm_omni.models.qwen3_omni.code2wav import Qwen3OmniCode2Wav
+    from vllm_omni.models.qwen3_omni.stage_input_processors import Qwen3OmniTokenIds
+    from vllm_omni.models.qwen3_omni.talker import Qwen3OmniTalker
+    from vllm_omni.models.tiny import build_tiny
 
     path = build_tiny("qwen3-omni")
     tok = AutoTokenizer.from_pretrained(path)
@@ -131,8 +131,8 @@ def main() -> None:
     llm.llm_engine.engine_core.shutdown()
 
     # Our talker on vLLM's EngineCore: all requests in one batch.
-    from vllm_omni.model_executor.models.qwen3_omni.stage_input_processors import talker_to_code2wav, thinker_to_talker
-    from vllm_omni.model_executor.models.qwen3_omni.vllm_talker import talker_engine_kwargs, talker_request
+    from vllm_omni.models.qwen3_omni.stage_input_processors import talker_to_code2wav, thinker_to_talker
+    from vllm_omni.models.qwen3_omni.vllm_talker import talker_engine_kwargs, talker_request
 
     talker_llm = LLM(model=str(path), dtype="float32", gpu_memory_utilization=0.15, max_model_len=512, seed=0,
                      **talker_engine_kwargs())

@@ -33,14 +33,14 @@ def main() -> None:
     from transformers import AutoConfig, AutoTokenizer
     from vllm import LLM, SamplingParams
 
-    from vllm_omni.model_executor.models.qwen3_omni.code2wav import Qwen3OmniCode2Wav
-    from vllm_omni.model_executor.models.qwen3_omni.stage_input_processors import (
+    from vllm_omni.models.qwen3_omni.code2wav import Qwen3OmniCode2Wav
+    from vllm_omni.models.qwen3_omni.stage_input_processors import (
         Qwen3OmniTokenIds,
         talker_to_code2wav,
         thinker_to_talker,
     )
-    from vllm_omni.model_executor.models.qwen3_omni.talker import Qwen3OmniTalker, TalkerSamplingParams
-    from vllm_omni.testing.tiny_models import resolve_model
+    from vllm_omni.models.qwen3_omni.talker import Qwen3OmniTalker, TalkerSamplingParams
+    from vllm_omni.models.tiny import resolve_model
 
     model = resolve_model(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"

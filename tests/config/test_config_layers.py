@@ -19,8 +19,8 @@ from vllm_omni.config import (
     VllmOmniDiffusionStageConfig,
     register_pipeline,
 )
-from vllm_omni.config.omni_config import _PIPELINES
 from vllm_omni.errors import OmniClientError
+from vllm_omni.models.registry import MODEL_REGISTRY
 
 TWO_STAGE_YAML = """
 name: rewrite-then-draw
@@ -131,7 +131,7 @@ def test_pipeline_yaml_unknown_key_and_bad_edges(tmp_path):
 
 
 def test_registered_pipeline_wins_for_its_architecture(lm_dir, monkeypatch):
-    monkeypatch.setattr("vllm_omni.config.omni_config._PIPELINES", dict(_PIPELINES))
+    monkeypatch.setattr(MODEL_REGISTRY, "_entries", dict(MODEL_REGISTRY._entries))
 
     @register_pipeline("Qwen2ForCausalLM")
     def two_ar() -> PipelineConfig:

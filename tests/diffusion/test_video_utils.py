@@ -39,7 +39,7 @@ def test_mp4_pads_odd_sizes_and_rejects_bad_input():
 def test_chunked_wan_vae_decode_equals_full_decode():
     from diffusers import AutoencoderKLWan
 
-    from vllm_omni.testing.tiny_models import build_tiny
+    from vllm_omni.models.tiny import build_tiny
 
     vae = AutoencoderKLWan.from_pretrained(build_tiny("wan2.1-t2v") / "vae", dtype=torch.float32).eval()
     latents = torch.randn(2, 16, 4, 4, 6, generator=torch.Generator().manual_seed(0))

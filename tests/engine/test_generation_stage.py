@@ -14,10 +14,10 @@ import pytest
 
 from vllm_omni import AsyncOmni
 from vllm_omni.errors import OmniClientError
-from vllm_omni.testing.tiny_models import build_tiny
+from vllm_omni.models.tiny import build_tiny
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
-CODE2WAV = "vllm_omni.model_executor.models.qwen3_omni.code2wav:Qwen3OmniCode2Wav"
+CODE2WAV = "vllm_omni.models.qwen3_omni.code2wav:Qwen3OmniCode2Wav"
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def omni(model_dir, tmp_path_factory):
 def chunks_for(model_dir, seed: int, num_frames: int):
     from transformers import AutoConfig
 
-    from vllm_omni.model_executor.models.qwen3_omni.stage_input_processors import talker_to_code2wav
+    from vllm_omni.models.qwen3_omni.stage_input_processors import talker_to_code2wav
 
     cfg = AutoConfig.from_pretrained(model_dir).code2wav_config
     rng = np.random.default_rng(seed)
@@ -51,7 +51,7 @@ async def collect(omni, prompt, request_id):
 
 
 async def test_concurrent_requests_match_direct_vocoder(omni, model_dir):
-    from vllm_omni.model_executor.models.qwen3_omni.code2wav import Qwen3OmniCode2Wav
+    from vllm_omni.models.qwen3_omni.code2wav import Qwen3OmniCode2Wav
 
     assert omni.stage_types == ["generation"] and omni.output_modalities == {"audio"}
     inputs = {f"wav-{i}": chunks_for(model_dir, i, 12 + 5 * i) for i in range(3)}

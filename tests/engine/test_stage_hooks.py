@@ -14,13 +14,14 @@ from tests.engine.test_orchestrator import Harness
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import VllmOmniARStageConfig
 from vllm_omni.engine.messages import AddRequestMessage
-from vllm_omni.engine.output_collectors import get_output_collector, register_output_collector
-from vllm_omni.engine.stage_input_processors import StageInput, register_stage_input_processor
+from vllm_omni.engine.output_collectors import get_output_collector
+from vllm_omni.engine.stage_input_processors import StageInput
+from vllm_omni.models.registry import register_output_collector, register_stage_input_processor
 
 seen_contexts: list = []
 
 
-@register_stage_input_processor("test_hooks_with_context", takes_context=True)
+@register_stage_input_processor("test_hooks_with_context")
 def _with_context(upstream, original_prompt, context):
     seen_contexts.append((context.request_id, context.stage.stage_id, context.stage.model, context.sampling_params))
     return StageInput(f"{upstream[0].metadata['stage_data']['answer']}", {"decided_by": "processor"})

@@ -1,7 +1,7 @@
 """Configuration layers: PipelineConfig + DeployConfig -> (resolve once) -> VllmOmniConfig."""
 
 from vllm_omni.config.deploy_config import ConnectorConfig, DeployConfig, StageDeployConfig
-from vllm_omni.config.omni_config import StageConfigFactory, VllmOmniConfig, register_pipeline
+from vllm_omni.config.omni_config import StageConfigFactory, VllmOmniConfig
 from vllm_omni.config.pipeline_config import PipelineConfig, PipelineStageConfig, StageExecutionType
 from vllm_omni.config.stage_config import (
     BaseVllmOmniStageConfig,
@@ -9,6 +9,7 @@ from vllm_omni.config.stage_config import (
     VllmOmniDiffusionStageConfig,
     VllmOmniGenerationStageConfig,
 )
+from vllm_omni.models.registry import register_pipeline  # the public extension point, kept here too
 
 __all__ = [
     "BaseVllmOmniStageConfig",

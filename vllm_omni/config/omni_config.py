@@ -8,7 +8,7 @@ config, global Python/CLI arguments (applied to every stage that understands the
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,39 +30,6 @@ _STAGE_CLASSES = {
     StageExecutionType.GENERATION: VllmOmniGenerationStageConfig,
     StageExecutionType.DIFFUSION: VllmOmniDiffusionStageConfig,
 }
-
-PipelineFactory = Callable[[], PipelineConfig]
-_PIPELINES: dict[str, PipelineFactory] = {}
-BUILTIN_PIPELINE_MODULES = ("vllm_omni.model_executor.models.qwen3_omni.pipeline",)
-"""Modules registering our models' pipelines, stage-input processors and output collectors (imported lazily)."""
-
-
-def load_builtin_pipelines() -> None:
-    import importlib
-
-    for module in BUILTIN_PIPELINE_MODULES:
-        importlib.import_module(module)
-
-
-def lookup_registered(registry: dict[str, Any], name: str, kind: str) -> Any:
-    """`registry[name]`, importing the built-in pipelines (which register their hooks) on a first miss."""
-    if name not in registry:
-        load_builtin_pipelines()
-    if name not in registry:
-        raise ValueError(f"unknown {kind} {name!r}; known: {sorted(registry)}")
-    return registry[name]
-
-
-def register_pipeline(*keys: str) -> Callable[[PipelineFactory], PipelineFactory]:
-    """Register a pipeline for HF `architectures` entries or `model_type` values."""
-
-    def decorator(factory: PipelineFactory) -> PipelineFactory:
-        for key in keys:
-            _PIPELINES[key] = factory
-        return factory
-
-    return decorator
-
 
 @dataclass(config=FORBID)
 class VllmOmniConfig:
@@ -145,7 +112,7 @@ class StageConfigFactory:
 
     @classmethod
     def create_from_model(cls, model: str, **kwargs: Any) -> VllmOmniConfig:
-        from vllm_omni.testing.tiny_models import resolve_model
+        from vllm_omni.models.tiny import resolve_model
 
         pipeline = kwargs.pop("pipeline_config", None)
         deploy = kwargs.pop("deploy_config", None)
@@ -185,10 +152,11 @@ def pipeline_for_model(model_path: str) -> PipelineConfig:
     hf_config = _read_json(model_path, "config.json")
     if hf_config is None:
         raise OmniClientError(f"{model_path} has neither model_index.json nor config.json", param="model")
-    load_builtin_pipelines()
-    for key in [*hf_config.get("architectures", []), hf_config.get("model_type")]:
-        if key in _PIPELINES:
-            return _PIPELINES[key]()
+    from vllm_omni.models.registry import MODEL_REGISTRY
+
+    factory = MODEL_REGISTRY.topology_for([*hf_config.get("architectures", []), hf_config.get("model_type")])
+    if factory is not None:
+        return factory()
     return PipelineConfig.single_stage("llm", StageExecutionType.AR)
 
 
@@ -207,7 +175,7 @@ def _read_json(model_path: str, filename: str) -> dict[str, Any] | None:
 
 def _stage_model(model_path: str, stage_model: str | None, subfolder: str | None) -> str:
     if stage_model is not None:
-        from vllm_omni.testing.tiny_models import resolve_model
+        from vllm_omni.models.tiny import resolve_model
 
         return resolve_model(stage_model)
     return str(Path(model_path) / subfolder) if subfolder else model_path

@@ -9,6 +9,7 @@ from the executor's result thread, so a request pays one thread hand-off on the 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -20,19 +21,15 @@ from vllm.logger import init_logger
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.executor.multiproc_executor import MultiprocDiffusionExecutor
+from vllm_omni.diffusion.interface import supports_request_batch
 from vllm_omni.diffusion.ipc import PartialResult
 from vllm_omni.diffusion.model_loader.dummy import check_weights_present
-from vllm_omni.diffusion.models.interface import supports_request_batch
-from vllm_omni.diffusion.registry import (
-    load_pipeline_class,
-    output_modality,
-    resolve_model_dir,
-    resolve_pipeline_class_name,
-)
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.sched.request_scheduler import RequestScheduler
 from vllm_omni.errors import EngineDeadError, OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.models.registry import MODEL_REGISTRY
+from vllm_omni.models.resolution import resolve_model_dir, resolve_pipeline_class_name
 
 logger = init_logger(__name__)
 
@@ -42,13 +39,16 @@ _SCHEDULER_JOIN_TIMEOUT_S = 2.0
 
 class DiffusionEngine:
     def __init__(self, od_config: OmniDiffusionConfig) -> None:
-        self.od_config = od_config
         model_dir = resolve_model_dir(od_config.model, od_config.revision, od_config.load_format != "dummy")
         if od_config.load_format == "auto":
             check_weights_present(model_dir)  # one clear error here rather than a worker's load traceback
         self.model_class_name = resolve_pipeline_class_name(od_config, model_dir)
-        self.output_modality = output_modality(self.model_class_name)
-        pipeline_cls = load_pipeline_class(self.model_class_name, od_config.use_diffusers_adapter)
+        self.output_modality = MODEL_REGISTRY.output_modality(self.model_class_name)
+        self.input_modalities = MODEL_REGISTRY.input_modalities(self.model_class_name)
+        target = MODEL_REGISTRY.pipeline_class_path(self.model_class_name, od_config.use_diffusers_adapter)
+        pipeline_cls = MODEL_REGISTRY.load_pipeline_class(target)
+        # Resolved once here: the workers get the checkpoint directory and our class as "module:Class".
+        self.od_config = dataclasses.replace(od_config, model=str(model_dir), model_class_name=target)
         self.supports_request_batch = supports_request_batch(pipeline_cls)
         if od_config.max_num_seqs > 1 and not self.supports_request_batch:
             raise ValueError(
@@ -65,7 +65,7 @@ class DiffusionEngine:
         self._counters: Counter[str] = Counter()
         self._batch_sizes: Counter[int] = Counter()
         self._failure_callbacks: list[Callable[[], None]] = []
-        self.executor = MultiprocDiffusionExecutor(od_config)
+        self.executor = MultiprocDiffusionExecutor(self.od_config)
         self.executor.register_failure_callback(self._on_executor_failure)
         self._thread = threading.Thread(target=self._schedule_loop, name="DiffusionScheduler", daemon=True)
         self._thread.start()

@@ -19,7 +19,7 @@ import torch
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.model_loader.diffusers_loader import INDEX_FILES, WEIGHT_FILE_PATTERNS
 from vllm_omni.diffusion.model_loader.dummy import DUMMY_HIGH, DUMMY_LOW
-from vllm_omni.testing.tiny_models import build_tiny
+from vllm_omni.models.tiny import build_tiny
 
 PIPELINES = {"qwen-image": "QwenImagePipeline", "qwen-image-edit": "QwenImageEditPipeline", "flux": "FluxPipeline",
              "wan2.1-t2v": "WanPipeline", "wan2.1-i2v": "WanImageToVideoPipeline"}
@@ -61,9 +61,9 @@ def test_omni_serves_config_only_checkpoint(config_dirs, name):
     # diffusers' QwenImageEditPipeline needs torchvision for its processor, which this environment lacks.
     (name, True) for name in PIPELINES if name != "qwen-image-edit"])
 def test_every_parameter_gets_dummy_values(config_dirs, dist_world, name, adapter):
-    from vllm_omni.diffusion.registry import load_pipeline_class
+    from vllm_omni.models.registry import MODEL_REGISTRY
 
-    cls = load_pipeline_class(PIPELINES[name], adapter)
+    cls = MODEL_REGISTRY.load_pipeline_class(PIPELINES[name], adapter)
     od_config = OmniDiffusionConfig(model=str(config_dirs[name]), load_format="dummy")
     pipeline = cls.from_pretrained(od_config, config_dirs[name], torch.device("cpu"), torch.float32)
     owner = pipeline.pipe if adapter else pipeline
@@ -94,7 +94,7 @@ def test_unknown_load_format_names_the_field():
 def test_hub_model_in_dummy_mode_fetches_no_weights(tmp_path, monkeypatch):
     import huggingface_hub
 
-    from vllm_omni.diffusion.registry import resolve_model_dir
+    from vllm_omni.models.resolution import resolve_model_dir
 
     calls = []
 

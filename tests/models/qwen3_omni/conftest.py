@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_omni.testing.tiny_models import build_tiny
+from vllm_omni.models.tiny import build_tiny
 
 
 def chat_prompt_ids(path: Path, user_text: str) -> torch.Tensor:

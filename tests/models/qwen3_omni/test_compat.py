@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from vllm_omni.model_executor.models.qwen3_omni.compat import alias_qwen2_vl_image_processing
+from vllm_omni.models.qwen3_omni.compat import alias_qwen2_vl_image_processing
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision present: no shim")

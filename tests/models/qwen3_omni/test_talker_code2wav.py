@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_omni.model_executor.models.qwen3_omni.code2wav import Qwen3OmniCode2Wav
-from vllm_omni.model_executor.models.qwen3_omni.stage_input_processors import (
+from vllm_omni.models.qwen3_omni.code2wav import Qwen3OmniCode2Wav
+from vllm_omni.models.qwen3_omni.stage_input_processors import (
     CodecChunk,
     Qwen3OmniTokenIds,
     talker_to_code2wav,
     thinker_to_talker,
 )
-from vllm_omni.model_executor.models.qwen3_omni.talker import Qwen3OmniTalker, TalkerSamplingParams
+from vllm_omni.models.qwen3_omni.talker import Qwen3OmniTalker, TalkerSamplingParams
 
 from .conftest import chat_prompt_ids
 

@@ -10,20 +10,20 @@ from __future__ import annotations
 import pytest
 from transformers import AutoConfig, PretrainedConfig
 
-from vllm_omni.model_executor.models.qwen3_omni.stage_input_processors import Qwen3OmniTokenIds, thinker_to_talker
-from vllm_omni.model_executor.models.qwen3_omni.vllm_talker import (
+from vllm_omni.models.qwen3_omni.stage_input_processors import Qwen3OmniTokenIds, thinker_to_talker
+from vllm_omni.models.qwen3_omni.vllm_talker import (
     ARCHITECTURE,
     EXTRA_ARGS_KEY,
     talker_hf_overrides,
     talker_request,
 )
-from vllm_omni.model_executor.models.registry import OMNI_AR_MODELS
+from vllm_omni.models.registry import MODEL_REGISTRY
 
 
 def test_overrides_hand_vllm_the_talker_config(tiny_path) -> None:
     config = AutoConfig.from_pretrained(tiny_path)
     talker = talker_hf_overrides(config)
-    assert talker.architectures == [ARCHITECTURE] and ARCHITECTURE in OMNI_AR_MODELS
+    assert talker.architectures == [ARCHITECTURE] and ARCHITECTURE in MODEL_REGISTRY.ar_models()
     assert talker.get_text_config() is talker.text_config
     assert talker.text_config.vocab_size == config.talker_config.text_config.vocab_size
     assert talker.thinker_vocab_size == config.thinker_config.text_config.vocab_size

@@ -15,8 +15,9 @@ from vllm.logger import init_logger
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.forward_context import PartialSink, set_forward_context
-from vllm_omni.diffusion.registry import load_pipeline_class, resolve_model_dir, resolve_pipeline_class_name
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+from vllm_omni.models.registry import MODEL_REGISTRY
+from vllm_omni.models.resolution import resolve_model_dir, resolve_pipeline_class_name
 
 logger = init_logger(__name__)
 
@@ -51,7 +52,7 @@ class DiffusionModelRunner:
         model_dir = resolve_model_dir(self.od_config.model, self.od_config.revision,
                                       with_weights=self.od_config.load_format != "dummy")
         self.pipeline_class_name = resolve_pipeline_class_name(self.od_config, model_dir)
-        cls = load_pipeline_class(self.pipeline_class_name, self.od_config.use_diffusers_adapter)
+        cls = MODEL_REGISTRY.load_pipeline_class(self.pipeline_class_name, self.od_config.use_diffusers_adapter)
         start = time.perf_counter()
         self.pipeline = cls.from_pretrained(self.od_config, model_dir, self.device, self.dtype)
         logger.info(

@@ -1,0 +1,31 @@
+"""The contract between the diffusion runtime and a pipeline.
+
+A pipeline is built by the model runner inside a worker process with the classmethod
+`from_pretrained(od_config, model_dir, device, dtype)` and answers `forward(batch) -> list[DiffusionOutput]`
+with one output per request in batch order (a request that fails alone carries `error`, the others go on).
+The model registry (`vllm_omni/models/registry.py`) maps a checkpoint's `_class_name` to the pipeline class.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+    from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+
+
+@runtime_checkable
+class DiffusionPipeline(Protocol):
+    supports_request_batch: ClassVar[bool]
+    """True when `forward` accepts more than one request per call (same sampling-params key)."""
+
+    @classmethod
+    def from_pretrained(cls, od_config: OmniDiffusionConfig, model_dir: Path, device: Any, dtype: Any) -> Any: ...
+
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]: ...
+
+
+def supports_request_batch(pipeline_cls: type) -> bool:
+    return bool(getattr(pipeline_cls, "supports_request_batch", False))

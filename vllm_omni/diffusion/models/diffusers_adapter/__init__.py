@@ -1,1 +1,0 @@
-"""Serve any diffusers pipeline through the vllm-omni runtime (no request batching)."""

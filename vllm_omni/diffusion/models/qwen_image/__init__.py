@@ -1,1 +1,0 @@
-"""Native Qwen-Image (text-to-image) and Qwen-Image-Edit pipelines."""

@@ -1,0 +1,11 @@
+"""FLUX.1: CLIP + T5 text encoders -> MMDiT (double + single blocks) -> VAE, one diffusion stage."""
+
+from vllm_omni.models.spec import DiffusionPipelineEntry, ModelSpec
+
+SPEC = ModelSpec(
+    family="flux",
+    description="black-forest-labs/FLUX.1-dev (native pipeline, matches diffusers)",
+    diffusion_pipelines={"FluxPipeline": DiffusionPipelineEntry("vllm_omni.models.flux.pipeline:FluxPipeline",
+                                                                "image")},
+    tiny={"flux": "vllm_omni.models.flux.tiny:build_flux"},
+)

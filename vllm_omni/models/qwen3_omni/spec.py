@@ -1,0 +1,20 @@
+"""Qwen3-Omni: thinker (AR, vLLM's model) -> talker (AR, our vLLM model) -> Code2Wav (GENERATION)."""
+
+from vllm_omni.models.spec import ModelSpec
+
+SPEC = ModelSpec(
+    family="qwen3_omni",
+    description="Qwen/Qwen3-Omni-30B-A3B-Instruct: text in, text + speech out",
+    architectures=("Qwen3OmniMoeForConditionalGeneration", "qwen3_omni_moe"),
+    topology="vllm_omni.models.qwen3_omni.pipeline:qwen3_omni_pipeline",
+    input_modalities=frozenset({"text"}),
+    output_modalities=frozenset({"text", "audio"}),
+    ar_models={"Qwen3OmniMoeTalkerForConditionalGeneration":
+               "vllm_omni.models.qwen3_omni.vllm_talker:Qwen3OmniMoeTalkerForConditionalGeneration"},
+    stage_input_processors={
+        "qwen3_omni_thinker_to_talker": "vllm_omni.models.qwen3_omni.pipeline:thinker_to_talker_request",
+        "qwen3_omni_talker_to_code2wav": "vllm_omni.models.qwen3_omni.pipeline:talker_to_code2wav_chunks",
+    },
+    output_collectors={"qwen3_omni_talker_frames": "vllm_omni.models.qwen3_omni.pipeline:collect_talker_frames"},
+    tiny={"qwen3-omni": "vllm_omni.models.qwen3_omni.tiny:build_qwen3_omni"},
+)

@@ -1,0 +1,264 @@
+"""Qwen3-Omni talker as a vLLM model: vLLM's Qwen3-MoE decoder (paged KV cache, fused MoE) for codebook 0,
+plus the MTP code predictor run inside the forward for each decode token.
+
+vLLM gives a model forward no request identity, but the talker needs per-request inputs at every decode step
+(the next answer token from the thinker, the previous step's last hidden state for the code predictor) and
+produces G-1 extra codes per step. `TalkerModelRunner` (talker_worker.py) tells the model which request owns
+which rows before each forward (`begin_step`); requests carry their conditioning in
+`SamplingParams.extra_args["qwen3_omni_talker"]` (a `TalkerPrompt` as builtins plus a `key`); completed frames
+are collected with `collective_rpc` (`take_talker_frames`).
+
+The stage's vLLM config is the checkpoint with `hf_overrides=talker_hf_overrides`, which hands vLLM the talker's
+config (so KV cache, vocabulary and max length are the talker's). Text-only prompts use plain RoPE positions:
+M-RoPE with equal temporal/height/width positions is the same rotation.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from vllm_omni.models.qwen3_omni.stage_input_processors import NO_CODEC, TalkerPrompt
+from vllm_omni.models.qwen3_omni.talker import (
+    CodecSampler,
+    TalkerSamplingParams,
+    predict_residual_codes,
+)
+
+EXTRA_ARGS_KEY = "qwen3_omni_talker"
+MAX_UNCLAIMED_RESULTS = 4096
+ARCHITECTURE = "Qwen3OmniMoeTalkerForConditionalGeneration"
+
+
+def talker_hf_overrides(config):
+    """vLLM `hf_overrides` for the talker stage: the talker's config, with the few thinker facts it needs."""
+    if getattr(config, "talker_config", None) is None:  # vLLM also probes the hook with a placeholder config
+        return config
+    talker = copy.deepcopy(config.talker_config)
+    thinker_text = config.thinker_config.text_config
+    talker.architectures = [ARCHITECTURE]
+    talker.thinker_vocab_size = thinker_text.vocab_size
+    text = talker.text_config
+    rope = dict(text.rope_parameters or {})
+    for key in ("mrope_section", "interleaved", "mrope_interleaved"):
+        rope.pop(key, None)
+    text.rope_parameters = rope
+    return talker
+
+
+@dataclass
+class _RequestState:
+    key: str
+    thinker_ids: torch.Tensor
+    codec_ids: torch.Tensor
+    trailing_ids: list[int]
+    tts_pad_id: int
+    last_hidden: torch.Tensor | None = None
+    frames: list[list[int]] = field(default_factory=list)
+    frame_embeds: list[torch.Tensor] = field(default_factory=list)
+    error: str | None = None
+    pick_code: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits.argmax(dim=-1)
+    """Codebooks 1..G-1 (the code predictor): greedy, or sampled when the request samples codebook 0."""
+
+
+@dataclass
+class TalkerRow:
+    """Rows [start, end) of this step's flattened batch belong to request `req_id`."""
+
+    req_id: str
+    start: int
+    end: int
+    extra_args: dict | None
+
+
+class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__()
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+            Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration,
+            Qwen3OmniMoeTalkerResizeMLP,
+        )
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+        from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel
+
+        config = vllm_config.model_config.hf_config
+        text = config.text_config
+        self.config = config
+        self.model = Qwen3MoeModel(vllm_config=vllm_config, prefix="model")
+        self.codec_head = ParallelLMHead(text.vocab_size, text.hidden_size, prefix="codec_head")
+        self.logits_processor = LogitsProcessor(text.vocab_size)
+        self.text_projection = Qwen3OmniMoeTalkerResizeMLP(config)
+        self.thinker_embed = nn.Embedding(config.thinker_vocab_size, config.thinker_hidden_size)
+        # Tiny dense transformer over <= G+1 positions per frame: transformers' module, no paged cache needed.
+        self.code_predictor = Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration._from_config(
+            config.code_predictor_config)
+        self.codec_eos = config.codec_eos_token_id
+        self._requests: dict[str, _RequestState] = {}
+        self._finished: dict[str, list[list[int]]] = {}
+        self._rows: list[TalkerRow] | None = None
+
+    # ---- runner hooks ----------------------------------------------------------------------------------
+    def begin_step(self, rows: list[TalkerRow]) -> None:
+        self._rows = rows
+
+    def end_step(self) -> None:
+        self._rows = None
+
+    def finish_requests(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            state = self._requests.pop(req_id, None)
+            if state is not None:
+                self._finished[state.key] = state.error or state.frames
+        while len(self._finished) > MAX_UNCLAIMED_RESULTS:  # never-collected results must not pile up
+            self._finished.pop(next(iter(self._finished)))
+
+    def take_frames(self, keys: list[str]) -> dict[str, list[list[int]] | None]:
+        """Frames of finished requests (None for keys not finished or unknown)."""
+        taken = {key: self._finished.pop(key, None) for key in keys}
+        errors = [f"{key}: {v}" for key, v in taken.items() if isinstance(v, str)]
+        if errors:
+            raise RuntimeError("talker request(s) failed: " + "; ".join(errors))
+        return taken
+
+    # ---- vLLM model interface --------------------------------------------------------------------------
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_input_ids(input_ids)
+        rows = self._rows or []
+        for row in rows:
+            self._condition_row(row, input_ids, positions, inputs_embeds)
+        hidden = self.model(None, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
+        for row in rows:
+            state = self._requests.get(row.req_id)
+            if state is not None:
+                state.last_hidden = hidden[row.end - 1].clone()
+        return hidden
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.codec_head, hidden_states)
+
+    # ---- per-request conditioning ------------------------------------------------------------------------
+    def _state(self, row: TalkerRow, device) -> _RequestState | None:
+        state = self._requests.get(row.req_id)
+        if state is None and row.extra_args and EXTRA_ARGS_KEY in row.extra_args:
+            spec = row.extra_args[EXTRA_ARGS_KEY]
+            state = _RequestState(
+                key=str(spec["key"]),
+                thinker_ids=torch.tensor(spec["thinker_ids"], dtype=torch.long, device=device),
+                codec_ids=torch.tensor(spec["codec_ids"], dtype=torch.long, device=device),
+                trailing_ids=list(spec["trailing_thinker_ids"]), tts_pad_id=int(spec["tts_pad_id"]))
+            if spec.get("code_sampling"):
+                sampler = CodecSampler(TalkerSamplingParams(**spec["code_sampling"]), allowed=None)
+                state.pick_code = lambda logits: sampler(logits, None)
+            self._requests[row.req_id] = state
+        return state
+
+    def _project(self, thinker_ids: torch.Tensor) -> torch.Tensor:
+        return self.text_projection(self.thinker_embed(thinker_ids))
+
+    def _condition_row(self, row: TalkerRow, input_ids, positions, embeds: torch.Tensor) -> None:
+        state = self._state(row, embeds.device)
+        if state is None:
+            return
+        prompt_len = state.thinker_ids.shape[0]
+        pos = positions[row.start:row.end]
+        prompt = pos < prompt_len
+        if prompt.any():  # (chunked) prefill: the talker prompt replaces the placeholder ids
+            idx = pos[prompt]
+            rows = torch.arange(row.start, row.end, device=embeds.device)[prompt]
+            value = self._project(state.thinker_ids[idx])
+            codec = state.codec_ids[idx]
+            has_codec = codec != NO_CODEC
+            value[has_codec] += self.model.embed_input_ids(codec[has_codec])
+            embeds[rows] = value.to(embeds.dtype)
+        decode = torch.nonzero(~prompt).flatten().tolist()
+        for offset in decode:  # one token per step; several when vLLM recomputes a preempted request
+            i = row.start + offset
+            step = int(pos[offset]) - prompt_len
+            code0 = int(input_ids[i]) if input_ids is not None else None
+            if code0 == self.codec_eos:
+                continue
+            if step < len(state.frames):  # recomputed position: the frame is known
+                frame_embed = state.frame_embeds[step]
+            elif step == len(state.frames) and offset == 0 and state.last_hidden is not None:
+                residual, frame_embed = predict_residual_codes(self.code_predictor, state.last_hidden, embeds[i],
+                                                               state.pick_code)
+                state.frames.append([code0, *residual])
+                state.frame_embeds.append(frame_embed)
+            else:
+                # The code predictor needs the previous position's final hidden state, which a recompute chunk
+                # only produces inside this very forward.
+                state.error = state.error or f"position {int(pos[offset])} recomputed without its predecessor"
+                continue
+            text_id = state.trailing_ids[step] if step < len(state.trailing_ids) else state.tts_pad_id
+            text = self._project(torch.tensor([text_id], device=embeds.device))[0]
+            embeds[i] = (frame_embed + text).to(embeds.dtype)
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
+
+        mapper = WeightsMapper(orig_to_new_prefix={
+            "talker.model.codec_embedding.": "model.embed_tokens.",
+            "talker.model.": "model.",
+            "talker.codec_head.": "codec_head.",
+            "talker.text_projection.": "text_projection.",
+            "talker.code_predictor.": "code_predictor.",
+            "thinker.model.embed_tokens.": "thinker_embed.",
+        })
+        wanted = ("talker.model.", "talker.codec_head.", "talker.text_projection.", "talker.code_predictor.",
+                  "thinker.model.embed_tokens.")
+        loader = AutoWeightsLoader(self)
+        return loader.load_weights(((n, w) for n, w in weights if n.startswith(wanted)), mapper=mapper)
+
+
+def talker_engine_kwargs() -> dict:
+    """vLLM engine arguments of the talker stage (CPU). Prefix caching is off: talker prompts are placeholder
+    ids whose meaning lives in `extra_args`; async scheduling is off so no step runs past a finished request;
+    eager mode keeps CPU start-up short (the per-request conditioning runs outside the compiled decoder anyway)."""
+    from vllm_omni.models.qwen3_omni.talker_worker import TALKER_CPU_WORKER
+
+    return {"hf_overrides": talker_hf_overrides, "worker_cls": TALKER_CPU_WORKER, "skip_tokenizer_init": True,
+            "enable_prefix_caching": False, "async_scheduling": False, "enforce_eager": True}
+
+
+def talker_request(prompt: TalkerPrompt, key: str, talker_config, *, max_new_tokens: int = 4096,
+                   sampling: TalkerSamplingParams | None = None):
+    """(vLLM prompt, SamplingParams) of one talker request; its frames are collected under `key`.
+
+    `sampling` (None = greedy): vLLM's sampler draws codebook 0 with its temperature / top-k / top-p / repetition
+    penalty / seed; the code predictor then samples the other codebooks as transformers does (top-k 50, top-p 0.8)
+    from a generator seeded with the same seed, and decodes greedily when codebook 0 does.
+    """
+    import msgspec
+    from vllm import SamplingParams
+
+    if prompt.multimodal_positions:
+        raise ValueError("talker prompt has multimodal positions; only text prompts are supported so far (they need "
+                         "the thinker's accept_hidden_layer states and M-RoPE positions)")
+    sampling = sampling or TalkerSamplingParams()
+    vocab = talker_config.text_config.vocab_size
+    eos = talker_config.codec_eos_token_id
+    spec = {"key": key, **msgspec.to_builtins(prompt)}
+    sample = sampling.temperature > 0
+    if sample:
+        spec["code_sampling"] = {"temperature": 1.0, "top_k": 50, "top_p": 0.8, "seed": sampling.seed}
+    params = SamplingParams(
+        temperature=sampling.temperature, top_k=sampling.top_k if sample else 0, top_p=sampling.top_p,
+        repetition_penalty=sampling.repetition_penalty, seed=sampling.seed, max_tokens=max_new_tokens,
+        stop_token_ids=[eos], detokenize=False,
+        allowed_token_ids=[*range(vocab - 1024), eos],  # codebook entries and codec EOS only, as transformers
+        extra_args={EXTRA_ARGS_KEY: spec})
+    # Prompt embeddings come from `spec`, so the ids only hold places: one the sampler never allows, so vLLM's
+    # repetition penalty (which counts prompt ids) weighs the generated codes alone, as transformers' does.
+    placeholder = next(i for i in range(vocab - 1, vocab - 1025, -1) if i != eos)
+    return {"prompt_token_ids": [placeholder] * len(prompt.thinker_ids)}, params

@@ -1,0 +1,320 @@
+"""Qwen-Image text-to-image: Qwen2.5-VL prompt encoder -> MMDiT flow matching -> Qwen-Image VAE.
+
+Numerically this is diffusers' `QwenImagePipeline`; what differs is how work is batched: all prompts of a
+request batch (and their negatives, for true CFG) go through the text encoder together, and positive and
+negative rows run through the transformer in ONE forward, text padded to a common length (each row then attends
+over its own real tokens only, without a mask: see `QwenJointAttention`).
+Each request draws its initial noise from its own seeded CPU generator exactly as diffusers does, so a
+request gives the same image alone, in a batch, or in diffusers.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Self
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.forward_context import (
+    set_forward_context_denoise_step_idx,
+    set_forward_context_denoise_timestep,
+)
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.timing import elapsed_since
+from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+from vllm_omni.errors import OmniClientError
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.models.qwen_image.transformer import QwenImageTransformer2DModel
+
+DEFAULT_NUM_INFERENCE_STEPS = 50
+DEFAULT_TRUE_CFG_SCALE = 4.0
+DEFAULT_MAX_SEQUENCE_LENGTH = 512
+MAX_SEQUENCE_LENGTH = 1024
+
+
+@dataclass
+class PromptEmbeds:
+    """Text conditioning for every transformer row: embeddings (rows, seq, dim), zero-padded at the end."""
+
+    embeds: torch.Tensor
+    lengths: tuple[int, ...]
+    """Real text tokens of each row."""
+
+
+@dataclass
+class Geometry:
+    height: int
+    width: int
+    img_shapes: list[tuple[int, int, int]]
+    """(frames, height, width) in 2x2 patches of the generated image, then of any condition image."""
+
+
+class QwenImagePipeline(nn.Module):
+    supports_request_batch: ClassVar[bool] = True
+    prompt_template: ClassVar[str] = (
+        "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+        "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    prompt_template_drop_tokens: ClassVar[int] = 34
+    """Template tokens before the user's text; their hidden states are dropped."""
+    default_sample_size: ClassVar[int] = 128
+
+    def __init__(self, *, od_config: OmniDiffusionConfig, device: torch.device, dtype: torch.dtype,
+                 tokenizer: Any, text_encoder: nn.Module, transformer: QwenImageTransformer2DModel, vae: nn.Module,
+                 scheduler_config: dict[str, Any], vl_image_processor: Any = None) -> None:
+        super().__init__()
+        from diffusers.image_processor import VaeImageProcessor
+
+        self.od_config = od_config
+        self.device = device
+        self.dtype = dtype
+        self.tokenizer = tokenizer
+        self.text_encoder = text_encoder
+        self.transformer = transformer
+        self.vae = vae
+        self.scheduler_config = scheduler_config
+        self.vae_scale_factor = 2 ** len(vae.temperal_downsample)
+        self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
+        self.vl_image_processor = vl_image_processor
+        """Qwen2-VL image processor (Edit only: the input image goes to the text encoder too)."""
+
+    # ---- loading -------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, od_config: OmniDiffusionConfig, model_dir: Path, device: torch.device,
+                        dtype: torch.dtype) -> Self:
+        from vllm_omni.models.qwen_image.loading import load_qwen_image_components
+
+        components = load_qwen_image_components(od_config, Path(model_dir), device, dtype,
+                                                with_processor=cls.needs_processor())
+        return cls(od_config=od_config, device=device, dtype=dtype, **components)
+
+    @classmethod
+    def needs_processor(cls) -> bool:
+        return False
+
+    # ---- request handling ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+        """One output per request, in batch order; a request that is invalid alone fails alone.
+
+        Requests are split into groups that can share one transformer forward (same CFG on/off and, for
+        Edit, the same condition-image size); each group runs as one batch.
+        """
+        outputs: list[DiffusionOutput | None] = [None] * len(batch)
+        groups: dict[Any, list[int]] = {}
+        for i, request in enumerate(batch.requests):
+            try:
+                groups.setdefault(self.group_key(request), []).append(i)
+            except OmniClientError as exc:
+                outputs[i] = DiffusionOutput.from_exception(exc)
+        for indices in groups.values():
+            try:
+                results = self.generate([batch.requests[i] for i in indices])
+            except OmniClientError as exc:  # a shared parameter is invalid: each request says why
+                results = [DiffusionOutput.from_exception(exc) for _ in indices]
+            for i, result in zip(indices, results, strict=True):
+                outputs[i] = result
+        return outputs  # type: ignore[return-value]
+
+    def group_key(self, request: OmniDiffusionRequest) -> Any:
+        """Validates the request; requests with equal keys run in one forward."""
+        if not request.prompt_text.strip():
+            raise OmniClientError("prompt must be a non-empty string", param="prompt")
+        sp = request.sampling_params
+        shared = (sp.height, sp.width, sp.num_inference_steps, sp.true_cfg_scale, sp.num_outputs_per_prompt,
+                  sp.output_type, sp.max_sequence_length)
+        return self.do_true_cfg(request), shared
+
+    def do_true_cfg(self, request: OmniDiffusionRequest) -> bool:
+        scale = request.sampling_params.true_cfg_scale
+        scale = DEFAULT_TRUE_CFG_SCALE if scale is None else scale
+        return scale > 1 and request.negative_prompt is not None
+
+    def generate(self, requests: list[OmniDiffusionRequest]) -> list[DiffusionOutput]:
+        sp = requests[0].sampling_params
+        durations: dict[str, float] = {}
+        # 1. Output size and the latent grid.
+        geometry = self.resolve_geometry(sp)
+        do_cfg = self.do_true_cfg(requests[0])
+        per_prompt = sp.num_outputs_per_prompt
+
+        # 2. Encode positive prompts (and negatives for true CFG) in one text-encoder batch.
+        start = time.perf_counter()
+        max_len = sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
+        if max_len > MAX_SEQUENCE_LENGTH:
+            raise OmniClientError(f"max_sequence_length cannot be greater than {MAX_SEQUENCE_LENGTH}, got {max_len}",
+                                  param="max_sequence_length")
+        texts = [r.prompt_text for r in requests] + ([r.negative_prompt for r in requests] if do_cfg else [])
+        prompt = self.encode_prompt(texts, max_len, per_prompt)
+        durations["text_encoder"] = elapsed_since(start, self.device)
+
+        # 3. Initial noise, one seeded generator per request.
+        latents = self.prepare_latents(requests, geometry)
+
+        # 4. Denoise (positive and negative rows in one transformer forward).
+        start = time.perf_counter()
+        latents = self.denoise(latents, prompt, geometry, sp, do_cfg)
+        durations["denoise"] = elapsed_since(start, self.device)
+
+        # 5. Decode.
+        start = time.perf_counter()
+        images = self.decode(latents, geometry, sp.output_type)
+        durations["vae_decode"] = elapsed_since(start, self.device)
+        return self.split_outputs(images, len(requests), per_prompt, durations)
+
+    # ---- stages --------------------------------------------------------------------------------------------
+
+    def resolve_geometry(self, sp: OmniDiffusionSamplingParams, default_hw: tuple[int, int] | None = None
+                         ) -> Geometry:
+        default = self.default_sample_size * self.vae_scale_factor
+        height = sp.height or (default_hw[0] if default_hw else default)
+        width = sp.width or (default_hw[1] if default_hw else default)
+        multiple = self.vae_scale_factor * 2
+        for name, value in (("height", sp.height), ("width", sp.width)):
+            if value is not None and value % multiple:
+                raise OmniClientError(f"{name} must be a multiple of {multiple} for Qwen-Image, got {value}",
+                                      param=name)
+        height, width = height // multiple * multiple, width // multiple * multiple
+        return Geometry(height, width, [(1, height // multiple, width // multiple)])
+
+    def text_encoder_inputs(self, texts: list[str], images: list[Any] | None = None) -> dict[str, torch.Tensor]:
+        formatted = [self.prompt_template.format(t) for t in texts]
+        tokens = self.tokenizer(formatted, max_length=MAX_SEQUENCE_LENGTH + self.prompt_template_drop_tokens,
+                                padding=True, truncation=True, return_tensors="pt")
+        return {"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask}
+
+    def encode_prompt(self, texts: list[str], max_len: int | None, per_prompt: int,
+                      images: list[Any] | None = None) -> PromptEmbeds:
+        """Last hidden states of each text's real tokens after the template, zero-padded to a common length."""
+        inputs = {k: v.to(self.device) for k, v in self.text_encoder_inputs(texts, images).items()}
+        hidden = self.text_encoder(**inputs, output_hidden_states=True).hidden_states[-1]
+        token_mask = inputs["attention_mask"].bool()
+        rows = [h[m][self.prompt_template_drop_tokens:] for h, m in zip(hidden, token_mask, strict=True)]
+        if max_len is not None:
+            rows = [r[:max_len] for r in rows]
+        seq = max(r.shape[0] for r in rows)
+        embeds = hidden.new_zeros(len(rows), seq, hidden.shape[-1])
+        for i, row in enumerate(rows):
+            embeds[i, : row.shape[0]] = row
+        embeds = embeds.to(self.dtype).repeat_interleave(per_prompt, dim=0)
+        return PromptEmbeds(embeds, tuple(row.shape[0] for row in rows for _ in range(per_prompt)))
+
+    @staticmethod
+    def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, H/2 * W/2, C*4): 2x2 patches as tokens."""
+        b, c, h, w = latents.shape
+        x = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+        return x.reshape(b, (h // 2) * (w // 2), c * 4)
+
+    def unpack_latents(self, latents: torch.Tensor, geometry: Geometry) -> torch.Tensor:
+        b, _, channels = latents.shape
+        h, w = geometry.img_shapes[0][1:]
+        x = latents.view(b, h, w, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(b, channels // 4, 1, 2 * h, 2 * w)
+
+    def prepare_latents(self, requests: list[OmniDiffusionRequest], geometry: Geometry) -> torch.Tensor:
+        """Noise per request from its own CPU generator: the draw diffusers makes for that seed."""
+        h, w = geometry.img_shapes[0][1:]
+        channels = self.transformer.config.in_channels // 4
+        noise = []
+        for request in requests:
+            sp = request.sampling_params
+            seed = _shared_random_seed() if sp.seed is None else sp.seed
+            generator = torch.Generator(device="cpu").manual_seed(seed)
+            shape = (sp.num_outputs_per_prompt, 1, channels, 2 * h, 2 * w)  # diffusers' draw shape
+            draw = torch.randn(shape, generator=generator, dtype=self.dtype)
+            noise.append(self.pack_latents(draw.view(shape[0], channels, 2 * h, 2 * w)))
+        return torch.cat(noise).to(self.device)
+
+    def make_scheduler(self, sp: OmniDiffusionSamplingParams, image_seq_len: int) -> Any:
+        """A fresh FlowMatchEulerDiscreteScheduler with diffusers' sigmas and resolution-dependent shift."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+        steps = sp.num_inference_steps or DEFAULT_NUM_INFERENCE_STEPS
+        cfg = self.scheduler_config
+        base_len, max_len = cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096)
+        base_shift, max_shift = cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15)
+        slope = (max_shift - base_shift) / (max_len - base_len)
+        mu = image_seq_len * slope + (base_shift - slope * base_len)
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu, device=self.device)
+        scheduler.set_begin_index(0)
+        return scheduler
+
+    def denoise(self, latents: torch.Tensor, prompt: PromptEmbeds, geometry: Geometry,
+                sp: OmniDiffusionSamplingParams, do_cfg: bool, condition: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Flow-matching Euler steps; `condition` (packed image latents) is appended to every row's tokens."""
+        scheduler = self.make_scheduler(sp, latents.shape[1])
+        scale = DEFAULT_TRUE_CFG_SCALE if sp.true_cfg_scale is None else sp.true_cfg_scale
+        rows, img_len = latents.shape[:2]
+        if condition is not None and do_cfg:
+            condition = torch.cat([condition, condition])
+        progress = tqdm(total=len(scheduler.timesteps), desc="Qwen-Image denoise",
+                        disable=not self.od_config.enable_progress_bar)
+        host_timesteps = scheduler.timesteps.tolist()  # one sync up front, none per step
+        # The timesteps exactly as each step passes them (cast first, then scaled, as diffusers does).
+        modulation = self.transformer.step_modulation(scheduler.timesteps.to(latents.dtype) / 1000, latents.dtype)
+        with progress:
+            for i, t in enumerate(scheduler.timesteps):
+                set_forward_context_denoise_step_idx(i)
+                set_forward_context_denoise_timestep(host_timesteps[i] / 1000)
+                x = torch.cat([latents, latents]) if do_cfg else latents
+                if condition is not None:
+                    x = torch.cat([x, condition], dim=1)
+                timestep = (t.expand(x.shape[0]).to(latents.dtype)) / 1000
+                pred = self.transformer(x, prompt.embeds, None, timestep, geometry.img_shapes,
+                                        modulation[:, :, i : i + 1], prompt.lengths)[:, :img_len]
+                if do_cfg:
+                    pred = _true_cfg(pred[:rows], pred[rows:], scale)
+                latents = scheduler.step(pred, t, latents, return_dict=False)[0]
+                progress.update()
+        set_forward_context_denoise_step_idx(None)
+        set_forward_context_denoise_timestep(None)
+        return latents
+
+    def normalize_latents(self, latents: torch.Tensor, *, inverse: bool) -> torch.Tensor:
+        """Between the DiT's normalized latent space and the VAE's (per-channel mean / std of the VAE)."""
+        cfg = self.vae.config
+        mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+        return latents / (1.0 / std) + mean if inverse else (latents - mean) / std
+
+    def decode(self, latents: torch.Tensor, geometry: Geometry, output_type: str) -> Any:
+        if output_type == "latent":
+            return latents
+        latents = self.normalize_latents(self.unpack_latents(latents, geometry).to(self.vae.dtype), inverse=True)
+        image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
+        return self.image_processor.postprocess(image, output_type=output_type)
+
+    @staticmethod
+    def split_outputs(images: Any, num_requests: int, per_prompt: int, durations: dict[str, float]
+                      ) -> list[DiffusionOutput]:
+        return [DiffusionOutput(output=images[i * per_prompt:(i + 1) * per_prompt], stage_durations=dict(durations))
+                for i in range(num_requests)]
+
+
+def _shared_random_seed() -> int:
+    """A random seed every tensor-parallel rank agrees on (ranks must draw the same noise)."""
+    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+    seed = random.getrandbits(63)
+    if get_tensor_model_parallel_world_size() > 1:
+        seed = get_tp_group().broadcast_object(seed, src=0)
+    return seed
+
+
+def _true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """CFG combination rescaled to the conditional prediction's per-token norm (as Qwen-Image does)."""
+    combined = uncond + scale * (cond - uncond)
+    return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))

@@ -1,0 +1,17 @@
+"""Qwen-Image and Qwen-Image-Edit: Qwen2.5-VL text encoder -> MMDiT -> VAE, one diffusion stage."""
+
+from vllm_omni.models.spec import DiffusionPipelineEntry, ModelSpec
+
+SPEC = ModelSpec(
+    family="qwen_image",
+    description="Qwen/Qwen-Image, Qwen/Qwen-Image-Edit (native pipelines, match diffusers)",
+    diffusion_pipelines={
+        "QwenImagePipeline": DiffusionPipelineEntry("vllm_omni.models.qwen_image.pipeline:QwenImagePipeline",
+                                                    "image"),
+        "QwenImageEditPipeline": DiffusionPipelineEntry(
+            "vllm_omni.models.qwen_image.pipeline_edit:QwenImageEditPipeline", "image",
+            input_modalities=frozenset({"text", "image"})),
+    },
+    tiny={"qwen-image": "vllm_omni.models.qwen_image.tiny:build_qwen_image",
+          "qwen-image-edit": "vllm_omni.models.qwen_image.tiny:build_qwen_image_edit"},
+)
