@@ -1,1 +1,0 @@
-"""Helpers for tests, benchmarks and the built-in tiny defaults (no downloads, ever)."""
