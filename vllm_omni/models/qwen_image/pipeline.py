@@ -22,11 +22,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
-from vllm_omni.diffusion.forward_context import (
-    set_forward_context_denoise_step_idx,
-    set_forward_context_denoise_timestep,
-)
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.errors import OmniClientError
@@ -104,12 +101,13 @@ class QwenImagePipeline(nn.Module):
     # ---- request handling ----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+    def forward(self, batch: DiffusionRequestBatch, ctx: StepContext | None = None) -> list[DiffusionOutput]:
         """One output per request, in batch order; a request that is invalid alone fails alone.
 
         Requests are split into groups that can share one transformer forward (same CFG on/off and, for
         Edit, the same condition-image size); each group runs as one batch.
         """
+        ctx = ctx or StepContext(self.od_config, request_ids=batch.request_ids)
         outputs: list[DiffusionOutput | None] = [None] * len(batch)
         groups: dict[Any, list[int]] = {}
         for i, request in enumerate(batch.requests):
@@ -119,7 +117,7 @@ class QwenImagePipeline(nn.Module):
                 outputs[i] = DiffusionOutput.from_exception(exc)
         for indices in groups.values():
             try:
-                results = self.generate([batch.requests[i] for i in indices])
+                results = self.generate([batch.requests[i] for i in indices], ctx)
             except OmniClientError as exc:  # a shared parameter is invalid: each request says why
                 results = [DiffusionOutput.from_exception(exc) for _ in indices]
             for i, result in zip(indices, results, strict=True):
@@ -140,7 +138,7 @@ class QwenImagePipeline(nn.Module):
         scale = DEFAULT_TRUE_CFG_SCALE if scale is None else scale
         return scale > 1 and request.negative_prompt is not None
 
-    def generate(self, requests: list[OmniDiffusionRequest]) -> list[DiffusionOutput]:
+    def generate(self, requests: list[OmniDiffusionRequest], ctx: StepContext) -> list[DiffusionOutput]:
         sp = requests[0].sampling_params
         durations: dict[str, float] = {}
         # 1. Output size and the latent grid.
@@ -163,7 +161,7 @@ class QwenImagePipeline(nn.Module):
 
         # 4. Denoise (positive and negative rows in one transformer forward).
         start = time.perf_counter()
-        latents = self.denoise(latents, prompt, geometry, sp, do_cfg)
+        latents = self.denoise(latents, prompt, geometry, sp, do_cfg, ctx)
         durations["denoise"] = elapsed_since(start, self.device)
 
         # 5. Decode.
@@ -252,8 +250,8 @@ class QwenImagePipeline(nn.Module):
         return scheduler
 
     def denoise(self, latents: torch.Tensor, prompt: PromptEmbeds, geometry: Geometry,
-                sp: OmniDiffusionSamplingParams, do_cfg: bool, condition: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                sp: OmniDiffusionSamplingParams, do_cfg: bool, ctx: StepContext,
+                condition: torch.Tensor | None = None) -> torch.Tensor:
         """Flow-matching Euler steps; `condition` (packed image latents) is appended to every row's tokens."""
         scheduler = self.make_scheduler(sp, latents.shape[1])
         scale = DEFAULT_TRUE_CFG_SCALE if sp.true_cfg_scale is None else sp.true_cfg_scale
@@ -267,8 +265,7 @@ class QwenImagePipeline(nn.Module):
         modulation = self.transformer.step_modulation(scheduler.timesteps.to(latents.dtype) / 1000, latents.dtype)
         with progress:
             for i, t in enumerate(scheduler.timesteps):
-                set_forward_context_denoise_step_idx(i)
-                set_forward_context_denoise_timestep(host_timesteps[i] / 1000)
+                ctx.step_index, ctx.timestep = i, host_timesteps[i] / 1000
                 x = torch.cat([latents, latents]) if do_cfg else latents
                 if condition is not None:
                     x = torch.cat([x, condition], dim=1)
@@ -279,8 +276,7 @@ class QwenImagePipeline(nn.Module):
                     pred = _true_cfg(pred[:rows], pred[rows:], scale)
                 latents = scheduler.step(pred, t, latents, return_dict=False)[0]
                 progress.update()
-        set_forward_context_denoise_step_idx(None)
-        set_forward_context_denoise_timestep(None)
+        ctx.step_index = ctx.timestep = None
         return latents
 
     def normalize_latents(self, latents: torch.Tensor, *, inverse: bool) -> torch.Tensor:

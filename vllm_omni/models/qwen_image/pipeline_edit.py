@@ -16,6 +16,7 @@ import torch
 
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.errors import OmniClientError
 from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
@@ -63,7 +64,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
             raise OmniClientError("Qwen-Image-Edit needs an input image (multi_modal_data.image)", param="image")
         return image.convert("RGB")
 
-    def generate(self, requests: list[OmniDiffusionRequest]) -> list[DiffusionOutput]:
+    def generate(self, requests: list[OmniDiffusionRequest], ctx: StepContext) -> list[DiffusionOutput]:
         sp = requests[0].sampling_params
         durations: dict[str, float] = {}
         # 1. Condition size from the input image; output size defaults to it.
@@ -91,7 +92,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
 
         # 4. Denoise with the condition tokens appended to every row.
         start = time.perf_counter()
-        latents = self.denoise(latents, prompt, geometry, sp, do_cfg, condition=condition)
+        latents = self.denoise(latents, prompt, geometry, sp, do_cfg, ctx, condition=condition)
         durations["denoise"] = elapsed_since(start, self.device)
 
         # 5. Decode.
