@@ -1,11 +1,11 @@
-"""Shared test setup: markers, the tiny-checkpoint cache, CPU-friendly vLLM defaults, a gloo world for models."""
+"""Shared test setup: markers, the tiny-checkpoint cache, CPU-friendly vLLM defaults, and the process-group
+fixture `dist_world` of every test that builds a diffusion model (tests/diffusion and tests/models alike)."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-import torch
 
 # vLLM CPU: keep the KV cache small so several engines fit beside each other on a 24 GiB machine.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -39,6 +39,7 @@ def dist_world():
     vLLM's parallel linear layers need these groups even at tensor-parallel size 1. A module that finds groups
     already set up (by an earlier module in the same process) reuses them and leaves them to their owner.
     """
+    import torch
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import model_parallel_is_initialized
 
