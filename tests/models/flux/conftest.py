@@ -1,4 +1,4 @@
-"""Fixtures: the tiny FLUX.1-dev checkpoint (process-group fixture `dist_world`: tests/diffusion/conftest.py)."""
+"""Fixtures: the tiny FLUX.1-dev checkpoint (process-group fixture `dist_world`: tests/conftest.py)."""
 
 from __future__ import annotations
 

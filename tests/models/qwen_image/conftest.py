@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny checkpoints (the process-group fixture `dist_world` is in tests/diffusion/conftest.py)."""
+"""Shared fixtures: the tiny checkpoints (the process-group fixture `dist_world` is in tests/conftest.py)."""
 
 from __future__ import annotations
 

@@ -34,7 +34,6 @@ from vllm_omni.diffusion.forward_context import (
     set_forward_context_denoise_step_idx,
     set_forward_context_denoise_timestep,
 )
-from vllm_omni.diffusion.layers.compile import accelerate_if_requested
 from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.diffusion.video_utils import iter_wan_vae_decode, to_uint8_frames
 from vllm_omni.errors import OmniClientError
@@ -82,21 +81,6 @@ class WanConditions:
     DiT sees the first frame's latents there and a timestep of 0 on its tokens."""
 
 
-def load_wan_transformer(model_dir: Path, subfolder: str, dtype: torch.dtype, device: torch.device,
-                         load_format: str) -> WanTransformer3DModel:
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    from vllm_omni.diffusion.model_loader.dummy import load_native_weights
-    from vllm_omni.models.wan.transformer import WanTransformer3DModel, WanTransformerConfig
-
-    config = WanTransformerConfig.from_json(model_dir / subfolder / "config.json")
-    with set_default_torch_dtype(dtype):
-        model = WanTransformer3DModel(config, prefix=f"{subfolder}.")
-    load_native_weights(model, model_dir, subfolder, load_format, dtype)
-    model.keep_fp32_modules()
-    return model.to(device).eval()
-
-
 class WanPipeline(nn.Module):
     """Text-to-video for Wan2.1 (one DiT) and Wan2.2 A14B (high/low-noise expert pair)."""
 
@@ -131,33 +115,36 @@ class WanPipeline(nn.Module):
 
         model_dir = Path(model_dir)
         index = json.loads((model_dir / "model_index.json").read_text())
-        components = cls._load_components(model_dir, index, device, dtype, od_config.load_format)
-        # Compiled blocks only: at video lengths the forward is GPU-bound, a CUDA graph adds nothing
-        # (H200, Wan2.1 1.3B, 33 frames: CFG step 425.6 ms eager, 276.0 compiled, 275.7 as a graph).
-        for name in ("transformer", "transformer_2"):
-            if components.get(name) is not None:
-                accelerate_if_requested(components[name], od_config, device, cuda_graphs=False)
+        components = cls._load_components(od_config, model_dir, index, device, dtype)
         logger.info("Loaded %s from %s (%s, %s)", cls.__name__, model_dir, device, dtype)
         return cls(od_config=od_config, device=device, dtype=dtype, **components)
 
     @classmethod
-    def _load_components(cls, model_dir: Path, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
-                         load_format: str) -> dict[str, Any]:
+    def _load_components(cls, od_config: OmniDiffusionConfig, model_dir: Path, index: dict[str, Any],
+                         device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
         import json
 
         from diffusers import AutoencoderKLWan
         from transformers import AutoTokenizer, UMT5EncoderModel
 
+        from vllm_omni.diffusion.model_loader.components import load_native_transformer
         from vllm_omni.diffusion.model_loader.dummy import load_pretrained
+        from vllm_omni.models.wan.transformer import WanTransformer3DModel
 
+        def load_dit(subfolder: str) -> WanTransformer3DModel:
+            # Compiled blocks only: at video lengths the forward is GPU-bound, a CUDA graph adds nothing
+            # (H200, Wan2.1 1.3B, 33 frames: CFG step 425.6 ms eager, 276.0 compiled, 275.7 as a graph).
+            return load_native_transformer(WanTransformer3DModel, model_dir, subfolder, od_config, device, dtype,
+                                           cuda_graphs=False)
+
+        load_format = od_config.load_format
         has_second = index.get("transformer_2") is not None and (model_dir / "transformer_2").is_dir()
         return dict(
             tokenizer=AutoTokenizer.from_pretrained(model_dir / "tokenizer"),
             text_encoder=load_pretrained(UMT5EncoderModel, model_dir / "text_encoder", device=device, dtype=dtype,
                                          load_format=load_format),
-            transformer=load_wan_transformer(model_dir, "transformer", dtype, device, load_format),
-            transformer_2=load_wan_transformer(model_dir, "transformer_2", dtype, device, load_format)
-            if has_second else None,
+            transformer=load_dit("transformer"),
+            transformer_2=load_dit("transformer_2") if has_second else None,
             # The VAE stays fp32 (as the Wan-AI examples load it): decode quality is sensitive, its cost is small.
             vae=load_pretrained(AutoencoderKLWan, model_dir / "vae", device=device, dtype=torch.float32,
                                 load_format=load_format),
