@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -35,7 +35,7 @@ from vllm_omni.diffusion.forward_context import (
     set_forward_context_denoise_timestep,
 )
 from vllm_omni.diffusion.timing import elapsed_since
-from vllm_omni.diffusion.video_utils import iter_wan_vae_decode, to_uint8_frames
+from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, iter_wan_vae_decode, to_uint8_frames
 from vllm_omni.errors import OmniClientError
 
 if TYPE_CHECKING:
@@ -230,15 +230,20 @@ class WanPipeline(nn.Module):
         durations["denoise"] = elapsed_since(start, self.device)
 
         fps = sp.fps or DEFAULT_FPS
+        streamed = {r.request_id for r in requests if r.sampling_params.stream_partial_outputs} \
+            if partials_enabled() else set()
         start = time.perf_counter()
-        frames = self.decode(latents, requests if partials_enabled() else (), per_prompt, fps)
+        frames = self.decode(latents, requests, streamed, per_prompt, fps)
         durations["vae_decode"] = elapsed_since(start, self.device)
 
         outputs = []
-        for i in range(len(requests)):
-            video = frames[i * per_prompt:(i + 1) * per_prompt]
-            outputs.append(DiffusionOutput(output={"video": video[0] if per_prompt == 1 else video, "fps": fps},
-                                           stage_durations=dict(durations)))
+        for i, request in enumerate(requests):
+            if request.request_id in streamed:  # its frames crossed as chunks; the engine side joins them
+                output = {STREAMED_FRAMES: geometry.num_frames, "fps": fps}
+            else:
+                video = frames[i * per_prompt:(i + 1) * per_prompt]
+                output = {"video": video[0] if per_prompt == 1 else video, "fps": fps}
+            outputs.append(DiffusionOutput(output=output, stage_durations=dict(durations)))
         return outputs
 
     # ---- stages --------------------------------------------------------------------------------------------
@@ -339,12 +344,12 @@ class WanPipeline(nn.Module):
         inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         return latents / inv_std + mean if inverse else (latents - mean) * inv_std
 
-    def decode(self, latents: torch.Tensor, streamed: Sequence[OmniDiffusionRequest] = (), per_prompt: int = 1,
-               fps: int = DEFAULT_FPS) -> Any:
+    def decode(self, latents: torch.Tensor, requests: Sequence[OmniDiffusionRequest] = (),
+               streamed: Set[str] = frozenset(), per_prompt: int = 1, fps: int = DEFAULT_FPS) -> Any:
         """Latents -> uint8 frames (rows, T, H, W, 3), decoded chunk by chunk through the causal VAE.
 
-        Each decoded chunk is also sent to the `streamed` requests' listeners (rows `per_prompt` per request,
-        shaped like the final output) as soon as it exists, so clients see the first frames early.
+        Each decoded chunk is also sent to the listeners of the `requests` (rows `per_prompt` each) whose ids are
+        in `streamed`, shaped like the final output, as soon as it exists, so clients see the first frames early.
         """
         latents = self.normalize_latents(latents.to(self.vae.dtype), inverse=True)
         chunks, frame_start = [], 0
@@ -352,7 +357,9 @@ class WanPipeline(nn.Module):
             chunks.append(chunk)
             if streamed:
                 frames = to_uint8_frames(chunk)
-                for i, request in enumerate(streamed):
+                for i, request in enumerate(requests):
+                    if request.request_id not in streamed:
+                        continue
                     video = frames[i * per_prompt:(i + 1) * per_prompt]
                     emit_partial(request.request_id, "video_chunk", {
                         "video": video[0] if per_prompt == 1 else video, "fps": fps, "frame_start": frame_start})
