@@ -1,4 +1,5 @@
-"""Shared test setup: markers, the tiny-checkpoint cache, CPU-friendly vLLM defaults, the process-group fixture."""
+"""Shared test setup: markers, the tiny-checkpoint cache, CPU-friendly vLLM defaults, and the process-group
+fixture `dist_world` of every test that builds a diffusion model (tests/diffusion and tests/models alike)."""
 
 from __future__ import annotations
 

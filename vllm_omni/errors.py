@@ -62,6 +62,16 @@ class EngineGenerateError(OmniError, RuntimeError):
     error_type = "InternalServerError"
 
 
+class RequestAbortedError(OmniError):
+    """The request was aborted while it ran; its work stopped and only it leaves the batch."""
+
+    status_code = 499
+    error_type = "aborted"
+
+    def __init__(self, message: str = "request aborted") -> None:
+        super().__init__(message)
+
+
 class EngineDeadError(OmniError, RuntimeError):
     """The engine (or one of its processes) died; every in-flight and future request fails fast."""
 

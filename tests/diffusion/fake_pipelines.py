@@ -17,6 +17,7 @@ import numpy as np
 from PIL import Image
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.errors import OmniClientError
 
@@ -41,7 +42,7 @@ class FakeBatchPipeline:
     def from_pretrained(cls, od_config: OmniDiffusionConfig, model_dir: Path, device: Any, dtype: Any):
         return cls(od_config)
 
-    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+    def forward(self, batch: DiffusionRequestBatch, ctx: StepContext) -> list[DiffusionOutput]:
         prompts = [r.prompt_text for r in batch.requests]
         if "break-batch" in prompts:
             raise RuntimeError("break-batch in this batch")

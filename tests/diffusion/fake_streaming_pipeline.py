@@ -9,7 +9,7 @@ import numpy as np
 from fake_pipelines import FakeBatchPipeline, seeded_pixels
 
 from vllm_omni.diffusion.data import DiffusionOutput
-from vllm_omni.diffusion.forward_context import emit_partial, report_progress
+from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.errors import OmniClientError
 
@@ -24,15 +24,15 @@ def fake_clip(seed: int, prompt: str) -> np.ndarray:
 
 
 class FakeStreamingPipeline(FakeBatchPipeline):
-    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+    def forward(self, batch: DiffusionRequestBatch, ctx: StepContext) -> list[DiffusionOutput]:
         for step in range(NUM_STEPS):
-            report_progress(step + 1, NUM_STEPS)
+            ctx.report_progress(step + 1, NUM_STEPS)
         clips = [fake_clip(r.sampling_params.seed or 0, r.prompt_text) for r in batch.requests]
         start = 0
         for size in CHUNK_FRAMES:
             for request, clip in zip(batch.requests, clips, strict=True):
-                emit_partial(request.request_id, "video_chunk",
-                             {"video": clip[start:start + size], "fps": 8, "frame_start": start})
+                ctx.emit_partial(request.request_id, "video_chunk",
+                                 {"video": clip[start:start + size], "fps": 8, "frame_start": start})
             start += size
         outputs = []
         for request, clip in zip(batch.requests, clips, strict=True):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-from vllm_omni.errors import OmniClientError, OmniError
+from vllm_omni.errors import OmniClientError, OmniError, RequestAbortedError
 
 DIFFUSION_LOAD_FORMATS = ("auto", "dummy")
 """Weight sources of a diffusion stage (a subset of vLLM's `--load-format`)."""
@@ -103,5 +103,7 @@ class DiffusionOutput:
     def from_exception(cls, exc: BaseException) -> DiffusionOutput:
         if isinstance(exc, OmniClientError):
             return cls(error=exc.message, error_status_code=exc.status_code, error_type=exc.error_type)
+        if isinstance(exc, RequestAbortedError):
+            return cls(error=str(exc), error_status_code=exc.status_code, error_type=exc.error_type)
         status = exc.status_code if isinstance(exc, OmniError) else 500
         return cls(error=f"{type(exc).__name__}: {exc}", error_status_code=status, error_type=type(exc).__name__)

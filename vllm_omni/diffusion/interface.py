@@ -1,8 +1,9 @@
 """The contract between the diffusion runtime and a pipeline.
 
 A pipeline is built by the model runner inside a worker process with the classmethod
-`from_pretrained(od_config, model_dir, device, dtype)` and answers `forward(batch) -> list[DiffusionOutput]`
-with one output per request in batch order (a request that fails alone carries `error`, the others go on).
+`from_pretrained(od_config, model_dir, device, dtype)` and answers `forward(batch, ctx) -> list[DiffusionOutput]`
+with one output per request in batch order (a request that fails alone carries `error`, the others go on);
+`ctx` (a `StepContext`) carries the partial-output sink and the abort flag polled between denoise steps.
 The model registry (`vllm_omni/models/registry.py`) maps a checkpoint's `_class_name` to the pipeline class.
 """
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+    from vllm_omni.diffusion.step_context import StepContext
     from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
 
@@ -24,7 +26,7 @@ class DiffusionPipeline(Protocol):
     @classmethod
     def from_pretrained(cls, od_config: OmniDiffusionConfig, model_dir: Path, device: Any, dtype: Any) -> Any: ...
 
-    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]: ...
+    def forward(self, batch: DiffusionRequestBatch, ctx: StepContext) -> list[DiffusionOutput]: ...
 
 
 def supports_request_batch(pipeline_cls: type) -> bool:

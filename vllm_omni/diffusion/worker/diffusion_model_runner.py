@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from vllm.logger import init_logger
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
-from vllm_omni.diffusion.forward_context import PartialSink, set_forward_context
+from vllm_omni.diffusion.step_context import PartialSink, StepContext
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.models.registry import MODEL_REGISTRY
 from vllm_omni.models.resolution import resolve_model_dir, resolve_pipeline_class_name
@@ -64,18 +65,19 @@ class DiffusionModelRunner:
         self.pipeline = None
 
     @torch.inference_mode()
-    def execute_model(self, batch: DiffusionRequestBatch, partial_sink: PartialSink | None = None
-                      ) -> list[DiffusionOutput]:
+    def execute_model(self, batch: DiffusionRequestBatch, partial_sink: PartialSink | None = None,
+                      abort_requested: Callable[[str], bool] | None = None) -> list[DiffusionOutput]:
         """`partial_sink` receives the pipeline's partial results (a request retried alone after its batch
-        failed reports its progress again from the start)."""
+        failed reports its progress again from the start); `abort_requested(request_id)` is polled by the
+        pipeline between denoise steps (None: nothing is ever aborted)."""
         if self.pipeline is None:
             raise RuntimeError("the diffusion worker is asleep; call wake_up() first")
         self._reset_peak_memory()
         start = time.perf_counter()
-        outputs = self._forward(batch, partial_sink)
+        outputs = self._forward(batch, partial_sink, abort_requested)
         if outputs is None:
             logger.warning("[diffusion rank %d] batch of %d failed; retrying one by one", self.rank, len(batch))
-            outputs = [self._forward(DiffusionRequestBatch([request]), partial_sink)[0]
+            outputs = [self._forward(DiffusionRequestBatch([request]), partial_sink, abort_requested)[0]
                        for request in batch.requests]
         elapsed = time.perf_counter() - start
         peak = self._peak_memory_mb()
@@ -84,13 +86,14 @@ class DiffusionModelRunner:
             out.peak_memory_mb = peak
         return outputs
 
-    def _forward(self, batch: DiffusionRequestBatch, partial_sink: PartialSink | None
-                 ) -> list[DiffusionOutput] | None:
+    def _forward(self, batch: DiffusionRequestBatch, partial_sink: PartialSink | None,
+                 abort_requested: Callable[[str], bool] | None) -> list[DiffusionOutput] | None:
         """The pipeline's outputs, or None when the batch as a whole raised (and has more than one request)."""
+        ctx = StepContext(self.od_config, request_ids=batch.request_ids, partial_sink=partial_sink)
+        if abort_requested is not None:
+            ctx.abort_requested = abort_requested
         try:
-            with set_forward_context(self.od_config, batch_size=len(batch), request_ids=batch.request_ids,
-                                     partial_sink=partial_sink):
-                outputs = self.pipeline.forward(batch)
+            outputs = self.pipeline.forward(batch, ctx)
             if len(outputs) != len(batch):
                 raise RuntimeError(f"pipeline returned {len(outputs)} outputs for {len(batch)} requests")
             return outputs

@@ -2,7 +2,9 @@
 
 Sampling params map onto the keyword arguments the pipeline's `__call__` declares. A parameter the request
 sets but the pipeline does not accept is a client error naming it, never silently dropped. With the same
-seed the output is pixel-identical to calling diffusers directly.
+seed the output is pixel-identical to calling diffusers directly. Progress and abort go through diffusers'
+public `callback_on_step_end`: an aborted request stops after the step it is in (raised out of the callback,
+so nothing more is denoised or decoded).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import torch
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
-from vllm_omni.errors import OmniClientError
+from vllm_omni.errors import OmniClientError, RequestAbortedError
 
 # Sampling-param fields passed to `__call__` under the same name when the pipeline accepts them.
 _DIRECT_PARAMS = (
@@ -57,11 +60,13 @@ class DiffusersAdapterPipeline:
     def to(self, device: torch.device) -> None:
         self.pipe.to(device)
 
-    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+    def forward(self, batch: DiffusionRequestBatch, ctx: StepContext) -> list[DiffusionOutput]:
         outputs = []
         for request in batch.requests:
             try:
-                outputs.append(self._generate(request))
+                if ctx.aborted([request.request_id]):
+                    raise RequestAbortedError()
+                outputs.append(self._generate(request, ctx))
             except Exception as exc:
                 outputs.append(DiffusionOutput.from_exception(exc))
         return outputs
@@ -96,12 +101,27 @@ class DiffusersAdapterPipeline:
             kwargs["output_type"] = "np" if sp.output_type == "pil" and self._returns_frames() else sp.output_type
         return kwargs
 
-    def _generate(self, request: OmniDiffusionRequest) -> DiffusionOutput:
+    def _generate(self, request: OmniDiffusionRequest, ctx: StepContext) -> DiffusionOutput:
         kwargs = self.call_kwargs(request)
+        if "callback_on_step_end" in self._accepted:
+            kwargs["callback_on_step_end"] = self._step_callback(request.request_id, ctx)
         start = time.perf_counter()
         result = self.pipe(**kwargs)
         output = self._convert(result, request)
         return DiffusionOutput(output=output, stage_durations={"pipeline": time.perf_counter() - start})
+
+    @staticmethod
+    def _step_callback(request_id: str, ctx: StepContext) -> Any:
+        """diffusers' `callback_on_step_end`: reports the step done, then leaves if the request was aborted."""
+
+        def on_step_end(pipe: Any, step: int, timestep: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+            total = getattr(pipe, "num_timesteps", None) or len(pipe.scheduler.timesteps)
+            ctx.report_progress(step + 1, total, [request_id])
+            if ctx.aborted([request_id]):
+                raise RequestAbortedError()
+            return callback_kwargs
+
+        return on_step_end
 
     def _returns_frames(self) -> bool:
         return "num_frames" in self._accepted

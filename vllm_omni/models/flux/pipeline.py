@@ -22,6 +22,7 @@ from vllm.logger import init_logger
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
+from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.models.flux.transformer import FluxTransformer2DModel
 
@@ -115,7 +116,7 @@ class FluxPipeline(nn.Module):
         return embeds.to(self.text_encoder_2.dtype), pooled.to(self.text_encoder.dtype)
 
     @torch.inference_mode()
-    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
+    def forward(self, batch: DiffusionRequestBatch, ctx: StepContext | None = None) -> list[DiffusionOutput]:
         sp = batch.sampling_params
         n = sp.num_outputs_per_prompt
         height = sp.height or 128 * self.vae_scale_factor

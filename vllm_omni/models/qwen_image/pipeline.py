@@ -11,24 +11,17 @@ request gives the same image alone, in a batch, or in diffusers.
 from __future__ import annotations
 
 import random
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
-from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
-from vllm_omni.diffusion.forward_context import (
-    set_forward_context_denoise_step_idx,
-    set_forward_context_denoise_timestep,
-)
+from vllm_omni.diffusion.data import OmniDiffusionConfig
+from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.timing import elapsed_since
-from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.models.qwen_image.transformer import QwenImageTransformer2DModel
@@ -56,8 +49,32 @@ class Geometry:
     """(frames, height, width) in 2x2 patches of the generated image, then of any condition image."""
 
 
-class QwenImagePipeline(nn.Module):
-    supports_request_batch: ClassVar[bool] = True
+@dataclass
+class QwenConditioning:
+    """What the transformer rows of one group are conditioned on besides latents and timestep."""
+
+    prompt: PromptEmbeds
+    """Rows: one per latent row, then (true CFG) the negatives in the same order."""
+    geometry: Geometry
+    do_cfg: bool
+    cfg_scale: float
+    image_latents: torch.Tensor | None = None
+    """Edit: packed VAE latents of the input image, one row per latent row, appended to its tokens."""
+    modulation: torch.Tensor | None = None
+    """Every step's adaLN parameters (num_layers, 2, steps, 6 * dim); the same for all rows."""
+
+    def select(self, rows: torch.Tensor) -> QwenConditioning:
+        """Keeps `rows` (and their negatives), text cut to the longest kept prompt as if encoded alone."""
+        num_rows = self.prompt.embeds.shape[0] // (2 if self.do_cfg else 1)
+        text_rows = torch.cat([rows, rows + num_rows]) if self.do_cfg else rows
+        lengths = tuple(self.prompt.lengths[i] for i in text_rows.tolist())
+        embeds = self.prompt.embeds.index_select(0, text_rows)[:, :max(lengths)]
+        image_latents = None if self.image_latents is None else self.image_latents.index_select(0, rows)
+        return replace(self, prompt=PromptEmbeds(embeds, lengths), image_latents=image_latents)
+
+
+class QwenImagePipeline(NativeDiffusionPipeline):
+    progress_desc: ClassVar[str] = "Qwen-Image denoise"
     prompt_template: ClassVar[str] = (
         "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
         "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
@@ -101,30 +118,7 @@ class QwenImagePipeline(nn.Module):
     def needs_processor(cls) -> bool:
         return False
 
-    # ---- request handling ----------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
-        """One output per request, in batch order; a request that is invalid alone fails alone.
-
-        Requests are split into groups that can share one transformer forward (same CFG on/off and, for
-        Edit, the same condition-image size); each group runs as one batch.
-        """
-        outputs: list[DiffusionOutput | None] = [None] * len(batch)
-        groups: dict[Any, list[int]] = {}
-        for i, request in enumerate(batch.requests):
-            try:
-                groups.setdefault(self.group_key(request), []).append(i)
-            except OmniClientError as exc:
-                outputs[i] = DiffusionOutput.from_exception(exc)
-        for indices in groups.values():
-            try:
-                results = self.generate([batch.requests[i] for i in indices])
-            except OmniClientError as exc:  # a shared parameter is invalid: each request says why
-                results = [DiffusionOutput.from_exception(exc) for _ in indices]
-            for i, result in zip(indices, results, strict=True):
-                outputs[i] = result
-        return outputs  # type: ignore[return-value]
+    # ---- hooks of the denoise template ----------------------------------------------------------------------
 
     def group_key(self, request: OmniDiffusionRequest) -> Any:
         """Validates the request; requests with equal keys run in one forward."""
@@ -140,37 +134,76 @@ class QwenImagePipeline(nn.Module):
         scale = DEFAULT_TRUE_CFG_SCALE if scale is None else scale
         return scale > 1 and request.negative_prompt is not None
 
-    def generate(self, requests: list[OmniDiffusionRequest]) -> list[DiffusionOutput]:
-        sp = requests[0].sampling_params
-        durations: dict[str, float] = {}
-        # 1. Output size and the latent grid.
-        geometry = self.resolve_geometry(sp)
-        do_cfg = self.do_true_cfg(requests[0])
-        per_prompt = sp.num_outputs_per_prompt
-
-        # 2. Encode positive prompts (and negatives for true CFG) in one text-encoder batch.
-        start = time.perf_counter()
-        max_len = sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
+    def check_inputs(self, requests: list[OmniDiffusionRequest]) -> None:
+        max_len = requests[0].sampling_params.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
         if max_len > MAX_SEQUENCE_LENGTH:
             raise OmniClientError(f"max_sequence_length cannot be greater than {MAX_SEQUENCE_LENGTH}, got {max_len}",
                                   param="max_sequence_length")
+
+    def encode_prompt(self, requests: list[OmniDiffusionRequest]) -> QwenConditioning:
+        """Output size and latent grid, then positive prompts (and negatives for true CFG) in one encoder batch."""
+        sp = requests[0].sampling_params
+        geometry = self.resolve_geometry(sp)
+        do_cfg = self.do_true_cfg(requests[0])
         texts = [r.prompt_text for r in requests] + ([r.negative_prompt for r in requests] if do_cfg else [])
-        prompt = self.encode_prompt(texts, max_len, per_prompt)
-        durations["text_encoder"] = elapsed_since(start, self.device)
+        max_len = sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
+        prompt = self.encode_texts(texts, max_len, sp.num_outputs_per_prompt)
+        return QwenConditioning(prompt, geometry, do_cfg, resolve_true_cfg_scale(sp))
 
-        # 3. Initial noise, one seeded generator per request.
-        latents = self.prepare_latents(requests, geometry)
+    def prepare_latents(self, requests: list[OmniDiffusionRequest], conditioning: QwenConditioning
+                        ) -> torch.Tensor:
+        """Noise per request from its own CPU generator: the draw diffusers makes for that seed."""
+        h, w = conditioning.geometry.img_shapes[0][1:]
+        channels = self.transformer.config.in_channels // 4
+        noise = []
+        for request in requests:
+            sp = request.sampling_params
+            seed = _shared_random_seed() if sp.seed is None else sp.seed
+            generator = torch.Generator(device="cpu").manual_seed(seed)
+            shape = (sp.num_outputs_per_prompt, 1, channels, 2 * h, 2 * w)  # diffusers' draw shape
+            draw = torch.randn(shape, generator=generator, dtype=self.dtype)
+            noise.append(self.pack_latents(draw.view(shape[0], channels, 2 * h, 2 * w)))
+        return torch.cat(noise).to(self.device)
 
-        # 4. Denoise (positive and negative rows in one transformer forward).
-        start = time.perf_counter()
-        latents = self.denoise(latents, prompt, geometry, sp, do_cfg)
-        durations["denoise"] = elapsed_since(start, self.device)
+    def make_scheduler(self, requests: list[OmniDiffusionRequest], latents: torch.Tensor) -> Any:
+        """A fresh FlowMatchEulerDiscreteScheduler with diffusers' sigmas and resolution-dependent shift."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
 
-        # 5. Decode.
-        start = time.perf_counter()
-        images = self.decode(latents, geometry, sp.output_type)
-        durations["vae_decode"] = elapsed_since(start, self.device)
-        return self.split_outputs(images, len(requests), per_prompt, durations)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
+        steps = requests[0].sampling_params.num_inference_steps or DEFAULT_NUM_INFERENCE_STEPS
+        cfg = self.scheduler_config
+        base_len, max_len = cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096)
+        base_shift, max_shift = cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15)
+        slope = (max_shift - base_shift) / (max_len - base_len)
+        mu = latents.shape[1] * slope + (base_shift - slope * base_len)
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu, device=self.device)
+        scheduler.set_begin_index(0)
+        return scheduler
+
+    def prepare_step_tables(self, state: DenoiseState) -> None:
+        # The timesteps exactly as each step passes them (cast first, then scaled, as diffusers does).
+        dtype = state.latents.dtype
+        state.conditioning.modulation = self.transformer.step_modulation(state.timesteps.to(dtype) / 1000, dtype)
+
+    def predict_noise(self, state: DenoiseState) -> torch.Tensor:
+        """Positive and negative rows in one transformer forward; condition tokens (Edit) appended to each row."""
+        cond, latents, i = state.conditioning, state.latents, state.step_index
+        rows, img_len = latents.shape[:2]
+        x = torch.cat([latents, latents]) if cond.do_cfg else latents
+        if cond.image_latents is not None:
+            image = torch.cat([cond.image_latents, cond.image_latents]) if cond.do_cfg else cond.image_latents
+            x = torch.cat([x, image], dim=1)
+        timestep = state.timesteps[i].expand(x.shape[0]).to(latents.dtype) / 1000
+        pred = self.transformer(x, cond.prompt.embeds, None, timestep, cond.geometry.img_shapes,
+                                cond.modulation[:, :, i : i + 1], cond.prompt.lengths)[:, :img_len]
+        return _true_cfg(pred[:rows], pred[rows:], cond.cfg_scale) if cond.do_cfg else pred
+
+    def decode(self, state: DenoiseState) -> Any:
+        if state.requests[0].sampling_params.output_type == "latent":
+            return state.latents
+        latents = self.unpack_latents(state.latents, state.conditioning.geometry).to(self.vae.dtype)
+        image = self.vae.decode(self.normalize_latents(latents, inverse=True), return_dict=False)[0][:, :, 0]
+        return self.image_processor.postprocess(image, output_type=state.requests[0].sampling_params.output_type)
 
     # ---- stages --------------------------------------------------------------------------------------------
 
@@ -193,8 +226,8 @@ class QwenImagePipeline(nn.Module):
                                 padding=True, truncation=True, return_tensors="pt")
         return {"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask}
 
-    def encode_prompt(self, texts: list[str], max_len: int | None, per_prompt: int,
-                      images: list[Any] | None = None) -> PromptEmbeds:
+    def encode_texts(self, texts: list[str], max_len: int | None, per_prompt: int,
+                     images: list[Any] | None = None) -> PromptEmbeds:
         """Last hidden states of each text's real tokens after the template, zero-padded to a common length."""
         inputs = {k: v.to(self.device) for k, v in self.text_encoder_inputs(texts, images).items()}
         hidden = self.text_encoder(**inputs, output_hidden_states=True).hidden_states[-1]
@@ -222,86 +255,12 @@ class QwenImagePipeline(nn.Module):
         x = latents.view(b, h, w, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
         return x.reshape(b, channels // 4, 1, 2 * h, 2 * w)
 
-    def prepare_latents(self, requests: list[OmniDiffusionRequest], geometry: Geometry) -> torch.Tensor:
-        """Noise per request from its own CPU generator: the draw diffusers makes for that seed."""
-        h, w = geometry.img_shapes[0][1:]
-        channels = self.transformer.config.in_channels // 4
-        noise = []
-        for request in requests:
-            sp = request.sampling_params
-            seed = _shared_random_seed() if sp.seed is None else sp.seed
-            generator = torch.Generator(device="cpu").manual_seed(seed)
-            shape = (sp.num_outputs_per_prompt, 1, channels, 2 * h, 2 * w)  # diffusers' draw shape
-            draw = torch.randn(shape, generator=generator, dtype=self.dtype)
-            noise.append(self.pack_latents(draw.view(shape[0], channels, 2 * h, 2 * w)))
-        return torch.cat(noise).to(self.device)
-
-    def make_scheduler(self, sp: OmniDiffusionSamplingParams, image_seq_len: int) -> Any:
-        """A fresh FlowMatchEulerDiscreteScheduler with diffusers' sigmas and resolution-dependent shift."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        scheduler = FlowMatchEulerDiscreteScheduler.from_config(self.scheduler_config)
-        steps = sp.num_inference_steps or DEFAULT_NUM_INFERENCE_STEPS
-        cfg = self.scheduler_config
-        base_len, max_len = cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096)
-        base_shift, max_shift = cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15)
-        slope = (max_shift - base_shift) / (max_len - base_len)
-        mu = image_seq_len * slope + (base_shift - slope * base_len)
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu, device=self.device)
-        scheduler.set_begin_index(0)
-        return scheduler
-
-    def denoise(self, latents: torch.Tensor, prompt: PromptEmbeds, geometry: Geometry,
-                sp: OmniDiffusionSamplingParams, do_cfg: bool, condition: torch.Tensor | None = None
-                ) -> torch.Tensor:
-        """Flow-matching Euler steps; `condition` (packed image latents) is appended to every row's tokens."""
-        scheduler = self.make_scheduler(sp, latents.shape[1])
-        scale = DEFAULT_TRUE_CFG_SCALE if sp.true_cfg_scale is None else sp.true_cfg_scale
-        rows, img_len = latents.shape[:2]
-        if condition is not None and do_cfg:
-            condition = torch.cat([condition, condition])
-        progress = tqdm(total=len(scheduler.timesteps), desc="Qwen-Image denoise",
-                        disable=not self.od_config.enable_progress_bar)
-        host_timesteps = scheduler.timesteps.tolist()  # one sync up front, none per step
-        # The timesteps exactly as each step passes them (cast first, then scaled, as diffusers does).
-        modulation = self.transformer.step_modulation(scheduler.timesteps.to(latents.dtype) / 1000, latents.dtype)
-        with progress:
-            for i, t in enumerate(scheduler.timesteps):
-                set_forward_context_denoise_step_idx(i)
-                set_forward_context_denoise_timestep(host_timesteps[i] / 1000)
-                x = torch.cat([latents, latents]) if do_cfg else latents
-                if condition is not None:
-                    x = torch.cat([x, condition], dim=1)
-                timestep = (t.expand(x.shape[0]).to(latents.dtype)) / 1000
-                pred = self.transformer(x, prompt.embeds, None, timestep, geometry.img_shapes,
-                                        modulation[:, :, i : i + 1], prompt.lengths)[:, :img_len]
-                if do_cfg:
-                    pred = _true_cfg(pred[:rows], pred[rows:], scale)
-                latents = scheduler.step(pred, t, latents, return_dict=False)[0]
-                progress.update()
-        set_forward_context_denoise_step_idx(None)
-        set_forward_context_denoise_timestep(None)
-        return latents
-
     def normalize_latents(self, latents: torch.Tensor, *, inverse: bool) -> torch.Tensor:
         """Between the DiT's normalized latent space and the VAE's (per-channel mean / std of the VAE)."""
         cfg = self.vae.config
         mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         return latents / (1.0 / std) + mean if inverse else (latents - mean) / std
-
-    def decode(self, latents: torch.Tensor, geometry: Geometry, output_type: str) -> Any:
-        if output_type == "latent":
-            return latents
-        latents = self.normalize_latents(self.unpack_latents(latents, geometry).to(self.vae.dtype), inverse=True)
-        image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
-        return self.image_processor.postprocess(image, output_type=output_type)
-
-    @staticmethod
-    def split_outputs(images: Any, num_requests: int, per_prompt: int, durations: dict[str, float]
-                      ) -> list[DiffusionOutput]:
-        return [DiffusionOutput(output=images[i * per_prompt:(i + 1) * per_prompt], stage_durations=dict(durations))
-                for i in range(num_requests)]
 
 
 def _shared_random_seed() -> int:
@@ -312,6 +271,10 @@ def _shared_random_seed() -> int:
     if get_tensor_model_parallel_world_size() > 1:
         seed = get_tp_group().broadcast_object(seed, src=0)
     return seed
+
+
+def resolve_true_cfg_scale(sp: OmniDiffusionSamplingParams) -> float:
+    return DEFAULT_TRUE_CFG_SCALE if sp.true_cfg_scale is None else sp.true_cfg_scale
 
 
 def _true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:

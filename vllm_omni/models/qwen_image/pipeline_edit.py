@@ -14,11 +14,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm_omni.diffusion.data import DiffusionOutput
+from vllm_omni.diffusion.pipeline_base import DenoiseState
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.errors import OmniClientError
-from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
+from vllm_omni.models.qwen_image.pipeline import QwenConditioning, QwenImagePipeline, resolve_true_cfg_scale
 
 CONDITION_AREA = 1024 * 1024
 IMAGE_PAD = "<|image_pad|>"
@@ -63,42 +64,35 @@ class QwenImageEditPipeline(QwenImagePipeline):
             raise OmniClientError("Qwen-Image-Edit needs an input image (multi_modal_data.image)", param="image")
         return image.convert("RGB")
 
-    def generate(self, requests: list[OmniDiffusionRequest]) -> list[DiffusionOutput]:
-        sp = requests[0].sampling_params
-        durations: dict[str, float] = {}
-        # 1. Condition size from the input image; output size defaults to it.
+    def condition_images(self, requests: list[OmniDiffusionRequest]) -> tuple[list[Any], int, int]:
+        """Each request's input image resized to the condition size of the first (the group shares it)."""
         images = [self.input_image(r) for r in requests]
         cond_w, cond_h = condition_size(*images[0].size)
+        return [self.image_processor.resize(image, cond_h, cond_w) for image in images], cond_w, cond_h
+
+    def encode_prompt(self, requests: list[OmniDiffusionRequest]) -> QwenConditioning:
+        """Instruction + input image (and the negative with the same image) in one text-encoder batch; the
+        output size defaults to the condition size, whose 2x2-patch grid follows the generated image's."""
+        sp = requests[0].sampling_params
+        images, cond_w, cond_h = self.condition_images(requests)
         geometry = self.resolve_geometry(sp, default_hw=(cond_h, cond_w))
         multiple = self.vae_scale_factor * 2
         geometry.img_shapes.append((1, cond_h // multiple, cond_w // multiple))
-        images = [self.image_processor.resize(image, cond_h, cond_w) for image in images]
         do_cfg = self.do_true_cfg(requests[0])
-        per_prompt = sp.num_outputs_per_prompt
-
-        # 2. Encode instruction + image (and the negative with the same image) in one text-encoder batch.
-        start = time.perf_counter()
         texts = [r.prompt_text for r in requests] + ([r.negative_prompt for r in requests] if do_cfg else [])
         # Edit prompts are not truncated to max_sequence_length (as in diffusers).
-        prompt = self.encode_prompt(texts, None, per_prompt, images=images + (images if do_cfg else []))
-        durations["text_encoder"] = elapsed_since(start, self.device)
+        prompt = self.encode_texts(texts, None, sp.num_outputs_per_prompt, images=images + (images if do_cfg else []))
+        return QwenConditioning(prompt, geometry, do_cfg, resolve_true_cfg_scale(sp))
 
-        # 3. Condition latents from the VAE encoder, then initial noise per request.
+    def prepare(self, requests: list[OmniDiffusionRequest], ctx: StepContext) -> DenoiseState:
+        """Qwen-Image's preparation plus the input image's VAE latents, appended to every row's tokens."""
+        state = super().prepare(requests, ctx)
         start = time.perf_counter()
-        condition = self.encode_condition(images, cond_h, cond_w, per_prompt)
-        durations["vae_encode"] = elapsed_since(start, self.device)
-        latents = self.prepare_latents(requests, geometry)
-
-        # 4. Denoise with the condition tokens appended to every row.
-        start = time.perf_counter()
-        latents = self.denoise(latents, prompt, geometry, sp, do_cfg, condition=condition)
-        durations["denoise"] = elapsed_since(start, self.device)
-
-        # 5. Decode.
-        start = time.perf_counter()
-        output = self.decode(latents, geometry, sp.output_type)
-        durations["vae_decode"] = elapsed_since(start, self.device)
-        return self.split_outputs(output, len(requests), per_prompt, durations)
+        images, cond_w, cond_h = self.condition_images(requests)
+        per_prompt = requests[0].sampling_params.num_outputs_per_prompt
+        state.conditioning.image_latents = self.encode_condition(images, cond_h, cond_w, per_prompt)
+        state.durations["vae_encode"] = elapsed_since(start, self.device)
+        return state
 
     def text_encoder_inputs(self, texts: list[str], images: list[Any] | None = None) -> dict[str, torch.Tensor]:
         """What Qwen2VLProcessor produces: pixel patches + each image's pad token repeated per merged patch."""

@@ -27,13 +27,7 @@ from tqdm.auto import tqdm
 from vllm.logger import init_logger
 
 from vllm_omni.diffusion.data import DiffusionOutput
-from vllm_omni.diffusion.forward_context import (
-    emit_partial,
-    partials_enabled,
-    report_progress,
-    set_forward_context_denoise_step_idx,
-    set_forward_context_denoise_timestep,
-)
+from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, iter_wan_vae_decode, to_uint8_frames
 from vllm_omni.errors import OmniClientError
@@ -156,8 +150,9 @@ class WanPipeline(nn.Module):
     # ---- request handling ----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def forward(self, batch: DiffusionRequestBatch) -> list[DiffusionOutput]:
-        """One output per request; a request that is invalid alone fails alone."""
+    def forward(self, batch: DiffusionRequestBatch, ctx: StepContext | None = None) -> list[DiffusionOutput]:
+        """One output per request; a request that is invalid alone fails alone (`ctx` None: used standalone)."""
+        ctx = ctx or StepContext(self.od_config, request_ids=batch.request_ids)
         outputs: list[DiffusionOutput | None] = [None] * len(batch.requests)
         valid: list[int] = []
         for i, request in enumerate(batch.requests):
@@ -168,7 +163,7 @@ class WanPipeline(nn.Module):
                 outputs[i] = DiffusionOutput.from_exception(exc)
         if valid:
             try:
-                results = self.generate([batch.requests[i] for i in valid])
+                results = self.generate([batch.requests[i] for i in valid], ctx)
             except OmniClientError as exc:  # a shared parameter is invalid: every request says why
                 results = [DiffusionOutput.from_exception(exc) for _ in valid]
             for i, result in zip(valid, results, strict=True):
@@ -207,7 +202,7 @@ class WanPipeline(nn.Module):
         num_train = self.scheduler_config.get("num_train_timesteps", 1000)
         return guidance, guidance_2, boundary_ratio * num_train
 
-    def generate(self, requests: list[OmniDiffusionRequest]) -> list[DiffusionOutput]:
+    def generate(self, requests: list[OmniDiffusionRequest], ctx: StepContext) -> list[DiffusionOutput]:
         sp = requests[0].sampling_params
         geometry = self.resolve_geometry(sp)
         guidance, guidance_2, boundary = self.resolve_guidance(sp)
@@ -226,14 +221,14 @@ class WanPipeline(nn.Module):
         conditions = self.prepare_conditions(requests, geometry, durations)
 
         start = time.perf_counter()
-        latents = self.denoise(latents, embeds, conditions, sp, guidance, guidance_2, boundary, do_cfg)
+        latents = self.denoise(latents, embeds, conditions, sp, guidance, guidance_2, boundary, do_cfg, ctx)
         durations["denoise"] = elapsed_since(start, self.device)
 
         fps = sp.fps or DEFAULT_FPS
         streamed = {r.request_id for r in requests if r.sampling_params.stream_partial_outputs} \
-            if partials_enabled() else set()
+            if ctx.partials_enabled else set()
         start = time.perf_counter()
-        frames = self.decode(latents, requests, streamed, per_prompt, fps)
+        frames = self.decode(latents, ctx, requests, streamed, per_prompt, fps)
         durations["vae_decode"] = elapsed_since(start, self.device)
 
         outputs = []
@@ -285,7 +280,7 @@ class WanPipeline(nn.Module):
 
     def denoise(self, latents: torch.Tensor, embeds: torch.Tensor, conditions: WanConditions,
                 sp: OmniDiffusionSamplingParams, guidance: float, guidance_2: float, boundary: float | None,
-                do_cfg: bool) -> torch.Tensor:
+                do_cfg: bool, ctx: StepContext) -> torch.Tensor:
         scheduler = self.make_scheduler(sp)
         steps = sp.num_inference_steps or DEFAULT_NUM_INFERENCE_STEPS
         scheduler.set_timesteps(steps, device=self.device)
@@ -298,8 +293,7 @@ class WanPipeline(nn.Module):
         show = self.od_config.enable_progress_bar
         with tqdm(total=len(scheduler.timesteps), desc="Wan denoise", disable=not show) as progress:
             for i, t in enumerate(scheduler.timesteps):
-                set_forward_context_denoise_step_idx(i)
-                set_forward_context_denoise_timestep(float(t) / num_train)
+                ctx.step_index, ctx.timestep = i, float(t) / num_train
                 high_noise = boundary is None or t >= boundary
                 model = self.transformer if high_noise else self.transformer_2
                 scale = guidance if high_noise else guidance_2
@@ -311,9 +305,8 @@ class WanPipeline(nn.Module):
                     pred = uncond + scale * (cond - uncond)
                 latents = scheduler.step(pred, t, latents, return_dict=False)[0]
                 progress.update()
-                report_progress(i + 1, len(scheduler.timesteps))
-        set_forward_context_denoise_step_idx(None)
-        set_forward_context_denoise_timestep(None)
+                ctx.report_progress(i + 1, len(scheduler.timesteps))
+        ctx.step_index = ctx.timestep = None
         if conditions.first_frame_mask is not None:
             latents = self.model_input(latents, conditions)
         return latents
@@ -344,7 +337,7 @@ class WanPipeline(nn.Module):
         inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         return latents / inv_std + mean if inverse else (latents - mean) * inv_std
 
-    def decode(self, latents: torch.Tensor, requests: Sequence[OmniDiffusionRequest] = (),
+    def decode(self, latents: torch.Tensor, ctx: StepContext, requests: Sequence[OmniDiffusionRequest] = (),
                streamed: Set[str] = frozenset(), per_prompt: int = 1, fps: int = DEFAULT_FPS) -> Any:
         """Latents -> uint8 frames (rows, T, H, W, 3), decoded chunk by chunk through the causal VAE.
 
@@ -361,7 +354,7 @@ class WanPipeline(nn.Module):
                     if request.request_id not in streamed:
                         continue
                     video = frames[i * per_prompt:(i + 1) * per_prompt]
-                    emit_partial(request.request_id, "video_chunk", {
+                    ctx.emit_partial(request.request_id, "video_chunk", {
                         "video": video[0] if per_prompt == 1 else video, "fps": fps, "frame_start": frame_start})
             frame_start += chunk.shape[2]
         return to_uint8_frames(torch.cat(chunks, dim=2))

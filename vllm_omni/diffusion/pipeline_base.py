@@ -1,0 +1,224 @@
+"""The native diffusion pipeline skeleton: diffusers' `__call__` as one fixed template over groups of requests.
+
+`forward(batch, ctx)` validates and groups the requests (a request invalid alone fails alone), then runs each
+group as
+
+    state = prepare(requests, ctx)      # encode prompt -> initial latents -> scheduler/timesteps -> step tables
+    while not state.done:
+        drop the aborted requests' rows
+        denoise_step(state, ctx)        # transformer forward with CFG -> scheduler step -> progress
+    finish(state, ctx)                  # decode -> one output per request
+
+A family overrides named hooks (`group_key`, `check_inputs`, `encode_prompt`, `prepare_latents`,
+`make_scheduler`, `prepare_step_tables`, `predict_noise`, `scheduler_step`, `decode`), never the loop. All
+per-request state lives in a `DenoiseState`, none on the pipeline, so that a step-level scheduler can later
+advance many states one step at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, Self
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.step_context import StepContext
+from vllm_omni.diffusion.timing import elapsed_since
+from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+from vllm_omni.errors import OmniClientError, RequestAbortedError
+
+
+class Conditioning(Protocol):
+    """A family's per-group transformer inputs besides latents and timestep (text embeddings, CFG rows, ...)."""
+
+    def select(self, rows: torch.Tensor) -> Self:
+        """The conditioning of the latent rows `rows` only (indices into the current latent rows, in order)."""
+        ...
+
+
+@dataclass
+class DenoiseState:
+    """One group of co-batched requests from `prepare` to `finish`: everything a denoise step reads or advances.
+
+    Latent rows are request-major: request `i` owns rows `i * outputs_per_request` up to the next request's.
+    """
+
+    requests: list[OmniDiffusionRequest]
+    latents: torch.Tensor
+    scheduler: Any
+    """A fresh diffusers scheduler of this group only, its timesteps set."""
+    conditioning: Conditioning
+    outputs_per_request: int = 1
+    durations: dict[str, float] = field(default_factory=dict)
+    step_index: int = 0
+    aborted: list[OmniDiffusionRequest] = field(default_factory=list)
+    """Requests dropped by an abort; they leave with `RequestAbortedError`."""
+    timesteps: torch.Tensor = field(init=False)
+    normalized_timesteps: list[float] = field(init=False)
+    """Host copy of the timesteps in [0, 1] (1.0 = pure noise), read once instead of syncing every step."""
+
+    def __post_init__(self) -> None:
+        self.timesteps = self.scheduler.timesteps
+        num_train = self.scheduler.config.get("num_train_timesteps", 1000)
+        self.normalized_timesteps = [t / num_train for t in self.timesteps.tolist()]
+
+    @property
+    def done(self) -> bool:
+        return not self.requests or self.step_index >= len(self.timesteps)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [r.request_id for r in self.requests]
+
+    def drop(self, request_ids: set[str]) -> None:
+        """Remove the requests `request_ids`, their latent and conditioning rows; the other rows are unchanged."""
+        keep = [i for i, r in enumerate(self.requests) if r.request_id not in request_ids]
+        if len(keep) == len(self.requests):
+            return
+        self.aborted += [r for r in self.requests if r.request_id in request_ids]
+        self.requests = [self.requests[i] for i in keep]
+        if not keep:
+            self.latents = self.latents[:0]
+            return
+        per = self.outputs_per_request
+        rows = torch.tensor([i * per + j for i in keep for j in range(per)], device=self.latents.device)
+        self.latents = self.latents.index_select(0, rows)
+        self.conditioning = self.conditioning.select(rows)
+
+
+class NativeDiffusionPipeline(nn.Module):
+    """Base of the native pipelines; subclasses set `od_config` and `device` and implement the hooks."""
+
+    supports_request_batch: ClassVar[bool] = True
+    progress_desc: ClassVar[str] = "denoise"
+    od_config: OmniDiffusionConfig
+    device: torch.device
+
+    # ---- the template --------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward(self, batch: DiffusionRequestBatch, ctx: StepContext | None = None) -> list[DiffusionOutput]:
+        """One output per request, in batch order (`ctx` None: used standalone, nobody listens or aborts).
+
+        Requests with equal `group_key`s share every transformer forward; each group runs to the end alone.
+        """
+        ctx = ctx or StepContext(self.od_config, request_ids=batch.request_ids)
+        outputs: dict[int, DiffusionOutput] = {}  # by id(request): request ids need not be unique here
+        groups: dict[Any, list[OmniDiffusionRequest]] = {}
+        for request in batch.requests:
+            try:
+                groups.setdefault(self.group_key(request), []).append(request)
+            except OmniClientError as exc:
+                outputs[id(request)] = DiffusionOutput.from_exception(exc)
+        for requests in groups.values():
+            outputs.update(self.run_group(requests, ctx))
+        return [outputs[id(request)] for request in batch.requests]
+
+    def run_group(self, requests: list[OmniDiffusionRequest], ctx: StepContext) -> dict[int, DiffusionOutput]:
+        """prepare -> denoise -> finish for one group; a shared parameter found invalid fails the whole group."""
+        aborted = set(ctx.aborted([r.request_id for r in requests]))
+        outputs = {id(r): _aborted_output() for r in requests if r.request_id in aborted}
+        requests = [r for r in requests if r.request_id not in aborted]
+        if not requests:
+            return outputs
+        try:
+            state = self.prepare(requests, ctx)
+            self.denoise(state, ctx)
+            finished = self.finish(state, ctx) if state.requests else []
+        except OmniClientError as exc:
+            return outputs | {id(r): DiffusionOutput.from_exception(exc) for r in requests}
+        outputs.update((id(r), _aborted_output()) for r in state.aborted)
+        outputs.update(zip(map(id, state.requests), finished, strict=True))
+        return outputs
+
+    def prepare(self, requests: list[OmniDiffusionRequest], ctx: StepContext) -> DenoiseState:
+        """Everything before the first step: prompt embeddings, initial latents, scheduler, per-step tables."""
+        self.check_inputs(requests)
+        start = time.perf_counter()
+        conditioning = self.encode_prompt(requests)
+        durations = {"text_encoder": elapsed_since(start, self.device)}
+        latents = self.prepare_latents(requests, conditioning)
+        state = DenoiseState(requests, latents, self.make_scheduler(requests, latents), conditioning,
+                             outputs_per_request=requests[0].sampling_params.num_outputs_per_prompt,
+                             durations=durations)
+        self.prepare_step_tables(state)
+        return state
+
+    def denoise(self, state: DenoiseState, ctx: StepContext) -> None:
+        """All steps of `state`; an aborted request leaves before the next step (or before decode)."""
+        start = time.perf_counter()
+        total = len(state.timesteps)
+        with tqdm(total=total, desc=self.progress_desc, disable=not self.od_config.enable_progress_bar) as bar:
+            while not state.done:
+                state.drop(set(ctx.aborted(state.request_ids)))
+                if state.requests:
+                    self.denoise_step(state, ctx)
+                    bar.update()
+        ctx.step_index = ctx.timestep = None
+        state.drop(set(ctx.aborted(state.request_ids)))
+        state.durations["denoise"] = elapsed_since(start, self.device)
+
+    def denoise_step(self, state: DenoiseState, ctx: StepContext) -> None:
+        """One step over every row of `state`: transformer forward with CFG, scheduler step, progress."""
+        ctx.step_index, ctx.timestep = state.step_index, state.normalized_timesteps[state.step_index]
+        noise_pred = self.predict_noise(state)
+        state.latents = self.scheduler_step(state, noise_pred)
+        state.step_index += 1
+        ctx.report_progress(state.step_index, len(state.timesteps), state.request_ids)
+
+    def finish(self, state: DenoiseState, ctx: StepContext) -> list[DiffusionOutput]:
+        """Decode and split: one output per remaining request, `outputs_per_request` items each.
+
+        A family that decodes in chunks (video) overrides this and may `state.drop` aborted requests between
+        chunks; it returns one output per request still in `state.requests` at the end.
+        """
+        start = time.perf_counter()
+        decoded = self.decode(state)
+        state.durations["vae_decode"] = elapsed_since(start, self.device)
+        per = state.outputs_per_request
+        return [DiffusionOutput(output=decoded[i * per:(i + 1) * per], stage_durations=dict(state.durations))
+                for i in range(len(state.requests))]
+
+    # ---- hooks ---------------------------------------------------------------------------------------------
+
+    def group_key(self, request: OmniDiffusionRequest) -> Any:
+        """Validates one request (OmniClientError naming the field); requests with equal keys run together."""
+        raise NotImplementedError
+
+    def check_inputs(self, requests: list[OmniDiffusionRequest]) -> None:
+        """Validates what the group shares (raise OmniClientError); the group then fails as a whole."""
+
+    def encode_prompt(self, requests: list[OmniDiffusionRequest]) -> Conditioning:
+        raise NotImplementedError
+
+    def prepare_latents(self, requests: list[OmniDiffusionRequest], conditioning: Conditioning) -> torch.Tensor:
+        """Initial noise, `outputs_per_request` rows per request, each request drawn from its own seed."""
+        raise NotImplementedError
+
+    def make_scheduler(self, requests: list[OmniDiffusionRequest], latents: torch.Tensor) -> Any:
+        """A fresh scheduler for this group with its timesteps set."""
+        raise NotImplementedError
+
+    def prepare_step_tables(self, state: DenoiseState) -> None:
+        """Per-step inputs computed once from the timesteps (e.g. every step's adaLN modulation)."""
+
+    def predict_noise(self, state: DenoiseState) -> torch.Tensor:
+        """The guided prediction for `state.latents` at `state.step_index` (one transformer forward with CFG)."""
+        raise NotImplementedError
+
+    def scheduler_step(self, state: DenoiseState, noise_pred: torch.Tensor) -> torch.Tensor:
+        t = state.timesteps[state.step_index]
+        return state.scheduler.step(noise_pred, t, state.latents, return_dict=False)[0]
+
+    def decode(self, state: DenoiseState) -> Any:
+        """Final latents -> a sequence with one item per latent row (images, arrays, or latents)."""
+        raise NotImplementedError
+
+
+def _aborted_output() -> DiffusionOutput:
+    return DiffusionOutput.from_exception(RequestAbortedError())
