@@ -67,3 +67,39 @@ def test_unsupported_parameter_is_422_naming_it(engine):
 def test_engine_metadata(engine):
     assert engine.model_class_name == "QwenImagePipeline"
     assert engine.output_modality == "image" and not engine.supports_request_batch
+
+
+def test_adapter_progress_and_abort_through_step_callback(reference):
+    """Through diffusers' public `callback_on_step_end`: progress for every step; a request aborted during step 2
+    stops there (no VAE decode), one aborted before it starts never runs; the next request is unaffected."""
+    from vllm_omni.diffusion.step_context import StepContext
+    from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+    from vllm_omni.models.diffusers_adapter.pipeline import DiffusersAdapterPipeline
+
+    od_config = OmniDiffusionConfig(model=MODEL, use_diffusers_adapter=True)
+    adapter = DiffusersAdapterPipeline(reference, od_config)
+    steps: list[tuple[str, int]] = []
+    aborted = {"never"}
+
+    def sink(request_id: str, kind: str, data: dict) -> None:
+        steps.append((request_id, data["step"]))
+        if request_id == "stop" and data["step"] == 2:
+            aborted.add(request_id)
+
+    decodes = []
+    decode = reference.vae.decode
+    reference.vae.decode = lambda *a, **k: decodes.append(1) or decode(*a, **k)
+    requests = [OmniDiffusionRequest(PROMPT, SP(seed=seed, **COMMON), rid)
+                for seed, rid in enumerate(("never", "stop", "ok"))]
+    ctx = StepContext(od_config, request_ids=[r.request_id for r in requests], partial_sink=sink,
+                      abort_requested=aborted.__contains__)
+    try:
+        never, stop, ok = adapter.forward(DiffusionRequestBatch(requests), ctx)
+    finally:
+        del reference.vae.decode
+    for out in (never, stop):
+        assert (out.error, out.error_status_code, out.error_type) == ("request aborted", 499, "aborted")
+    assert steps == [("stop", 1), ("stop", 2)] + [("ok", s) for s in range(1, COMMON["num_inference_steps"] + 1)]
+    assert len(decodes) == 1
+    expected = reference(**PROMPT, **COMMON, generator=torch.Generator("cpu").manual_seed(2)).images
+    assert np.array_equal(np.asarray(ok.output[0]), np.asarray(expected[0]))

@@ -9,26 +9,22 @@ from __future__ import annotations
 
 import functools
 import random
-import time
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch import nn
-from tqdm.auto import tqdm
 from vllm.logger import init_logger
 
-from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
-from vllm_omni.diffusion.step_context import StepContext
-from vllm_omni.diffusion.timing import elapsed_since
+from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
+from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.models.flux.transformer import FluxTransformer2DModel
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.data import OmniDiffusionConfig
-    from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
 logger = init_logger(__name__)
 
@@ -63,8 +59,46 @@ def latent_image_ids(h2: int, w2: int) -> torch.Tensor:
     return ids.reshape(h2 * w2, 3)
 
 
-class FluxPipeline(nn.Module):
-    supports_request_batch: ClassVar[bool] = True
+@dataclass
+class FluxConditioning:
+    """What the transformer rows of one group are conditioned on besides latents and timestep.
+
+    Rows: one per latent row, then one per entry of `neg_rows` (the negative prompt of a true-CFG request's row).
+    """
+
+    embeds: torch.Tensor
+    pooled: torch.Tensor
+    neg_rows: torch.Tensor
+    """Latent rows that have a negative prompt (true CFG), in the order of their negative rows."""
+    true_cfg: float
+    lh: int
+    lw: int
+    """Latent grid (height, width) before packing."""
+    guidance: torch.Tensor | None = None
+    rotary_emb: Any = None
+    step_timesteps: torch.Tensor | None = None
+    """(steps, rows): each step's timestep per transformer row, as the step passes it."""
+    modulation: Any = None
+    """Every step's adaLN parameters, per transformer row (`FluxTransformer2DModel.step_modulation`)."""
+
+    def select(self, rows: torch.Tensor) -> FluxConditioning:
+        """Keeps latent rows `rows` and their negatives; the rotary embedding is shared by all rows."""
+        num_rows = self.embeds.shape[0] - len(self.neg_rows)
+        position = torch.full((num_rows,), -1, dtype=torch.long, device=rows.device)
+        position[rows] = torch.arange(len(rows), device=rows.device)
+        kept_neg = (position[self.neg_rows] >= 0).nonzero().flatten()
+        text_rows = torch.cat([rows, num_rows + kept_neg])
+        double, single, final = self.modulation
+        return replace(self, embeds=self.embeds.index_select(0, text_rows),
+                       pooled=self.pooled.index_select(0, text_rows),
+                       neg_rows=position[self.neg_rows.index_select(0, kept_neg)],
+                       guidance=None if self.guidance is None else self.guidance.index_select(0, text_rows),
+                       step_timesteps=self.step_timesteps.index_select(1, text_rows),
+                       modulation=(double.index_select(3, text_rows), single.index_select(2, text_rows),
+                                   final.index_select(1, text_rows)))
+
+
+class FluxPipeline(NativeDiffusionPipeline):
 
     def __init__(self, *, od_config: OmniDiffusionConfig, transformer: FluxTransformer2DModel, text_encoder,
                  text_encoder_2, tokenizer, tokenizer_2, vae, scheduler, device: torch.device, dtype: torch.dtype):
@@ -79,6 +113,7 @@ class FluxPipeline(nn.Module):
         self.tokenizer = tokenizer
         self.tokenizer_2 = tokenizer_2
         self.scheduler = scheduler
+        """Holds the checkpoint's scheduler config; each group of requests steps a fresh copy (`make_scheduler`)."""
         self.device = device
         self.dtype = dtype
         self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
@@ -104,8 +139,96 @@ class FluxPipeline(nn.Module):
                    tokenizer_2=AutoTokenizer.from_pretrained(model_dir / "tokenizer_2"), vae=vae,
                    scheduler=scheduler, device=device, dtype=dtype)
 
+    # ---- hooks of the denoise template ----------------------------------------------------------------------
+
+    def group_key(self, request: OmniDiffusionRequest) -> Any:
+        """Requests sharing every parameter but prompt, negative prompt and seed run in one forward."""
+        sp = request.sampling_params
+        return (sp.height, sp.width, sp.num_inference_steps, sp.guidance_scale, sp.true_cfg_scale,
+                sp.num_outputs_per_prompt, sp.output_type, sp.max_sequence_length)
+
+    def encode_prompt(self, requests: list[OmniDiffusionRequest]) -> FluxConditioning:
+        """Latent grid, then the prompts and (true CFG) the negatives of the requests that have one."""
+        sp = requests[0].sampling_params
+        n = sp.num_outputs_per_prompt
+        height = sp.height or 128 * self.vae_scale_factor
+        width = sp.width or 128 * self.vae_scale_factor
+        true_cfg = sp.true_cfg_scale or 1.0
+        cfg_requests = [i for i, r in enumerate(requests) if true_cfg > 1 and r.negative_prompt is not None]
+        prompts = [r.prompt_text for r in requests] + [requests[i].negative_prompt for i in cfg_requests]
+        embeds, pooled = self.encode_texts(prompts, sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH)
+        neg_rows = torch.tensor([i * n + j for i in cfg_requests for j in range(n)], device=self.device,
+                                dtype=torch.long)
+        # Latent grid: VAE downsampling, then rounded down to even so 2x2 patches tile it (as diffusers does).
+        return FluxConditioning(embeds.repeat_interleave(n, dim=0), pooled.repeat_interleave(n, dim=0), neg_rows,
+                                true_cfg, 2 * (height // (self.vae_scale_factor * 2)),
+                                2 * (width // (self.vae_scale_factor * 2)))
+
+    def prepare_latents(self, requests: list[OmniDiffusionRequest], conditioning: FluxConditioning
+                        ) -> torch.Tensor:
+        """Gaussian latents per request from a CPU generator, the way diffusers' randn_tensor draws them."""
+        n, lh, lw = requests[0].sampling_params.num_outputs_per_prompt, conditioning.lh, conditioning.lw
+        noise = []
+        for request in requests:
+            seed = request.sampling_params.seed
+            generator = torch.Generator(device="cpu").manual_seed(random.getrandbits(63) if seed is None else seed)
+            noise.append(torch.randn((n, self.latent_channels, lh, lw), generator=generator, dtype=self.dtype))
+        return pack_latents(torch.cat(noise).to(self.device))
+
+    def make_scheduler(self, requests: list[OmniDiffusionRequest], latents: torch.Tensor) -> Any:
+        """A fresh FlowMatchEulerDiscreteScheduler with diffusers' sigmas and resolution-dependent shift."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        steps = requests[0].sampling_params.num_inference_steps or DEFAULT_STEPS
+        cfg = self.scheduler.config
+        mu = calculate_shift(latents.shape[1], cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
+                             cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
+        sigmas = None if cfg.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(cfg)
+        scheduler.set_timesteps(steps, device=self.device, sigmas=sigmas, mu=mu)
+        scheduler.set_begin_index(0)
+        return scheduler
+
+    def prepare_step_tables(self, state: DenoiseState) -> None:
+        """Guidance, rotary embedding, and every step's adaLN parameters from the timesteps exactly as each step
+        passes them."""
+        cond = state.conditioning
+        rows = cond.embeds.shape[0]
+        if self.transformer.guidance_embeds:
+            guidance = state.requests[0].sampling_params.guidance_scale
+            guidance = DEFAULT_GUIDANCE if guidance is None else guidance
+            cond.guidance = torch.full((rows,), guidance, device=self.device, dtype=torch.float32)
+        txt_ids = torch.zeros(cond.embeds.shape[1], 3, device=self.device, dtype=self.dtype)
+        img_ids = latent_image_ids(cond.lh // 2, cond.lw // 2).to(self.device, self.dtype)
+        cond.rotary_emb = self.transformer.rotary_emb(txt_ids, img_ids)
+        cond.step_timesteps = state.timesteps[:, None].expand(-1, rows).to(state.latents.dtype) / 1000
+        cond.modulation = self.transformer.step_modulation(cond.step_timesteps, cond.guidance, cond.pooled,
+                                                           self.dtype)
+
+    def predict_noise(self, state: DenoiseState) -> torch.Tensor:
+        """Positive rows and the negatives of the CFG requests in one transformer forward."""
+        cond, latents, i = state.conditioning, state.latents, state.step_index
+        has_cfg = len(cond.neg_rows) > 0
+        model_in = torch.cat([latents, latents.index_select(0, cond.neg_rows)]) if has_cfg else latents
+        pred = self.transformer(model_in, cond.embeds, cond.pooled, cond.step_timesteps[i], guidance=cond.guidance,
+                                rotary_emb=cond.rotary_emb, modulation=self.transformer.step_slice(cond.modulation, i))
+        if not has_cfg:
+            return pred
+        pred, neg = pred[: latents.shape[0]], pred[latents.shape[0]:]
+        pos = pred.index_select(0, cond.neg_rows)
+        return pred.index_copy(0, cond.neg_rows, neg + cond.true_cfg * (pos - neg))
+
+    def decode(self, state: DenoiseState) -> list[Any]:
+        if state.requests[0].sampling_params.output_type == "latent":
+            return list(state.latents.cpu())
+        cond = state.conditioning
+        latents = unpack_latents(state.latents, cond.lh, cond.lw)
+        latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
+        image = self.vae.decode(latents, return_dict=False)[0]
+        return list(self.image_processor.postprocess(image, output_type=state.requests[0].sampling_params.output_type))
+
     @torch.inference_mode()
-    def encode_prompt(self, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_texts(self, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(T5 hidden states (B, L, D), pooled CLIP embedding (B, P)), both padded to fixed lengths."""
         clip_ids = self.tokenizer(prompts, padding="max_length", max_length=self.tokenizer.model_max_length,
                                   truncation=True, return_tensors="pt").input_ids
@@ -114,78 +237,3 @@ class FluxPipeline(nn.Module):
                                   return_tensors="pt").input_ids
         embeds = self.text_encoder_2(t5_ids.to(self.device), output_hidden_states=False)[0]
         return embeds.to(self.text_encoder_2.dtype), pooled.to(self.text_encoder.dtype)
-
-    @torch.inference_mode()
-    def forward(self, batch: DiffusionRequestBatch, ctx: StepContext | None = None) -> list[DiffusionOutput]:
-        sp = batch.sampling_params
-        n = sp.num_outputs_per_prompt
-        height = sp.height or 128 * self.vae_scale_factor
-        width = sp.width or 128 * self.vae_scale_factor
-        # Latent grid: VAE downsampling, then rounded down to even so 2x2 patches tile it (as diffusers does).
-        lh = 2 * (height // (self.vae_scale_factor * 2))
-        lw = 2 * (width // (self.vae_scale_factor * 2))
-        steps = sp.num_inference_steps or DEFAULT_STEPS
-        true_cfg = sp.true_cfg_scale or 1.0
-        cfg_rows = [i for i, r in enumerate(batch.requests) if true_cfg > 1 and r.negative_prompt is not None]
-        durations: dict[str, float] = {}
-
-        start = time.perf_counter()
-        prompts = [r.prompt_text for r in batch.requests] + [batch.requests[i].negative_prompt for i in cfg_rows]
-        embeds, pooled = self.encode_prompt(prompts, sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH)
-        embeds, pooled = embeds.repeat_interleave(n, dim=0), pooled.repeat_interleave(n, dim=0)
-        durations["text_encoder"] = elapsed_since(start, self.device)
-
-        start = time.perf_counter()
-        latents = torch.cat([self._initial_noise(r.sampling_params.seed, n, lh, lw) for r in batch.requests])
-        latents = pack_latents(latents.to(self.device))
-        neg_rows = torch.tensor([i * n + j for i in cfg_rows for j in range(n)], device=self.device, dtype=torch.long)
-        timesteps, sigmas = self._schedule(steps, latents.shape[1])
-        guidance = None
-        if self.transformer.guidance_embeds:
-            scale = DEFAULT_GUIDANCE if sp.guidance_scale is None else sp.guidance_scale
-            guidance = torch.full((embeds.shape[0],), scale, device=self.device, dtype=torch.float32)
-        txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype)
-        img_ids = latent_image_ids(lh // 2, lw // 2).to(self.device, self.dtype)
-        rope = self.transformer.rotary_emb(txt_ids, img_ids)
-        # Every step's adaLN parameters at once, from the timesteps exactly as each step passes them.
-        step_timesteps = timesteps[:, None].expand(-1, embeds.shape[0]).to(latents.dtype) / 1000
-        modulation = self.transformer.step_modulation(step_timesteps, guidance, pooled, self.dtype)
-        for i in tqdm(range(steps), disable=not self.od_config.enable_progress_bar, desc="denoise"):
-            model_in = torch.cat([latents, latents.index_select(0, neg_rows)]) if len(cfg_rows) else latents
-            pred = self.transformer(model_in, embeds, pooled, step_timesteps[i], guidance=guidance, rotary_emb=rope,
-                                    modulation=self.transformer.step_slice(modulation, i))
-            if len(cfg_rows):
-                pred, neg = pred[: latents.shape[0]], pred[latents.shape[0]:]
-                pos = pred.index_select(0, neg_rows)
-                pred = pred.index_copy(0, neg_rows, neg + true_cfg * (pos - neg))
-            # Flow-matching Euler step in float32, as FlowMatchEulerDiscreteScheduler.step does.
-            latents = (latents.float() + (sigmas[i + 1] - sigmas[i]) * pred).to(pred.dtype)
-        durations["denoise"] = elapsed_since(start, self.device)
-
-        start = time.perf_counter()
-        images = self._decode(latents, lh, lw, sp.output_type)
-        durations["vae_decode"] = elapsed_since(start, self.device)
-        return [DiffusionOutput(output=images[i * n:(i + 1) * n], stage_durations=dict(durations))
-                for i in range(len(batch))]
-
-    def _initial_noise(self, seed: int | None, n: int, lh: int, lw: int) -> torch.Tensor:
-        """Gaussian latents from a CPU generator, the way diffusers' randn_tensor draws them for one prompt."""
-        generator = torch.Generator(device="cpu").manual_seed(random.getrandbits(63) if seed is None else seed)
-        return torch.randn((n, self.latent_channels, lh, lw), generator=generator, dtype=self.dtype)
-
-    def _schedule(self, steps: int, image_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.scheduler.config
-        mu = calculate_shift(image_seq_len, cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096),
-                             cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15))
-        sigmas = None if cfg.get("use_flow_sigmas") else np.linspace(1.0, 1 / steps, steps)
-        self.scheduler.set_timesteps(steps, device=self.device, sigmas=sigmas, mu=mu)
-        return self.scheduler.timesteps, self.scheduler.sigmas
-
-    def _decode(self, latents: torch.Tensor, lh: int, lw: int, output_type: str) -> list[Any]:
-        if output_type == "latent":
-            return list(latents.cpu())
-        latents = unpack_latents(latents, lh, lw)
-        latents = latents / self.vae.config.scaling_factor + self.vae.config.shift_factor
-        image = self.vae.decode(latents, return_dict=False)[0]
-        out = self.image_processor.postprocess(image, output_type=output_type)
-        return list(out)
