@@ -41,6 +41,7 @@ def build_transformers(config: dict, device: torch.device, dtype: torch.dtype):
     from diffusers import WanTransformer3DModel as Reference
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    from vllm_omni.diffusion.model_loader.components import keep_in_fp32_modules
     from vllm_omni.diffusion.model_loader.weight_utils import process_weights_after_loading
     from vllm_omni.models.wan.transformer import WanTransformer3DModel, WanTransformerConfig
 
@@ -54,7 +55,7 @@ def build_transformers(config: dict, device: torch.device, dtype: torch.dtype):
         ours = WanTransformer3DModel(WanTransformerConfig(**config))
     ours.load_weights(reference.state_dict().items())
     process_weights_after_loading(ours)
-    ours.keep_fp32_modules()
+    keep_in_fp32_modules(ours)
     return reference, ours.to(device).eval()
 
 

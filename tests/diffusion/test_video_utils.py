@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_omni.diffusion.video_utils import decode_mp4, encode_mp4, iter_wan_vae_decode, to_uint8_frames
+from vllm_omni.diffusion.video_utils import (
+    STREAMED_FRAMES,
+    decode_mp4,
+    encode_mp4,
+    iter_wan_vae_decode,
+    join_streamed_video,
+    to_uint8_frames,
+)
 
 
 def _frames(t: int, h: int, w: int) -> np.ndarray:
@@ -69,3 +76,16 @@ def test_fragmented_writer_streams_one_playable_mp4():
     assert init and not fragments  # the first chunk's fragment is still open: only the init segment so far
     frames = decode_mp4(b"".join(pieces))
     assert frames.shape == clip.shape and np.abs(frames.astype(int) - clip).max() <= 3
+
+
+def test_streamed_video_is_joined_from_its_chunks_or_fails_when_one_is_missing():
+    clip = _frames(9, 4, 6)
+    chunks = [clip[:1], clip[1:5], clip[5:]]
+    joined = join_streamed_video({STREAMED_FRAMES: 9, "fps": 16}, chunks)
+    assert joined.keys() == {"video", "fps"} and np.array_equal(joined["video"], clip)
+    rows = [np.stack([c, c]) for c in chunks]  # num_outputs_per_prompt > 1: (n, t, H, W, 3) chunks
+    assert np.array_equal(join_streamed_video({STREAMED_FRAMES: 9}, rows)["video"], np.stack([clip, clip]))
+    plain = {"video": clip, "fps": 16}
+    assert join_streamed_video(plain, []) is plain
+    with pytest.raises(RuntimeError, match="5 of its 9 frames"):
+        join_streamed_video({STREAMED_FRAMES: 9}, chunks[:2])

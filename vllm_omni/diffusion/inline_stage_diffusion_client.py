@@ -2,7 +2,8 @@
 
 The engine's workers are separate processes; only the scheduler lives here, so no extra IPC hop is needed
 for a one-stage diffusion pipeline. A request whose params set `stream_partial_outputs` also yields its
-partials (denoise progress, decoded video chunks) as unfinished outputs before the final one.
+partials (denoise progress, decoded video chunks) as unfinished outputs before the final one; a streamed clip
+crosses the worker boundary once, as its chunks, and its final output is joined from them here.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, join_streamed_video
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.errors import EngineDeadError, client_error_from_metadata
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
@@ -82,10 +84,13 @@ class InlineStageDiffusionClient(StageClientBase):
         partials = _PartialStream(asyncio.get_running_loop()) if params.stream_partial_outputs else None
         future = await self.add_request_async(request_id, prompt, params,
                                               on_partial=None if partials is None else partials.put_threadsafe)
+        chunks: list[Any] = []
         if partials is not None:
             # The future completes after the engine handed over the last partial, so this ends the stream last.
             future.add_done_callback(lambda _: partials.close())
             async for partial in partials:
+                if partial.kind == "video_chunk":
+                    chunks.append(partial.data["video"])
                 yield self._partial_output(request_id, partial)
         try:
             result = await future
@@ -95,6 +100,8 @@ class InlineStageDiffusionClient(StageClientBase):
         if result.error is not None:
             raise client_error_from_metadata(result.error, status_code=result.error_status_code,
                                              error_type=result.error_type)
+        if isinstance(result.output, dict) and STREAMED_FRAMES in result.output:
+            result.output = await asyncio.to_thread(join_streamed_video, result.output, chunks)
         yield self._to_output(request_id, result, time.perf_counter() - start)
 
     def _partial_output(self, request_id: str, partial: Any) -> OmniRequestOutput:

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan
 
 DEFAULT_CODEC = "libx264"
+STREAMED_FRAMES = "streamed_frames"
+"""Key of a final video output whose frames were all sent before it as "video_chunk" partials: the clip
+crosses the worker boundary once, and the engine side joins the chunks back (`join_streamed_video`)."""
 
 
 def iter_wan_vae_decode(vae: AutoencoderKLWan, latents: torch.Tensor, chunk_latent_frames: int = 1
@@ -51,6 +54,20 @@ def iter_wan_vae_decode(vae: AutoencoderKLWan, latents: torch.Tensor, chunk_late
             yield out.clamp(-1.0, 1.0)
     finally:
         vae.clear_cache()
+
+
+def join_streamed_video(output: dict[str, Any], chunks: list[np.ndarray]) -> dict[str, Any]:
+    """`output` with its "video" rebuilt from the request's chunks (frame axis: (T, H, W, 3) or (n, T, H, W, 3))
+    when the pipeline streamed them instead of sending the clip again; any other output unchanged."""
+    num_frames = output.get(STREAMED_FRAMES)
+    if num_frames is None:
+        return output
+    video = np.concatenate(chunks, axis=chunks[0].ndim - 4) if chunks else None
+    if video is None or video.shape[-4] != num_frames:
+        got = 0 if video is None else video.shape[-4]
+        raise RuntimeError(f"the streamed video has {got} of its {num_frames} frames (a chunk was lost)")
+    joined = {k: v for k, v in output.items() if k != STREAMED_FRAMES}
+    return {**joined, "video": video}
 
 
 def to_uint8_frames(video: torch.Tensor) -> np.ndarray:

@@ -6,12 +6,7 @@ import pytest
 import torch
 
 from vllm_omni.diffusion.attention.layer import Attention
-from vllm_omni.diffusion.attention.selector import (
-    DiffusionAttentionConfig,
-    get_attn_backend,
-    load_backend,
-    set_current_attention_config,
-)
+from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig, get_attn_backend, load_backend
 
 
 def _naive(q, k, v, mask=None, scale=None, causal=False):
@@ -36,7 +31,7 @@ def _qkv(b=2, s=7, h=4, d=32, kv_heads=None, s_kv=None):
 
 def test_sdpa_matches_naive_reference():
     q, k, v = _qkv()
-    attn = Attention(4, 32, backend="TORCH_SDPA")
+    attn = Attention(4, 32, attn_config=DiffusionAttentionConfig("TORCH_SDPA"))
     out = attn(q, k, v)
     assert out.shape == q.shape
     torch.testing.assert_close(out, _naive(q, k, v), atol=1e-5, rtol=1e-5)
@@ -63,7 +58,7 @@ def test_gqa_scale_and_causal():
         Attention(4, 32, num_kv_heads=3, prefix="blocks.0.attn")
 
 
-def test_selection_by_env_and_current_config(monkeypatch):
+def test_selection_by_env_and_passed_config(monkeypatch):
     monkeypatch.delenv("DIFFUSION_ATTENTION_BACKEND", raising=False)
     assert get_attn_backend().get_name() == "TORCH_SDPA"
     monkeypatch.setenv("DIFFUSION_ATTENTION_BACKEND", "torch_sdpa")
@@ -71,9 +66,8 @@ def test_selection_by_env_and_current_config(monkeypatch):
     monkeypatch.setenv("DIFFUSION_ATTENTION_BACKEND", "NOPE")
     with pytest.raises(ValueError, match="unknown diffusion attention backend 'NOPE'"):
         Attention(2, 32)
-    # The config current at build time wins over the env var.
-    with set_current_attention_config(DiffusionAttentionConfig(backend="TORCH_SDPA")):
-        assert Attention(2, 32).attn_backend.get_name() == "TORCH_SDPA"
+    # The config passed at build time wins over the env var.
+    assert Attention(2, 32, attn_config=DiffusionAttentionConfig("TORCH_SDPA")).attn_backend.get_name() == "TORCH_SDPA"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error messages")
@@ -83,7 +77,7 @@ def test_selection_by_env_and_current_config(monkeypatch):
 )
 def test_unavailable_backend_names_what_is_missing(name, needle):
     with pytest.raises(RuntimeError, match=f"{name} is not available: .*{needle}"):
-        Attention(2, 32, backend=name)
+        Attention(2, 32, attn_config=DiffusionAttentionConfig(name))
 
 
 def test_capability_flags():
@@ -107,6 +101,6 @@ def test_cuda_backend_matches_naive_reference(name, masked):
     if masked:
         mask = torch.ones(2, 56, dtype=torch.bool, device="cuda")
         mask[0, 30:] = False
-    out = Attention(4, 64, backend=name)(q, k, v, attn_mask=mask)
+    out = Attention(4, 64, attn_config=DiffusionAttentionConfig(name))(q, k, v, attn_mask=mask)
     ref = _naive(q.float(), k.float(), v.float(), mask)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

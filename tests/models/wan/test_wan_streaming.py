@@ -2,7 +2,8 @@
 
 Pins: with `stream_partial_outputs`, the request yields denoise progress up to the last step and then every
 decoded temporal chunk (1 frame, then 4 per latent frame) before its final output, and the chunks concatenate
-to exactly the final clip; without it, only the final output comes.
+to exactly the final clip; without it, only the final output comes. A streamed clip crosses the worker -> engine
+boundary once: its frames come as chunks and the worker's final output carries none of them again.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 
 import numpy as np
 
+from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, join_streamed_video
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
 
 PARAMS = {"height": 32, "width": 48, "num_frames": 13, "num_inference_steps": 3, "seed": 0}
@@ -51,3 +53,26 @@ def test_async_omni_streams_progress_and_chunks_that_make_the_clip():
     assert np.array_equal(np.concatenate([c["video_chunk"] for c in chunks]), video)
     assert [out.finished for out in plain] == [True]
     assert np.array_equal(np.asarray(plain[0].multimodal_output["video"]), video)
+
+
+def test_a_streamed_clip_crosses_the_worker_boundary_once(wan21_t2v_dir):
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
+    from vllm_omni.diffusion.request import OmniDiffusionRequest
+
+    engine = DiffusionEngine(OmniDiffusionConfig(model=str(wan21_t2v_dir)))
+    try:
+        partials = []  # appended on the engine's result thread, all before the future resolves
+        streamed = engine.submit(OmniDiffusionRequest("A red car.", SP(**PARAMS, stream_partial_outputs=True), "s"),
+                                 on_partial=partials.append).result(timeout=120)
+        plain = engine.submit(OmniDiffusionRequest("A red car.", SP(**PARAMS), "p")).result(timeout=120)
+    finally:
+        engine.close()
+    assert streamed.error is None and plain.error is None
+    chunks = [p.data["video"] for p in partials if p.kind == "video_chunk"]
+    clip = plain.output["video"]
+    # What crossed for the streamed request: every frame once, in chunks, and no frame in its final output.
+    assert sum(c.shape[0] for c in chunks) == PARAMS["num_frames"] == clip.shape[0]
+    assert sum(c.nbytes for c in chunks) == clip.nbytes
+    assert "video" not in streamed.output and streamed.output == {STREAMED_FRAMES: PARAMS["num_frames"], "fps": 16}
+    assert np.array_equal(join_streamed_video(streamed.output, chunks)["video"], clip)

@@ -5,14 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_omni.diffusion.attention.selector import get_attn_backend, get_current_attention_config
+from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig, get_attn_backend
 
 
 class Attention(nn.Module):
     """Multi-head attention over (batch, seq, heads, head_dim) tensors.
 
     `attn_mask` is a boolean key-padding mask (batch, seq_kv), True = attend. Grouped-query attention is
-    used when `num_kv_heads` < `num_heads`. `backend` overrides the current attention config for this layer.
+    used when `num_kv_heads` < `num_heads`. `attn_config` is the stage's attention config, passed down by the
+    model that owns the layer (None: env / platform default, for a layer used on its own).
     """
 
     def __init__(
@@ -24,7 +25,7 @@ class Attention(nn.Module):
         softmax_scale: float | None = None,
         causal: bool = False,
         prefix: str = "",
-        backend: str | None = None,
+        attn_config: DiffusionAttentionConfig | None = None,
     ) -> None:
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -37,10 +38,10 @@ class Attention(nn.Module):
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
         self.causal = causal
         self.prefix = prefix
-        config = get_current_attention_config()
-        self.attn_backend = get_attn_backend(backend)
+        attn_config = attn_config or DiffusionAttentionConfig()
+        self.attn_backend = get_attn_backend(attn_config.backend)
         self.impl = self.attn_backend.get_impl_cls()(
-            num_heads, head_dim, num_kv_heads, self.softmax_scale, causal, deterministic=config.fa_deterministic
+            num_heads, head_dim, num_kv_heads, self.softmax_scale, causal, deterministic=attn_config.fa_deterministic
         )
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

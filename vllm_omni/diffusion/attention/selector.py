@@ -1,7 +1,8 @@
 """Picks the attention backend for the layers of a model being built.
 
-Resolution order: an explicit name, then the backend of the attention config current while the model is
-built (the pipeline sets it from `OmniDiffusionConfig.diffusion_attention_backend`), then env
+The stage's choice travels as a `DiffusionAttentionConfig` constructor argument from the component loader down
+to every `Attention` layer (as vLLM passes `prefix`), never through a module global. Resolution order: the
+config's backend name (from `OmniDiffusionConfig.diffusion_attention_backend`), then env
 `DIFFUSION_ATTENTION_BACKEND`, then the platform default: on Hopper and newer GPUs CUDNN_ATTN, else FLASH_ATTN
 when installed, else TORCH_SDPA (always TORCH_SDPA on CPU).
 The choice is made once per layer at construction, never swapped while requests run.
@@ -11,15 +12,18 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_omni.diffusion.attention.backends.abstract import AttentionBackend
 
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+
 ENV_VAR = "DIFFUSION_ATTENTION_BACKEND"
+FLAG = "--diffusion-attention-backend"
 _BACKENDS: dict[str, str] = {
     "TORCH_SDPA": "vllm_omni.diffusion.attention.backends.sdpa:TorchSDPABackend",
     "CUDNN_ATTN": "vllm_omni.diffusion.attention.backends.cudnn:CudnnAttentionBackend",
@@ -30,26 +34,19 @@ _BACKENDS: dict[str, str] = {
 
 @dataclass(frozen=True)
 class DiffusionAttentionConfig:
+    """The stage's attention settings, handed to every attention layer of a model when it is built."""
+
     backend: str | None = None
+    """Backend name; None falls back to env `DIFFUSION_ATTENTION_BACKEND`, then the platform default."""
     fa_deterministic: bool = False
+    """Deterministic FlashAttention kernels (slower), for reproducible accuracy runs."""
 
-
-_current = DiffusionAttentionConfig()
-
-
-@contextmanager
-def set_current_attention_config(config: DiffusionAttentionConfig) -> Iterator[None]:
-    """Scope in which newly built `Attention` layers use `config` (like vLLM's set_current_vllm_config)."""
-    global _current
-    previous, _current = _current, config
-    try:
-        yield
-    finally:
-        _current = previous
-
-
-def get_current_attention_config() -> DiffusionAttentionConfig:
-    return _current
+    @classmethod
+    def from_od_config(cls, od_config: OmniDiffusionConfig) -> DiffusionAttentionConfig:
+        """The stage's settings with the backend resolved now: a name that is unknown or cannot run here fails
+        at load, naming the flag, rather than at the first request."""
+        backend = get_attn_backend(od_config.diffusion_attention_backend)
+        return cls(backend=backend.get_name(), fa_deterministic=od_config.fa_deterministic)
 
 
 def available_backends() -> list[str]:
@@ -60,7 +57,8 @@ def load_backend(name: str) -> type[AttentionBackend]:
     """The backend class registered under `name` (case-insensitive), without checking availability."""
     key = name.strip().upper()
     if key not in _BACKENDS:
-        raise ValueError(f"unknown diffusion attention backend {name!r}; choose one of {list(_BACKENDS)}")
+        raise ValueError(f"unknown diffusion attention backend {name!r} ({FLAG} / {ENV_VAR}); "
+                         f"choose one of {list(_BACKENDS)}")
     module, cls = _BACKENDS[key].split(":")
     return getattr(importlib.import_module(module), cls)
 
@@ -79,7 +77,6 @@ def _default() -> str:
 
 def get_attn_backend(name: str | None = None) -> type[AttentionBackend]:
     """The backend class for `name` (see module doc for None); raises if it cannot run here."""
-    name = name or _current.backend or os.environ.get(ENV_VAR) or _default()
-    backend = load_backend(name)
+    backend = load_backend(name or os.environ.get(ENV_VAR) or _default())
     backend.check_available()
     return backend

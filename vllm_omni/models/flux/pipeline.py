@@ -16,12 +16,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from vllm.logger import init_logger
-from vllm.utils.torch_utils import set_default_torch_dtype
 
-from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig, set_current_attention_config
-from vllm_omni.diffusion.layers.compile import accelerate_if_requested
-from vllm_omni.diffusion.model_loader.diffusers_loader import read_component_config
-from vllm_omni.diffusion.model_loader.dummy import load_native_weights, load_pretrained
+from vllm_omni.diffusion.model_loader.components import load_native_transformer
+from vllm_omni.diffusion.model_loader.dummy import load_pretrained
 from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.models.flux.transformer import FluxTransformer2DModel
@@ -130,13 +127,8 @@ class FluxPipeline(NativeDiffusionPipeline):
         from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
 
         model_dir = Path(model_dir)
-        config = read_component_config(model_dir, "transformer")
-        attn_config = DiffusionAttentionConfig(od_config.diffusion_attention_backend, od_config.fa_deterministic)
-        with set_current_attention_config(attn_config), set_default_torch_dtype(dtype), torch.device(device):
-            transformer = FluxTransformer2DModel.from_config(config)
-        load_native_weights(transformer, model_dir, "transformer", od_config.load_format)
-        transformer.eval()
-        accelerate_if_requested(transformer, od_config, device)
+        transformer = load_native_transformer(FluxTransformer2DModel, model_dir, "transformer", od_config, device,
+                                              dtype)
         load = functools.partial(load_pretrained, device=device, dtype=dtype, load_format=od_config.load_format)
         text_encoder = load(CLIPTextModel, model_dir / "text_encoder")
         text_encoder_2 = load(T5EncoderModel, model_dir / "text_encoder_2")

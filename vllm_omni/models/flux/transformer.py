@@ -21,6 +21,7 @@ from vllm.model_executor.layers.linear import (
 )
 
 from vllm_omni.diffusion.attention.layer import Attention
+from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.layers.embeddings import MLPEmbedder, timestep_sinusoid
 from vllm_omni.diffusion.layers.gelu_linear import linear_gelu_tanh
 from vllm_omni.diffusion.layers.modulation import AdaLNModulation, gated_residual, layer_norm_modulate
@@ -66,7 +67,8 @@ class FluxFeedForward(nn.Module):
 class FluxJointAttention(nn.Module):
     """Joint text+image attention of a double-stream block (each stream has its own projections)."""
 
-    def __init__(self, dim: int, num_heads: int, head_dim: int, prefix: str):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, prefix: str,
+                 attn_config: DiffusionAttentionConfig | None = None):
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
         self.head_dim = head_dim
@@ -79,7 +81,7 @@ class FluxJointAttention(nn.Module):
         self.norm_added_k = nn.RMSNorm(head_dim, eps=1e-6)
         self.to_out = RowParallelLinear(num_heads * head_dim, dim, bias=True, prefix=f"{prefix}.to_out")
         self.to_add_out = RowParallelLinear(num_heads * head_dim, dim, bias=True, prefix=f"{prefix}.to_add_out")
-        self.attn = Attention(num_heads // tp, head_dim, prefix=f"{prefix}.attn")
+        self.attn = Attention(num_heads // tp, head_dim, prefix=f"{prefix}.attn", attn_config=attn_config)
 
     def forward(self, x: torch.Tensor, ctx: torch.Tensor, rope: RotaryEmb) -> tuple[torch.Tensor, torch.Tensor]:
         txt_len = ctx.shape[1]
@@ -97,11 +99,12 @@ class FluxJointAttention(nn.Module):
 class FluxTransformerBlock(nn.Module):
     """Double-stream block: separate adaLN/MLP weights per stream, one joint attention."""
 
-    def __init__(self, dim: int, num_heads: int, head_dim: int, prefix: str):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, prefix: str,
+                 attn_config: DiffusionAttentionConfig | None = None):
         super().__init__()
         self.norm1 = AdaLNModulation(dim, 6)
         self.norm1_context = AdaLNModulation(dim, 6)
-        self.attn = FluxJointAttention(dim, num_heads, head_dim, prefix=f"{prefix}.attn")
+        self.attn = FluxJointAttention(dim, num_heads, head_dim, prefix=f"{prefix}.attn", attn_config=attn_config)
         self.ff = FluxFeedForward(dim, 4 * dim, prefix=f"{prefix}.ff")
         self.ff_context = FluxFeedForward(dim, 4 * dim, prefix=f"{prefix}.ff_context")
 
@@ -122,17 +125,18 @@ class FluxTransformerBlock(nn.Module):
 class FluxSingleAttention(nn.Module):
     """Holds the per-head q/k norms and the attention op of a single-stream block (names as in diffusers)."""
 
-    def __init__(self, num_heads: int, head_dim: int, prefix: str):
+    def __init__(self, num_heads: int, head_dim: int, prefix: str, attn_config: DiffusionAttentionConfig | None = None):
         super().__init__()
         self.norm_q = nn.RMSNorm(head_dim, eps=1e-6)
         self.norm_k = nn.RMSNorm(head_dim, eps=1e-6)
-        self.attn = Attention(num_heads, head_dim, prefix=f"{prefix}.attn")
+        self.attn = Attention(num_heads, head_dim, prefix=f"{prefix}.attn", attn_config=attn_config)
 
 
 class FluxSingleTransformerBlock(nn.Module):
     """Single-stream block on the joined sequence: attention and MLP run in parallel off one modulated input."""
 
-    def __init__(self, dim: int, num_heads: int, head_dim: int, mlp_ratio: float, prefix: str):
+    def __init__(self, dim: int, num_heads: int, head_dim: int, mlp_ratio: float, prefix: str,
+                 attn_config: DiffusionAttentionConfig | None = None):
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
         self.head_dim = head_dim
@@ -143,7 +147,7 @@ class FluxSingleTransformerBlock(nn.Module):
         self.to_qkv_mlp = MergedColumnParallelLinear(
             dim, [inner, inner, inner, self.mlp_dim], bias=True, prefix=f"{prefix}.to_qkv_mlp"
         )
-        self.attn = FluxSingleAttention(num_heads // tp, head_dim, prefix=f"{prefix}.attn")
+        self.attn = FluxSingleAttention(num_heads // tp, head_dim, prefix=f"{prefix}.attn", attn_config=attn_config)
         self.proj_out = RowParallelLinear(inner + self.mlp_dim, dim, bias=True, prefix=f"{prefix}.proj_out")
 
     def forward(self, x: torch.Tensor, modulation: torch.Tensor, rope: RotaryEmb) -> torch.Tensor:
@@ -177,6 +181,7 @@ class FluxTransformer2DModel(nn.Module):
         guidance_embeds: bool = False,
         axes_dims_rope: tuple[int, ...] = (16, 56, 56),
         prefix: str = "",
+        attn_config: DiffusionAttentionConfig | None = None,
     ):
         super().__init__()
         dim = num_attention_heads * attention_head_dim
@@ -187,12 +192,14 @@ class FluxTransformer2DModel(nn.Module):
         self.context_embedder = nn.Linear(joint_attention_dim, dim)
         self.x_embedder = nn.Linear(in_channels, dim)
         self.transformer_blocks = nn.ModuleList(
-            FluxTransformerBlock(dim, num_attention_heads, attention_head_dim, prefix=f"{prefix}transformer_blocks.{i}")
+            FluxTransformerBlock(dim, num_attention_heads, attention_head_dim, prefix=f"{prefix}transformer_blocks.{i}",
+                                 attn_config=attn_config)
             for i in range(num_layers)
         )
         self.single_transformer_blocks = nn.ModuleList(
             FluxSingleTransformerBlock(
-                dim, num_attention_heads, attention_head_dim, 4.0, prefix=f"{prefix}single_transformer_blocks.{i}"
+                dim, num_attention_heads, attention_head_dim, 4.0, prefix=f"{prefix}single_transformer_blocks.{i}",
+                attn_config=attn_config,
             )
             for i in range(num_single_layers)
         )
@@ -200,9 +207,11 @@ class FluxTransformer2DModel(nn.Module):
         self.proj_out = nn.Linear(dim, patch_size * patch_size * self.out_channels)
 
     @classmethod
-    def from_config(cls, config: dict) -> FluxTransformer2DModel:
-        keys = cls.__init__.__code__.co_varnames[1 : cls.__init__.__code__.co_argcount]
-        return cls(**{k: v for k, v in config.items() if k in keys and k != "prefix"})
+    def from_config(cls, config: dict, *, prefix: str = "",
+                    attn_config: DiffusionAttentionConfig | None = None) -> FluxTransformer2DModel:
+        """From the component's config.json contents (the `load_native_transformer` contract)."""
+        keys = set(cls.__init__.__code__.co_varnames[1 : cls.__init__.__code__.co_argcount]) - {"prefix", "attn_config"}
+        return cls(**{k: v for k, v in config.items() if k in keys}, prefix=prefix, attn_config=attn_config)
 
     def rotary_emb(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> RotaryEmb:
         """RoPE tables for the joined [text, image] sequence; callers may compute them once per request."""

@@ -9,29 +9,16 @@ from typing import Any
 
 import torch
 
-from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig, set_current_attention_config
 from vllm_omni.diffusion.data import OmniDiffusionConfig
-from vllm_omni.diffusion.layers.compile import accelerate_if_requested
-from vllm_omni.diffusion.model_loader.diffusers_loader import read_component_config
-from vllm_omni.diffusion.model_loader.dummy import load_native_weights, load_pretrained
-from vllm_omni.models.qwen_image.transformer import (
-    QwenImageTransformer2DModel,
-    QwenImageTransformerConfig,
-)
+from vllm_omni.diffusion.model_loader.components import load_native_transformer
+from vllm_omni.diffusion.model_loader.dummy import load_pretrained
+from vllm_omni.models.qwen_image.transformer import QwenImageTransformer2DModel
 
 
 def load_qwen_image_transformer(od_config: OmniDiffusionConfig, model_dir: Path, device: torch.device,
                                 dtype: torch.dtype) -> QwenImageTransformer2DModel:
     """Our MMDiT with the checkpoint's weights streamed in by name (every parameter must be filled), or dummy."""
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    config = QwenImageTransformerConfig.from_dict(read_component_config(model_dir, "transformer"))
-    attention = DiffusionAttentionConfig(od_config.diffusion_attention_backend, od_config.fa_deterministic)
-    with set_current_attention_config(attention), set_default_torch_dtype(dtype), device:
-        model = QwenImageTransformer2DModel(config=config)
-    load_native_weights(model, model_dir, "transformer", od_config.load_format)
-    accelerate_if_requested(model, od_config, device)
-    return model.eval()
+    return load_native_transformer(QwenImageTransformer2DModel, model_dir, "transformer", od_config, device, dtype)
 
 
 def load_qwen_image_components(od_config: OmniDiffusionConfig, model_dir: Path, device: torch.device,

@@ -24,6 +24,7 @@ from vllm.model_executor.layers.linear import (
 )
 
 from vllm_omni.diffusion.attention.layer import Attention
+from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.layers.gelu_linear import linear_gelu_tanh
 from vllm_omni.diffusion.layers.qk_norm_rope import qk_norm_rope
 from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
@@ -170,7 +171,8 @@ class QwenJointAttention(nn.Module):
     text-first masked attention on every real token.
     """
 
-    def __init__(self, dim: int, num_heads: int, head_dim: int, prefix: str) -> None:
+    def __init__(self, dim: int, num_heads: int, head_dim: int, prefix: str,
+                 attn_config: DiffusionAttentionConfig | None = None) -> None:
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
         self.num_heads = num_heads // tp
@@ -187,7 +189,7 @@ class QwenJointAttention(nn.Module):
                                                        prefix=f"{prefix}.to_out.0")])
         self.to_add_out = RowParallelLinear(num_heads * head_dim, dim, bias=True, return_bias=False,
                                             prefix=f"{prefix}.to_add_out")
-        self.attn = Attention(self.num_heads, head_dim, prefix=f"{prefix}.attn")
+        self.attn = Attention(self.num_heads, head_dim, prefix=f"{prefix}.attn", attn_config=attn_config)
 
     def forward(self, img: torch.Tensor, txt: torch.Tensor, txt_lengths: tuple[int, ...] | None,
                 rope: tuple[RopeTables, RopeTables]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,11 +251,12 @@ class _Modulation(nn.Module):
 
 
 class QwenImageTransformerBlock(nn.Module):
-    def __init__(self, dim: int, num_heads: int, head_dim: int, prefix: str) -> None:
+    def __init__(self, dim: int, num_heads: int, head_dim: int, prefix: str,
+                 attn_config: DiffusionAttentionConfig | None = None) -> None:
         super().__init__()
         self.img_mod = _Modulation(dim, prefix=f"{prefix}.img_mod.1")
         self.txt_mod = _Modulation(dim, prefix=f"{prefix}.txt_mod.1")
-        self.attn = QwenJointAttention(dim, num_heads, head_dim, prefix=f"{prefix}.attn")
+        self.attn = QwenJointAttention(dim, num_heads, head_dim, prefix=f"{prefix}.attn", attn_config=attn_config)
         self.img_mlp = FeedForward(dim, prefix=f"{prefix}.img_mlp")
         self.txt_mlp = FeedForward(dim, prefix=f"{prefix}.txt_mlp")
 
@@ -299,7 +302,8 @@ class QwenImageTransformer2DModel(nn.Module):
         (".add_qkv", ".add_q_proj", "q"), (".add_qkv", ".add_k_proj", "k"), (".add_qkv", ".add_v_proj", "v"),
     ]
 
-    def __init__(self, *, config: QwenImageTransformerConfig, prefix: str = "") -> None:
+    def __init__(self, *, config: QwenImageTransformerConfig, prefix: str = "",
+                 attn_config: DiffusionAttentionConfig | None = None) -> None:
         super().__init__()
         self.config = config
         dim = config.inner_dim
@@ -312,12 +316,18 @@ class QwenImageTransformer2DModel(nn.Module):
                                        prefix="txt_in")
         self.transformer_blocks = nn.ModuleList([
             QwenImageTransformerBlock(dim, config.num_attention_heads, config.attention_head_dim,
-                                      prefix=f"transformer_blocks.{i}")
+                                      prefix=f"transformer_blocks.{i}", attn_config=attn_config)
             for i in range(config.num_layers)
         ])
         self.norm_out = _AdaNormOut(dim, prefix="norm_out")
         self.proj_out = ReplicatedLinear(dim, config.patch_size**2 * self.out_channels, bias=True,
                                          return_bias=False, prefix="proj_out")
+
+    @classmethod
+    def from_config(cls, config: dict, *, prefix: str = "",
+                    attn_config: DiffusionAttentionConfig | None = None) -> QwenImageTransformer2DModel:
+        """From the component's config.json contents (the `load_native_transformer` contract)."""
+        return cls(config=QwenImageTransformerConfig.from_dict(config), prefix=prefix, attn_config=attn_config)
 
     def forward(
         self,

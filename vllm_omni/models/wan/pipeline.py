@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -27,10 +27,9 @@ from tqdm.auto import tqdm
 from vllm.logger import init_logger
 
 from vllm_omni.diffusion.data import DiffusionOutput
-from vllm_omni.diffusion.layers.compile import accelerate_if_requested
 from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.timing import elapsed_since
-from vllm_omni.diffusion.video_utils import iter_wan_vae_decode, to_uint8_frames
+from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, iter_wan_vae_decode, to_uint8_frames
 from vllm_omni.errors import OmniClientError
 
 if TYPE_CHECKING:
@@ -76,21 +75,6 @@ class WanConditions:
     DiT sees the first frame's latents there and a timestep of 0 on its tokens."""
 
 
-def load_wan_transformer(model_dir: Path, subfolder: str, dtype: torch.dtype, device: torch.device,
-                         load_format: str) -> WanTransformer3DModel:
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    from vllm_omni.diffusion.model_loader.dummy import load_native_weights
-    from vllm_omni.models.wan.transformer import WanTransformer3DModel, WanTransformerConfig
-
-    config = WanTransformerConfig.from_json(model_dir / subfolder / "config.json")
-    with set_default_torch_dtype(dtype):
-        model = WanTransformer3DModel(config, prefix=f"{subfolder}.")
-    load_native_weights(model, model_dir, subfolder, load_format, dtype)
-    model.keep_fp32_modules()
-    return model.to(device).eval()
-
-
 class WanPipeline(nn.Module):
     """Text-to-video for Wan2.1 (one DiT) and Wan2.2 A14B (high/low-noise expert pair)."""
 
@@ -125,33 +109,36 @@ class WanPipeline(nn.Module):
 
         model_dir = Path(model_dir)
         index = json.loads((model_dir / "model_index.json").read_text())
-        components = cls._load_components(model_dir, index, device, dtype, od_config.load_format)
-        # Compiled blocks only: at video lengths the forward is GPU-bound, a CUDA graph adds nothing
-        # (H200, Wan2.1 1.3B, 33 frames: CFG step 425.6 ms eager, 276.0 compiled, 275.7 as a graph).
-        for name in ("transformer", "transformer_2"):
-            if components.get(name) is not None:
-                accelerate_if_requested(components[name], od_config, device, cuda_graphs=False)
+        components = cls._load_components(od_config, model_dir, index, device, dtype)
         logger.info("Loaded %s from %s (%s, %s)", cls.__name__, model_dir, device, dtype)
         return cls(od_config=od_config, device=device, dtype=dtype, **components)
 
     @classmethod
-    def _load_components(cls, model_dir: Path, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
-                         load_format: str) -> dict[str, Any]:
+    def _load_components(cls, od_config: OmniDiffusionConfig, model_dir: Path, index: dict[str, Any],
+                         device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
         import json
 
         from diffusers import AutoencoderKLWan
         from transformers import AutoTokenizer, UMT5EncoderModel
 
+        from vllm_omni.diffusion.model_loader.components import load_native_transformer
         from vllm_omni.diffusion.model_loader.dummy import load_pretrained
+        from vllm_omni.models.wan.transformer import WanTransformer3DModel
 
+        def load_dit(subfolder: str) -> WanTransformer3DModel:
+            # Compiled blocks only: at video lengths the forward is GPU-bound, a CUDA graph adds nothing
+            # (H200, Wan2.1 1.3B, 33 frames: CFG step 425.6 ms eager, 276.0 compiled, 275.7 as a graph).
+            return load_native_transformer(WanTransformer3DModel, model_dir, subfolder, od_config, device, dtype,
+                                           cuda_graphs=False)
+
+        load_format = od_config.load_format
         has_second = index.get("transformer_2") is not None and (model_dir / "transformer_2").is_dir()
         return dict(
             tokenizer=AutoTokenizer.from_pretrained(model_dir / "tokenizer"),
             text_encoder=load_pretrained(UMT5EncoderModel, model_dir / "text_encoder", device=device, dtype=dtype,
                                          load_format=load_format),
-            transformer=load_wan_transformer(model_dir, "transformer", dtype, device, load_format),
-            transformer_2=load_wan_transformer(model_dir, "transformer_2", dtype, device, load_format)
-            if has_second else None,
+            transformer=load_dit("transformer"),
+            transformer_2=load_dit("transformer_2") if has_second else None,
             # The VAE stays fp32 (as the Wan-AI examples load it): decode quality is sensitive, its cost is small.
             vae=load_pretrained(AutoencoderKLWan, model_dir / "vae", device=device, dtype=torch.float32,
                                 load_format=load_format),
@@ -238,15 +225,20 @@ class WanPipeline(nn.Module):
         durations["denoise"] = elapsed_since(start, self.device)
 
         fps = sp.fps or DEFAULT_FPS
+        streamed = {r.request_id for r in requests if r.sampling_params.stream_partial_outputs} \
+            if ctx.partials_enabled else set()
         start = time.perf_counter()
-        frames = self.decode(latents, ctx, requests if ctx.partials_enabled else (), per_prompt, fps)
+        frames = self.decode(latents, ctx, requests, streamed, per_prompt, fps)
         durations["vae_decode"] = elapsed_since(start, self.device)
 
         outputs = []
-        for i in range(len(requests)):
-            video = frames[i * per_prompt:(i + 1) * per_prompt]
-            outputs.append(DiffusionOutput(output={"video": video[0] if per_prompt == 1 else video, "fps": fps},
-                                           stage_durations=dict(durations)))
+        for i, request in enumerate(requests):
+            if request.request_id in streamed:  # its frames crossed as chunks; the engine side joins them
+                output = {STREAMED_FRAMES: geometry.num_frames, "fps": fps}
+            else:
+                video = frames[i * per_prompt:(i + 1) * per_prompt]
+                output = {"video": video[0] if per_prompt == 1 else video, "fps": fps}
+            outputs.append(DiffusionOutput(output=output, stage_durations=dict(durations)))
         return outputs
 
     # ---- stages --------------------------------------------------------------------------------------------
@@ -345,12 +337,12 @@ class WanPipeline(nn.Module):
         inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         return latents / inv_std + mean if inverse else (latents - mean) * inv_std
 
-    def decode(self, latents: torch.Tensor, ctx: StepContext, streamed: Sequence[OmniDiffusionRequest] = (),
-               per_prompt: int = 1, fps: int = DEFAULT_FPS) -> Any:
+    def decode(self, latents: torch.Tensor, ctx: StepContext, requests: Sequence[OmniDiffusionRequest] = (),
+               streamed: Set[str] = frozenset(), per_prompt: int = 1, fps: int = DEFAULT_FPS) -> Any:
         """Latents -> uint8 frames (rows, T, H, W, 3), decoded chunk by chunk through the causal VAE.
 
-        Each decoded chunk is also sent to the `streamed` requests' listeners (rows `per_prompt` per request,
-        shaped like the final output) as soon as it exists, so clients see the first frames early.
+        Each decoded chunk is also sent to the listeners of the `requests` (rows `per_prompt` each) whose ids are
+        in `streamed`, shaped like the final output, as soon as it exists, so clients see the first frames early.
         """
         latents = self.normalize_latents(latents.to(self.vae.dtype), inverse=True)
         chunks, frame_start = [], 0
@@ -358,7 +350,9 @@ class WanPipeline(nn.Module):
             chunks.append(chunk)
             if streamed:
                 frames = to_uint8_frames(chunk)
-                for i, request in enumerate(streamed):
+                for i, request in enumerate(requests):
+                    if request.request_id not in streamed:
+                        continue
                     video = frames[i * per_prompt:(i + 1) * per_prompt]
                     ctx.emit_partial(request.request_id, "video_chunk", {
                         "video": video[0] if per_prompt == 1 else video, "fps": fps, "frame_start": frame_start})

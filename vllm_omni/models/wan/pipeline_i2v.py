@@ -25,6 +25,7 @@ from vllm_omni.models.wan.pipeline import WanConditions, WanGeometry, WanPipelin
 if TYPE_CHECKING:
     from PIL import Image
 
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.diffusion.request import OmniDiffusionRequest
 
 
@@ -53,16 +54,16 @@ class WanImageToVideoPipeline(WanPipeline):
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_spatial)
 
     @classmethod
-    def _load_components(cls, model_dir: Path, index: dict[str, Any], device: torch.device, dtype: torch.dtype,
-                         load_format: str) -> dict[str, Any]:
-        components = super()._load_components(model_dir, index, device, dtype, load_format)
+    def _load_components(cls, od_config: OmniDiffusionConfig, model_dir: Path, index: dict[str, Any],
+                         device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+        components = super()._load_components(od_config, model_dir, index, device, dtype)
         if components["transformer"].config.image_dim is not None:
             from transformers import CLIPImageProcessor, CLIPVisionModel
 
             from vllm_omni.diffusion.model_loader.dummy import load_pretrained
 
             components["image_encoder"] = load_pretrained(CLIPVisionModel, model_dir / "image_encoder", device=device,
-                                                          dtype=torch.float32, load_format=load_format)
+                                                          dtype=torch.float32, load_format=od_config.load_format)
             components["image_processor"] = CLIPImageProcessor.from_pretrained(model_dir / "image_processor")
         return components
 

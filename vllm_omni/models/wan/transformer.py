@@ -32,6 +32,7 @@ from vllm.distributed import (
 from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 from vllm_omni.diffusion.attention.layer import Attention
+from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
 
 # diffusers name -> ours (substring replacements; diffusers keeps Dropout/activation slots in its ModuleLists).
@@ -83,10 +84,13 @@ class WanTransformerConfig:
         return self.num_attention_heads * self.attention_head_dim
 
     @classmethod
-    def from_json(cls, path: Path) -> WanTransformerConfig:
-        raw = json.loads(Path(path).read_text())
+    def from_dict(cls, raw: dict) -> WanTransformerConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in raw.items() if k in names})
+
+    @classmethod
+    def from_json(cls, path: Path) -> WanTransformerConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
 
 
 class _HeadShardedRMSNorm(nn.Module):
@@ -112,7 +116,7 @@ class WanAttention(nn.Module):
     """Self- or cross-attention; `added_kv_proj_dim` adds the I2V image-token branch."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, eps: float, *, added_kv_proj_dim: int | None = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", attn_config: DiffusionAttentionConfig | None = None) -> None:
         super().__init__()
         inner = num_heads * head_dim
         self.head_dim = head_dim
@@ -123,7 +127,7 @@ class WanAttention(nn.Module):
         self.norm_q = _HeadShardedRMSNorm(inner, eps)
         self.norm_k = _HeadShardedRMSNorm(inner, eps)
         self.num_local_heads = num_heads // get_tensor_model_parallel_world_size()
-        self.attn = Attention(self.num_local_heads, head_dim, prefix=f"{prefix}.attn")
+        self.attn = Attention(self.num_local_heads, head_dim, prefix=f"{prefix}.attn", attn_config=attn_config)
         self.add_k_proj = self.add_v_proj = self.norm_added_k = None
         if added_kv_proj_dim is not None:
             self.add_k_proj = ColumnParallelLinear(added_kv_proj_dim, inner, bias=True, gather_output=False,
@@ -203,13 +207,14 @@ class WanFeedForward(nn.Module):
 
 
 class WanTransformerBlock(nn.Module):
-    def __init__(self, config: WanTransformerConfig, prefix: str = "") -> None:
+    def __init__(self, config: WanTransformerConfig, prefix: str = "",
+                 attn_config: DiffusionAttentionConfig | None = None) -> None:
         super().__init__()
         dim, heads, head_dim, eps = config.inner_dim, config.num_attention_heads, config.attention_head_dim, config.eps
         self.norm1 = FP32LayerNorm(dim, eps, elementwise_affine=False)
-        self.attn1 = WanAttention(dim, heads, head_dim, eps, prefix=f"{prefix}.attn1")
+        self.attn1 = WanAttention(dim, heads, head_dim, eps, prefix=f"{prefix}.attn1", attn_config=attn_config)
         self.attn2 = WanAttention(dim, heads, head_dim, eps, added_kv_proj_dim=config.added_kv_proj_dim,
-                                  prefix=f"{prefix}.attn2")
+                                  prefix=f"{prefix}.attn2", attn_config=attn_config)
         self.norm2 = FP32LayerNorm(dim, eps, elementwise_affine=True) if config.cross_attn_norm else nn.Identity()
         self.ffn = WanFeedForward(dim, config.ffn_dim, prefix=f"{prefix}.ffn")
         self.norm3 = FP32LayerNorm(dim, eps, elementwise_affine=False)
@@ -267,8 +272,10 @@ class WanTransformer3DModel(nn.Module):
     _no_split_modules = ["WanTransformerBlock"]
     _repeated_blocks = ["WanTransformerBlock"]
     _keep_in_fp32_modules = ["time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"]
+    """Kept fp32 whatever the stage dtype (as diffusers keeps them): the modulation tables, time embedder, norms."""
 
-    def __init__(self, config: WanTransformerConfig, prefix: str = "") -> None:
+    def __init__(self, config: WanTransformerConfig, prefix: str = "",
+                 attn_config: DiffusionAttentionConfig | None = None) -> None:
         super().__init__()
         self.config = config
         dim = config.inner_dim
@@ -276,11 +283,17 @@ class WanTransformer3DModel(nn.Module):
         self.patch_embedding = nn.Conv3d(config.in_channels, dim, kernel_size=config.patch_size,
                                          stride=config.patch_size)
         self.condition_embedder = WanConditionEmbedder(config)
-        self.blocks = nn.ModuleList(WanTransformerBlock(config, prefix=f"{prefix}blocks.{i}")
+        self.blocks = nn.ModuleList(WanTransformerBlock(config, prefix=f"{prefix}blocks.{i}", attn_config=attn_config)
                                     for i in range(config.num_layers))
         self.norm_out = FP32LayerNorm(dim, config.eps, elementwise_affine=False)
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(config.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+
+    @classmethod
+    def from_config(cls, config: dict, *, prefix: str = "",
+                    attn_config: DiffusionAttentionConfig | None = None) -> WanTransformer3DModel:
+        """From the component's config.json contents (the `load_native_transformer` contract)."""
+        return cls(WanTransformerConfig.from_dict(config), prefix=prefix, attn_config=attn_config)
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 encoder_hidden_states_image: torch.Tensor | None = None) -> torch.Tensor:
@@ -299,15 +312,6 @@ class WanTransformer3DModel(nn.Module):
         x = self.proj_out((self.norm_out(x.float()) * (1 + scale) + shift).type_as(x))
         x = x.reshape(batch, frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1)
         return x.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
-
-    def keep_fp32_modules(self) -> None:
-        """Cast the modulation tables, time embedder and norms back to fp32 (as diffusers keeps them)."""
-        for name, module in self.named_modules():
-            if name.split(".")[-1] in self._keep_in_fp32_modules:
-                module.float()
-        for name, param in self.named_parameters():
-            if name.split(".")[-1] in self._keep_in_fp32_modules:
-                param.data = param.data.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load diffusers-named tensors (sharding TP slices); returns the names of the parameters filled."""

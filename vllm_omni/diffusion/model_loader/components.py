@@ -1,0 +1,57 @@
+"""The one way a native pipeline builds its own diffusion transformer from a checkpoint component.
+
+Qwen-Image, FLUX and Wan used to build their DiTs three ways, and the Wan way dropped the attention backend.
+`load_native_transformer` always applies every stage setting, in this order: dtype and device, the attention
+config (`--diffusion-attention-backend`, `--fa-deterministic`) as a constructor argument that the model hands to
+each of its attention layers, the weights (or dummy ones), fp32 islands, and acceleration.
+
+The model class provides `from_config(config: dict, *, prefix, attn_config)` (diffusers' constructor name),
+`load_weights` (vLLM's), and optionally `_keep_in_fp32_modules` (diffusers' convention).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+import torch
+from torch import nn
+
+from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
+from vllm_omni.diffusion.layers.compile import accelerate_if_requested
+from vllm_omni.diffusion.model_loader.diffusers_loader import read_component_config
+from vllm_omni.diffusion.model_loader.dummy import load_native_weights
+
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
+
+
+def load_native_transformer(cls: type[ModelT], model_dir: Path, subfolder: str, od_config: OmniDiffusionConfig,
+                            device: torch.device, dtype: torch.dtype, *, cuda_graphs: bool = True) -> ModelT:
+    """`model_dir/subfolder` as our `cls`, ready to serve; `cuda_graphs=False` keeps acceleration to compiled
+    blocks (for models whose forward is GPU-bound anyway)."""
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    attn_config = DiffusionAttentionConfig.from_od_config(od_config)
+    config = read_component_config(model_dir, subfolder)
+    with set_default_torch_dtype(dtype), torch.device(device):
+        model = cls.from_config(config, prefix=f"{subfolder}.", attn_config=attn_config)
+    load_native_weights(model, model_dir, subfolder, od_config.load_format, dtype)
+    keep_in_fp32_modules(model)
+    accelerate_if_requested(model, od_config, device, cuda_graphs=cuda_graphs)
+    return model.eval()
+
+
+def keep_in_fp32_modules(model: nn.Module) -> None:
+    """Cast the modules and parameters named in `model._keep_in_fp32_modules` (last name part) back to fp32."""
+    names = set(getattr(model, "_keep_in_fp32_modules", ()))
+    if not names:
+        return
+    for name, module in model.named_modules():
+        if name.split(".")[-1] in names:
+            module.float()
+    for name, param in model.named_parameters():
+        if name.split(".")[-1] in names:
+            param.data = param.data.float()
