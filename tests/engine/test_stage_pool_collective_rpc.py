@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
+from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.stage_pool import StagePool
 
 
 class Client:
     def __init__(self, stage_type: str) -> None:
-        self.stage_type = stage_type
+        self.kind = StageKind(stage_type)
         self.calls: list = []
         self.is_dead = False
 
@@ -60,7 +61,7 @@ async def test_diffusion_never_takes_engine_core_shortcut():
 
 
 async def test_unattached_replica():
-    pool = StagePool(3, [Client("llm"), None], "llm")
+    pool = StagePool(3, [Client("llm"), None], StageKind.AR)
     assert await pool.collective_rpc(1, "sleep") == {"supported": False,
                                                       "error": "stage 3 replica 1 is not attached"}
 

@@ -11,12 +11,13 @@ import asyncio
 
 import pytest
 
+from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.entrypoints.async_omni import AsyncOmni
 
 
 class RecordingEngine:
     def __init__(self, stage_types: list[str], fail: str | None = None) -> None:
-        self.stage_metadata = [{"stage_type": t, "final_output": True, "output_modality": "text",
+        self.stage_metadata = [{"stage_kind": StageKind(t), "final_output": True, "output_modality": "text",
                                 "default_sampling_params": None} for t in stage_types]
         self.calls: list[tuple[str, tuple, dict | None, list[int]]] = []
         self.fail = fail
@@ -170,3 +171,4 @@ async def test_rpc_error_is_raised_with_method_name():
     with pytest.raises(RuntimeError, match="sleep failed: boom"):
         await omni.sleep(level=1)
     assert omni._paused  # admission was closed before the RPC was awaited
+

@@ -11,10 +11,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.output_collectors import get_output_collector
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError
 from vllm_omni.logger import init_logger
+from vllm_omni.models.spec import Modality
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = init_logger(__name__)
@@ -25,7 +27,7 @@ _ENGINE_CORE_UTILITIES = frozenset({"reset_prefix_cache", "reset_mm_cache", "res
 
 
 class StageEngineCoreClient(StageClientBase):
-    stage_type = "llm"
+    kind = StageKind.AR
 
     def __init__(self, config, replica_id: int = 0) -> None:
         super().__init__(config, replica_id)
@@ -66,6 +68,14 @@ class StageEngineCoreClient(StageClientBase):
     @property
     def output_modality(self) -> str:
         return self.config.final_output_type or "text"
+
+    @property
+    def input_modalities(self) -> frozenset[Modality]:
+        """The family spec's declaration for a topology we define (e.g. Qwen3-Omni); text for any other LM."""
+        from vllm_omni.models.registry import MODEL_REGISTRY
+
+        spec = MODEL_REGISTRY.family_for(list(self.vllm_config.model_config.architectures))
+        return spec.input_modalities if spec is not None else frozenset({"text"})
 
     async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
         from vllm import SamplingParams

@@ -17,13 +17,14 @@ from typing import Any
 
 import numpy as np
 
+from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.errors import OmniClientError
 from vllm_omni.outputs import OmniRequestOutput
 
 
 class StageGenerationClient(StageClientBase):
-    stage_type = "generation"
+    kind = StageKind.GENERATION
 
     def __init__(self, config, replica_id: int = 0) -> None:
         super().__init__(config, replica_id)

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.messages import CuMemTag, ErrorMessage, OmniACK
 from vllm_omni.entrypoints.omni_base import OmniBase
 from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError
@@ -162,8 +163,9 @@ class AsyncOmni(OmniBase):
 
     def _split_stage_ids_by_type(self, stage_ids: list[int] | None = None) -> tuple[list[int], list[int]]:
         ids = self._validate_stage_ids(stage_ids)
-        types = self.stage_types
-        return [i for i in ids if types[i] != "diffusion"], [i for i in ids if types[i] == "diffusion"]
+        kinds = self.stage_kinds
+        diffusion = [i for i in ids if kinds[i] is StageKind.DIFFUSION]
+        return [i for i in ids if kinds[i] is not StageKind.DIFFUSION], diffusion
 
     async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                              kwargs: dict[str, Any] | None = None, stage_ids: list[int] | None = None) -> list[Any]:

@@ -90,7 +90,7 @@ class OmniOpenAIServingChat(OmniServingBase):
     @property
     def starts_with_ar(self) -> bool:
         """Whether stage 0 is an AR (text) model: chat template, tools and n > 1 apply to it."""
-        return bool(self.stage_types) and self.stage_types[0] == "llm"
+        return self.capabilities.starts_with_ar
 
     async def create_chat_completion(self, request: OmniChatCompletionRequest, raw_request: Request | None):
         self.check_model(request.model)
