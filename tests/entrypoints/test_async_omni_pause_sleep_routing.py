@@ -13,6 +13,7 @@ import pytest
 
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.entrypoints.async_omni import AsyncOmni
+from vllm_omni.errors import OmniClientError
 
 
 class RecordingEngine:
@@ -172,3 +173,14 @@ async def test_rpc_error_is_raised_with_method_name():
         await omni.sleep(level=1)
     assert omni._paused  # admission was closed before the RPC was awaited
 
+
+@pytest.mark.parametrize("call", ["sleep", "wake_up", "resume_generation", "pause_generation"])
+@pytest.mark.parametrize("stage_ids", [[9], [-1], [0, 2], [True]])
+async def test_bad_stage_ids_are_a_client_error_naming_stage_ids(call, stage_ids):
+    """Out of range (or not an int) is the caller's mistake: 400 naming `stage_ids`, and nothing is called;
+    wake_up checks even when every tag is already warm."""
+    omni = make(["llm", "diffusion"])
+    with pytest.raises(OmniClientError, match=r"Invalid stage_ids") as info:
+        await getattr(omni, call)(stage_ids=stage_ids)
+    assert info.value.param == "stage_ids" and info.value.status_code == 400
+    assert omni.engine.calls == [] and not omni._paused

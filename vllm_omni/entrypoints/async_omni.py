@@ -156,9 +156,9 @@ class AsyncOmni(OmniBase):
             raise ValueError("this engine has no stages")
         if stage_ids is None:
             return list(range(n))
-        bad = [s for s in stage_ids if not isinstance(s, int) or not 0 <= s < n]
+        bad = [s for s in stage_ids if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < n]
         if bad:
-            raise ValueError(f"Invalid stage_ids {bad}; valid range is 0..{n - 1}")
+            raise OmniClientError(f"Invalid stage_ids {bad}; valid range is 0..{n - 1}", param="stage_ids")
         return list(stage_ids)
 
     def _split_stage_ids_by_type(self, stage_ids: list[int] | None = None) -> tuple[list[int], list[int]]:
@@ -256,12 +256,12 @@ class AsyncOmni(OmniBase):
         return acks
 
     async def wake_up(self, stage_ids: list[int] | None = None, tags: list[str] | None = None) -> list[OmniACK]:
+        ar_ids, diffusion_ids = self._split_stage_ids_by_type(stage_ids)  # bad ids are an error even when warm
         requested = set(tags) if tags else set(ALL_TAGS)
         to_wake = requested & self._sleeping_tags
         if not to_wake:
             logger.info("Requested tags %s are already warm. Skipping wake_up.", sorted(requested))
             return []
-        ar_ids, diffusion_ids = self._split_stage_ids_by_type(stage_ids)
         acks: list[OmniACK] = []
         if ar_ids:
             await self._engine_core_rpc("wake_up", stage_ids=ar_ids, kwargs={"tags": sorted(to_wake)})
