@@ -1,5 +1,5 @@
 """StagePool control RPC: AR control methods go to vLLM's `<method>_async` helpers (with timeout); others
-and every diffusion method go through `collective_rpc_async`; unattached replicas answer a clear dict.
+and every diffusion method go through `collective_rpc_async`; unattached replicas answer a `StageRpcError`.
 """
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.engine.messages import StageRpcError
 from vllm_omni.engine.stage_pool import StagePool
 
 
@@ -50,7 +51,7 @@ async def test_other_method_goes_through_collective_rpc():
 async def test_control_helper_honours_timeout():
     pool = StagePool(0, [Client("llm")])
     result = await pool.collective_rpc(0, "sleep", timeout=0.01)
-    assert isinstance(result, dict) and result["supported"] is False and "timed out" in result["error"]
+    assert isinstance(result, StageRpcError) and result.reason == "timeout" and "timed out" in result.error
 
 
 async def test_diffusion_never_takes_engine_core_shortcut():
@@ -62,8 +63,8 @@ async def test_diffusion_never_takes_engine_core_shortcut():
 
 async def test_unattached_replica():
     pool = StagePool(3, [Client("llm"), None], StageKind.AR)
-    assert await pool.collective_rpc(1, "sleep") == {"supported": False,
-                                                      "error": "stage 3 replica 1 is not attached"}
+    assert await pool.collective_rpc(1, "sleep") == StageRpcError(
+        stage_id=3, replica_id=1, method="sleep", reason="not_attached", error="stage 3 replica 1 is not attached")
 
 
 async def test_dispatch_prefers_least_loaded_live_replica():

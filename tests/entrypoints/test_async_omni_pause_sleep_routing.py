@@ -12,6 +12,7 @@ import asyncio
 import pytest
 
 from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.engine.messages import AckMetadata, StageRpcError
 from vllm_omni.entrypoints.async_omni import AsyncOmni
 from vllm_omni.errors import OmniClientError
 
@@ -27,7 +28,8 @@ class RecordingEngine:
     async def collective_rpc_async(self, method, args=(), kwargs=None, stage_ids=None, timeout=None):
         self.calls.append((method, tuple(args), kwargs, list(stage_ids)))
         if method == self.fail:
-            return {sid: [{"supported": False, "error": "boom"}] for sid in stage_ids}
+            return {sid: [StageRpcError(stage_id=sid, replica_id=0, method=method, reason="failed", error="boom")]
+                    for sid in stage_ids}
         return {sid: [True] for sid in stage_ids}
 
 
@@ -101,7 +103,7 @@ async def test_mixed_sleep_then_wake_keeps_admission_closed_until_resume():
     omni = make(["llm", "diffusion"])
     acks = await omni.sleep(stage_ids=[0, 1], level=1, mode="abort")
     assert {a.stage_id for a in acks} == {0, 1}
-    assert next(a for a in acks if a.stage_id == 0).metadata["path"] == "engine_core"
+    assert next(a for a in acks if a.stage_id == 0).metadata.path == "engine_core"
     assert acks[0].task_id.startswith("engine_core-sleep-")
     assert ("sleep", (1, "abort"), None, [0]) in omni.engine.calls
     assert ("sleep", (1,), None, [1]) in omni.engine.calls  # worker-level sleep for the diffusion stage
@@ -184,3 +186,27 @@ async def test_bad_stage_ids_are_a_client_error_naming_stage_ids(call, stage_ids
         await getattr(omni, call)(stage_ids=stage_ids)
     assert info.value.param == "stage_ids" and info.value.status_code == 400
     assert omni.engine.calls == [] and not omni._paused
+
+
+async def test_generation_stage_is_skipped_by_control_calls():
+    """A GENERATION stage (Qwen3-Omni's Code2Wav) has no scheduler and no EngineCore memory: sleeping the
+    whole pipeline reaches its AR stages only, instead of failing on the vocoder."""
+    omni = make(["llm", "llm", "generation"])
+    acks = await omni.sleep(level=1)
+    assert [a.stage_id for a in acks] == [0, 1] and methods(omni) == [("sleep", [0, 1])]
+    await omni.wake_up()
+    await omni.pause_generation(clear_cache=False)
+    assert methods(omni)[1:] == [("wake_up", [0, 1]), ("pause_scheduler", [0, 1])]
+
+
+async def test_acks_are_typed_and_keep_their_json_shape():
+    import msgspec
+
+    omni = make(["llm", "diffusion"])
+    acks = await omni.sleep(level=1)
+    assert [a.metadata for a in acks] == [AckMetadata(path="engine_core", level=1, mode="abort"),
+                                          AckMetadata(path="worker", level=1)]
+    body = msgspec.to_builtins(acks)  # what /v1/omni/sleep answers
+    assert [b["metadata"] for b in body] == [{"path": "engine_core", "level": 1, "mode": "abort"},
+                                             {"path": "worker", "level": 1}]
+    assert {b["status"] for b in body} == {"SUCCESS"}

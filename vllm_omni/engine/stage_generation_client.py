@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.engine.messages import StageRpcError
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.errors import OmniClientError
 from vllm_omni.outputs import OmniRequestOutput
@@ -121,7 +122,8 @@ class StageGenerationClient(StageClientBase):
                                    kwargs: dict[str, Any] | None = None) -> Any:
         fn = getattr(self.model, method, None)
         if fn is None:
-            return {"supported": False, "error": f"{type(self.model).__name__} has no method {method!r}"}
+            return StageRpcError(stage_id=self.stage_id, replica_id=self.replica_id, method=method,
+                                 reason="unsupported", error=f"{type(self.model).__name__} has no method {method!r}")
         loop = asyncio.get_running_loop()
         return await asyncio.wait_for(loop.run_in_executor(self._executor, lambda: fn(*args, **(kwargs or {}))),
                                       timeout=timeout)
