@@ -5,9 +5,14 @@ and every diffusion method go through `collective_rpc_async`; unattached replica
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
+import pytest
+
+from vllm_omni.config.stage_config import VllmOmniARStageConfig
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.messages import StageRpcError
+from vllm_omni.engine.stage_engine_core_client import StageEngineCoreClient
 from vllm_omni.engine.stage_pool import StagePool
 
 
@@ -74,3 +79,22 @@ async def test_dispatch_prefers_least_loaded_live_replica():
     assert await pool._pick_replica() == 1
     b.is_dead = True
     assert await pool._pick_replica() == 0
+
+
+async def test_engine_core_utility_keywords_go_to_their_positions():
+    """EngineCore utilities take positional arguments: keywords are bound by the method's signature, not passed
+    in dict order (reset_connector=True used to land in reset_running_requests)."""
+    calls = []
+
+    class Core:
+        async def call_utility_async(self, method, *args):
+            calls.append((method, args))
+            return True
+
+    client = StageEngineCoreClient(VllmOmniARStageConfig(stage_id=0, model="m"))
+    client.llm = SimpleNamespace(engine_core=Core())
+    await client.collective_rpc_async("reset_prefix_cache", kwargs={"reset_connector": True})
+    await client.collective_rpc_async("reset_prefix_cache", args=(True,))
+    assert calls == [("reset_prefix_cache", (False, True)), ("reset_prefix_cache", (True,))]
+    with pytest.raises(TypeError):
+        await client.collective_rpc_async("reset_prefix_cache", kwargs={"bogus": 1})

@@ -7,6 +7,7 @@ detokenization and liveness monitoring are vLLM's; this class only adapts it to 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -137,7 +138,7 @@ class StageEngineCoreClient(StageClientBase):
                                    kwargs: dict[str, Any] | None = None) -> Any:
         core = self.llm.engine_core
         if method in _ENGINE_CORE_UTILITIES:
-            return await core.call_utility_async(method, *args, *(kwargs or {}).values())
+            return await core.call_utility_async(method, *_utility_args(method, args, kwargs))
         return await core.collective_rpc_async(method, timeout, tuple(args), kwargs)
 
     @property
@@ -147,3 +148,15 @@ class StageEngineCoreClient(StageClientBase):
     def shutdown(self) -> None:
         if self.llm is not None:
             self.llm.shutdown(timeout=10.0)
+
+
+def _utility_args(method: str, args: tuple, kwargs: dict[str, Any] | None) -> tuple:
+    """EngineCore utility calls carry positional arguments only: keywords go to their positions by the
+    method's signature (a bad name is a TypeError here, not a wrong value over there)."""
+    if not kwargs:
+        return tuple(args)
+    from vllm.v1.engine.core import EngineCore
+
+    bound = inspect.signature(getattr(EngineCore, method)).bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    return bound.args[1:]

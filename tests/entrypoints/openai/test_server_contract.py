@@ -299,6 +299,16 @@ def test_edits_need_the_edit_capability(parser, stage_types, inputs, outputs):
     assert err["param"] == "image" and engine.seen == []
 
 
+def test_chat_input_image_needs_a_model_that_takes_images(parser):
+    engine = FakeOmni(stage_types=["diffusion"], output_modalities={"image"})  # text-to-image
+    url = "data:image/png;base64," + base64.b64encode(png()).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    err = assert_error(make_client(parser, engine).post("/v1/chat/completions", json={"messages": messages}), 400,
+                       "does not take input images", "takes ['text'], makes ['image']")
+    assert err["param"] == "messages[0].content" and engine.seen == []
+
+
 def test_speech_needs_audio_output(dit):
     engine, client = dit
     seen = len(engine.seen)

@@ -265,6 +265,9 @@ class OmniOpenAIServingChat(OmniServingBase):
             raise OmniClientError(f"messages[{index}] has no text prompt", param=f"messages[{index}].content")
         if request.negative_prompt is not None:
             prompt["negative_prompt"] = request.negative_prompt
+        if images and not self.capabilities.accepts_image_input:
+            raise OmniClientError(f"`{self.model_name}` does not take input images: it "
+                                  f"{self.capabilities.describe()}", param=f"messages[{index}].content")
         if images:
             prompt["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
         return prompt
