@@ -26,6 +26,7 @@ import torch
 
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import VllmOmniARStageConfig
+from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.connectors.base import StagePayload
 from vllm_omni.connectors.shm_connector import SharedMemoryConnector
 from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
@@ -36,7 +37,7 @@ from vllm_omni.outputs import OmniRequestOutput
 class EchoStage(StageClientBase):
     """A stage with no model: returns its prompt as text at once."""
 
-    stage_type = "llm"
+    kind = StageKind.AR
 
     async def start(self) -> None:
         return None

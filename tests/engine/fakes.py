@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.outputs import OmniRequestOutput
 
 
@@ -15,6 +16,7 @@ class FakeStageClient:
                  delay: float = 0.0, chunks: int = 1, fail_with: BaseException | None = None) -> None:
         self.stage_id = stage_id
         self.stage_type = stage_type
+        self.kind = StageKind(stage_type)
         self.final_output = final_output
         self.replica_id = 0
         self.delay = delay

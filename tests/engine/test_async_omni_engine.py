@@ -10,14 +10,16 @@ import pytest
 
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import VllmOmniARStageConfig
+from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
+from vllm_omni.engine.capabilities import ModelCapabilities
 from vllm_omni.engine.messages import ErrorMessage
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.outputs import OmniRequestOutput
 
 
 class Echo(StageClientBase):
-    stage_type = "llm"
+    kind = StageKind.AR
     started: list[int] = []
     stopped: list[int] = []
 
@@ -56,6 +58,10 @@ def test_three_stages_run_and_shut_down_last_first():
     engine = AsyncOmniEngine(config(), stage_client_factory=Echo)
     try:
         assert [m["stage_type"] for m in engine.stage_metadata] == ["llm"] * 3 and not engine.is_dead
+        # Only stage 0 takes the user's prompt; only stage 2 is final.
+        assert engine.capabilities == ModelCapabilities(stage_kinds=(StageKind.AR,) * 3,
+                                                        input_modalities=frozenset({"text"}),
+                                                        output_modalities=frozenset({"text"}))
         engine.add_request("r", "x", [None] * 3)
         out = engine.output_queue.sync_q.get(timeout=5)
         assert out.finished and out.text == "x>0>1>2"

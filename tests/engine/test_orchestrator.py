@@ -41,7 +41,7 @@ class Harness:
         self.outputs: queue.Queue = queue.Queue()
         self.rpc: queue.Queue = queue.Queue()
         self.clients = clients
-        pools = [StagePool(c.stage_id, [c], c.stage_type) for c in clients]
+        pools = [StagePool(c.stage_id, [c], c.kind) for c in clients]
         self.orch = Orchestrator(self.requests, self.outputs, self.rpc, pools, config, stage_modalities)
         self.task = asyncio.create_task(self.orch.run())
 

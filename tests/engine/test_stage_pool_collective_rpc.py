@@ -1,17 +1,24 @@
 """StagePool control RPC: AR control methods go to vLLM's `<method>_async` helpers (with timeout); others
-and every diffusion method go through `collective_rpc_async`; unattached replicas answer a clear dict.
+and every diffusion method go through `collective_rpc_async`; unattached replicas answer a `StageRpcError`.
 """
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
+import pytest
+
+from vllm_omni.config.stage_config import VllmOmniARStageConfig
+from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.engine.messages import StageRpcError
+from vllm_omni.engine.stage_engine_core_client import StageEngineCoreClient
 from vllm_omni.engine.stage_pool import StagePool
 
 
 class Client:
     def __init__(self, stage_type: str) -> None:
-        self.stage_type = stage_type
+        self.kind = StageKind(stage_type)
         self.calls: list = []
         self.is_dead = False
 
@@ -49,7 +56,7 @@ async def test_other_method_goes_through_collective_rpc():
 async def test_control_helper_honours_timeout():
     pool = StagePool(0, [Client("llm")])
     result = await pool.collective_rpc(0, "sleep", timeout=0.01)
-    assert isinstance(result, dict) and result["supported"] is False and "timed out" in result["error"]
+    assert isinstance(result, StageRpcError) and result.reason == "timeout" and "timed out" in result.error
 
 
 async def test_diffusion_never_takes_engine_core_shortcut():
@@ -60,9 +67,9 @@ async def test_diffusion_never_takes_engine_core_shortcut():
 
 
 async def test_unattached_replica():
-    pool = StagePool(3, [Client("llm"), None], "llm")
-    assert await pool.collective_rpc(1, "sleep") == {"supported": False,
-                                                      "error": "stage 3 replica 1 is not attached"}
+    pool = StagePool(3, [Client("llm"), None], StageKind.AR)
+    assert await pool.collective_rpc(1, "sleep") == StageRpcError(
+        stage_id=3, replica_id=1, method="sleep", reason="not_attached", error="stage 3 replica 1 is not attached")
 
 
 async def test_dispatch_prefers_least_loaded_live_replica():
@@ -72,3 +79,22 @@ async def test_dispatch_prefers_least_loaded_live_replica():
     assert await pool._pick_replica() == 1
     b.is_dead = True
     assert await pool._pick_replica() == 0
+
+
+async def test_engine_core_utility_keywords_go_to_their_positions():
+    """EngineCore utilities take positional arguments: keywords are bound by the method's signature, not passed
+    in dict order (reset_connector=True used to land in reset_running_requests)."""
+    calls = []
+
+    class Core:
+        async def call_utility_async(self, method, *args):
+            calls.append((method, args))
+            return True
+
+    client = StageEngineCoreClient(VllmOmniARStageConfig(stage_id=0, model="m"))
+    client.llm = SimpleNamespace(engine_core=Core())
+    await client.collective_rpc_async("reset_prefix_cache", kwargs={"reset_connector": True})
+    await client.collective_rpc_async("reset_prefix_cache", args=(True,))
+    assert calls == [("reset_prefix_cache", (False, True)), ("reset_prefix_cache", (True,))]
+    with pytest.raises(TypeError):
+        await client.collective_rpc_async("reset_prefix_cache", kwargs={"bogus": 1})

@@ -11,12 +11,15 @@ import asyncio
 
 import pytest
 
+from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.engine.messages import AckMetadata, StageRpcError
 from vllm_omni.entrypoints.async_omni import AsyncOmni
+from vllm_omni.errors import OmniClientError
 
 
 class RecordingEngine:
     def __init__(self, stage_types: list[str], fail: str | None = None) -> None:
-        self.stage_metadata = [{"stage_type": t, "final_output": True, "output_modality": "text",
+        self.stage_metadata = [{"stage_kind": StageKind(t), "final_output": True, "output_modality": "text",
                                 "default_sampling_params": None} for t in stage_types]
         self.calls: list[tuple[str, tuple, dict | None, list[int]]] = []
         self.fail = fail
@@ -25,7 +28,8 @@ class RecordingEngine:
     async def collective_rpc_async(self, method, args=(), kwargs=None, stage_ids=None, timeout=None):
         self.calls.append((method, tuple(args), kwargs, list(stage_ids)))
         if method == self.fail:
-            return {sid: [{"supported": False, "error": "boom"}] for sid in stage_ids}
+            return {sid: [StageRpcError(stage_id=sid, replica_id=0, method=method, reason="failed", error="boom")]
+                    for sid in stage_ids}
         return {sid: [True] for sid in stage_ids}
 
 
@@ -99,7 +103,7 @@ async def test_mixed_sleep_then_wake_keeps_admission_closed_until_resume():
     omni = make(["llm", "diffusion"])
     acks = await omni.sleep(stage_ids=[0, 1], level=1, mode="abort")
     assert {a.stage_id for a in acks} == {0, 1}
-    assert next(a for a in acks if a.stage_id == 0).metadata["path"] == "engine_core"
+    assert next(a for a in acks if a.stage_id == 0).metadata.path == "engine_core"
     assert acks[0].task_id.startswith("engine_core-sleep-")
     assert ("sleep", (1, "abort"), None, [0]) in omni.engine.calls
     assert ("sleep", (1,), None, [1]) in omni.engine.calls  # worker-level sleep for the diffusion stage
@@ -170,3 +174,39 @@ async def test_rpc_error_is_raised_with_method_name():
     with pytest.raises(RuntimeError, match="sleep failed: boom"):
         await omni.sleep(level=1)
     assert omni._paused  # admission was closed before the RPC was awaited
+
+
+@pytest.mark.parametrize("call", ["sleep", "wake_up", "resume_generation", "pause_generation"])
+@pytest.mark.parametrize("stage_ids", [[9], [-1], [0, 2], [True]])
+async def test_bad_stage_ids_are_a_client_error_naming_stage_ids(call, stage_ids):
+    """Out of range (or not an int) is the caller's mistake: 400 naming `stage_ids`, and nothing is called;
+    wake_up checks even when every tag is already warm."""
+    omni = make(["llm", "diffusion"])
+    with pytest.raises(OmniClientError, match=r"Invalid stage_ids") as info:
+        await getattr(omni, call)(stage_ids=stage_ids)
+    assert info.value.param == "stage_ids" and info.value.status_code == 400
+    assert omni.engine.calls == [] and not omni._paused
+
+
+async def test_generation_stage_is_skipped_by_control_calls():
+    """A GENERATION stage (Qwen3-Omni's Code2Wav) has no scheduler and no EngineCore memory: sleeping the
+    whole pipeline reaches its AR stages only, instead of failing on the vocoder."""
+    omni = make(["llm", "llm", "generation"])
+    acks = await omni.sleep(level=1)
+    assert [a.stage_id for a in acks] == [0, 1] and methods(omni) == [("sleep", [0, 1])]
+    await omni.wake_up()
+    await omni.pause_generation(clear_cache=False)
+    assert methods(omni)[1:] == [("wake_up", [0, 1]), ("pause_scheduler", [0, 1])]
+
+
+async def test_acks_are_typed_and_keep_their_json_shape():
+    import msgspec
+
+    omni = make(["llm", "diffusion"])
+    acks = await omni.sleep(level=1)
+    assert [a.metadata for a in acks] == [AckMetadata(path="engine_core", level=1, mode="abort"),
+                                          AckMetadata(path="worker", level=1)]
+    body = msgspec.to_builtins(acks)  # what /v1/omni/sleep answers
+    assert [b["metadata"] for b in body] == [{"path": "engine_core", "level": 1, "mode": "abort"},
+                                             {"path": "worker", "level": 1}]
+    assert {b["status"] for b in body} == {"SUCCESS"}

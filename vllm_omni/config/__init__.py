@@ -9,6 +9,7 @@ from vllm_omni.config.stage_config import (
     VllmOmniDiffusionStageConfig,
     VllmOmniGenerationStageConfig,
 )
+from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.models.registry import register_pipeline  # the public extension point, kept here too
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "StageConfigFactory",
     "StageDeployConfig",
     "StageExecutionType",
+    "StageKind",
     "VllmOmniARStageConfig",
     "VllmOmniConfig",
     "VllmOmniDiffusionStageConfig",

@@ -16,19 +16,20 @@ from pydantic import Field
 from pydantic.dataclasses import dataclass
 
 from vllm_omni.config.deploy_config import ConnectorConfig, DeployConfig
-from vllm_omni.config.pipeline_config import FORBID, PipelineConfig, StageExecutionType
+from vllm_omni.config.pipeline_config import FORBID, PipelineConfig
 from vllm_omni.config.stage_config import (
     StageConfig,
     VllmOmniARStageConfig,
     VllmOmniDiffusionStageConfig,
     VllmOmniGenerationStageConfig,
 )
+from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.errors import OmniClientError
 
 _STAGE_CLASSES = {
-    StageExecutionType.AR: VllmOmniARStageConfig,
-    StageExecutionType.GENERATION: VllmOmniGenerationStageConfig,
-    StageExecutionType.DIFFUSION: VllmOmniDiffusionStageConfig,
+    StageKind.AR: VllmOmniARStageConfig,
+    StageKind.GENERATION: VllmOmniGenerationStageConfig,
+    StageKind.DIFFUSION: VllmOmniDiffusionStageConfig,
 }
 
 @dataclass(config=FORBID)
@@ -44,6 +45,10 @@ class VllmOmniConfig:
     """Connector per edge "src->dst"."""
     init_timeout: float | None = None
     """Seconds the whole pipeline may take to start; None = the sum of the stages' `stage_init_timeout`."""
+
+    @property
+    def stage_kinds(self) -> list[StageKind]:
+        return [s.kind for s in self.stages]
 
     @property
     def stage_types(self) -> list[str]:
@@ -135,20 +140,20 @@ class StageConfigFactory:
         if stage_init_timeout is not None:
             deploy = DeployConfig(stages=deploy.stages, connector=deploy.connector,
                                   edge_connectors=deploy.edge_connectors, stage_init_timeout=stage_init_timeout)
-        if init_timeout is not None and pipeline_has(pipeline, StageExecutionType.DIFFUSION):
+        if init_timeout is not None and pipeline_has(pipeline, StageKind.DIFFUSION):
             kwargs["init_timeout"] = init_timeout  # a diffusion stage also bounds its own worker start-up
         return VllmOmniConfig.from_pipeline_config(model, model_path, pipeline, deploy, kwargs, stage_overrides,
                                                    init_timeout)
 
 
-def pipeline_has(pipeline: PipelineConfig, execution_type: StageExecutionType) -> bool:
+def pipeline_has(pipeline: PipelineConfig, execution_type: StageKind) -> bool:
     return any(s.execution_type == execution_type for s in pipeline.stages)
 
 
 def pipeline_for_model(model_path: str) -> PipelineConfig:
     """model_index.json -> one DIFFUSION stage; a registered architecture -> its pipeline; else one AR stage."""
     if _read_json(model_path, "model_index.json") is not None:
-        return PipelineConfig.single_stage("diffusion", StageExecutionType.DIFFUSION)
+        return PipelineConfig.single_stage("diffusion", StageKind.DIFFUSION)
     hf_config = _read_json(model_path, "config.json")
     if hf_config is None:
         raise OmniClientError(f"{model_path} has neither model_index.json nor config.json", param="model")
@@ -157,7 +162,7 @@ def pipeline_for_model(model_path: str) -> PipelineConfig:
     factory = MODEL_REGISTRY.topology_for([*hf_config.get("architectures", []), hf_config.get("model_type")])
     if factory is not None:
         return factory()
-    return PipelineConfig.single_stage("llm", StageExecutionType.AR)
+    return PipelineConfig.single_stage("llm", StageKind.AR)
 
 
 def _read_json(model_path: str, filename: str) -> dict[str, Any] | None:

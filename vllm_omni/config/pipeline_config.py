@@ -6,7 +6,6 @@ many replicas it has: that is `DeployConfig`'s job.
 
 from __future__ import annotations
 
-import enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -14,28 +13,20 @@ import yaml
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass
 
+from vllm_omni.config.stage_kind import StageKind
+
 FORBID = ConfigDict(extra="forbid")
 OutputModality = Literal["text", "image", "video", "audio"]
 
 
-class StageExecutionType(enum.StrEnum):
-    AR = "ar"
-    """Autoregressive: vLLM EngineCore (scheduler, KV cache, continuous batching)."""
-    GENERATION = "generation"
-    """Non-autoregressive model run on batched chunks (e.g. a vocoder)."""
-    DIFFUSION = "diffusion"
-    """Diffusion pipeline on the diffusion runtime (text encoder -> DiT -> VAE in one stage)."""
-
-    @property
-    def stage_type(self) -> str:
-        """The name the serving layer uses (`AsyncOmni.stage_types`)."""
-        return {"ar": "llm", "generation": "generation", "diffusion": "diffusion"}[self.value]
+StageExecutionType = StageKind
+"""The former name of `StageKind`, kept for user code importing it (YAML says `execution_type: ar`)."""
 
 
 @dataclass(config=FORBID)
 class PipelineStageConfig:
     stage_id: Annotated[int, Field(ge=0)]
-    execution_type: StageExecutionType
+    execution_type: StageKind
     model: str | None = None
     """Model of this stage; None = the pipeline's model (or `model_subfolder` inside it)."""
     model_subfolder: str | None = None
@@ -89,6 +80,6 @@ class PipelineConfig:
         return cls(**data)
 
     @classmethod
-    def single_stage(cls, name: str, execution_type: StageExecutionType) -> PipelineConfig:
+    def single_stage(cls, name: str, execution_type: StageKind) -> PipelineConfig:
         return cls(name=name, stages=[PipelineStageConfig(stage_id=0, execution_type=execution_type,
                                                           final_output=True)])

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
 from vllm_omni.config.pipeline_config import FORBID, OutputModality
-
-StageType = Literal["llm", "generation", "diffusion"]
+from vllm_omni.config.stage_kind import StageKind
 
 
 @dataclass(config=FORBID)
@@ -34,6 +33,12 @@ class BaseVllmOmniStageConfig:
     """Merged engine arguments (pipeline defaults < deploy < global overrides < per-stage overrides)."""
     default_sampling_params: dict[str, Any] = Field(default_factory=dict)
     stage_init_timeout: float = 600.0
+    kind: ClassVar[StageKind]
+
+    @property
+    def stage_type(self) -> str:
+        """The kind's user-visible name ("llm" for AR)."""
+        return self.kind.stage_type
 
     @property
     def name(self) -> str:
@@ -42,7 +47,7 @@ class BaseVllmOmniStageConfig:
 
 @dataclass(config=FORBID)
 class VllmOmniARStageConfig(BaseVllmOmniStageConfig):
-    stage_type: Literal["llm"] = "llm"
+    kind: ClassVar[StageKind] = StageKind.AR
 
     @staticmethod
     def known_args() -> frozenset[str]:
@@ -56,7 +61,7 @@ class VllmOmniARStageConfig(BaseVllmOmniStageConfig):
 
 @dataclass(config=FORBID)
 class VllmOmniGenerationStageConfig(BaseVllmOmniStageConfig):
-    stage_type: Literal["generation"] = "generation"
+    kind: ClassVar[StageKind] = StageKind.GENERATION
 
     @staticmethod
     def known_args() -> frozenset[str]:
@@ -65,7 +70,7 @@ class VllmOmniGenerationStageConfig(BaseVllmOmniStageConfig):
 
 @dataclass(config=FORBID)
 class VllmOmniDiffusionStageConfig(BaseVllmOmniStageConfig):
-    stage_type: Literal["diffusion"] = "diffusion"
+    kind: ClassVar[StageKind] = StageKind.DIFFUSION
 
     @staticmethod
     def known_args() -> frozenset[str]:

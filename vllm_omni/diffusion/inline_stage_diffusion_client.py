@@ -17,15 +17,17 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, join_streamed_video
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.errors import EngineDeadError, client_error_from_metadata
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.models.spec import Modality
 from vllm_omni.outputs import OmniRequestOutput
 
 
 class InlineStageDiffusionClient(StageClientBase):
-    stage_type = "diffusion"
+    kind = StageKind.DIFFUSION
 
     def __init__(self, config, replica_id: int = 0, engine: Any = None) -> None:
         super().__init__(config, replica_id)
@@ -59,6 +61,10 @@ class InlineStageDiffusionClient(StageClientBase):
     @property
     def output_modality(self) -> str:
         return self.config.final_output_type or self._engine.output_modality
+
+    @property
+    def input_modalities(self) -> frozenset[Modality]:
+        return self._engine.input_modalities
 
     def default_sampling_params(self) -> OmniDiffusionSamplingParams:
         return OmniDiffusionSamplingParams.from_dict(dict(self.config.default_sampling_params))

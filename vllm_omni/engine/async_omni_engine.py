@@ -17,6 +17,8 @@ from typing import Any
 import janus
 
 from vllm_omni.config.omni_config import VllmOmniConfig
+from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.engine.capabilities import ModelCapabilities
 from vllm_omni.engine.messages import (
     AbortRequestMessage,
     AbortResultMessage,
@@ -47,6 +49,8 @@ class AsyncOmniEngine:
         self.rpc_output_queue: janus.Queue[Any] = janus.Queue()
         self.stage_clients: list[Any] = []
         self.stage_metadata: list[dict[str, Any]] = []
+        self.capabilities: ModelCapabilities | None = None
+        """Set once the stages are up (what the served model can do, for the HTTP layer)."""
         self.orchestrator: Orchestrator | None = None
         self._runtime = StageRuntime(config, stage_client_factory or make_stage_client)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -86,6 +90,7 @@ class AsyncOmniEngine:
         try:
             self.stage_clients = [pool.clients[0] for pool in pools]
             self.stage_metadata = [self._describe(client) for client in self.stage_clients]
+            self.capabilities = self._capabilities()
             self.orchestrator = Orchestrator(self.request_queue.async_q, self.output_queue.sync_q,
                                              self.rpc_output_queue.sync_q, pools, self.config,
                                              stage_modalities=[m["output_modality"] for m in self.stage_metadata])
@@ -107,10 +112,18 @@ class AsyncOmniEngine:
         finally:
             self._runtime.shutdown()
 
+    def _capabilities(self) -> ModelCapabilities:
+        entry = [c for c, stage in zip(self.stage_clients, self.config.stages, strict=True) if not stage.inputs]
+        return ModelCapabilities(
+            stage_kinds=tuple(c.kind for c in self.stage_clients),
+            input_modalities=frozenset().union(*(c.input_modalities for c in entry)),
+            output_modalities=frozenset(c.output_modality for c in self.stage_clients if c.final_output))
+
     @staticmethod
     def _describe(client: Any) -> dict[str, Any]:
         return {
             "stage_id": client.stage_id,
+            "stage_kind": client.kind,
             "stage_type": client.stage_type,
             "final_output": client.final_output,
             "output_modality": client.output_modality,
@@ -120,7 +133,7 @@ class AsyncOmniEngine:
     # ---- frontend API (thread-safe) ----------------------------------------------------------------------
     @property
     def stage_vllm_configs(self) -> list[Any]:
-        return [getattr(c, "vllm_config", None) if c.stage_type == "llm" else None for c in self.stage_clients]
+        return [getattr(c, "vllm_config", None) if c.kind is StageKind.AR else None for c in self.stage_clients]
 
     @property
     def is_dead(self) -> bool:

@@ -6,9 +6,21 @@ Fields are append-only; `type` is the discriminator. Results that answer a corre
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
+
+from vllm_omni.models.spec import Modality
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+StagePrompt = str | dict[str, Any] | list[Any]
+"""A text prompt, a prompt dict ("prompt", "multi_modal_data", model-specific keys such as "voice"), or the
+item list a GENERATION stage takes."""
+PauseMode = Literal["abort", "wait", "keep"]
 
 
 class EngineQueueMessage(msgspec.Struct, kw_only=True):
@@ -18,11 +30,12 @@ class EngineQueueMessage(msgspec.Struct, kw_only=True):
 class AddRequestMessage(EngineQueueMessage, kw_only=True):
     type: Literal["add"] = "add"
     request_id: str
-    prompt: Any
-    sampling_params_list: list[Any]
-    """One entry per stage (vLLM `SamplingParams` for AR stages, `OmniDiffusionSamplingParams` for diffusion)."""
+    prompt: StagePrompt
+    sampling_params_list: list[SamplingParams | OmniDiffusionSamplingParams | None]
+    """One entry per stage (vLLM `SamplingParams` for AR stages, `OmniDiffusionSamplingParams` for diffusion,
+    None for a GENERATION stage)."""
     arrival_time: float = 0.0
-    output_modalities: list[str] | None = None
+    output_modalities: list[Modality] | None = None
     """Final outputs the caller wants ("text", "audio", ...): the request stops after the last stage that makes
     one of them (text-only Qwen3-Omni skips talker and vocoder). None = every final output."""
 
@@ -50,6 +63,7 @@ class CollectiveRPCRequestMessage(EngineQueueMessage, kw_only=True):
     rpc_id: str
     method: str
     args: tuple[Any, ...] = ()
+    """Arguments of `method`, whatever the worker or EngineCore method takes."""
     kwargs: dict[str, Any] | None = None
     stage_ids: list[int] | None = None
     """None = every stage."""
@@ -60,7 +74,7 @@ class CollectiveRPCResultMessage(EngineQueueMessage, kw_only=True):
     type: Literal["collective_rpc_result"] = "collective_rpc_result"
     rpc_id: str
     results: dict[int, list[Any]] = msgspec.field(default_factory=dict)
-    """stage id -> one result per replica (a dict with "error" when that replica failed)."""
+    """stage id -> one result per replica: the method's return value, or a `StageRpcError`."""
     error: str | None = None
 
     @property
@@ -82,6 +96,16 @@ class ErrorMessage(EngineQueueMessage, kw_only=True):
     rpc_correlation_key: tuple[str, str] | None = None
 
 
+class StageRpcError(msgspec.Struct, frozen=True, kw_only=True):
+    """One replica could not run a control call; it stands in that replica's result."""
+
+    stage_id: int
+    replica_id: int
+    method: str
+    reason: Literal["not_attached", "unsupported", "timeout", "failed"]
+    error: str
+
+
 class ShutdownMessage(EngineQueueMessage, kw_only=True):
     type: Literal["shutdown"] = "shutdown"
 
@@ -93,11 +117,21 @@ class CuMemTag:
     KV_CACHE = "kv_cache"
 
 
+class AckMetadata(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How a stage did a sleep / wake task: through EngineCore (AR) or the diffusion workers."""
+
+    path: Literal["engine_core", "worker"]
+    level: int | None = None
+    mode: PauseMode | None = None
+    tags: list[str] | None = None
+
+
 class OmniACK(msgspec.Struct, kw_only=True):
     """Acknowledgement of a sleep / wake task by one stage (rank 0 summarizes a multi-rank stage)."""
 
     task_id: str
-    status: str
+    status: Literal["SUCCESS"]
+    """A failed task raises instead of acknowledging."""
     stage_id: int
     rank: int = 0
-    metadata: dict[str, Any] = {}
+    metadata: AckMetadata

@@ -249,7 +249,7 @@ class Orchestrator:
         while self.dead_error is None:
             for pool in self.stage_pools:
                 if pool.is_dead:
-                    self._mark_dead(f"stage {pool.stage_id} ({pool.stage_type}) died")
+                    self._mark_dead(f"stage {pool.stage_id} ({pool.kind.stage_type}) died")
                     break
             await asyncio.sleep(DEATH_POLL_INTERVAL_S)
 

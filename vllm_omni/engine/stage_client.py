@@ -6,6 +6,8 @@ from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
 from vllm_omni.config.stage_config import StageConfig
+from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.models.spec import Modality
 from vllm_omni.outputs import OmniRequestOutput
 
 
@@ -16,7 +18,12 @@ class StageClientBase:
     that request alone raises; the death of the stage raises `EngineDeadError` and sets `is_dead`.
     """
 
-    stage_type: ClassVar[str]
+    kind: ClassVar[StageKind]
+
+    @property
+    def stage_type(self) -> str:
+        """The kind's user-visible name ("llm" for AR)."""
+        return self.kind.stage_type
 
     def __init__(self, config: StageConfig, replica_id: int = 0) -> None:
         self.config = config
@@ -48,6 +55,11 @@ class StageClientBase:
     @property
     def output_modality(self) -> str:
         raise NotImplementedError
+
+    @property
+    def input_modalities(self) -> frozenset[Modality]:
+        """What this stage takes when the user's prompt feeds it (its family spec's declaration)."""
+        return frozenset({"text"})
 
     @property
     def is_dead(self) -> bool:

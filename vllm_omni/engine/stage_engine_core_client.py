@@ -7,14 +7,17 @@ detokenization and liveness monitoring are vLLM's; this class only adapts it to 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.output_collectors import get_output_collector
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError
 from vllm_omni.logger import init_logger
+from vllm_omni.models.spec import Modality
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = init_logger(__name__)
@@ -25,7 +28,7 @@ _ENGINE_CORE_UTILITIES = frozenset({"reset_prefix_cache", "reset_mm_cache", "res
 
 
 class StageEngineCoreClient(StageClientBase):
-    stage_type = "llm"
+    kind = StageKind.AR
 
     def __init__(self, config, replica_id: int = 0) -> None:
         super().__init__(config, replica_id)
@@ -66,6 +69,14 @@ class StageEngineCoreClient(StageClientBase):
     @property
     def output_modality(self) -> str:
         return self.config.final_output_type or "text"
+
+    @property
+    def input_modalities(self) -> frozenset[Modality]:
+        """The family spec's declaration for a topology we define (e.g. Qwen3-Omni); text for any other LM."""
+        from vllm_omni.models.registry import MODEL_REGISTRY
+
+        spec = MODEL_REGISTRY.family_for(list(self.vllm_config.model_config.architectures))
+        return spec.input_modalities if spec is not None else frozenset({"text"})
 
     async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
         from vllm import SamplingParams
@@ -127,7 +138,7 @@ class StageEngineCoreClient(StageClientBase):
                                    kwargs: dict[str, Any] | None = None) -> Any:
         core = self.llm.engine_core
         if method in _ENGINE_CORE_UTILITIES:
-            return await core.call_utility_async(method, *args, *(kwargs or {}).values())
+            return await core.call_utility_async(method, *_utility_args(method, args, kwargs))
         return await core.collective_rpc_async(method, timeout, tuple(args), kwargs)
 
     @property
@@ -137,3 +148,15 @@ class StageEngineCoreClient(StageClientBase):
     def shutdown(self) -> None:
         if self.llm is not None:
             self.llm.shutdown(timeout=10.0)
+
+
+def _utility_args(method: str, args: tuple, kwargs: dict[str, Any] | None) -> tuple:
+    """EngineCore utility calls carry positional arguments only: keywords go to their positions by the
+    method's signature (a bad name is a TypeError here, not a wrong value over there)."""
+    if not kwargs:
+        return tuple(args)
+    from vllm.v1.engine.core import EngineCore
+
+    bound = inspect.signature(getattr(EngineCore, method)).bind(None, *args, **kwargs)
+    bound.apply_defaults()
+    return bound.args[1:]

@@ -17,13 +17,15 @@ from typing import Any
 
 import numpy as np
 
+from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.engine.messages import StageRpcError
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.errors import OmniClientError
 from vllm_omni.outputs import OmniRequestOutput
 
 
 class StageGenerationClient(StageClientBase):
-    stage_type = "generation"
+    kind = StageKind.GENERATION
 
     def __init__(self, config, replica_id: int = 0) -> None:
         super().__init__(config, replica_id)
@@ -120,7 +122,8 @@ class StageGenerationClient(StageClientBase):
                                    kwargs: dict[str, Any] | None = None) -> Any:
         fn = getattr(self.model, method, None)
         if fn is None:
-            return {"supported": False, "error": f"{type(self.model).__name__} has no method {method!r}"}
+            return StageRpcError(stage_id=self.stage_id, replica_id=self.replica_id, method=method,
+                                 reason="unsupported", error=f"{type(self.model).__name__} has no method {method!r}")
         loop = asyncio.get_running_loop()
         return await asyncio.wait_for(loop.run_in_executor(self._executor, lambda: fn(*args, **(kwargs or {}))),
                                       timeout=timeout)

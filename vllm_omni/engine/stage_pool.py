@@ -6,6 +6,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.engine.messages import StageRpcError
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.errors import EngineDeadError
 from vllm_omni.logger import init_logger
@@ -20,18 +22,18 @@ class StagePool:
     _ENGINE_CORE_CONTROL_ASYNC_METHODS = frozenset({"pause_scheduler", "resume_scheduler", "sleep", "wake_up"})
     """AR control methods that go to vLLM's `AsyncMPClient.<method>_async` helpers, not to the workers."""
 
-    def __init__(self, stage_id: int, clients: list[StageClientBase | None], stage_type: str | None = None) -> None:
+    def __init__(self, stage_id: int, clients: list[StageClientBase | None], kind: StageKind | None = None) -> None:
         self.stage_id = stage_id
         self.clients = clients
-        self._stage_type = stage_type
+        self._kind = kind
         self._inflight: dict[str, int] = {}
         self._load: dict[int, int] = {}
 
     @property
-    def stage_type(self) -> str:
-        if self._stage_type is None:
-            self._stage_type = next(c.stage_type for c in self.clients if c is not None)
-        return self._stage_type
+    def kind(self) -> StageKind:
+        if self._kind is None:
+            self._kind = next(c.kind for c in self.clients if c is not None)
+        return self._kind
 
     @property
     def is_dead(self) -> bool:
@@ -74,21 +76,25 @@ class StagePool:
                              args: tuple | list | None = None, kwargs: dict[str, Any] | None = None) -> Any:
         client = self.clients[replica_id] if replica_id < len(self.clients) else None
         if client is None:
-            return {"supported": False, "error": f"stage {self.stage_id} replica {replica_id} is not attached"}
+            return self._rpc_error(replica_id, method, "not_attached",
+                                   f"stage {self.stage_id} replica {replica_id} is not attached")
         args = tuple(args or ())
         try:
-            if self.stage_type == "llm" and method in self._ENGINE_CORE_CONTROL_ASYNC_METHODS:
+            if self.kind is StageKind.AR and method in self._ENGINE_CORE_CONTROL_ASYNC_METHODS:
                 helper = getattr(client, f"{method}_async")
                 return await asyncio.wait_for(helper(*args, **(kwargs or {})), timeout=timeout)
             return await asyncio.wait_for(
                 client.collective_rpc_async(method=method, timeout=timeout, args=args, kwargs=kwargs),
                 timeout=None if timeout is None else timeout + 1.0)
         except TimeoutError:
-            return {"supported": False, "error": f"stage {self.stage_id} replica {replica_id}: {method} timed out "
-                                                 f"after {timeout} s"}
+            return self._rpc_error(replica_id, method, "timeout",
+                                   f"stage {self.stage_id} replica {replica_id}: {method} timed out after {timeout} s")
         except Exception as e:
             logger.warning("stage %d replica %d: %s failed: %s", self.stage_id, replica_id, method, e)
-            return {"supported": False, "error": f"{type(e).__name__}: {e}"}
+            return self._rpc_error(replica_id, method, "failed", f"{type(e).__name__}: {e}")
+
+    def _rpc_error(self, replica_id: int, method: str, reason: str, error: str) -> StageRpcError:
+        return StageRpcError(stage_id=self.stage_id, replica_id=replica_id, method=method, reason=reason, error=error)
 
     async def collective_rpc_all(self, method: str, timeout: float | None = None, args: tuple | None = None,
                                  kwargs: dict[str, Any] | None = None) -> list[Any]:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import StageConfig
+from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.engine.stage_pool import StagePool
 from vllm_omni.logger import init_logger
@@ -17,19 +18,19 @@ logger = init_logger(__name__)
 
 
 def make_stage_client(config: StageConfig, replica_id: int) -> StageClientBase:
-    if config.stage_type == "llm":
+    if config.kind is StageKind.AR:
         from vllm_omni.engine.stage_engine_core_client import StageEngineCoreClient
 
         return StageEngineCoreClient(config, replica_id)
-    if config.stage_type == "diffusion":
+    if config.kind is StageKind.DIFFUSION:
         from vllm_omni.diffusion.inline_stage_diffusion_client import InlineStageDiffusionClient
 
         return InlineStageDiffusionClient(config, replica_id)
-    if config.stage_type == "generation":
+    if config.kind is StageKind.GENERATION:
         from vllm_omni.engine.stage_generation_client import StageGenerationClient
 
         return StageGenerationClient(config, replica_id)
-    raise ValueError(f"stage {config.stage_id}: unknown stage type {config.stage_type!r}")
+    raise ValueError(f"stage {config.stage_id}: unknown stage kind {config.kind!r}")
 
 
 @contextlib.contextmanager
@@ -62,7 +63,7 @@ class StageRuntime:
         try:
             for stage in self.config.stages:
                 clients: list[StageClientBase | None] = []
-                self.pools.append(StagePool(stage.stage_id, clients, stage.stage_type))
+                self.pools.append(StagePool(stage.stage_id, clients, stage.kind))
                 for replica in range(stage.num_replicas):
                     client = self.client_factory(stage, replica)
                     start = time.perf_counter()

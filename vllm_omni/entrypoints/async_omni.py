@@ -11,9 +11,10 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from vllm_omni.engine.messages import CuMemTag, ErrorMessage, OmniACK
+from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.engine.messages import AckMetadata, CuMemTag, ErrorMessage, OmniACK, PauseMode, StageRpcError
 from vllm_omni.entrypoints.omni_base import OmniBase
 from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError
 from vllm_omni.logger import init_logger
@@ -21,7 +22,6 @@ from vllm_omni.outputs import OmniRequestOutput
 
 logger = init_logger(__name__)
 
-PauseMode = Literal["abort", "wait", "keep"]
 ABORT_TIMEOUT_S = 10.0
 ALL_TAGS = frozenset({CuMemTag.WEIGHTS, CuMemTag.KV_CACHE})
 _ABORTED = object()
@@ -155,15 +155,17 @@ class AsyncOmni(OmniBase):
             raise ValueError("this engine has no stages")
         if stage_ids is None:
             return list(range(n))
-        bad = [s for s in stage_ids if not isinstance(s, int) or not 0 <= s < n]
+        bad = [s for s in stage_ids if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < n]
         if bad:
-            raise ValueError(f"Invalid stage_ids {bad}; valid range is 0..{n - 1}")
+            raise OmniClientError(f"Invalid stage_ids {bad}; valid range is 0..{n - 1}", param="stage_ids")
         return list(stage_ids)
 
     def _split_stage_ids_by_type(self, stage_ids: list[int] | None = None) -> tuple[list[int], list[int]]:
+        """(AR ids, diffusion ids); a GENERATION stage (a small in-process model) has no scheduler to pause and
+        no EngineCore memory to release, so control calls skip it."""
         ids = self._validate_stage_ids(stage_ids)
-        types = self.stage_types
-        return [i for i in ids if types[i] != "diffusion"], [i for i in ids if types[i] == "diffusion"]
+        kinds = self.stage_kinds
+        return ([i for i in ids if kinds[i] is StageKind.AR], [i for i in ids if kinds[i] is StageKind.DIFFUSION])
 
     async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
                              kwargs: dict[str, Any] | None = None, stage_ids: list[int] | None = None) -> list[Any]:
@@ -176,8 +178,8 @@ class AsyncOmni(OmniBase):
                                kwargs: dict[str, Any] | None = None) -> list[Any]:
         results = await self.collective_rpc(method=method, args=args, kwargs=kwargs, stage_ids=stage_ids)
         for result in results:
-            if isinstance(result, dict) and result.get("error"):
-                raise RuntimeError(f"{method} failed: {result['error']}")
+            if isinstance(result, StageRpcError):
+                raise RuntimeError(f"{method} failed: {result.error}")
         return results
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = True) -> bool:
@@ -186,7 +188,7 @@ class AsyncOmni(OmniBase):
             return True
         results = await self._engine_core_rpc("reset_prefix_cache", stage_ids=ar_ids,
                                               args=(reset_running_requests, reset_connector))
-        return all(_coerce_stage_bool(r) for r in results)
+        return all(r is None or bool(r) for r in results)  # EngineCore answers a bool (None: nothing to do)
 
     async def reset_mm_cache(self) -> None:
         ar_ids, _ = self._split_stage_ids_by_type()
@@ -237,7 +239,7 @@ class AsyncOmni(OmniBase):
         if ar_ids:
             await self._engine_core_rpc("sleep", stage_ids=ar_ids, args=(level, mode))
             acks += [OmniACK(task_id=f"engine_core-sleep-{uuid.uuid4().hex[:8]}", status="SUCCESS", stage_id=sid,
-                             rank=0, metadata={"path": "engine_core", "level": level, "mode": mode})
+                             rank=0, metadata=AckMetadata(path="engine_core", level=level, mode=mode))
                      for sid in ar_ids]
         if diffusion_ids:
             acks += await self._sleep_diffusion(diffusion_ids, level)
@@ -250,21 +252,22 @@ class AsyncOmni(OmniBase):
         for sid in stage_ids:
             await self._engine_core_rpc("sleep", stage_ids=[sid], args=(level,))
             acks.append(OmniACK(task_id=f"diffusion-sleep-{uuid.uuid4().hex[:8]}", status="SUCCESS", stage_id=sid,
-                                rank=0, metadata={"path": "worker", "level": level}))
+                                rank=0, metadata=AckMetadata(path="worker", level=level)))
         return acks
 
     async def wake_up(self, stage_ids: list[int] | None = None, tags: list[str] | None = None) -> list[OmniACK]:
+        ar_ids, diffusion_ids = self._split_stage_ids_by_type(stage_ids)  # bad ids are an error even when warm
         requested = set(tags) if tags else set(ALL_TAGS)
         to_wake = requested & self._sleeping_tags
         if not to_wake:
             logger.info("Requested tags %s are already warm. Skipping wake_up.", sorted(requested))
             return []
-        ar_ids, diffusion_ids = self._split_stage_ids_by_type(stage_ids)
         acks: list[OmniACK] = []
         if ar_ids:
             await self._engine_core_rpc("wake_up", stage_ids=ar_ids, kwargs={"tags": sorted(to_wake)})
             acks += [OmniACK(task_id=f"engine_core-wake-{uuid.uuid4().hex[:8]}", status="SUCCESS", stage_id=sid,
-                             rank=0, metadata={"path": "engine_core", "tags": sorted(to_wake)}) for sid in ar_ids]
+                             rank=0, metadata=AckMetadata(path="engine_core", tags=sorted(to_wake)))
+                     for sid in ar_ids]
         if diffusion_ids:
             acks += await self._wake_diffusion(diffusion_ids, to_wake)
         self._sleeping_tags -= to_wake
@@ -281,7 +284,7 @@ class AsyncOmni(OmniBase):
         for sid in stage_ids:
             await self._engine_core_rpc("wake_up", stage_ids=[sid], args=(sorted(requested_tags),))
             acks.append(OmniACK(task_id=f"diffusion-wake-{uuid.uuid4().hex[:8]}", status="SUCCESS", stage_id=sid,
-                                rank=0, metadata={"path": "worker", "tags": sorted(requested_tags)}))
+                                rank=0, metadata=AckMetadata(path="worker", tags=sorted(requested_tags))))
         return acks
 
     def close(self) -> None:
@@ -292,12 +295,6 @@ class AsyncOmni(OmniBase):
 
     def shutdown(self) -> None:
         self.close()
-
-
-def _coerce_stage_bool(result: Any) -> bool:
-    if isinstance(result, dict):
-        return not result.get("error") and bool(result.get("result", result.get("supported", True)))
-    return bool(result) if result is not None else True
 
 
 def _to_exception(msg: ErrorMessage) -> BaseException:

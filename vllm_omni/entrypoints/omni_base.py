@@ -8,7 +8,9 @@ import time
 from typing import Any
 
 from vllm_omni.config.omni_config import StageConfigFactory
+from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
+from vllm_omni.engine.capabilities import ModelCapabilities
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.logger import init_logger
@@ -28,8 +30,18 @@ class OmniBase:
         self.default_sampling_params_list = [m["default_sampling_params"] for m in self.engine.stage_metadata]
 
     @property
+    def stage_kinds(self) -> list[StageKind]:
+        return [m["stage_kind"] for m in self.engine.stage_metadata]
+
+    @property
     def stage_types(self) -> list[str]:
-        return [m["stage_type"] for m in self.engine.stage_metadata]
+        """The stage kinds' user-visible names ("llm", "generation", "diffusion")."""
+        return [kind.stage_type for kind in self.stage_kinds]
+
+    @property
+    def capabilities(self) -> ModelCapabilities:
+        """What the model can do (input / output modalities, edits, audio), decided once at start-up."""
+        return self.engine.capabilities
 
     @property
     def output_modalities(self) -> set[str]:
@@ -50,7 +62,7 @@ class OmniBase:
 
     def get_tokenizer(self):
         for client in self.engine.stage_clients:
-            if client.stage_type == "llm":
+            if client.kind is StageKind.AR:
                 return client.get_tokenizer()
         raise ValueError(f"{self.model_name} has no AR stage, hence no tokenizer")
 
@@ -69,17 +81,15 @@ class OmniBase:
         return [self._stage_params(i, p) for i, p in enumerate(given)]
 
     def _place_single(self, params: Any) -> list[Any]:
-        is_diffusion = isinstance(params, OmniDiffusionSamplingParams)
-        wanted = "diffusion" if is_diffusion else "llm"
+        wanted = StageKind.DIFFUSION if isinstance(params, OmniDiffusionSamplingParams) else StageKind.AR
         if self.num_stages == 1:
             return [params]
-        return [params if t == wanted else None for t in self.stage_types]
+        return [params if kind is wanted else None for kind in self.stage_kinds]
 
     def _stage_params(self, stage_id: int, params: Any) -> Any:
-        stage_type = self.stage_types[stage_id]
         if params is None:
             return copy.deepcopy(self.default_sampling_params_list[stage_id])
-        if stage_type == "diffusion":
+        if self.stage_kinds[stage_id] is StageKind.DIFFUSION:
             return OmniDiffusionSamplingParams.from_params(params)
         if isinstance(params, dict):
             from vllm import SamplingParams

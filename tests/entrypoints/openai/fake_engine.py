@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.engine.capabilities import ModelCapabilities
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -45,6 +47,7 @@ class _Tokenizer:
 class FakeOmni:
     stage_types: list[str]
     output_modalities: set[str]
+    input_modalities: set[str] = field(default_factory=lambda: {"text"})
     model_name: str = "fake"
     step_delay_s: float = 0.0
     is_dead: bool = False
@@ -52,6 +55,12 @@ class FakeOmni:
     aborted: list[str] = field(default_factory=list)
     running: set[str] = field(default_factory=set)
     calls: list[tuple[str, dict]] = field(default_factory=list)
+
+    @property
+    def capabilities(self) -> ModelCapabilities:
+        return ModelCapabilities(stage_kinds=tuple(StageKind(t) for t in self.stage_types),
+                                 input_modalities=frozenset(self.input_modalities),
+                                 output_modalities=frozenset(self.output_modalities))
 
     @property
     def default_sampling_params_list(self) -> list[Any]:

@@ -90,6 +90,8 @@ def test_batch_chat_raw_http(server):
          "stream"),
         ("/v1/audio/speech", {"input": "hello"}, 400, "audio"),
         ("/v1/omni/sleep", {"level": 9}, 400, "level"),
+        ("/v1/omni/sleep", {"stage_ids": [99]}, 400, "stage_ids"),
+        ("/v1/omni/wakeup", {"stage_ids": [-1]}, 400, "stage_ids"),
     ],
 )
 def test_bad_requests(server, path, body, status, needle):
@@ -105,6 +107,16 @@ def test_bad_edit_upload(server):
     resp = httpx.post(f"{server.url}/v1/images/edits", data={"prompt": "x"},
                       files={"image": ("a.png", b"not a png", "image/png")}, timeout=60)
     assert resp.status_code == 400 and "not a readable image" in resp.json()["error"]["message"]
+
+
+def test_edit_on_text_to_image_model_names_the_capability(server):
+    buf = io.BytesIO()
+    Image.new("RGB", (16, 16)).save(buf, format="PNG")
+    resp = httpx.post(f"{server.url}/v1/images/edits", data={"prompt": "x"},
+                      files={"image": ("a.png", buf.getvalue(), "image/png")}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "image" and "takes ['text'], makes ['image']" in error["message"]
 
 
 def test_no_5xx_recorded(server):

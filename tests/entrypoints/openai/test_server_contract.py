@@ -46,7 +46,7 @@ def ar(parser):
 
 @pytest.fixture(scope="module")
 def dit(parser):
-    engine = FakeOmni(stage_types=["diffusion"], output_modalities={"image"})
+    engine = FakeOmni(stage_types=["diffusion"], output_modalities={"image"}, input_modalities={"text", "image"})
     return engine, make_client(parser, engine)
 
 
@@ -277,6 +277,43 @@ def test_bad_edits(dit):
     assert_error(client.post("/v1/images/edits", data={"prompt": "x", "n": "two"},
                              files={"image": ("a.png", b"x")}), 400, "n must be a number")
     assert_error(client.get("/v1/images/edits"), 405)
+
+
+def png() -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("stage_types,inputs,outputs", [
+    (["diffusion"], {"text"}, {"image"}),  # text-to-image
+    (["diffusion"], {"text", "image"}, {"video"}),  # image-to-video: image in, no image out
+    (["llm", "generation"], {"text"}, {"text", "audio"}),
+])
+def test_edits_need_the_edit_capability(parser, stage_types, inputs, outputs):
+    engine = FakeOmni(stage_types=stage_types, output_modalities=outputs, input_modalities=inputs)
+    client = make_client(parser, engine)
+    resp = client.post("/v1/images/edits", data={"prompt": "x"}, files={"image": ("a.png", png(), "image/png")})
+    err = assert_error(resp, 400, "/v1/images/edits needs a model that takes an input image and outputs images",
+                       f"takes {sorted(inputs)}, makes {sorted(outputs)}")
+    assert err["param"] == "image" and engine.seen == []
+
+
+def test_chat_input_image_needs_a_model_that_takes_images(parser):
+    engine = FakeOmni(stage_types=["diffusion"], output_modalities={"image"})  # text-to-image
+    url = "data:image/png;base64," + base64.b64encode(png()).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "x"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    err = assert_error(make_client(parser, engine).post("/v1/chat/completions", json={"messages": messages}), 400,
+                       "does not take input images", "takes ['text'], makes ['image']")
+    assert err["param"] == "messages[0].content" and engine.seen == []
+
+
+def test_speech_needs_audio_output(dit):
+    engine, client = dit
+    seen = len(engine.seen)
+    err = assert_error(client.post("/v1/audio/speech", json={"input": "hi"}), 400, "outputs audio")
+    assert err["param"] == "model" and len(engine.seen) == seen
 
 
 async def test_leaving_early_aborts_in_engine(dit):

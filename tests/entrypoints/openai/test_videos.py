@@ -166,6 +166,14 @@ def test_image_model_rejects_videos_api(parser):
         assert_400(client.post("/v1/videos", json={"prompt": "x"}), "model")
 
 
+def test_video_model_rejects_images_api(video):
+    engine, client = video
+    resp = client.post("/v1/images/generations", json={"prompt": "x"})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "model" and "outputs image" in err["message"] and engine.seen == []
+
+
 def test_websocket_streams_fragmented_mp4(video):
     _, client = video
     with client.websocket_connect("/v1/realtime/video") as ws:

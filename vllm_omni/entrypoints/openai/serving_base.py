@@ -12,6 +12,8 @@ from typing import Any
 
 from vllm.logger import init_logger
 
+from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.engine.capabilities import ModelCapabilities
 from vllm_omni.entrypoints.openai.metrics import OmniMetrics
 from vllm_omni.entrypoints.openai.protocol.common import DIFFUSION_FIELD_NAMES, DiffusionFields, parse_size
 from vllm_omni.errors import EngineDeadError, OmniClientError, client_error_from_metadata
@@ -41,8 +43,10 @@ class OmniServingBase:
         self.model_name = model_name
         self.metrics = metrics
         self.limits = limits
+        self.capabilities: ModelCapabilities = engine.capabilities
         self.stage_types: list[str] = list(engine.stage_types)
-        self.output_modalities: set[str] = set(engine.output_modalities)
+        """For messages only; decisions ask `capabilities`."""
+        self.output_modalities: set[str] = set(self.capabilities.output_modalities)
         self._aborts: set[asyncio.Task] = set()
 
     def check_model(self, model: str | None) -> None:
@@ -78,12 +82,12 @@ class OmniServingBase:
             return self._explicit_params(explicit)
         params: list[Any] = []
         seen_llm = False
-        for stage_id, stage_type in enumerate(self.stage_types):
+        for stage_id, kind in enumerate(self.capabilities.stage_kinds):
             default = self.default_params(stage_id)
-            if stage_type == "llm" and not seen_llm and first_llm_params is not None:
+            if kind is StageKind.AR and not seen_llm and first_llm_params is not None:
                 params.append(first_llm_params(default))
                 seen_llm = True
-            elif stage_type == "diffusion":
+            elif kind is StageKind.DIFFUSION:
                 params.append(self.diffusion_params(default, diffusion_fields))
             else:
                 params.append(default)
@@ -100,11 +104,11 @@ class OmniServingBase:
                 param="sampling_params_list",
             )
         params: list[Any] = []
-        for stage_id, (stage_type, entry) in enumerate(zip(self.stage_types, explicit, strict=True)):
+        for stage_id, (kind, entry) in enumerate(zip(self.capabilities.stage_kinds, explicit, strict=True)):
             param = f"sampling_params_list[{stage_id}]"
             if not isinstance(entry, dict):
                 raise OmniClientError(f"{param} must be an object", param=param)
-            if stage_type == "diffusion":
+            if kind is StageKind.DIFFUSION:
                 params.append(self._checked_diffusion_params(entry, param))
                 continue
             try:

@@ -90,7 +90,7 @@ class OmniOpenAIServingChat(OmniServingBase):
     @property
     def starts_with_ar(self) -> bool:
         """Whether stage 0 is an AR (text) model: chat template, tools and n > 1 apply to it."""
-        return bool(self.stage_types) and self.stage_types[0] == "llm"
+        return self.capabilities.starts_with_ar
 
     async def create_chat_completion(self, request: OmniChatCompletionRequest, raw_request: Request | None):
         self.check_model(request.model)
@@ -265,6 +265,9 @@ class OmniOpenAIServingChat(OmniServingBase):
             raise OmniClientError(f"messages[{index}] has no text prompt", param=f"messages[{index}].content")
         if request.negative_prompt is not None:
             prompt["negative_prompt"] = request.negative_prompt
+        if images and not self.capabilities.accepts_image_input:
+            raise OmniClientError(f"`{self.model_name}` does not take input images: it "
+                                  f"{self.capabilities.describe()}", param=f"messages[{index}].content")
         if images:
             prompt["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
         return prompt

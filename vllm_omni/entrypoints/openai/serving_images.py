@@ -20,10 +20,6 @@ class OmniOpenAIServingImages(OmniServingBase):
                           ) -> ImagesResponse:
         if not uploads:
             raise OmniClientError("image is required (one or more image files)", param="image")
-        if getattr(self.engine, "input_modalities", None) is not None and \
-                "image" not in self.engine.input_modalities:
-            raise OmniClientError(f"`{self.model_name}` does not take input images; use /v1/images/generations",
-                                  param="image")
         images = []
         for name, data in uploads:
             if len(data) > self.limits.max_upload_bytes:
@@ -33,6 +29,10 @@ class OmniOpenAIServingImages(OmniServingBase):
                     status_code=413, param=name,
                 )
             images.append(decode_image_bytes(data, name))
+        if not self.capabilities.supports_edits:
+            raise OmniClientError(f"/v1/images/edits needs a model that takes an input image and outputs images; "
+                                  f"`{self.model_name}` {self.capabilities.describe()} (use /v1/images/generations)",
+                                  param="image")
         return await self._run(request, images=images)
 
     async def _run(self, request: ImageGenerationRequest, images: list[Any]) -> ImagesResponse:

@@ -23,6 +23,7 @@ import numpy as np
 from vllm.logger import init_logger
 from vllm.utils import random_uuid
 
+from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.diffusion.video_utils import encode_mp4
 from vllm_omni.entrypoints.openai.media import decode_image_bytes, decode_image_url
 from vllm_omni.entrypoints.openai.protocol.common import parse_size
@@ -85,9 +86,9 @@ class OmniOpenAIServingVideo(OmniServingBase):
         if image is not None:
             prompt["multi_modal_data"] = {"image": image}
         params = []
-        for stage_id, stage_type in enumerate(self.stage_types):
+        for stage_id, kind in enumerate(self.capabilities.stage_kinds):
             default = self.default_params(stage_id)
-            params.append(self.video_params(default, request) if stage_type == "diffusion" else default)
+            params.append(self.video_params(default, request) if kind is StageKind.DIFFUSION else default)
         return prompt, params
 
     def video_params(self, default: Any, request: VideoGenerationRequest) -> OmniDiffusionSamplingParams:

@@ -1,0 +1,44 @@
+"""What a served model can do, decided once at start-up from the family specs and the stage graph.
+
+The HTTP layer asks these questions ("does it take input images?", "does it speak?") instead of inspecting
+stage kinds, so a new topology changes what routes accept by declaring modalities, not by editing routes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.models.spec import Modality
+
+
+@dataclass(frozen=True)
+class ModelCapabilities:
+    stage_kinds: tuple[StageKind, ...]
+    """For the few per-stage decisions left in the HTTP layer (which stage gets which sampling params)."""
+    input_modalities: frozenset[Modality]
+    """What a request may carry: the union over the stages the user's prompt feeds (no upstream `inputs`)."""
+    output_modalities: frozenset[Modality]
+    """What the final stages produce."""
+
+    def __post_init__(self) -> None:
+        if not self.stage_kinds:
+            raise ValueError("a model has at least one stage")
+
+    @property
+    def accepts_image_input(self) -> bool:
+        return "image" in self.input_modalities
+
+    @property
+    def supports_edits(self) -> bool:
+        """Image in, image out (`/v1/images/edits`)."""
+        return self.accepts_image_input and "image" in self.output_modalities
+
+    @property
+    def starts_with_ar(self) -> bool:
+        """The prompt goes to an AR (text) model first: chat templates, tools and n > 1 apply to it."""
+        return self.stage_kinds[0] is StageKind.AR
+
+    def describe(self) -> str:
+        """For error messages: "takes [text], makes [image]"."""
+        return f"takes {sorted(self.input_modalities)}, makes {sorted(self.output_modalities)}"
