@@ -39,6 +39,10 @@ class BaseVllmOmniStageConfig:
     def name(self) -> str:
         return f"stage-{self.stage_id}-{self.stage_type}"
 
+    @staticmethod
+    def check_args(engine_args: dict[str, Any]) -> None:
+        """Refuse values this stage's engine cannot honour, at resolution (before any process starts)."""
+
 
 @dataclass(config=FORBID)
 class VllmOmniARStageConfig(BaseVllmOmniStageConfig):
@@ -70,6 +74,12 @@ class VllmOmniDiffusionStageConfig(BaseVllmOmniStageConfig):
     @staticmethod
     def known_args() -> frozenset[str]:
         return _diffusion_arg_names()
+
+    @staticmethod
+    def check_args(engine_args: dict[str, Any]) -> None:
+        from vllm_omni.diffusion.data import check_diffusion_args
+
+        check_diffusion_args(engine_args)
 
     def make_od_config(self):
         from vllm_omni.diffusion.data import OmniDiffusionConfig
