@@ -84,7 +84,7 @@ class VllmOmniDiffusionStageConfig(BaseVllmOmniStageConfig):
     def make_od_config(self):
         from vllm_omni.diffusion.data import OmniDiffusionConfig
 
-        return OmniDiffusionConfig.from_kwargs(model=self.model, **self.engine_args)
+        return OmniDiffusionConfig.from_kwargs(model=self.model, stage_id=self.stage_id, **self.engine_args)
 
 
 StageConfig = VllmOmniARStageConfig | VllmOmniGenerationStageConfig | VllmOmniDiffusionStageConfig
@@ -103,4 +103,4 @@ def _diffusion_arg_names() -> frozenset[str]:
 
     names = {f.name for f in dataclasses.fields(OmniDiffusionConfig)}
     names |= {f.name for f in dataclasses.fields(DiffusionParallelConfig)}
-    return frozenset(names - {"model"})
+    return frozenset(names - {"model", "stage_id"})

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from vllm_omni.errors import OmniClientError, OmniError
+
+if TYPE_CHECKING:
+    from vllm.config.logging import LoggingConfig
 
 DIFFUSION_LOAD_FORMATS = ("auto", "dummy")
 """Weight sources of a diffusion stage (a subset of vLLM's `--load-format`)."""
@@ -126,6 +129,11 @@ class OmniDiffusionConfig:
     """Force the generic diffusers adapter even when a native pipeline exists."""
     enable_progress_bar: bool = False
     """A tqdm bar over the denoise steps in the worker's log."""
+    stage_id: int = 0
+    """The stage this engine serves; set at resolution, it names the worker processes in log lines."""
+    logging_config: LoggingConfig | None = None
+    """vLLM logging config of the server (`--log-level`, `--logging-config`) applied in every worker process;
+    None = vLLM's defaults from the environment."""
     load_format: str = "auto"
     """auto = the checkpoint's weights; dummy = only its configs and tokenizers are read, every component is
     built from its config with small random weights (benchmarks of real model sizes without weight files)."""

@@ -11,11 +11,11 @@ import time
 from typing import Any
 
 import torch
-from vllm.logger import init_logger
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.forward_context import PartialSink, set_forward_context
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+from vllm_omni.logger import init_logger
 from vllm_omni.models.registry import MODEL_REGISTRY
 from vllm_omni.models.resolution import resolve_model_dir, resolve_pipeline_class_name
 

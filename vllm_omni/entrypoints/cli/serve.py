@@ -55,11 +55,15 @@ class OmniServeCommand(CLISubcommand):
     @staticmethod
     def cmd(args: argparse.Namespace) -> None:
         import uvloop
+        from vllm.logger import configure_logging_from_args
 
         from vllm_omni.entrypoints.openai.api_server import run_server
 
         if args.model_tag is not None:
             args.model = args.model_tag
+        # vLLM's `vllm` hands `--omni` over before it configures logging; its args.logging_config then
+        # travels to every stage, so EngineCores and diffusion workers log at the server's level.
+        configure_logging_from_args(args)
         uvloop.run(run_server(args))
 
     def validate(self, args: argparse.Namespace) -> None:

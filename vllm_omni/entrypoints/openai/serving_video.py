@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from vllm.logger import init_logger
 from vllm.utils import random_uuid
 
 from vllm_omni.diffusion.video_utils import encode_mp4
@@ -38,6 +37,7 @@ from vllm_omni.entrypoints.openai.protocol.videos import (
 from vllm_omni.entrypoints.openai.serving_base import OmniServingBase
 from vllm_omni.errors import OmniClientError, OmniError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 

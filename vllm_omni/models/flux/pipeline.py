@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from vllm.logger import init_logger
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig, set_current_attention_config
@@ -26,6 +25,7 @@ from vllm_omni.diffusion.layers.compile import accelerate_if_requested
 from vllm_omni.diffusion.model_loader.diffusers_loader import read_component_config
 from vllm_omni.diffusion.model_loader.dummy import load_native_weights, load_pretrained
 from vllm_omni.diffusion.timing import elapsed_since
+from vllm_omni.logger import init_logger
 from vllm_omni.models.flux.transformer import FluxTransformer2DModel
 
 if TYPE_CHECKING:

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from vllm.logger import init_logger
 
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.forward_context import (
@@ -38,6 +37,7 @@ from vllm_omni.diffusion.layers.compile import accelerate_if_requested
 from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.diffusion.video_utils import iter_wan_vae_decode, to_uint8_frames
 from vllm_omni.errors import OmniClientError
+from vllm_omni.logger import init_logger
 
 if TYPE_CHECKING:
     from typing import Self
