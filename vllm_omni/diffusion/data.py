@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
+from vllm_omni import envs
 from vllm_omni.errors import OmniClientError, OmniError
 
 if TYPE_CHECKING:
@@ -41,16 +42,16 @@ def refuse_unimplemented(values: dict[str, Any]) -> None:
                                   param=name)
 
 
-def check_attention_backend(name: str | None) -> None:
+def check_attention_backend(name: str | None,
+                            source: str = "diffusion_attention_backend (--diffusion-attention-backend)") -> None:
     """Fail where the config is resolved, not in a worker that is loading weights."""
     if name is None:
         return
     from vllm_omni.diffusion.attention.selector import available_backends
 
     if name.upper() not in available_backends():
-        raise OmniClientError(f"diffusion_attention_backend={name!r} (--diffusion-attention-backend) is not a "
-                              f"diffusion attention backend; choose one of {available_backends()}",
-                              param="diffusion_attention_backend")
+        raise OmniClientError(f"{source}={name!r} is not a diffusion attention backend; choose one of "
+                              f"{available_backends()}", param="diffusion_attention_backend")
 
 
 def check_diffusion_args(engine_args: dict[str, Any]) -> None:
@@ -58,6 +59,7 @@ def check_diffusion_args(engine_args: dict[str, Any]) -> None:
     parallel = engine_args.get("parallel_config")  # a DiffusionParallelConfig object checked itself
     refuse_unimplemented({**engine_args, **(parallel if isinstance(parallel, dict) else {})})
     check_attention_backend(engine_args.get("diffusion_attention_backend"))
+    check_attention_backend(envs.DIFFUSION_ATTENTION_BACKEND, "env DIFFUSION_ATTENTION_BACKEND")
 
 
 @dataclass
@@ -98,7 +100,7 @@ class OmniDiffusionConfig:
     """Diffusion pipeline class instead of `_class_name` of model_index.json (e.g. `WanImageToVideoPipeline`
     for Wan2.2-TI2V-5B image-to-video, or a `module:Class` path)."""
     dtype: str = "auto"
-    """auto = bfloat16 on CUDA, float32 on CPU."""
+    """auto = bfloat16 on CUDA, float32 on CPU; or float32 / bfloat16 / float16."""
     device: str | None = None
     """None = cuda when available, else cpu."""
     revision: str | None = None
@@ -122,7 +124,8 @@ class OmniDiffusionConfig:
     num_gpus: int = 1
     """Not implemented yet (devices come from --tensor-parallel-size and the deploy config): refused unless 1."""
     init_timeout: float = 600.0
-    """Seconds the engine waits for every worker to load the model."""
+    """Seconds the engine waits for every worker to load the model; a worker that fails to load fails start-up
+    with its rank and traceback."""
     diffusers_load_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of diffusers' `from_pretrained` on the generic adapter path."""
     use_diffusers_adapter: bool = False

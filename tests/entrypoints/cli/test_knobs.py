@@ -18,7 +18,8 @@ from vllm_omni.engine.arg_utils import OmniEngineArgs
 from vllm_omni.entrypoints.cli import docs
 from vllm_omni.errors import OmniClientError
 
-PAGE = Path(__file__).parents[3] / "docs" / "cli.md"
+ROOT = Path(__file__).parents[3]
+PAGE = ROOT / docs.CLI_PAGE
 BIN = Path(sys.executable).parent
 
 
@@ -29,7 +30,12 @@ def parser():
 
 def test_cli_page_flag_tables_match_the_parser(parser):
     text = PAGE.read_text()
-    assert text == docs.update(text, parser), "docs/cli.md drifted: python -m vllm_omni.entrypoints.cli.docs"
+    assert text == docs.update(text, docs.cli_tables(parser)), "regenerate: python -m vllm_omni.entrypoints.cli.docs"
+
+
+def test_diffusion_config_table_matches_the_dataclasses():
+    text = (ROOT / docs.CONFIG_PAGE).read_text()
+    assert text == docs.update(text, docs.config_table()), "regenerate: python -m vllm_omni.entrypoints.cli.docs"
 
 
 def test_every_flag_the_page_names_exists(parser):

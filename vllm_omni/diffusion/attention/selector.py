@@ -10,16 +10,15 @@ The choice is made once per layer at construction, never swapped while requests 
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
+from vllm_omni import envs
 from vllm_omni.diffusion.attention.backends.abstract import AttentionBackend
 
-ENV_VAR = "DIFFUSION_ATTENTION_BACKEND"
 _BACKENDS: dict[str, str] = {
     "TORCH_SDPA": "vllm_omni.diffusion.attention.backends.sdpa:TorchSDPABackend",
     "CUDNN_ATTN": "vllm_omni.diffusion.attention.backends.cudnn:CudnnAttentionBackend",
@@ -79,7 +78,7 @@ def _default() -> str:
 
 def get_attn_backend(name: str | None = None) -> type[AttentionBackend]:
     """The backend class for `name` (see module doc for None); raises if it cannot run here."""
-    name = name or _current.backend or os.environ.get(ENV_VAR) or _default()
+    name = name or _current.backend or envs.DIFFUSION_ATTENTION_BACKEND or _default()
     backend = load_backend(name)
     backend.check_available()
     return backend

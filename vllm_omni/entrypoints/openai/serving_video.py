@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 from vllm.utils import random_uuid
 
+from vllm_omni import envs
 from vllm_omni.diffusion.video_utils import encode_mp4
 from vllm_omni.entrypoints.openai.media import decode_image_bytes, decode_image_url
 from vllm_omni.entrypoints.openai.protocol.common import parse_size
@@ -45,7 +45,7 @@ DEFAULT_FPS = 16
 DEFAULT_NUM_FRAMES = 81
 DEFAULT_SIZE = (832, 480)
 MAX_STORED_JOBS = 256
-SYNC_TIMEOUT_S = float(os.environ.get("VLLM_OMNI_VIDEO_SYNC_TIMEOUT", "14400"))
+SYNC_TIMEOUT_S = envs.VLLM_OMNI_VIDEO_SYNC_TIMEOUT
 """Seconds `POST /v1/videos/sync` waits for the engine before giving up (and aborting the request)."""
 
 # Request fields copied onto the diffusion sampling params when the client set them.
