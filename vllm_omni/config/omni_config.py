@@ -87,6 +87,7 @@ class VllmOmniConfig:
                 raise OmniClientError(
                     f"stage {spec.stage_id} ({spec.execution_type.value}) does not accept engine "
                     f"argument(s) {unknown}", param=unknown[0])
+            stage_cls.check_args(args)
             stages.append(stage_cls(
                 stage_id=spec.stage_id,
                 model=_stage_model(model_path, spec.model, spec.model_subfolder),

@@ -44,6 +44,10 @@ class BaseVllmOmniStageConfig:
     def name(self) -> str:
         return f"stage-{self.stage_id}-{self.stage_type}"
 
+    @staticmethod
+    def check_args(engine_args: dict[str, Any]) -> None:
+        """Refuse values this stage's engine cannot honour, at resolution (before any process starts)."""
+
 
 @dataclass(config=FORBID)
 class VllmOmniARStageConfig(BaseVllmOmniStageConfig):
@@ -76,10 +80,16 @@ class VllmOmniDiffusionStageConfig(BaseVllmOmniStageConfig):
     def known_args() -> frozenset[str]:
         return _diffusion_arg_names()
 
+    @staticmethod
+    def check_args(engine_args: dict[str, Any]) -> None:
+        from vllm_omni.diffusion.data import check_diffusion_args
+
+        check_diffusion_args(engine_args)
+
     def make_od_config(self):
         from vllm_omni.diffusion.data import OmniDiffusionConfig
 
-        return OmniDiffusionConfig.from_kwargs(model=self.model, **self.engine_args)
+        return OmniDiffusionConfig.from_kwargs(model=self.model, stage_id=self.stage_id, **self.engine_args)
 
 
 StageConfig = VllmOmniARStageConfig | VllmOmniGenerationStageConfig | VllmOmniDiffusionStageConfig
@@ -98,4 +108,4 @@ def _diffusion_arg_names() -> frozenset[str]:
 
     names = {f.name for f in dataclasses.fields(OmniDiffusionConfig)}
     names |= {f.name for f in dataclasses.fields(DiffusionParallelConfig)}
-    return frozenset(names - {"model"})
+    return frozenset(names - {"model", "stage_id"})

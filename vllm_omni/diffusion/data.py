@@ -3,22 +3,84 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from vllm_omni import envs
 from vllm_omni.errors import OmniClientError, OmniError, RequestAbortedError
+
+if TYPE_CHECKING:
+    from vllm.config.logging import LoggingConfig
 
 DIFFUSION_LOAD_FORMATS = ("auto", "dummy")
 """Weight sources of a diffusion stage (a subset of vLLM's `--load-format`)."""
 
 
+NOT_IMPLEMENTED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "cache_backend": ("diffusion cache acceleration", ("none",)),
+    "cache_config": ("diffusion cache acceleration", ({},)),
+    "num_gpus": ("placement by --num-gpus (use --tensor-parallel-size and the deploy config's devices)", (1,)),
+    "sequence_parallel_size": ("sequence parallelism", (1,)),
+    "ulysses_degree": ("sequence parallelism (Ulysses)", (1,)),
+    "ring_degree": ("sequence parallelism (ring attention)", (1,)),
+    "cfg_parallel_size": ("CFG parallelism", (1,)),
+    "data_parallel_size": ("data parallelism inside a diffusion stage (use deploy replicas)", (1,)),
+}
+"""Knobs the schema reserves for features that are not built yet: feature name and the values that mean "off".
+
+Any other value is refused where the config is resolved, so a knob is never accepted and silently ignored."""
+
+
+def refuse_unimplemented(values: dict[str, Any]) -> None:
+    """Raise `OmniClientError` naming the knob (and its CLI flag) for any unimplemented knob that is set."""
+    for name, value in values.items():
+        if name not in NOT_IMPLEMENTED or value is None:
+            continue
+        feature, off = NOT_IMPLEMENTED[name]
+        if value not in off:
+            flag = "--" + name.replace("_", "-")
+            raise OmniClientError(f"{name}={value!r} ({flag}): {feature} is not implemented yet; leave it unset",
+                                  param=name)
+
+
+def check_attention_backend(name: str | None,
+                            source: str = "diffusion_attention_backend (--diffusion-attention-backend)") -> None:
+    """Fail where the config is resolved, not in a worker that is loading weights."""
+    if name is None:
+        return
+    from vllm_omni.diffusion.attention.selector import available_backends
+
+    if name.upper() not in available_backends():
+        raise OmniClientError(f"{source}={name!r} is not a diffusion attention backend; choose one of "
+                              f"{available_backends()}", param="diffusion_attention_backend")
+
+
+def check_diffusion_args(engine_args: dict[str, Any]) -> None:
+    """The checks of `OmniDiffusionConfig` that need no engine process, run when the stage is resolved."""
+    parallel = engine_args.get("parallel_config")  # a DiffusionParallelConfig object checked itself
+    refuse_unimplemented({**engine_args, **(parallel if isinstance(parallel, dict) else {})})
+    check_attention_backend(engine_args.get("diffusion_attention_backend"))
+    check_attention_backend(envs.DIFFUSION_ATTENTION_BACKEND, "env DIFFUSION_ATTENTION_BACKEND")
+
+
 @dataclass
 class DiffusionParallelConfig:
+    """How one diffusion stage splits its work over devices; only tensor parallelism is implemented."""
+
     tensor_parallel_size: int = 1
+    """Shards every transformer layer over this many devices (one worker process per rank)."""
     sequence_parallel_size: int = 1
+    """Not implemented yet: refused unless 1."""
     ulysses_degree: int = 1
+    """Not implemented yet (Ulysses sequence parallelism): refused unless 1."""
     ring_degree: int = 1
+    """Not implemented yet (ring-attention sequence parallelism): refused unless 1."""
     cfg_parallel_size: int = 1
+    """Not implemented yet (conditional and unconditional branches on different devices): refused unless 1."""
     data_parallel_size: int = 1
+    """Not implemented yet inside a diffusion stage (use deploy-config replicas): refused unless 1."""
+
+    def __post_init__(self) -> None:
+        refuse_unimplemented(asdict(self))
 
     @property
     def world_size(self) -> int:
@@ -35,35 +97,53 @@ class OmniDiffusionConfig:
 
     model: str
     model_class_name: str | None = None
-    """Pipeline class; None = read `_class_name` from model_index.json."""
+    """Diffusion pipeline class instead of `_class_name` of model_index.json (e.g. `WanImageToVideoPipeline`
+    for Wan2.2-TI2V-5B image-to-video, or a `module:Class` path)."""
     dtype: str = "auto"
-    """auto = bfloat16 on CUDA, float32 on CPU."""
+    """auto = bfloat16 on CUDA, float32 on CPU; or float32 / bfloat16 / float16."""
     device: str | None = None
     """None = cuda when available, else cpu."""
     revision: str | None = None
+    """Hub revision (branch, tag or commit) of the checkpoint."""
     parallel_config: DiffusionParallelConfig = field(default_factory=DiffusionParallelConfig)
     diffusion_attention_backend: str | None = None
-    """TORCH_SDPA | CUDNN_ATTN | FLASH_ATTN | FLASHINFER_ATTN; None = env DIFFUSION_ATTENTION_BACKEND or auto."""
+    """Attention backend of the transformer's layers; None = env DIFFUSION_ATTENTION_BACKEND, then the
+    fastest one installed for the device (see docs/attention_backends.md)."""
     max_num_seqs: int = 1
     """Most requests co-batched into one forward (request-batch mode)."""
     request_batch_max_wait_ms: float = 0.0
-    """How long the scheduler waits for compatible requests to fill a batch."""
+    """Milliseconds the scheduler waits for compatible requests to fill a batch."""
     cache_backend: Literal["cache_dit", "none"] | None = None
+    """Not implemented yet (diffusion cache acceleration): refused unless none."""
     cache_config: dict[str, Any] = field(default_factory=dict)
+    """Not implemented yet (settings of the cache backend): refused unless empty."""
     enforce_eager: bool = True
+    """Eager transformer; False compiles it on CUDA (+ CUDA graphs where the pipeline supports them)."""
     fa_deterministic: bool = False
+    """Deterministic FlashAttention on the dense diffusion path (slower; for accuracy CI)."""
     num_gpus: int = 1
+    """Not implemented yet (devices come from --tensor-parallel-size and the deploy config): refused unless 1."""
     init_timeout: float = 600.0
-    """Seconds the engine waits for every worker to load the model."""
+    """Seconds the engine waits for every worker to load the model; a worker that fails to load fails start-up
+    with its rank and traceback."""
     diffusers_load_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of diffusers' `from_pretrained` on the generic adapter path."""
     use_diffusers_adapter: bool = False
     """Force the generic diffusers adapter even when a native pipeline exists."""
     enable_progress_bar: bool = False
+    """A tqdm bar over the denoise steps in the worker's log."""
+    stage_id: int = 0
+    """The stage this engine serves; set at resolution, it names the worker processes in log lines."""
+    logging_config: LoggingConfig | None = None
+    """vLLM logging config of the server (`--log-level`, `--logging-config`) applied in every worker process;
+    None = vLLM's defaults from the environment."""
     load_format: str = "auto"
     """auto = the checkpoint's weights; dummy = only its configs and tokenizers are read, every component is
     built from its config with small random weights (benchmarks of real model sizes without weight files)."""
 
     def __post_init__(self) -> None:
+        refuse_unimplemented({f.name: getattr(self, f.name) for f in fields(self)})
+        check_attention_backend(self.diffusion_attention_backend)
         if self.load_format not in DIFFUSION_LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {list(DIFFUSION_LOAD_FORMATS)}, got {self.load_format!r}")
 

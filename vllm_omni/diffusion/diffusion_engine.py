@@ -17,8 +17,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
-from vllm.logger import init_logger
-
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.executor.multiproc_executor import MultiprocDiffusionExecutor
 from vllm_omni.diffusion.interface import supports_request_batch
@@ -28,6 +26,7 @@ from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.sched.request_scheduler import RequestScheduler
 from vllm_omni.errors import EngineDeadError, OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.logger import init_logger
 from vllm_omni.models.registry import MODEL_REGISTRY
 from vllm_omni.models.resolution import resolve_model_dir, resolve_pipeline_class_name
 

@@ -9,15 +9,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
+import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+from vllm.config.utils import get_attr_docs
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 
-DIFFUSION_ATTENTION_BACKENDS = ("TORCH_SDPA", "FLASH_ATTN", "FLASHINFER_ATTN", "CUDNN_ATTN", "SAGE_ATTN")
-CACHE_BACKENDS = ("cache_dit", "none")
 _FRONTEND_ONLY = frozenset({"model", "omni", "served_model_name"})
 """Engine-args fields the HTTP server consumes itself; they never reach the stages."""
+_METAVARS = {int: "N", float: "X", str: "NAME", dict: "JSON"}
 
 
 def _json_object(flag: str):
@@ -35,86 +37,89 @@ def _json_object(flag: str):
     return parse
 
 
+def attr_help(*classes: type) -> dict[str, str]:
+    """Attribute docstrings of `classes` as one-line argparse help; an earlier class wins on a shared name."""
+    docs: dict[str, str] = {}
+    for cls in reversed(classes):
+        docs.update({name: " ".join(doc.split()).replace("%", "%%") for name, doc in get_attr_docs(cls).items()})
+    return docs
+
+
+def add_dataclass_args(group, cls: type, names: list[str], docs: dict[str, str],
+                       choices: dict[str, list[str]] | None = None) -> None:
+    """One `--flag` per field in `names`: type, default and choices from the field, help from `docs`.
+
+    bool fields are switches; dict fields take a JSON object; `Literal` fields (or `choices`) are choices.
+    """
+    module_globals = vars(sys.modules[cls.__module__])
+    by_name = {f.name: f for f in dataclasses.fields(cls)}
+    for name in names:
+        flag = "--" + name.replace("_", "-")
+        field = by_name[name]
+        # Only these fields' annotations are evaluated (postponed annotations, as typing.get_type_hints does).
+        hint = eval(field.type, module_globals) if isinstance(field.type, str) else field.type
+        base = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
+        kwargs: dict[str, Any] = {"default": field.default, "help": docs[name]}
+        if base is bool:
+            kwargs["action"] = "store_true"
+        elif typing.get_origin(base) is Literal:
+            kwargs["choices"] = list(typing.get_args(base))
+        elif typing.get_origin(base) is dict:
+            kwargs.update(type=_json_object(flag), metavar="JSON")
+        else:
+            kwargs.update(type=base, metavar=_METAVARS[base])
+        if choices and name in choices:
+            kwargs.pop("metavar", None)
+            kwargs["choices"] = choices[name]
+        group.add_argument(flag, **kwargs)
+
+
 @dataclass
 class OmniEngineArgs(EngineArgs):
-    """Engine arguments of a vllm-omni pipeline (all stages)."""
+    """Engine arguments of a vllm-omni pipeline (all stages).
+
+    Fields without a docstring here are diffusion-stage knobs: their help is the docstring of the
+    `OmniDiffusionConfig` / `DiffusionParallelConfig` field they set, so it is written once.
+    """
 
     omni: bool = False
-    """Serve through vllm-omni (set by `vllm serve ... --omni`)."""
+    """Serve through vllm-omni (what makes `vllm` hand over)."""
     stage_overrides: dict[str, dict[str, Any]] | None = None
-    """Per-stage overrides keyed by stage id, e.g. {"0": {"max_num_seqs": 2}}; they win over global flags."""
+    """Per-stage engine args keyed by stage id, e.g. {"0": {"max_num_seqs": 2}}; they win over global flags."""
     deploy_config: str | None = None
     """Deploy config YAML (placement, devices, deploy-time defaults); never changes the stage graph."""
-    diffusion_attention_backend: str | None = None
-    """Attention backend of diffusion stages; None = env DIFFUSION_ATTENTION_BACKEND or auto."""
-    request_batch_max_wait_ms: float = 0.0
-    """How long a diffusion scheduler waits for compatible requests to fill a batch."""
-    cache_backend: str | None = None
-    """Diffusion cache acceleration backend (cache_dit | none)."""
-    cache_config: dict[str, Any] | None = None
-    """Cache backend settings as JSON."""
-    fa_deterministic: bool = False
-    """Deterministic FlashAttention on the dense diffusion path (slower; for accuracy CI)."""
-    diffusers_load_kwargs: dict[str, Any] | None = None
-    """Extra kwargs for diffusers `from_pretrained` (generic adapter path)."""
-    use_diffusers_adapter: bool = False
-    """Run diffusion models through the generic diffusers adapter even when a native pipeline exists."""
-    model_class_name: str | None = None
-    """Diffusion pipeline class instead of `_class_name` of model_index.json (e.g. `WanImageToVideoPipeline`
-    for Wan2.2-TI2V-5B image-to-video, or a `module:Class` path)."""
-    num_gpus: int | None = None
-    """Devices per diffusion stage (None = the stage's default)."""
     stage_init_timeout: float | None = None
     """Seconds one stage may take to start; None = the control plane's default."""
     init_timeout: float | None = None
     """Seconds the whole pipeline may take to start; None = the control plane's default."""
+    diffusion_attention_backend: str | None = None
+    request_batch_max_wait_ms: float = 0.0
+    fa_deterministic: bool = False
+    diffusers_load_kwargs: dict[str, Any] | None = None
+    use_diffusers_adapter: bool = False
+    model_class_name: str | None = None
+    cache_backend: Literal["cache_dit", "none"] | None = None
+    cache_config: dict[str, Any] | None = None
+    num_gpus: int | None = None
+    sequence_parallel_size: int | None = None
+    ulysses_degree: int | None = None
+    ring_degree: int | None = None
+    cfg_parallel_size: int | None = None
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser = AsyncEngineArgs.add_cli_args(parser)
         return cls._add_omni_specific_args(parser)
 
-    @staticmethod
-    def _add_omni_specific_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    @classmethod
+    def _add_omni_specific_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        from vllm_omni.diffusion.attention.selector import available_backends
+        from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig
+
         group = parser.add_argument_group(title="OmniConfig", description="vllm-omni pipeline options.")
-        group.add_argument("--omni", action="store_true", help="Serve through vllm-omni.")
-        group.add_argument(
-            "--stage-overrides",
-            type=_json_object("--stage-overrides"),
-            default=None,
-            help='Per-stage overrides as JSON keyed by stage id, e.g. \'{"0": {"max_num_seqs": 2}}\'.',
-        )
-        group.add_argument("--deploy-config", default=None, help="Deploy config YAML path.")
-        group.add_argument(
-            "--diffusion-attention-backend",
-            choices=DIFFUSION_ATTENTION_BACKENDS,
-            default=None,
-            help="Attention backend of diffusion stages (default: env DIFFUSION_ATTENTION_BACKEND, then auto).",
-        )
-        group.add_argument(
-            "--request-batch-max-wait-ms",
-            type=float,
-            default=0.0,
-            help="Milliseconds a diffusion scheduler waits for compatible requests to co-batch.",
-        )
-        group.add_argument("--cache-backend", choices=CACHE_BACKENDS, default=None,
-                           help="Diffusion cache acceleration backend.")
-        group.add_argument("--cache-config", type=_json_object("--cache-config"), default=None,
-                           help="Cache backend settings as JSON.")
-        group.add_argument("--fa-deterministic", action="store_true",
-                           help="Deterministic FlashAttention on the dense diffusion path (slower).")
-        group.add_argument("--diffusers-load-kwargs", type=_json_object("--diffusers-load-kwargs"), default=None,
-                           help="Extra kwargs for diffusers from_pretrained (adapter path), as JSON.")
-        group.add_argument("--use-diffusers-adapter", action="store_true",
-                           help="Force the generic diffusers adapter for diffusion models.")
-        group.add_argument("--model-class-name", default=None,
-                           help="Diffusion pipeline class instead of model_index.json's _class_name "
-                                "(e.g. WanImageToVideoPipeline, or module:Class).")
-        group.add_argument("--num-gpus", type=int, default=None, help="Devices per diffusion stage.")
-        group.add_argument("--stage-init-timeout", type=float, default=None,
-                           help="Seconds one stage may take to start.")
-        group.add_argument("--init-timeout", type=float, default=None,
-                           help="Seconds the whole pipeline may take to start.")
+        own = [f.name for f in dataclasses.fields(cls) if f.name in OMNI_ARG_NAMES]
+        docs = attr_help(cls, OmniDiffusionConfig, DiffusionParallelConfig)
+        add_dataclass_args(group, cls, own, docs, {"diffusion_attention_backend": available_backends()})
         # Unset unless given: diffusion stages default to eager and AR stages to compiled, so both
         # --enforce-eager and --no-enforce-eager must reach the stages.
         parser.set_defaults(enforce_eager=None)
@@ -135,3 +140,8 @@ class OmniEngineArgs(EngineArgs):
             if value != getattr(defaults, f.name, f.default):
                 kwargs[f.name] = value
         return kwargs
+
+
+OMNI_ARG_NAMES = frozenset(f.name for f in dataclasses.fields(OmniEngineArgs)) - {
+    f.name for f in dataclasses.fields(EngineArgs)}
+"""The flags vllm-omni adds to vLLM's engine flags (group OmniConfig)."""

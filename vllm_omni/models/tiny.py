@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from vllm_omni import envs
 
 TINY_PREFIX = "tiny/"
 Builder = Callable[..., None]
@@ -45,7 +46,7 @@ def tiny_checkpoint(description: str, **params: Any) -> Callable[[Builder], Buil
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("VLLM_OMNI_TINY_CACHE", Path.home() / ".cache" / "vllm_omni" / "tiny"))
+    return envs.VLLM_OMNI_TINY_CACHE
 
 
 def available() -> dict[str, str]:

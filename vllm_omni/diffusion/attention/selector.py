@@ -11,12 +11,12 @@ The choice is made once per layer at construction, never swapped while requests 
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_omni import envs
 from vllm_omni.diffusion.attention.backends.abstract import AttentionBackend
 
 if TYPE_CHECKING:
@@ -77,6 +77,6 @@ def _default() -> str:
 
 def get_attn_backend(name: str | None = None) -> type[AttentionBackend]:
     """The backend class for `name` (see module doc for None); raises if it cannot run here."""
-    backend = load_backend(name or os.environ.get(ENV_VAR) or _default())
+    backend = load_backend(name or envs.DIFFUSION_ATTENTION_BACKEND or _default())
     backend.check_available()
     return backend

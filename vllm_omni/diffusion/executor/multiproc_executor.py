@@ -23,7 +23,6 @@ from multiprocessing.connection import wait as wait_for_objects
 from typing import Any
 
 import zmq
-from vllm.logger import init_logger
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.ipc import (
@@ -43,6 +42,7 @@ from vllm_omni.diffusion.ipc import (
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.worker_proc import WorkerSpec, worker_main
 from vllm_omni.errors import EngineDeadError
+from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 

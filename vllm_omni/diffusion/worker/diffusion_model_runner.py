@@ -12,11 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from vllm.logger import init_logger
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.step_context import PartialSink, StepContext
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+from vllm_omni.logger import init_logger
 from vllm_omni.models.registry import MODEL_REGISTRY
 from vllm_omni.models.resolution import resolve_model_dir, resolve_pipeline_class_name
 

@@ -11,13 +11,13 @@ import os
 from typing import Any
 
 import torch
-from vllm.logger import init_logger
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.parallel_state import destroy_diffusion_distributed, init_diffusion_distributed
 from vllm_omni.diffusion.step_context import PartialSink
 from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 

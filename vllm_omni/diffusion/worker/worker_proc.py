@@ -30,6 +30,7 @@ from vllm_omni.diffusion.ipc import (
     WorkerInput,
     WorkerReady,
 )
+from vllm_omni.logger import configure_process_logging
 
 _PARENT_CHECK_INTERVAL_MS = 1000
 _SEND_LINGER_MS = 2000
@@ -164,6 +165,8 @@ def worker_main(spec: WorkerSpec) -> None:
     """Process entry point. Everything is released by the time `run` returns, so after the exit handlers the
     process skips the interpreter teardown (seconds of module finalization with torch loaded)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    configure_process_logging(spec.od_config.logging_config,
+                              f"DiffusionWorker_S{spec.od_config.stage_id}_R{spec.rank}")
     code = 1
     try:
         code = WorkerProc.run(spec)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, fields
 
 from vllm.entrypoints.cli.types import CLISubcommand
 from vllm.entrypoints.launchers.cli_args import FrontendArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from vllm_omni.engine.arg_utils import OmniEngineArgs
+from vllm_omni.diffusion.data import NOT_IMPLEMENTED, refuse_unimplemented
+from vllm_omni.engine.arg_utils import OMNI_ARG_NAMES, OmniEngineArgs, add_dataclass_args, attr_help
 from vllm_omni.entrypoints.cli.main import SERVE_HELP
+from vllm_omni.errors import OmniClientError
 
 DESCRIPTION = """Launch the vllm-omni OpenAI-compatible server for MODEL (a Hugging Face id, a local path,
 or a built-in tiny default such as tiny/qwen-image or tiny/qwen2).
@@ -20,12 +23,20 @@ Use `--help=<group>` (e.g. --help=OmniConfig, --help=Frontend) or `--help=all` f
 """
 
 
+@dataclass
+class OmniFrontendArgs:
+    """HTTP-server limits of vllm-omni on top of vLLM's frontend flags."""
+
+    max_upload_mb: float = 20.0
+    """Largest accepted upload (image edits, input images) in MiB; larger ones get 413."""
+    max_request_outputs: int = 8
+    """Most images/videos one request may ask for (`n`, `num_outputs_per_prompt`)."""
+
+
 def add_omni_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title="OmniFrontend", description="vllm-omni HTTP server options.")
-    group.add_argument("--max-upload-mb", type=float, default=20.0,
-                       help="Largest accepted upload (image edits) in MiB; larger ones get 413.")
-    group.add_argument("--max-request-outputs", type=int, default=8,
-                       help="Most images/videos one request may ask for (n / num_outputs_per_prompt).")
+    names = [f.name for f in fields(OmniFrontendArgs)]
+    add_dataclass_args(group, OmniFrontendArgs, names, attr_help(OmniFrontendArgs))
     return parser
 
 
@@ -44,11 +55,15 @@ class OmniServeCommand(CLISubcommand):
     @staticmethod
     def cmd(args: argparse.Namespace) -> None:
         import uvloop
+        from vllm.logger import configure_logging_from_args
 
         from vllm_omni.entrypoints.openai.api_server import run_server
 
         if args.model_tag is not None:
             args.model = args.model_tag
+        # vLLM's `vllm` hands `--omni` over before it configures logging; its args.logging_config then
+        # travels to every stage, so EngineCores and diffusion workers log at the server's level.
+        configure_logging_from_args(args)
         uvloop.run(run_server(args))
 
     def validate(self, args: argparse.Namespace) -> None:
@@ -58,6 +73,11 @@ class OmniServeCommand(CLISubcommand):
             raise SystemExit("--max-upload-mb must be > 0")
         if args.max_request_outputs < 1:
             raise SystemExit("--max-request-outputs must be >= 1")
+        try:  # here, before any engine or worker starts
+            # vLLM's own --data-parallel-size stays vLLM's for AR stages; diffusion stages refuse it themselves.
+            refuse_unimplemented({name: getattr(args, name) for name in NOT_IMPLEMENTED if name in OMNI_ARG_NAMES})
+        except OmniClientError as exc:
+            raise SystemExit(f"vllm-omni serve: {exc.message}") from None
 
     def subparser_init(self, subparsers: argparse._SubParsersAction) -> FlexibleArgumentParser:
         serve_parser = subparsers.add_parser(

@@ -13,7 +13,6 @@ from fastapi import FastAPI
 from vllm import envs
 from vllm.entrypoints.launchers.launcher import create_server_socket, serve_http
 from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
-from vllm.logger import init_logger
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from vllm_omni.engine.arg_utils import OmniEngineArgs
@@ -28,6 +27,7 @@ from vllm_omni.entrypoints.openai.serving_speech import OmniOpenAIServingSpeech
 from vllm_omni.entrypoints.openai.serving_video import OmniOpenAIServingVideo
 from vllm_omni.entrypoints.openai.serving_video_stream import OmniStreamingVideoOutputHandler
 from vllm_omni.entrypoints.openai.video_api_router import router as video_router
+from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 

@@ -13,11 +13,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
-from vllm.logger import init_logger
 
 from vllm_omni.entrypoints.openai.protocol.chat import OmniBatchChatCompletionRequest, OmniChatCompletionRequest
 from vllm_omni.entrypoints.openai.serving_chat import OmniOpenAIServingChat
 from vllm_omni.errors import OmniClientError
+from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 

@@ -14,9 +14,9 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.exceptions import VLLMClientError, VLLMNotFoundError
-from vllm.logger import init_logger
 
 from vllm_omni.errors import EngineDeadError, OmniClientError, OmniError
+from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 

@@ -10,14 +10,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.logger import init_logger
-
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.capabilities import ModelCapabilities
 from vllm_omni.entrypoints.openai.metrics import OmniMetrics
 from vllm_omni.entrypoints.openai.protocol.common import DIFFUSION_FIELD_NAMES, DiffusionFields, parse_size
 from vllm_omni.errors import EngineDeadError, OmniClientError, client_error_from_metadata
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.logger import init_logger
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = init_logger(__name__)

@@ -26,7 +26,6 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
 )
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
 from vllm.exceptions import VLLMClientError
-from vllm.logger import init_logger
 from vllm.parser import Parser, ParserManager
 from vllm.renderers.chat_utils import make_tool_call_id
 from vllm.sampling_params import RequestOutputKind
@@ -39,6 +38,7 @@ from vllm_omni.entrypoints.openai.protocol.chat import OmniChatCompletionRequest
 from vllm_omni.entrypoints.openai.protocol.common import DIFFUSION_FIELD_NAMES, DiffusionFields
 from vllm_omni.entrypoints.openai.serving_base import OmniServingBase, maybe_await
 from vllm_omni.errors import OmniClientError
+from vllm_omni.logger import init_logger
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = init_logger(__name__)

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -20,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from vllm.logger import init_logger
 from vllm.utils import random_uuid
 
+from vllm_omni import envs
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.diffusion.video_utils import encode_mp4
 from vllm_omni.entrypoints.openai.media import decode_image_bytes, decode_image_url
@@ -39,6 +38,7 @@ from vllm_omni.entrypoints.openai.protocol.videos import (
 from vllm_omni.entrypoints.openai.serving_base import OmniServingBase
 from vllm_omni.errors import OmniClientError, OmniError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 
@@ -46,7 +46,7 @@ DEFAULT_FPS = 16
 DEFAULT_NUM_FRAMES = 81
 DEFAULT_SIZE = (832, 480)
 MAX_STORED_JOBS = 256
-SYNC_TIMEOUT_S = float(os.environ.get("VLLM_OMNI_VIDEO_SYNC_TIMEOUT", "14400"))
+SYNC_TIMEOUT_S = envs.VLLM_OMNI_VIDEO_SYNC_TIMEOUT
 """Seconds `POST /v1/videos/sync` waits for the engine before giving up (and aborting the request)."""
 
 # Request fields copied onto the diffusion sampling params when the client set them.

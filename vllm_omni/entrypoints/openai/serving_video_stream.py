@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
-from vllm.logger import init_logger
 from vllm.utils import random_uuid
 
 from vllm_omni.diffusion.video_utils import FragmentedMp4Writer
@@ -37,6 +36,7 @@ from vllm_omni.entrypoints.openai.protocol.videos import VideoGenerationRequest
 from vllm_omni.entrypoints.openai.serving_video import DEFAULT_FPS, DEFAULT_NUM_FRAMES, OmniOpenAIServingVideo
 from vllm_omni.errors import OmniClientError, OmniError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from vllm.logger import init_logger
 
 from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
 from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.logger import init_logger
 from vllm_omni.models.flux.transformer import FluxTransformer2DModel
 
 if TYPE_CHECKING:

@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 from tqdm.auto import tqdm
-from vllm.logger import init_logger
 
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, iter_wan_vae_decode, to_uint8_frames
 from vllm_omni.errors import OmniClientError
+from vllm_omni.logger import init_logger
 
 if TYPE_CHECKING:
     from typing import Self
