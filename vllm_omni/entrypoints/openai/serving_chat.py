@@ -45,7 +45,7 @@ from vllm_omni.entrypoints.openai.protocol.chat import (
 )
 from vllm_omni.entrypoints.openai.protocol.common import DIFFUSION_FIELD_NAMES, DiffusionFields
 from vllm_omni.entrypoints.openai.serving_base import OmniServingBase, maybe_await
-from vllm_omni.errors import EngineDeadError, OmniClientError
+from vllm_omni.errors import OmniClientError, OmniError
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = init_logger(__name__)
@@ -98,14 +98,17 @@ def _part_value(part: dict[str, Any], kind: str, param: str) -> str:
 
 
 async def fail_fast(stream: AsyncIterator[str]) -> AsyncIterator[str]:
-    """`stream` with its first chunk already produced, so that what it raises before sending anything (a dead
-    engine) is the HTTP status instead of a 200 stream carrying an error event."""
+    """`stream` with its first chunk already produced, so that what it raises before sending anything (a dead or
+    sleeping engine) is the HTTP status instead of a 200 stream carrying an error event."""
     first = await anext(stream)
 
     async def chained() -> AsyncIterator[str]:
-        yield first
-        async for chunk in stream:
-            yield chunk
+        try:
+            yield first
+            async for chunk in stream:
+                yield chunk
+        finally:
+            await stream.aclose()
 
     return chained()
 
@@ -453,13 +456,13 @@ class OmniOpenAIServingChat(OmniServingBase):
             return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
 
         outputs = self.generate(prompt, request_id, params, self.requested(request, modalities))
-        try:  # nothing is sent before the engine answers: a dead engine raises out of here (HTTP 503)
+        try:  # nothing is sent before the engine answers: a dead or sleeping engine is the HTTP status (503)
             first = [await anext(outputs)]
         except StopAsyncIteration:
             first = []
-        except EngineDeadError:
-            raise
         except Exception as exc:
+            if isinstance(exc, OmniError) and exc.status_code == 503:
+                raise
             yield f"data: {exception_to_response(exc).body.decode()}\n\n"
             yield "data: [DONE]\n\n"
             return
