@@ -12,6 +12,12 @@ class OmniError(Exception):
     status_code: int = 500
     error_type: str = "InternalServerError"
 
+    def __init__(self, *args: object, status_code: int | None = None) -> None:
+        super().__init__(*args)
+        if status_code is not None:  # e.g. 503 (asleep) or 504 (timed out) without a subclass each
+            self.status_code = status_code
+            self.error_type = _default_error_type(status_code)
+
 
 class OmniClientError(OmniError, ValueError):
     """The request is invalid; nothing else is affected. `param` names the offending field."""
@@ -45,6 +51,8 @@ def _default_error_type(status_code: int) -> str:
         413: "RequestEntityTooLarge",
         422: "UnprocessableEntityError",
         429: "RateLimitError",
+        503: "ServiceUnavailableError",
+        504: "GatewayTimeoutError",
     }.get(status_code, "BadRequestError" if status_code < 500 else "InternalServerError")
 
 

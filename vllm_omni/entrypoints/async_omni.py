@@ -52,6 +52,11 @@ class AsyncOmni(OmniBase):
         return self.engine.is_dead
 
     @property
+    def is_sleeping(self) -> bool:
+        """Some stage is asleep (`sleep` without the matching `wake_up`): generation would wait for a wake-up."""
+        return bool(self._sleeping_tags)
+
+    @property
     def errored(self) -> bool:
         return self.engine.is_dead
 

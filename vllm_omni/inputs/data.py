@@ -1,6 +1,9 @@
 """Per-stage sampling parameters for diffusion stages.
 
-AR stages take vLLM's own `SamplingParams`; diffusion stages take `OmniDiffusionSamplingParams`.
+AR stages take vLLM's own `SamplingParams`; diffusion stages take `OmniDiffusionSamplingParams`, the one schema
+of diffusion knobs: its field metadata says which knobs the HTTP routes accept, which ones split request batches
+and what range each takes, so the protocol models, the multipart coercion, the batching key and the validation
+messages are all derived from it (adding a knob is one field here plus its consumer in the pipeline).
 Invalid values fail at construction with an `OmniClientError` naming the field, so a bad request never
 reaches a worker.
 """
@@ -8,6 +11,10 @@ reaches a worker.
 from __future__ import annotations
 
 import copy
+import functools
+import math
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -16,83 +23,83 @@ from vllm_omni.errors import OmniClientError
 Quality = Literal["lossless", "high"]
 OutputType = Literal["pil", "np", "pt", "latent"]
 QUALITY_VALUES: tuple[str, ...] = ("lossless", "high")
+OUTPUT_TYPES: tuple[str, ...] = ("pil", "np", "pt", "latent")
 MAX_OUTPUTS_PER_PROMPT = 16
 MAX_IMAGE_SIDE = 8192
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""What `torch.Generator.manual_seed` and msgspec both accept."""
+
+
+def knob(default: Any = None, *, http: bool = True, batch_key: bool = True, minimum: float | None = None,
+         maximum: float | None = None, choices: tuple[str, ...] | None = None, pipeline_kwarg: bool = False) -> Any:
+    """A schema field. `http`: an extra-body field of the diffusion routes; `batch_key`: requests differing in it
+    never share a forward; `minimum`/`maximum`/`choices`: the accepted values; `pipeline_kwarg`: passed under
+    the same name to a diffusers pipeline's `__call__` by the generic adapter."""
+    metadata = {"http": http, "batch_key": batch_key, "minimum": minimum, "maximum": maximum, "choices": choices,
+                "pipeline_kwarg": pipeline_kwarg}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class DiffusionLimits:
+    """Server-configurable maxima (`--max-inference-steps`, `--max-num-frames`, `--max-output-pixels`): the
+    schema's own ranges only exclude nonsense, these protect a shared server from one request's cost."""
+
+    max_inference_steps: int = 1000
+    max_num_frames: int = 1025
+    max_output_pixels: int = 2048 * 2048
 
 
 @dataclass
 class OmniDiffusionSamplingParams:
     """What a diffusion request asks for. `None` means "the pipeline's default"."""
 
-    height: int | None = None
-    width: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
+    height: int | None = knob(minimum=8, maximum=MAX_IMAGE_SIDE, pipeline_kwarg=True)
+    width: int | None = knob(minimum=8, maximum=MAX_IMAGE_SIDE, pipeline_kwarg=True)
+    num_inference_steps: int | None = knob(minimum=1, pipeline_kwarg=True)
+    guidance_scale: float | None = knob(minimum=0, pipeline_kwarg=True)
     """Distilled guidance (FLUX) or classic CFG (Wan); Qwen-Image uses `true_cfg_scale`."""
-    guidance_scale_2: float | None = None
+    guidance_scale_2: float | None = knob(minimum=0, pipeline_kwarg=True)
     """Wan2.2 low-noise expert guidance."""
-    true_cfg_scale: float | None = None
+    true_cfg_scale: float | None = knob(minimum=0, pipeline_kwarg=True)
     """Classifier-free guidance with a negative prompt; CFG runs when > 1 and a negative prompt exists."""
-    negative_prompt: str | None = None
-    seed: int | None = None
-    num_outputs_per_prompt: int = 1
-    quality: Quality | None = None
+    negative_prompt: str | None = knob(batch_key=False)
+    """Only its presence is in the batching key (the text is per row)."""
+    seed: int | None = knob(batch_key=False, minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
+    num_outputs_per_prompt: int = knob(1, minimum=1, maximum=MAX_OUTPUTS_PER_PROMPT)
+    quality: Quality | None = knob(choices=QUALITY_VALUES)
     """`lossless`: reference path; `high`: the model's conservative cache profile; None: server default."""
-    output_type: OutputType = "pil"
-    num_frames: int | None = None
-    fps: int | None = None
-    boundary_ratio: float | None = None
-    flow_shift: float | None = None
-    max_sequence_length: int | None = None
-    lora: dict[str, Any] | None = None
-    stream_partial_outputs: bool = False
+    output_type: OutputType = knob("pil", http=False, choices=OUTPUT_TYPES)
+    num_frames: int | None = knob(minimum=1, pipeline_kwarg=True)
+    fps: int | None = knob(minimum=1, maximum=240)
+    boundary_ratio: float | None = knob(minimum=0, maximum=1, pipeline_kwarg=True)
+    flow_shift: float | None = knob(minimum=0, pipeline_kwarg=True)
+    max_sequence_length: int | None = knob(http=False, minimum=1, maximum=65536, pipeline_kwarg=True)
+    lora: dict[str, Any] | None = knob(http=False, pipeline_kwarg=True)
+    stream_partial_outputs: bool = knob(False, http=False, batch_key=False)
     """Stream denoise progress and decoded video chunks as unfinished outputs before the final one (AsyncOmni).
     Not part of the batching key: streaming and non-streaming requests share forwards."""
-    extra_args: dict[str, Any] = field(default_factory=dict)
+    extra_args: dict[str, Any] = knob({}, http=False)
 
     def __post_init__(self) -> None:
-        self._validate_sizes()
-        self._validate_guidance()
-        self._validate_choices()
+        for f in fields(self):
+            _check_value(f.name, getattr(self, f.name), f.metadata)
 
-    def _validate_sizes(self) -> None:
-        for name in ("height", "width"):
+    def check_limits(self, limits: DiffusionLimits, prefix: str = "") -> None:
+        """The server's maxima; `prefix` locates the params in the request (e.g. `sampling_params_list[0].`)."""
+        for name, flag, maximum in (("num_inference_steps", "--max-inference-steps", limits.max_inference_steps),
+                                    ("num_frames", "--max-num-frames", limits.max_num_frames)):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or not 8 <= value <= MAX_IMAGE_SIDE):
-                raise OmniClientError(f"{name} must be an integer in [8, {MAX_IMAGE_SIDE}], got {value!r}", param=name)
-        for name in ("num_inference_steps", "num_frames", "fps", "max_sequence_length"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
-                raise OmniClientError(f"{name} must be a positive integer, got {value!r}", param=name)
-        n = self.num_outputs_per_prompt
-        if not _is_int(n) or not 1 <= n <= MAX_OUTPUTS_PER_PROMPT:
-            raise OmniClientError(
-                f"num_outputs_per_prompt must be an integer in [1, {MAX_OUTPUTS_PER_PROMPT}], got {n!r}",
-                param="num_outputs_per_prompt",
-            )
-        if self.seed is not None and not _is_int(self.seed):
-            raise OmniClientError(f"seed must be an integer, got {self.seed!r}", param="seed")
-
-    def _validate_guidance(self) -> None:
-        for name in ("guidance_scale", "guidance_scale_2", "true_cfg_scale", "flow_shift"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int | float) or isinstance(value, bool) or value < 0):
-                raise OmniClientError(f"{name} must be a non-negative number, got {value!r}", param=name)
-        if self.boundary_ratio is not None and not 0.0 <= self.boundary_ratio <= 1.0:
-            raise OmniClientError(
-                f"boundary_ratio must be in [0, 1], got {self.boundary_ratio!r}", param="boundary_ratio"
-            )
-
-    def _validate_choices(self) -> None:
-        if self.quality is not None and self.quality not in QUALITY_VALUES:
-            raise OmniClientError(
-                f"quality must be one of {list(QUALITY_VALUES)} or omitted, got {self.quality!r}", param="quality"
-            )
-        if self.output_type not in ("pil", "np", "pt", "latent"):
-            raise OmniClientError(f"output_type must be pil, np, pt or latent, got {self.output_type!r}",
-                                  param="output_type")
-        if not isinstance(self.extra_args, dict):
-            raise OmniClientError("extra_args must be an object", param="extra_args")
+            if value is not None and value > maximum:
+                raise OmniClientError(f"{prefix}{name}={value} is more than this server allows ({maximum}; see "
+                                      f"{flag})", param=prefix + name)
+        if self.width is not None and self.height is not None and \
+                self.width * self.height > limits.max_output_pixels:
+            raise OmniClientError(f"{prefix}width x height = {self.width * self.height} pixels is more than this "
+                                  f"server allows ({limits.max_output_pixels}; see --max-output-pixels)",
+                                  param=prefix + "width")
 
     def clone(self) -> OmniDiffusionSamplingParams:
         return copy.deepcopy(self)
@@ -119,6 +126,52 @@ class OmniDiffusionSamplingParams:
         if unknown:
             raise OmniClientError(f"unknown diffusion sampling parameter(s): {unknown}", param=unknown[0])
         return cls(**data)
+
+
+def knob_names(**flags: bool) -> tuple[str, ...]:
+    """Schema fields whose metadata has every given flag, e.g. `knob_names(http=True)`."""
+    return tuple(f.name for f in fields(OmniDiffusionSamplingParams)
+                 if all(f.metadata.get(k) == v for k, v in flags.items()))
+
+
+def knob_type(name: str) -> type:
+    """The scalar type of a knob: int, float, str, bool or dict (Literal choices are str)."""
+    return _knob_types()[name]
+
+
+def knob_range(name: str) -> tuple[float | None, float | None]:
+    meta = next(f.metadata for f in fields(OmniDiffusionSamplingParams) if f.name == name)
+    return meta["minimum"], meta["maximum"]
+
+
+@functools.cache
+def _knob_types() -> dict[str, type]:
+    out = {}
+    for name, hint in typing.get_type_hints(OmniDiffusionSamplingParams).items():
+        args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) in (
+            types.UnionType, typing.Union) else [hint]
+        base = args[0]
+        out[name] = str if typing.get_origin(base) is Literal else typing.get_origin(base) or base
+    return out
+
+
+def _check_value(name: str, value: Any, meta: Any) -> None:
+    if value is None:
+        return
+    kind = knob_type(name)
+    if kind is int and not _is_int(value):
+        raise OmniClientError(f"{name} must be an integer, got {value!r}", param=name)
+    if kind is float and (not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value)):
+        raise OmniClientError(f"{name} must be a finite number, got {value!r}", param=name)
+    if kind in (dict, str, bool) and not isinstance(value, kind):
+        raise OmniClientError(f"{name} must be {'an object' if kind is dict else f'a {kind.__name__}'}, "
+                              f"got {value!r}", param=name)
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise OmniClientError(f"{name} must be one of {list(meta['choices'])} or omitted, got {value!r}", param=name)
+    low, high = meta["minimum"], meta["maximum"]
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise OmniClientError(f"{name} must be {bounds}, got {value!r}", param=name)
 
 
 def _is_int(value: Any) -> bool:

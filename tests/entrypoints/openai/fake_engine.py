@@ -51,6 +51,7 @@ class FakeOmni:
     model_name: str = "fake"
     step_delay_s: float = 0.0
     is_dead: bool = False
+    is_sleeping: bool = False
     seen: list[tuple[Any, str, list[Any]]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     running: set[str] = field(default_factory=set)
@@ -123,10 +124,12 @@ class FakeOmni:
 
     async def sleep(self, stage_ids=None, level=2):
         self.calls.append(("sleep", {"stage_ids": stage_ids, "level": level}))
+        self.is_sleeping = True
         return [{"stage_id": 0, "status": "SUCCESS"}]
 
     async def wake_up(self, stage_ids=None, tags=None):
         self.calls.append(("wake_up", {"stage_ids": stage_ids, "tags": tags}))
+        self.is_sleeping = False
         return [{"stage_id": 0, "status": "SUCCESS"}]
 
     async def resume_generation(self, stage_ids=None):

@@ -13,6 +13,7 @@ from vllm_omni.diffusion.data import NOT_IMPLEMENTED, refuse_unimplemented
 from vllm_omni.engine.arg_utils import OMNI_ARG_NAMES, OmniEngineArgs, add_dataclass_args, attr_help
 from vllm_omni.entrypoints.cli.main import SERVE_HELP
 from vllm_omni.errors import OmniClientError
+from vllm_omni.inputs.data import DiffusionLimits
 
 DESCRIPTION = """Launch the vllm-omni OpenAI-compatible server for MODEL (a Hugging Face id, a local path,
 or a built-in tiny default such as tiny/qwen-image or tiny/qwen2).
@@ -31,6 +32,17 @@ class OmniFrontendArgs:
     """Largest accepted upload (image edits, input images) in MiB; larger ones get 413."""
     max_request_outputs: int = 8
     """Most images/videos one request may ask for (`n`, `num_outputs_per_prompt`)."""
+    max_request_body_mb: float = 32.0
+    """Largest accepted request body in MiB (multipart uploads: `--max-upload-mb` + 1); larger ones get 413
+    before they are read."""
+    max_inference_steps: int = DiffusionLimits.max_inference_steps
+    """Most denoise steps (`num_inference_steps`) one diffusion request may ask for."""
+    max_num_frames: int = DiffusionLimits.max_num_frames
+    """Most video frames (`num_frames`, or seconds x fps) one request may ask for."""
+    max_output_pixels: int = DiffusionLimits.max_output_pixels
+    """Most output pixels (width x height) per image or video frame."""
+    max_input_image_pixels: int = 4096 * 4096
+    """Most pixels of an input image, read from its header before it is decoded."""
 
 
 def add_omni_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -73,6 +85,10 @@ class OmniServeCommand(CLISubcommand):
             raise SystemExit("--max-upload-mb must be > 0")
         if args.max_request_outputs < 1:
             raise SystemExit("--max-request-outputs must be >= 1")
+        for flag in ("max_request_body_mb", "max_inference_steps", "max_num_frames", "max_output_pixels",
+                     "max_input_image_pixels"):
+            if getattr(args, flag) <= 0:
+                raise SystemExit(f"--{flag.replace('_', '-')} must be > 0")
         try:  # here, before any engine or worker starts
             # vLLM's own --data-parallel-size stays vLLM's for AR stages; diffusion stages refuse it themselves.
             refuse_unimplemented({name: getattr(args, name) for name in NOT_IMPLEMENTED if name in OMNI_ARG_NAMES})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
@@ -11,12 +13,14 @@ from vllm.entrypoints.serve.utils.api_utils import validate_json_request, with_c
 from vllm_omni.entrypoints.openai.errors import error_json
 from vllm_omni.entrypoints.openai.protocol.audio import SpeechRequest
 from vllm_omni.entrypoints.openai.protocol.chat import OmniBatchChatCompletionRequest, OmniChatCompletionRequest
+from vllm_omni.entrypoints.openai.protocol.common import coerce_form
 from vllm_omni.entrypoints.openai.protocol.images import ImageGenerationRequest
 from vllm_omni.entrypoints.openai.protocol.omni import ControlResponse, SleepRequest, WakeupRequest
 from vllm_omni.entrypoints.openai.serving_base import maybe_await
 from vllm_omni.errors import OmniClientError
 
 router = APIRouter()
+HEALTH_TIMEOUT_S = 5.0
 JsonBody = Depends(validate_json_request)
 IMAGE_FILE_FIELDS = ("image", "image[]")
 
@@ -27,14 +31,24 @@ def _state(request: Request):
 
 @router.get("/health")
 async def health(raw_request: Request) -> Response:
+    """200 while the engine is alive, as vLLM answers; while it sleeps the body says so
+    ({"status": "sleeping", "is_sleeping": true}) and generation requests get 503 until /v1/omni/wakeup."""
     engine = _state(raw_request).engine
     if getattr(engine, "is_dead", False):
         return error_json(str(getattr(engine, "dead_error", "engine is dead")), 503)
     try:
-        await maybe_await(engine.check_health())
+        await asyncio.wait_for(maybe_await(engine.check_health()), HEALTH_TIMEOUT_S)
     except Exception as exc:
-        return error_json(f"engine is unhealthy: {exc}", 503)
+        return error_json(f"engine is unhealthy: {type(exc).__name__}: {exc}", 503)
+    if getattr(engine, "is_sleeping", False):
+        return JSONResponse({"status": "sleeping", "is_sleeping": True})
     return Response(status_code=200)
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(raw_request: Request) -> JSONResponse:
+    """vLLM's route of the same name."""
+    return JSONResponse({"is_sleeping": bool(getattr(_state(raw_request).engine, "is_sleeping", False))})
 
 
 @router.get("/metrics")
@@ -84,22 +98,9 @@ async def edit_images(raw_request: Request) -> JSONResponse:
             uploads.append((key, await value.read()))
         else:
             fields[key] = value
-    request = ImageGenerationRequest.model_validate(_coerce_form(fields))
+    request = ImageGenerationRequest.model_validate(coerce_form(fields, ImageGenerationRequest))
     response = await state.serving_images.edit_images(request, uploads)
     return JSONResponse(response.model_dump(exclude_none=True))
-
-
-def _coerce_form(fields: dict[str, str]) -> dict[str, object]:
-    """Multipart values arrive as strings; numbers are parsed so the model's type checks apply."""
-    ints = {"n", "height", "width", "num_inference_steps", "seed", "num_outputs_per_prompt", "num_frames", "fps"}
-    floats = {"guidance_scale", "true_cfg_scale", "cfg_scale"}
-    out: dict[str, object] = {}
-    for key, value in fields.items():
-        try:
-            out[key] = int(value) if key in ints else float(value) if key in floats else value
-        except ValueError as exc:
-            raise OmniClientError(f"{key} must be a number, got {value!r}", param=key) from exc
-    return out
 
 
 @router.post("/v1/audio/speech", dependencies=[JsonBody])
@@ -108,7 +109,7 @@ async def create_speech(request: SpeechRequest, raw_request: Request) -> Respons
     return await _state(raw_request).serving_speech.create_speech(request)
 
 
-@router.post("/v1/omni/sleep")
+@router.post("/v1/omni/sleep", dependencies=[JsonBody])
 async def sleep(raw_request: Request, request: SleepRequest | None = None) -> JSONResponse:
     engine = _state(raw_request).engine
     request = request or SleepRequest()
@@ -116,7 +117,7 @@ async def sleep(raw_request: Request, request: SleepRequest | None = None) -> JS
     return JSONResponse(ControlResponse(acks=_acks(acks)).model_dump())
 
 
-@router.post("/v1/omni/wakeup")
+@router.post("/v1/omni/wakeup", dependencies=[JsonBody])
 async def wakeup(raw_request: Request, request: WakeupRequest | None = None) -> JSONResponse:
     engine = _state(raw_request).engine
     request = request or WakeupRequest()

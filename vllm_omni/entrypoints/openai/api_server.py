@@ -20,6 +20,7 @@ from vllm_omni.entrypoints.openai.api_router import router
 from vllm_omni.entrypoints.openai.batch_serving import OmniOpenAIServingChatBatch
 from vllm_omni.entrypoints.openai.errors import register_exception_handlers
 from vllm_omni.entrypoints.openai.metrics import OmniMetrics
+from vllm_omni.entrypoints.openai.middleware import add_omni_middleware
 from vllm_omni.entrypoints.openai.serving_base import ServerLimits, maybe_await
 from vllm_omni.entrypoints.openai.serving_chat import OmniOpenAIServingChat
 from vllm_omni.entrypoints.openai.serving_images import OmniOpenAIServingImages
@@ -27,6 +28,7 @@ from vllm_omni.entrypoints.openai.serving_speech import OmniOpenAIServingSpeech
 from vllm_omni.entrypoints.openai.serving_video import OmniOpenAIServingVideo
 from vllm_omni.entrypoints.openai.serving_video_stream import OmniStreamingVideoOutputHandler
 from vllm_omni.entrypoints.openai.video_api_router import router as video_router
+from vllm_omni.inputs.data import DiffusionLimits
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -59,6 +61,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> FastAPI:
     app.include_router(video_router)
     register_exception_handlers(app)
     init_entrypoints_middleware(args, app, supported_tasks=())
+    add_omni_middleware(app, args)
     init_app_state(app, args, engine)
     app.state.metrics.install(app)
     return app
@@ -74,13 +77,18 @@ def init_app_state(app: FastAPI, args: argparse.Namespace, engine: Any) -> None:
     state.model_path = args.model
     state.metrics = OmniMetrics(model_name)
     limits = ServerLimits(max_upload_bytes=int(args.max_upload_mb * 2**20),
-                          max_request_outputs=args.max_request_outputs)
+                          max_request_outputs=args.max_request_outputs,
+                          max_input_image_pixels=args.max_input_image_pixels,
+                          diffusion=DiffusionLimits(max_inference_steps=args.max_inference_steps,
+                                                    max_num_frames=args.max_num_frames,
+                                                    max_output_pixels=args.max_output_pixels))
     common = dict(engine=engine, model_name=model_name, metrics=state.metrics, limits=limits)
     if getattr(args, "reasoning_parser", None):
         raise ValueError("--reasoning-parser is not supported with --omni yet")
     chat = dict(chat_template=load_chat_template(getattr(args, "chat_template", None)),
                 tool_parser=getattr(args, "tool_call_parser", None),
-                enable_auto_tools=bool(getattr(args, "enable_auto_tool_choice", False)))
+                enable_auto_tools=bool(getattr(args, "enable_auto_tool_choice", False)),
+                trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)))
     state.serving_chat = OmniOpenAIServingChat(**common, **chat)
     state.serving_chat_batch = OmniOpenAIServingChatBatch(**common, **chat)
     state.serving_images = OmniOpenAIServingImages(**common)

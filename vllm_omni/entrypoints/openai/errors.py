@@ -38,6 +38,11 @@ def _describe_validation_errors(errors: list) -> tuple[str, str | None]:
         if not isinstance(err, dict):
             parts.append(str(err))
             continue
+        cause = err.get("ctx", {}).get("error")
+        if isinstance(cause, OmniClientError):  # raised by one of our validators: it knows the field
+            parts.append(cause.message)
+            first_param = first_param or cause.param
+            continue
         loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
         field = ".".join(loc)
         if err.get("type") == "json_invalid":

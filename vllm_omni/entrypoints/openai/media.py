@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
@@ -25,19 +26,32 @@ def image_data_url(image: Any, fmt: str = "png") -> str:
     return f"data:image/{fmt};base64,{encode_image_b64(image, fmt)}"
 
 
-def decode_image_bytes(data: bytes, param: str) -> Any:
+def decode_image_bytes(data: bytes, param: str, max_pixels: int) -> Any:
+    """Decode an uploaded image to RGB; its pixel count is checked from the header before anything is decoded
+    (a small PNG may expand to gigabytes). CPU-bound: call it off the event loop (`decode_image_async`)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > max_pixels:
+            raise OmniClientError(f"{param} is {width}x{height} = {width * height} pixels, more than this server "
+                                  f"decodes ({max_pixels}; see --max-input-image-pixels)", param=param)
         image.load()
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        if isinstance(exc, OmniClientError):
+            raise
         raise OmniClientError(f"{param} is not a readable image: {exc}", param=param) from exc
-    return image.convert("RGB")
 
 
-def decode_image_url(url: str, param: str, max_bytes: int) -> Any:
-    """Only `data:` URLs: the server never fetches remote media on a client's behalf."""
+async def decode_image_async(data: bytes, param: str, max_pixels: int) -> Any:
+    return await asyncio.to_thread(decode_image_bytes, data, param, max_pixels)
+
+
+def data_url_bytes(url: str, param: str, max_bytes: int) -> bytes:
+    """The payload of a base64 `data:` URL. Only `data:` URLs: the server never fetches remote media on a
+    client's behalf."""
     if not url.startswith("data:"):
         raise OmniClientError(f"{param} must be a data: URL (base64 image); remote URLs are not fetched",
                               param=param)
@@ -48,10 +62,14 @@ def decode_image_url(url: str, param: str, max_bytes: int) -> Any:
         raise OmniClientError(f"{param} is larger than the {max_bytes // 2**20} MiB upload limit",
                               status_code=413, param=param)
     try:
-        data = base64.b64decode(payload, validate=True)
+        return base64.b64decode(payload, validate=True)
     except binascii.Error as exc:
         raise OmniClientError(f"{param} is not valid base64: {exc}", param=param) from exc
-    return decode_image_bytes(data, param)
+
+
+async def decode_image_url(url: str, param: str, max_bytes: int, max_pixels: int) -> Any:
+    """A `data:` URL image, decoded off the event loop."""
+    return await decode_image_async(data_url_bytes(url, param, max_bytes), param, max_pixels)
 
 
 def audio_to_pcm16(audio: Any) -> bytes:

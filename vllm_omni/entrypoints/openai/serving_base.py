@@ -7,15 +7,15 @@ import asyncio
 import dataclasses
 import inspect
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.capabilities import ModelCapabilities
 from vllm_omni.entrypoints.openai.metrics import OmniMetrics
 from vllm_omni.entrypoints.openai.protocol.common import DIFFUSION_FIELD_NAMES, DiffusionFields, parse_size
-from vllm_omni.errors import EngineDeadError, OmniClientError, client_error_from_metadata
-from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.errors import EngineDeadError, OmniClientError, OmniError, client_error_from_metadata
+from vllm_omni.inputs.data import DiffusionLimits, OmniDiffusionSamplingParams
 from vllm_omni.logger import init_logger
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -26,8 +26,13 @@ ABORT_TIMEOUT_S = 10.0
 
 @dataclass(frozen=True)
 class ServerLimits:
+    """Per-request bounds of this server (its CLI flags), checked before anything is queued."""
+
     max_upload_bytes: int = 20 * 2**20
     max_request_outputs: int = 8
+    max_input_image_pixels: int = 4096 * 4096
+    """Decoded size of an input image, read from its header before decoding (--max-input-image-pixels)."""
+    diffusion: DiffusionLimits = field(default_factory=DiffusionLimits)
 
 
 async def maybe_await(value: Any) -> Any:
@@ -61,6 +66,12 @@ class OmniServingBase:
                 param="model",
             )
 
+    def check_accepts_images(self, param: str) -> None:
+        """Input images are refused before decoding when the model takes none (its declared capabilities)."""
+        if not self.capabilities.accepts_image_input:
+            raise OmniClientError(f"`{self.model_name}` does not take input images: it "
+                                  f"{self.capabilities.describe()}", param=param)
+
     # Sampling params -----------------------------------------------------------------------------
 
     def default_params(self, stage_id: int) -> Any:
@@ -73,12 +84,13 @@ class OmniServingBase:
         explicit: list[dict[str, Any]] | None = None,
         diffusion_fields: DiffusionFields | None = None,
         first_llm_params: Callable[[Any], Any] | None = None,
+        n: int = 1,
     ) -> list[Any]:
         """One params object per stage. `explicit` (the request's `sampling_params_list`) wins; otherwise
         the first AR stage gets params derived from the request, diffusion stages get the request's
         diffusion fields over their defaults, and every other stage keeps its default."""
         if explicit is not None:
-            return self._explicit_params(explicit)
+            return self._explicit_params(explicit, n)
         params: list[Any] = []
         seen_llm = False
         for stage_id, kind in enumerate(self.capabilities.stage_kinds):
@@ -92,7 +104,7 @@ class OmniServingBase:
                 params.append(default)
         return params
 
-    def _explicit_params(self, explicit: list[dict[str, Any]]) -> list[Any]:
+    def _explicit_params(self, explicit: list[dict[str, Any]], n: int) -> list[Any]:
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
 
@@ -111,14 +123,19 @@ class OmniServingBase:
                 params.append(self._checked_diffusion_params(entry, param))
                 continue
             try:
-                params.append(SamplingParams(**entry))
+                sp = SamplingParams(**entry)
             except (TypeError, ValueError, VLLMClientError) as exc:
                 raise OmniClientError(f"{param}: {exc}", param=param) from exc
+            # The answer has one choice per top-level `n`, and that field carries the rules for n > 1.
+            if stage_id == self.capabilities.stage_kinds.index(StageKind.AR) and sp.n != n:
+                raise OmniClientError(f"{param}.n must equal the request's n ({n}); set n at the top level",
+                                      param=f"{param}.n")
+            params.append(sp)
         return params
 
     def _checked_diffusion_params(self, entry: dict[str, Any], param: str) -> OmniDiffusionSamplingParams:
         sp = OmniDiffusionSamplingParams.from_dict(entry)
-        self.check_num_outputs(sp.num_outputs_per_prompt, f"{param}.num_outputs_per_prompt")
+        self.check_diffusion_limits(sp, f"{param}.")
         return sp
 
     def diffusion_params(self, default: Any, fields: DiffusionFields | None) -> OmniDiffusionSamplingParams:
@@ -131,8 +148,12 @@ class OmniServingBase:
             updates.setdefault("width", width)
             updates.setdefault("height", height)
         sp = dataclasses.replace(base.clone(), **updates)
-        self.check_num_outputs(sp.num_outputs_per_prompt, "num_outputs_per_prompt")
+        self.check_diffusion_limits(sp)
         return sp
+
+    def check_diffusion_limits(self, sp: OmniDiffusionSamplingParams, prefix: str = "") -> None:
+        self.check_num_outputs(sp.num_outputs_per_prompt, f"{prefix}num_outputs_per_prompt")
+        sp.check_limits(self.limits.diffusion, prefix)
 
     def check_num_outputs(self, n: int, param: str) -> None:
         if n > self.limits.max_request_outputs:
@@ -149,6 +170,8 @@ class OmniServingBase:
         """`engine.generate`, plus: failed outputs raise their error, and leaving early aborts the request."""
         if getattr(self.engine, "is_dead", False):
             raise EngineDeadError()
+        if getattr(self.engine, "is_sleeping", False):  # admission is closed: fail now instead of waiting
+            raise OmniError("the server is sleeping; POST /v1/omni/wakeup first", status_code=503)
         completed = False
         outcome = "aborted"
         self.metrics.request_started()

@@ -12,6 +12,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,14 +31,21 @@ from vllm.parser import Parser, ParserManager
 from vllm.renderers.chat_utils import make_tool_call_id
 from vllm.sampling_params import RequestOutputKind
 from vllm.utils import random_uuid
+from vllm.utils.async_utils import make_async
 
 from openai.types.chat.chat_completion_audio import ChatCompletionAudio
+from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.entrypoints.openai.errors import exception_to_response
 from vllm_omni.entrypoints.openai.media import audio_to_pcm16, decode_image_url, encode_wav, image_data_url
-from vllm_omni.entrypoints.openai.protocol.chat import OmniChatCompletionRequest, OmniChatMessage, OmniDeltaMessage
+from vllm_omni.entrypoints.openai.protocol.chat import (
+    OmniChatCompletionRequest,
+    OmniChatFields,
+    OmniChatMessage,
+    OmniDeltaMessage,
+)
 from vllm_omni.entrypoints.openai.protocol.common import DIFFUSION_FIELD_NAMES, DiffusionFields
 from vllm_omni.entrypoints.openai.serving_base import OmniServingBase, maybe_await
-from vllm_omni.errors import OmniClientError
+from vllm_omni.errors import OmniClientError, OmniError
 from vllm_omni.logger import init_logger
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -75,25 +83,73 @@ def is_text_output(output: OmniRequestOutput) -> bool:
     return output.request_output is not None or output.final_output_type == "text"
 
 
+DIFFUSION_CHAT_FIELDS = frozenset(OmniChatFields.model_fields) | {
+    "messages", "model", "seed", "stream", "stream_options", "user", "tools", "tool_choice", "request_id"}
+"""The chat fields that mean something to a pipeline without an AR stage (tools get their own error)."""
+
+
+def _part_value(part: dict[str, Any], kind: str, param: str) -> str:
+    """The text of a text part, the URL of an image_url part ({"url": ...} or the URL itself)."""
+    value = part.get(kind)
+    if kind == "image_url" and isinstance(value, dict):
+        value = value.get("url")
+    if not isinstance(value, str):
+        raise OmniClientError(f"{param}: a {kind} part needs a string {kind}", param=param)
+    return value
+
+
+async def fail_fast(stream: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`stream` with its first chunk already produced, so that what it raises before sending anything (a dead or
+    sleeping engine) is the HTTP status instead of a 200 stream carrying an error event."""
+    first = await anext(stream)
+
+    async def chained() -> AsyncIterator[str]:
+        try:
+            yield first
+            async for chunk in stream:
+                yield chunk
+        finally:
+            await stream.aclose()
+
+    return chained()
+
+
+async def _prepend(first: list[OmniRequestOutput], rest: AsyncIterator[OmniRequestOutput]
+                   ) -> AsyncIterator[OmniRequestOutput]:
+    for output in first:
+        yield output
+    async for output in rest:
+        yield output
+
+
 class OmniOpenAIServingChat(OmniServingBase):
     """Chat completions for any stage graph; the prompt goes to stage 0 (chat template for AR stage 0,
     last user message + its images for a diffusion stage 0)."""
 
     def __init__(self, *args: Any, chat_template: str | None = None, tool_parser: str | None = None,
-                 enable_auto_tools: bool = False, **kwargs: Any) -> None:
+                 enable_auto_tools: bool = False, trust_request_chat_template: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.chat_template = chat_template
         self.tool_parser = tool_parser
         self.enable_auto_tools = enable_auto_tools
+        self.trust_request_chat_template = trust_request_chat_template
         self._parser_cls: type[Parser] | None = None
+        # Template rendering and tokenization are CPU-bound: one worker thread, as vLLM's renderers do, so the
+        # event loop keeps answering (/health, other streams) while a large prompt is prepared.
+        self._render_async = make_async(self._render, executor=ThreadPoolExecutor(max_workers=1))
 
     @property
     def starts_with_ar(self) -> bool:
         """Whether stage 0 is an AR (text) model: chat template, tools and n > 1 apply to it."""
         return self.capabilities.starts_with_ar
 
+    @property
+    def has_ar_stage(self) -> bool:
+        return StageKind.AR in self.capabilities.stage_kinds
+
     async def create_chat_completion(self, request: OmniChatCompletionRequest, raw_request: Request | None):
         self.check_model(request.model)
+        self.check_text_generation_fields(request)
         modalities = self.resolve_modalities(request)
         request, parser = await self.prepare_tools(request, modalities)
         prompt, num_prompt_tokens = await self.build_prompt(request)
@@ -102,7 +158,7 @@ class OmniOpenAIServingChat(OmniServingBase):
         request_id = f"chatcmpl-{base_id}"
         if request.stream:
             stream = self.chat_stream(request, modalities, prompt, request_id, params, num_prompt_tokens, parser)
-            return StreamingResponse(stream, media_type="text/event-stream")
+            return StreamingResponse(await fail_fast(stream), media_type="text/event-stream")
         finals = await self.generate_final(prompt, request_id, params, self.requested(request, modalities))
         built = [self.build_choice(request, modalities, finals, index=i, num_prompt_tokens=num_prompt_tokens,
                                    parser=parser) for i in range(request.n or 1)]
@@ -120,8 +176,22 @@ class OmniOpenAIServingChat(OmniServingBase):
 
     # Validation ----------------------------------------------------------------------------------
 
+    def check_text_generation_fields(self, request: OmniChatCompletionRequest) -> None:
+        """Without an AR stage, text-generation fields would be ignored: they are refused, named."""
+        if self.has_ar_stage:
+            return
+        set_fields = request.model_fields_set - DIFFUSION_CHAT_FIELDS
+        if request.n == 1:
+            set_fields.discard("n")
+        if set_fields:
+            names = sorted(set_fields)
+            raise OmniClientError(f"`{self.model_name}` has no text-generation (AR) stage; these fields do not "
+                                  f"apply to it: {names}", param=names[0])
+
     def resolve_modalities(self, request: OmniChatCompletionRequest) -> set[str]:
         modalities = self.requested_modalities(request)
+        if request.n is not None and request.n < 1:
+            raise OmniClientError(f"n must be >= 1, got {request.n}", param="n")
         if (request.n or 1) > 1:
             if modalities != {"text"} or not self.starts_with_ar:
                 raise OmniClientError("n > 1 needs a text-only answer from an AR model; use "
@@ -185,15 +255,25 @@ class OmniOpenAIServingChat(OmniServingBase):
             prompt, num_tokens = await self.templated_prompt(request)
             voice = (request.audio or {}).get("voice")  # the speaker of an audio stage downstream
             return ({"prompt": prompt, "voice": voice} if voice else prompt), num_tokens
-        return self.diffusion_prompt(request), 0
+        return await self.diffusion_prompt(request), 0
 
     async def templated_prompt(self, request: OmniChatCompletionRequest) -> tuple[str, int]:
         messages = [self.template_message(m, i) for i, m in enumerate(request.messages)]
+        request_template = request.chat_template or (request.chat_template_kwargs or {}).get("chat_template")
+        if request_template is not None and not self.trust_request_chat_template:
+            raise OmniClientError("a request chat_template is refused unless the server runs with "
+                                  "--trust-request-chat-template", param="chat_template")
         tokenizer = await maybe_await(self.engine.get_tokenizer())
         template = request.chat_template or self.chat_template
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise OmniClientError(f"`{self.model_name}` has no chat template; pass chat_template",
                                   param="chat_template")
+        return await self._render_async(tokenizer, messages, template, request)
+
+    @staticmethod
+    def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str | None,
+                request: OmniChatCompletionRequest) -> tuple[str, int]:
+        """(prompt text, its token count); runs in the render thread."""
         try:
             prompt = tokenizer.apply_chat_template(
                 messages, tokenize=False, chat_template=template,
@@ -242,7 +322,7 @@ class OmniOpenAIServingChat(OmniServingBase):
             texts.append(part["text"])
         return "\n".join(texts)
 
-    def diffusion_prompt(self, request: OmniChatCompletionRequest) -> dict[str, Any]:
+    async def diffusion_prompt(self, request: OmniChatCompletionRequest) -> dict[str, Any]:
         """A diffusion stage takes the last user message: its text is the prompt, its images the inputs."""
         users = [(i, m) for i, m in enumerate(request.messages) if m.get("role") == "user"]
         if not users:
@@ -250,16 +330,16 @@ class OmniOpenAIServingChat(OmniServingBase):
         index, message = users[-1]
         content = message.get("content")
         parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
-        texts, images = [], []
-        for part in parts:
-            param = f"messages[{index}].content"
-            if part.get("type") == "text":
-                texts.append(part["text"])
-            elif part.get("type") == "image_url":
-                url = part["image_url"]["url"] if isinstance(part["image_url"], dict) else part["image_url"]
-                images.append(decode_image_url(url, param, self.limits.max_upload_bytes))
-            else:
-                raise OmniClientError(f"{param}: unsupported content part {part.get('type')!r}", param=param)
+        param = f"messages[{index}].content"
+        texts = [_part_value(part, "text", param) for part in parts if part.get("type") == "text"]
+        urls = [_part_value(part, "image_url", param) for part in parts if part.get("type") == "image_url"]
+        unsupported = [part.get("type") for part in parts if part.get("type") not in ("text", "image_url")]
+        if unsupported:
+            raise OmniClientError(f"{param}: unsupported content part {unsupported[0]!r}", param=param)
+        if urls:
+            self.check_accepts_images(param)
+        images = [await decode_image_url(url, param, self.limits.max_upload_bytes, self.limits.max_input_image_pixels)
+                  for url in urls]
         prompt: dict[str, Any] = {"prompt": "\n".join(texts)}
         if not prompt["prompt"].strip():
             raise OmniClientError(f"messages[{index}] has no text prompt", param=f"messages[{index}].content")
@@ -275,14 +355,12 @@ class OmniOpenAIServingChat(OmniServingBase):
     # Sampling params -----------------------------------------------------------------------------
 
     def build_chat_sampling_params(self, request: OmniChatCompletionRequest) -> list[Any]:
-        fields = DiffusionFields.model_validate(
-            {k: getattr(request, k) for k in DIFFUSION_FIELD_NAMES if k != "seed" and getattr(request, k) is not None}
-            | ({"seed": request.seed} if request.seed is not None else {})
-        )
+        fields = DiffusionFields.model_validate(request.model_dump(include=DIFFUSION_FIELD_NAMES, exclude_none=True))
         return self.build_sampling_params_list(
             explicit=request.sampling_params_list,
             diffusion_fields=fields,
             first_llm_params=lambda default: self.llm_params(request, default),
+            n=request.n or 1,
         )
 
     @staticmethod
@@ -381,13 +459,24 @@ class OmniOpenAIServingChat(OmniServingBase):
                                                 choices=choices, usage=usage)
             return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
 
+        outputs = self.generate(prompt, request_id, params, self.requested(request, modalities))
+        try:  # nothing is sent before the engine answers: a dead or sleeping engine is the HTTP status (503)
+            first = [await anext(outputs)]
+        except StopAsyncIteration:
+            first = []
+        except Exception as exc:
+            if isinstance(exc, OmniError) and exc.status_code == 503:
+                raise
+            yield f"data: {exception_to_response(exc).body.decode()}\n\n"
+            yield "data: [DONE]\n\n"
+            return
         for index in range(request.n or 1):
             yield chunk(OmniDeltaMessage(role="assistant", content=""), index=index)
         sent: dict[tuple[int, int], int] = {}
         latest: dict[int, Completion] = {}  # per choice: its completion as last seen
         text_out: OmniRequestOutput | None = None
         try:
-            async for output in self.generate(prompt, request_id, params, self.requested(request, modalities)):
+            async for output in _prepend(first, outputs):
                 if is_text_output(output):
                     text_out = output
                     for completion in completions(output):

@@ -24,7 +24,7 @@ from vllm.utils import random_uuid
 from vllm_omni import envs
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.diffusion.video_utils import encode_mp4
-from vllm_omni.entrypoints.openai.media import decode_image_bytes, decode_image_url
+from vllm_omni.entrypoints.openai.media import decode_image_async, decode_image_url
 from vllm_omni.entrypoints.openai.protocol.common import parse_size
 from vllm_omni.entrypoints.openai.protocol.videos import (
     VideoDeleteResponse,
@@ -37,7 +37,7 @@ from vllm_omni.entrypoints.openai.protocol.videos import (
 )
 from vllm_omni.entrypoints.openai.serving_base import OmniServingBase
 from vllm_omni.errors import OmniClientError, OmniError
-from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams, knob_names
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -49,9 +49,8 @@ MAX_STORED_JOBS = 256
 SYNC_TIMEOUT_S = envs.VLLM_OMNI_VIDEO_SYNC_TIMEOUT
 """Seconds `POST /v1/videos/sync` waits for the engine before giving up (and aborting the request)."""
 
-# Request fields copied onto the diffusion sampling params when the client set them.
-_PARAM_FIELDS = ("negative_prompt", "num_inference_steps", "guidance_scale", "guidance_scale_2", "boundary_ratio",
-                 "flow_shift", "seed", "fps", "num_frames", "num_outputs_per_prompt", "quality")
+_PARAM_FIELDS = tuple(name for name in knob_names(http=True) if name in VideoGenerationRequest.model_fields)
+"""The schema's knobs the videos API takes; each one the client set overrides the server default."""
 
 
 @dataclass
@@ -75,20 +74,23 @@ class OmniOpenAIServingVideo(OmniServingBase):
 
     # ---- request -> engine input ---------------------------------------------------------------------------
 
-    def build_inputs(self, request: VideoGenerationRequest, image: Any | None) -> tuple[dict, list[Any]]:
-        """(prompt, per-stage sampling params): server defaults, overridden by every field the client set."""
+    async def build_inputs(self, request: VideoGenerationRequest, upload: bytes | None
+                           ) -> tuple[dict, list[Any]]:
+        """(prompt, per-stage sampling params): server defaults, overridden by every field the client set. All
+        checks run before the input image (`upload` bytes or `input_reference`) is decoded, off the loop."""
         self.check_model(request.model)
         self.require_output("video", "the videos API")
         self._reject_unsupported(request)
-        prompt: dict[str, Any] = {"prompt": request.prompt}
-        if image is None and request.input_reference is not None:
-            image = self.decode_reference(request.input_reference)
-        if image is not None:
-            prompt["multi_modal_data"] = {"image": image}
         params = []
         for stage_id, kind in enumerate(self.capabilities.stage_kinds):
             default = self.default_params(stage_id)
             params.append(self.video_params(default, request) if kind is StageKind.DIFFUSION else default)
+        prompt: dict[str, Any] = {"prompt": request.prompt}
+        if upload is not None or request.input_reference is not None:
+            self.check_accepts_images("input_reference")
+            image = await (decode_image_async(upload, "input_reference", self.limits.max_input_image_pixels)
+                           if upload is not None else self.decode_reference(request.input_reference))
+            prompt["multi_modal_data"] = {"image": image}
         return prompt, params
 
     def video_params(self, default: Any, request: VideoGenerationRequest) -> OmniDiffusionSamplingParams:
@@ -99,9 +101,13 @@ class OmniOpenAIServingVideo(OmniServingBase):
             updates.update(width=width, height=height)
         if request.seconds is not None and "num_frames" not in updates:
             fps = updates.get("fps") or base.fps or DEFAULT_FPS
+            max_frames = self.limits.diffusion.max_num_frames
+            if request.seconds * fps + 1 > max_frames:
+                raise OmniClientError(f"seconds={request.seconds:g} at {fps} fps is more than the {max_frames} "
+                                      "frames this server allows (see --max-num-frames)", param="seconds")
             updates.update(fps=fps, num_frames=int(round(request.seconds * fps)) + 1)
         sp = dataclasses.replace(base.clone(), **updates)
-        self.check_num_outputs(sp.num_outputs_per_prompt, "num_outputs_per_prompt")
+        self.check_diffusion_limits(sp)
         return sp
 
     @staticmethod
@@ -116,20 +122,20 @@ class OmniOpenAIServingVideo(OmniServingBase):
                 raise OmniClientError(f"{name} applies to reference videos, which this model does not take",
                                       param=name)
 
-    def decode_reference(self, ref: Any) -> Any:
+    async def decode_reference(self, ref: Any) -> Any:
         if isinstance(ref, dict):
             if "image_url" not in ref:
                 raise OmniClientError("input_reference must carry image_url (a data: URL)", param="input_reference")
             ref = ref["image_url"]
         if not isinstance(ref, str):
             raise OmniClientError("input_reference must be a data: URL string", param="input_reference")
-        return decode_image_url(ref, "input_reference", self.limits.max_upload_bytes)
+        return await decode_image_url(ref, "input_reference", self.limits.max_upload_bytes,
+                                      self.limits.max_input_image_pixels)
 
-    def decode_upload(self, data: bytes) -> Any:
+    def check_upload_size(self, data: bytes) -> None:
         if len(data) > self.limits.max_upload_bytes:
             raise OmniClientError(f"input_reference is over the {self.limits.max_upload_bytes} byte upload limit",
                                   status_code=413, param="input_reference")
-        return decode_image_bytes(data, "input_reference")
 
     @staticmethod
     def describe(params: list[Any]) -> tuple[float, str]:
@@ -175,9 +181,9 @@ class OmniOpenAIServingVideo(OmniServingBase):
                 last[out.stage_id] = out
         return [last[stage_id] for stage_id in sorted(last)]
 
-    async def create_sync(self, request: VideoGenerationRequest, image: Any | None) -> bytes:
+    async def create_sync(self, request: VideoGenerationRequest, upload: bytes | None) -> bytes:
         """Generate and return the first video as MP4 bytes (the route answers with the body directly)."""
-        prompt, params = self.build_inputs(request, image)
+        prompt, params = await self.build_inputs(request, upload)
         try:
             videos, _ = await asyncio.wait_for(self.generate_videos(prompt, f"video-{random_uuid()}", params),
                                                SYNC_TIMEOUT_S)
@@ -188,8 +194,8 @@ class OmniOpenAIServingVideo(OmniServingBase):
 
     # ---- async jobs ----------------------------------------------------------------------------------------
 
-    def create_job(self, request: VideoGenerationRequest, image: Any | None) -> VideoResponse:
-        prompt, params = self.build_inputs(request, image)
+    async def create_job(self, request: VideoGenerationRequest, upload: bytes | None) -> VideoResponse:
+        prompt, params = await self.build_inputs(request, upload)
         seconds, size = self.describe(params)
         video_id = f"video_{random_uuid()}"
         job = _VideoJob(video_response_from_request(self.model_name, request, video_id, seconds=seconds, size=size))

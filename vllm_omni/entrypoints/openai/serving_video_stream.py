@@ -58,12 +58,19 @@ class OmniStreamingVideoOutputHandler:
             while True:
                 timeout = None if task is not None and not task.done() else IDLE_TIMEOUT_S
                 try:
-                    raw = await asyncio.wait_for(ws.receive_text(), timeout)
+                    frame = await asyncio.wait_for(ws.receive(), timeout)
                 except TimeoutError:
                     await self._send(ws, {"type": "error", "code": "idle_timeout",
                                           "message": f"no message for {IDLE_TIMEOUT_S:g} s"})
+                    await _close(ws, 1000)
                     return
-                msg = self._parse(raw)
+                if frame["type"] == "websocket.disconnect":
+                    return
+                if frame.get("text") is None:  # the protocol is JSON text; binary frames are a client bug
+                    await self._error(ws, "unsupported_data", "send JSON text messages, not binary frames")
+                    await _close(ws, 1003)
+                    return
+                msg = self._parse(frame["text"])
                 kind = msg.get("type") if msg is not None else None
                 if msg is None:
                     await self._error(ws, "invalid_json", "messages must be JSON objects with a 'type'")
@@ -89,7 +96,7 @@ class OmniStreamingVideoOutputHandler:
     def _parse(raw: str) -> dict[str, Any] | None:
         try:
             msg = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser's stack
             return None
         return msg if isinstance(msg, dict) else None
 
@@ -115,7 +122,7 @@ class OmniStreamingVideoOutputHandler:
             if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
                 raise OmniClientError("frames_per_chunk must be a positive integer", param="frames_per_chunk")
             request = self._request(msg)
-            prompt, params = self.serving.build_inputs(request, None)
+            prompt, params = await self.serving.build_inputs(request, None)
             params = [dataclasses.replace(p, stream_partial_outputs=True)
                       if isinstance(p, OmniDiffusionSamplingParams) else p for p in params]
             asked = next((p.num_frames for p in params if isinstance(p, OmniDiffusionSamplingParams)), None)
@@ -225,6 +232,11 @@ def _first_video(video: Any) -> np.ndarray:
     """(T, H, W, 3) of the first output when a request asked for several (N, T, H, W, 3)."""
     frames = np.asarray(video)
     return frames[0] if frames.ndim == 5 else frames
+
+
+async def _close(ws: WebSocket, code: int) -> None:
+    with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+        await asyncio.wait_for(ws.close(code=code), SEND_TIMEOUT_S)
 
 
 async def _cancel(task: asyncio.Task | None) -> None:

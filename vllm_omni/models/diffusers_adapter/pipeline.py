@@ -23,12 +23,8 @@ from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.errors import OmniClientError, RequestAbortedError
+from vllm_omni.inputs.data import knob_names
 
-# Sampling-param fields passed to `__call__` under the same name when the pipeline accepts them.
-_DIRECT_PARAMS = (
-    "height", "width", "num_inference_steps", "guidance_scale", "guidance_scale_2", "true_cfg_scale",
-    "num_frames", "max_sequence_length",
-)
 _OUTPUT_COUNT_PARAMS = ("num_images_per_prompt", "num_videos_per_prompt", "num_waveforms_per_prompt")
 _DEFAULT_FPS = 16
 
@@ -77,15 +73,12 @@ class DiffusersAdapterPipeline:
         kwargs: dict[str, Any] = {"prompt": request.prompt_text}
         if request.negative_prompt is not None:
             kwargs["negative_prompt"] = request.negative_prompt
-        for name in _DIRECT_PARAMS:
+        for name in knob_names(pipeline_kwarg=True):  # passed to `__call__` under the same name
             if getattr(sp, name) is not None:
                 kwargs[name] = getattr(sp, name)
         if sp.num_outputs_per_prompt != 1:
             name = next((n for n in _OUTPUT_COUNT_PARAMS if n in self._accepted), "num_outputs_per_prompt")
             kwargs[name] = sp.num_outputs_per_prompt
-        for name in ("boundary_ratio", "flow_shift", "lora"):
-            if getattr(sp, name) is not None:
-                kwargs[name] = getattr(sp, name)
         images = request.multi_modal_data.get("image")
         if images is not None:
             kwargs["image"] = images

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from vllm_omni.entrypoints.openai.protocol.common import CheckedBody
 
 
-class SpeechRequest(BaseModel):
+class SpeechRequest(CheckedBody):
     model_config = ConfigDict(extra="forbid")
 
     input: str = Field(min_length=1, max_length=4096)

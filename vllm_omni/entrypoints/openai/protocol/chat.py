@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, model_validator
+from pydantic import model_validator
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import (
     BatchChatCompletionRequest,
@@ -12,13 +12,36 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatMessage,
 )
 
-from vllm_omni.entrypoints.openai.protocol.common import reject_unknown_fields
+from vllm_omni.entrypoints.openai.protocol.common import DiffusionFields, reject_unknown_fields
+from vllm_omni.errors import OmniClientError
 
 Modality = Literal["text", "audio", "image", "video"]
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
-class OmniChatFields(BaseModel):
-    """Fields shared by the single and the batched chat request."""
+def check_messages(messages: Any, param: str = "messages") -> None:
+    """The shape vLLM's own validators assume (they fail with TypeError otherwise): a list of objects, each with
+    an OpenAI role and string, list or null content."""
+    if not isinstance(messages, list):
+        raise OmniClientError(f"{param} must be a list of message objects", param=param)
+    for i, message in enumerate(messages):
+        where = f"{param}[{i}]"
+        if not isinstance(message, dict):
+            raise OmniClientError(f"{where} must be an object with role and content", param=where)
+        if message.get("role") not in ROLES:
+            raise OmniClientError(f"{where}.role must be one of {list(ROLES)}, got {message.get('role')!r}",
+                                  param=f"{where}.role")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise OmniClientError(f"{where}.content must be a string or a list of parts", param=f"{where}.content")
+        if isinstance(content, list) and not all(isinstance(p, dict) and isinstance(p.get("type"), str)
+                                                 for p in content):
+            raise OmniClientError(f"{where}.content parts must be objects with a type", param=f"{where}.content")
+
+
+class OmniChatFields(DiffusionFields):
+    """Fields shared by the single and the batched chat request: output modalities, per-stage params and the
+    diffusion extra-body fields."""
 
     modalities: list[Modality] | None = None
     """Output modalities wanted; None = everything the pipeline produces."""
@@ -26,19 +49,6 @@ class OmniChatFields(BaseModel):
     """OpenAI audio output params: {"voice": ..., "format": "wav" | "pcm16"}."""
     sampling_params_list: list[dict[str, Any]] | None = None
     """Per-stage sampling params (one dict per stage, in stage order); overrides the other fields."""
-    # Diffusion extra-body fields (see protocol.common.DiffusionFields).
-    size: str | None = None
-    height: int | None = None
-    width: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    true_cfg_scale: float | None = None
-    cfg_scale: float | None = None
-    negative_prompt: str | None = None
-    quality: str | None = None
-    num_outputs_per_prompt: int | None = None
-    num_frames: int | None = None
-    fps: int | None = None
 
 
 class OmniChatCompletionRequest(OmniChatFields, ChatCompletionRequest):
@@ -46,6 +56,8 @@ class OmniChatCompletionRequest(OmniChatFields, ChatCompletionRequest):
     @classmethod
     def _no_unknown_fields(cls, data: Any) -> Any:
         reject_unknown_fields(data, cls)
+        if isinstance(data, dict) and "messages" in data:
+            check_messages(data["messages"])
         return data
 
 
@@ -60,6 +72,12 @@ class OmniBatchChatCompletionRequest(OmniChatFields, BatchChatCompletionRequest)
     def _no_unknown_fields(cls, data: Any) -> Any:
         # Every field of a single chat request is accepted too: it applies to each conversation.
         reject_unknown_fields(data, cls, OmniChatCompletionRequest)
+        if isinstance(data, dict) and "messages" in data:
+            conversations = data["messages"]
+            if not isinstance(conversations, list):
+                raise OmniClientError("messages must be a list of conversations", param="messages")
+            for i, conversation in enumerate(conversations):
+                check_messages(conversation, f"messages[{i}]")
         return data
 
     def to_omni_chat_request(self, messages: list[Any]) -> OmniChatCompletionRequest:

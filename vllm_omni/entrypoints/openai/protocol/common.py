@@ -1,14 +1,22 @@
-"""Pieces every omni request model shares: strict unknown-field checks and diffusion extra-body fields."""
+"""Pieces every omni request model shares: strict unknown-field checks, the protocol-layer value checks and the
+diffusion extra-body fields (derived from `OmniDiffusionSamplingParams`, the one schema of diffusion knobs)."""
 
 from __future__ import annotations
 
+import math
+import re
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from vllm_omni.errors import OmniClientError
+from vllm_omni.inputs.data import SEED_RANGE, OmniDiffusionSamplingParams, knob_names, knob_range
 
 ImageResponseFormat = Literal["b64_json", "url"]
+MAX_JSON_DEPTH = 64
+"""Deeper request bodies are refused: no route needs them, and walking them costs stack."""
+_SIZE = re.compile(r"([0-9]{1,6})x([0-9]{1,6})", re.ASCII)
 
 
 def reject_unknown_fields(data: Any, *model_classes: type[BaseModel]) -> None:
@@ -26,29 +34,74 @@ def reject_unknown_fields(data: Any, *model_classes: type[BaseModel]) -> None:
         raise OmniClientError(f"unknown field(s) in request body: {unknown}", param=unknown[0])
 
 
-class DiffusionFields(BaseModel):
-    """Diffusion knobs accepted as top-level (extra body) fields on chat and image routes.
+def check_json_values(data: Any) -> None:
+    """What no field may carry, whatever its declared type (free-form dicts included): text that is not valid
+    UTF-8 (lone surrogates), NaN / Infinity, integers outside int64/uint64, nesting deeper than MAX_JSON_DEPTH.
+    The error names the first offending path."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise OmniClientError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels", param=path or None)
+        if isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise OmniClientError(f"{path or 'value'} must be a finite number, got {value!r}", param=path or None)
+        elif isinstance(value, int) and not isinstance(value, bool) and not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
+            raise OmniClientError(f"{path or 'value'} is out of the 64-bit integer range", param=path or None)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                key_path = f"{path}.{key}" if path else str(key)
+                _check_text(str(key), key_path)
+                stack.append((item, key_path, depth + 1))
+        elif isinstance(value, list | tuple):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
 
-    Values are checked again by `OmniDiffusionSamplingParams`, which names the field on error.
-    """
+
+def _check_text(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise OmniClientError(f"{path or 'text'} is not valid UTF-8 text (unpaired surrogate at position "
+                              f"{exc.start})", param=path or None) from exc
+
+
+class CheckedBody(BaseModel):
+    """Base of every omni request model: the protocol-layer value checks run before field validation."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_json_values(cls, data: Any) -> Any:
+        check_json_values(data)
+        return data
+
+
+def diffusion_knob_fields(exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`create_model` field definitions of the schema's HTTP knobs: optional, with the schema's ranges."""
+    hints = typing.get_type_hints(OmniDiffusionSamplingParams)
+    out: dict[str, Any] = {}
+    for name in knob_names(http=True):
+        if name in exclude:
+            continue
+        low, high = knob_range(name)
+        out[name] = (hints[name] | None, Field(default=None, ge=low, le=high))
+    return out
+
+
+_DiffusionKnobs = create_model("DiffusionKnobs", __base__=CheckedBody, **diffusion_knob_fields())
+
+
+class DiffusionFields(_DiffusionKnobs):
+    """Diffusion knobs accepted as top-level (extra body) fields on chat and image routes: every `http` knob of
+    `OmniDiffusionSamplingParams`, plus `size` and `cfg_scale`. Values are checked again by the schema, which
+    names the field on error."""
 
     model_config = ConfigDict(extra="forbid")
 
     size: str | None = None
     """"WIDTHxHEIGHT" (e.g. "512x512") or "auto"."""
-    height: int | None = None
-    width: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    true_cfg_scale: float | None = None
     cfg_scale: float | None = None
     """Alias of `true_cfg_scale`."""
-    negative_prompt: str | None = None
-    seed: int | None = None
-    quality: str | None = None
-    num_outputs_per_prompt: int | None = Field(default=None, ge=1)
-    num_frames: int | None = None
-    fps: int | None = None
 
     @model_validator(mode="after")
     def _resolve_aliases(self) -> DiffusionFields:
@@ -64,14 +117,41 @@ DIFFUSION_FIELD_NAMES: frozenset[str] = frozenset(DiffusionFields.model_fields)
 
 
 def parse_size(size: str | None, param: str = "size") -> tuple[int | None, int | None]:
-    """"WxH" -> (width, height); None/"auto" -> (None, None)."""
+    """"WxH" -> (width, height); None/"auto" -> (None, None). ASCII digits only (`str.isdigit` accepts "²")."""
     if size is None or size == "auto":
         return None, None
-    parts = size.lower().split("x")
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
-        raise OmniClientError(f"{param} must look like '512x512' (WIDTHxHEIGHT) or 'auto', got {size!r}",
+    match = _SIZE.fullmatch(size.lower().replace(" ", ""))
+    if match is None:
+        raise OmniClientError(f"{param} must look like '512x512' (WIDTHxHEIGHT) or 'auto', got {size[:32]!r}",
                               param=param)
-    width, height = (int(p) for p in parts)
+    width, height = int(match[1]), int(match[2])
     if width <= 0 or height <= 0:
         raise OmniClientError(f"{param} must have positive width and height, got {size!r}", param=param)
     return width, height
+
+
+def coerce_form(fields: dict[str, str], model_cls: type[BaseModel]) -> dict[str, object]:
+    """Multipart values arrive as strings: those of int / float / bool fields of `model_cls` are parsed, so the
+    model's own checks apply (the field types are the only table)."""
+    out: dict[str, object] = {}
+    for key, value in fields.items():
+        info = model_cls.model_fields.get(key)
+        kinds = {a for a in typing.get_args(info.annotation) or (info.annotation,)} if info else set()
+        try:
+            if bool in kinds:
+                out[key] = _parse_bool(key, value)
+            elif int in kinds:
+                out[key] = int(value)
+            elif float in kinds:
+                out[key] = float(value)
+            else:
+                out[key] = value
+        except ValueError as exc:
+            raise OmniClientError(f"{key} must be a number, got {value[:32]!r}", param=key) from exc
+    return out
+
+
+def _parse_bool(key: str, value: str) -> bool:
+    if value.lower() not in ("true", "false", "1", "0"):
+        raise OmniClientError(f"{key} must be true or false, got {value[:32]!r}", param=key)
+    return value.lower() in ("true", "1")

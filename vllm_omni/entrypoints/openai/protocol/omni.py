@@ -6,8 +6,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from vllm_omni.entrypoints.openai.protocol.common import CheckedBody
 
-class SleepRequest(BaseModel):
+
+class SleepRequest(CheckedBody):
     model_config = ConfigDict(extra="forbid")
 
     level: Literal[1, 2] = 1
@@ -16,7 +18,7 @@ class SleepRequest(BaseModel):
     """Stages to put to sleep; None = all."""
 
 
-class WakeupRequest(BaseModel):
+class WakeupRequest(CheckedBody):
     model_config = ConfigDict(extra="forbid")
 
     tags: list[Literal["weights", "kv_cache"]] | None = None

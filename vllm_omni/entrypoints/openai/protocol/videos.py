@@ -6,9 +6,9 @@ import time
 from enum import StrEnum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from vllm_omni.inputs.data import QUALITY_VALUES
+from vllm_omni.entrypoints.openai.protocol.common import CheckedBody, diffusion_knob_fields
 
 MAX_VIDEO_OUTPUTS = 10
 
@@ -20,8 +20,13 @@ class VideoGenerationStatus(StrEnum):
     FAILED = "failed"
 
 
-class VideoGenerationRequest(BaseModel):
-    """OpenAI `videos.create` body (JSON or multipart). Omitted fields keep the server's defaults."""
+_VideoKnobs = create_model("VideoKnobs", __base__=CheckedBody,
+                           **diffusion_knob_fields(exclude=("height", "width", "true_cfg_scale")))
+
+
+class VideoGenerationRequest(_VideoKnobs):
+    """OpenAI `videos.create` body (JSON or multipart) plus the schema's diffusion knobs (size replaces height /
+    width). Omitted fields keep the server's defaults."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -34,18 +39,7 @@ class VideoGenerationRequest(BaseModel):
     input_reference: str | dict[str, Any] | None = None
     """JSON form: a `data:` URL or {"image_url": "data:..."}; multipart sends it as a file."""
     user: str | None = None
-    negative_prompt: str | None = None
-    num_inference_steps: int | None = Field(default=None, ge=1)
-    guidance_scale: float | None = Field(default=None, ge=0)
-    guidance_scale_2: float | None = Field(default=None, ge=0)
-    """Wan2.2 A14B: guidance of the low-noise expert."""
-    boundary_ratio: float | None = Field(default=None, ge=0, le=1)
-    flow_shift: float | None = Field(default=None, ge=0)
-    seed: int | None = None
-    fps: int | None = Field(default=None, ge=1)
-    num_frames: int | None = Field(default=None, ge=1)
     num_outputs_per_prompt: int = Field(default=1, ge=1, le=MAX_VIDEO_OUTPUTS)
-    quality: str | None = None
     short_edge: int | None = Field(default=None, ge=1)
     start_time_seconds: float | None = Field(default=None, ge=0.0)
     generate_sound: bool = False
@@ -53,13 +47,6 @@ class VideoGenerationRequest(BaseModel):
     enable_frame_interpolation: bool | None = None
     frame_interpolation_exp: int | None = Field(default=None, ge=1)
     frame_interpolation_scale: float | None = Field(default=None, gt=0)
-
-    @field_validator("quality")
-    @classmethod
-    def validate_quality(cls, value: str | None) -> str | None:
-        if value is not None and value not in QUALITY_VALUES:
-            raise ValueError(f"quality must be one of {list(QUALITY_VALUES)}, got {value!r}")
-        return value
 
 
 class VideoError(BaseModel):
