@@ -55,6 +55,9 @@ class OmniDiffusionConfig:
     num_gpus: int = 1
     init_timeout: float = 600.0
     """Seconds the engine waits for every worker to load the model."""
+    max_stage_restarts: int = 3
+    """How many times the engine replaces workers that died (crash, OOM kill) before the stage is dead; the
+    requests a dying worker ran fail with 503, queued ones wait for the new workers."""
     diffusers_load_kwargs: dict[str, Any] = field(default_factory=dict)
     use_diffusers_adapter: bool = False
     """Force the generic diffusers adapter even when a native pipeline exists."""
@@ -64,6 +67,8 @@ class OmniDiffusionConfig:
     built from its config with small random weights (benchmarks of real model sizes without weight files)."""
 
     def __post_init__(self) -> None:
+        if self.max_stage_restarts < 0:
+            raise ValueError(f"max_stage_restarts must be >= 0, got {self.max_stage_restarts}")
         if self.load_format not in DIFFUSION_LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {list(DIFFUSION_LOAD_FORMATS)}, got {self.load_format!r}")
 

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from vllm_omni.diffusion.data import OmniDiffusionConfig
 
 
+def _never(request_id: str) -> bool:
+    return False
+
+
 @dataclass
 class ForwardContext:
     od_config: OmniDiffusionConfig
@@ -27,6 +31,12 @@ class ForwardContext:
     extra: dict[str, Any] = field(default_factory=dict)
     request_ids: list[str] = field(default_factory=list)
     partial_sink: PartialSink | None = None
+    abort_requested: Callable[[str], bool] = _never
+    """True once the request was aborted; the worker sets it from its abort side channel between steps."""
+
+    def aborted(self, request_ids: list[str]) -> list[str]:
+        """The subset of `request_ids` aborted now (pipelines check it before every denoise step)."""
+        return [rid for rid in request_ids if self.abort_requested(rid)]
 
 
 PartialSink = Callable[[str, str, dict[str, Any]], None]
@@ -37,11 +47,13 @@ _forward_context: ForwardContext | None = None
 
 @contextmanager
 def set_forward_context(od_config: OmniDiffusionConfig, batch_size: int = 0, request_ids: list[str] | None = None,
-                        partial_sink: PartialSink | None = None) -> Iterator[ForwardContext]:
+                        partial_sink: PartialSink | None = None,
+                        abort_requested: Callable[[str], bool] | None = None) -> Iterator[ForwardContext]:
     global _forward_context
     previous = _forward_context
     _forward_context = ForwardContext(od_config=od_config, batch_size=batch_size,
-                                      request_ids=list(request_ids or []), partial_sink=partial_sink)
+                                      request_ids=list(request_ids or []), partial_sink=partial_sink,
+                                      abort_requested=abort_requested or _never)
     try:
         yield _forward_context
     finally:

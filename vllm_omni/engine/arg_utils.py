@@ -68,6 +68,8 @@ class OmniEngineArgs(EngineArgs):
     """Seconds one stage may take to start; None = the control plane's default."""
     init_timeout: float | None = None
     """Seconds the whole pipeline may take to start; None = the control plane's default."""
+    max_stage_restarts: int | None = None
+    """Times a diffusion stage replaces workers that died before it is dead; None = the stage's default (3)."""
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -115,6 +117,9 @@ class OmniEngineArgs(EngineArgs):
                            help="Seconds one stage may take to start.")
         group.add_argument("--init-timeout", type=float, default=None,
                            help="Seconds the whole pipeline may take to start.")
+        group.add_argument("--max-stage-restarts", type=int, default=None,
+                           help="Times a diffusion stage replaces workers that died before it is dead "
+                                "(default 3).")
         # Unset unless given: diffusion stages default to eager and AR stages to compiled, so both
         # --enforce-eager and --no-enforce-eager must reach the stages.
         parser.set_defaults(enforce_eager=None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,18 +65,19 @@ class DiffusionModelRunner:
         self.pipeline = None
 
     @torch.inference_mode()
-    def execute_model(self, batch: DiffusionRequestBatch, partial_sink: PartialSink | None = None
-                      ) -> list[DiffusionOutput]:
+    def execute_model(self, batch: DiffusionRequestBatch, partial_sink: PartialSink | None = None,
+                      abort_requested: Callable[[str], bool] | None = None) -> list[DiffusionOutput]:
         """`partial_sink` receives the pipeline's partial results (a request retried alone after its batch
-        failed reports its progress again from the start)."""
+        failed reports its progress again from the start); `abort_requested(request_id)` turns true once the
+        request is aborted (None: never), and the pipeline checks it between steps."""
         if self.pipeline is None:
             raise RuntimeError("the diffusion worker is asleep; call wake_up() first")
         self._reset_peak_memory()
         start = time.perf_counter()
-        outputs = self._forward(batch, partial_sink)
+        outputs = self._forward(batch, partial_sink, abort_requested)
         if outputs is None:
             logger.warning("[diffusion rank %d] batch of %d failed; retrying one by one", self.rank, len(batch))
-            outputs = [self._forward(DiffusionRequestBatch([request]), partial_sink)[0]
+            outputs = [self._forward(DiffusionRequestBatch([request]), partial_sink, abort_requested)[0]
                        for request in batch.requests]
         elapsed = time.perf_counter() - start
         peak = self._peak_memory_mb()
@@ -84,12 +86,12 @@ class DiffusionModelRunner:
             out.peak_memory_mb = peak
         return outputs
 
-    def _forward(self, batch: DiffusionRequestBatch, partial_sink: PartialSink | None
-                 ) -> list[DiffusionOutput] | None:
+    def _forward(self, batch: DiffusionRequestBatch, partial_sink: PartialSink | None,
+                 abort_requested: Callable[[str], bool] | None) -> list[DiffusionOutput] | None:
         """The pipeline's outputs, or None when the batch as a whole raised (and has more than one request)."""
         try:
             with set_forward_context(self.od_config, batch_size=len(batch), request_ids=batch.request_ids,
-                                     partial_sink=partial_sink):
+                                     partial_sink=partial_sink, abort_requested=abort_requested):
                 outputs = self.pipeline.forward(batch)
             if len(outputs) != len(batch):
                 raise RuntimeError(f"pipeline returned {len(outputs)} outputs for {len(batch)} requests")
