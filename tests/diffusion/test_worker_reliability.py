@@ -86,7 +86,7 @@ def test_unencodable_request_or_output_fails_alone(tmp_path):
         futures = [engine.submit(request("surrogate", 1, "\ud800")), engine.submit(request("bad", 1, "bad-output")),
                    engine.submit(request("fine", 1))]
         surrogate, bad, fine = (f.result(timeout=30) for f in futures)
-        assert surrogate.error_status_code == 400 and "cannot be sent" in surrogate.error
+        assert surrogate.error_status_code == 400 and "not valid Unicode" in surrogate.error
         assert bad.error_status_code == 500 and "cannot be sent" in bad.error
         assert fine.error is None and fine.extra["batch_size"] == 2  # the surrogate never reached the worker
         assert engine.submit(request("after", 1)).result(timeout=30).error is None

@@ -208,9 +208,7 @@ class MultiprocDiffusionExecutor:
         """
         batch_id = next(self._ids)
         encoded, errors = self._codec.encode_each(requests)
-        failed = {i: DiffusionOutput.from_exception(OmniClientError(
-            f"request {requests[i].request_id!r} cannot be sent to the diffusion workers: {exc!r}"))
-            for i, exc in enumerate(errors) if exc is not None}
+        failed = {i: _unsendable(exc) for i, exc in enumerate(errors) if exc is not None}
         pending = _PendingBatch([r.request_id for r in requests], failed)
         if len(failed) == len(requests):
             pending.future.set_result(pending.outputs([]))
@@ -356,7 +354,7 @@ class MultiprocDiffusionExecutor:
         """Stop every worker within `timeout` seconds overall; always returns.
 
         Running requests are aborted first, so a busy worker leaves its forward within a step and exits
-        on its own; what still stands at 3/4 of the time is terminated, then killed."""
+        on its own; what still stands at half the time is terminated, then killed."""
         if self._closed:
             return
         deadline = time.monotonic() + timeout
@@ -382,9 +380,17 @@ class MultiprocDiffusionExecutor:
         self._finalizer()
 
 
+def _unsendable(exc: Exception) -> DiffusionOutput:
+    """Text that is not valid Unicode (a lone surrogate) came from the client: 400; anything else is ours."""
+    if isinstance(exc, UnicodeEncodeError):
+        return DiffusionOutput.from_exception(OmniClientError(f"the request has text that is not valid "
+                                                              f"Unicode and cannot be sent to the workers: {exc}"))
+    return DiffusionOutput.from_exception(exc)
+
+
 def _stop_processes(processes: list, deadline: float) -> None:
-    """Join until 3/4 of the time left, then terminate, then kill what still stands."""
-    grace_end = time.monotonic() + max(deadline - time.monotonic(), 0.0) * 0.75
+    """Join until half the time left (aborted work leaves within a step), then terminate, then kill."""
+    grace_end = time.monotonic() + max(deadline - time.monotonic(), 0.0) * 0.5
     for proc in processes:
         proc.join(max(grace_end - time.monotonic(), 0.0))
     for proc in processes:
