@@ -58,8 +58,12 @@ def _default_error_type(status_code: int) -> str:
 
 def client_error_from_metadata(message: str, *, status_code: int | None, error_type: str | None) -> OmniError:
     """Rebuild an error that crossed a process boundary as (message, status, type)."""
+    if status_code == RequestAbortedError.status_code:
+        return RequestAbortedError(message)
     if status_code is not None and 400 <= status_code < 500:
         return OmniClientError(message, status_code=status_code, error_type=error_type)
+    if status_code == StageRestartingError.status_code:
+        return StageRestartingError(message)
     return EngineGenerateError(message)
 
 
@@ -78,6 +82,13 @@ class RequestAbortedError(OmniError):
 
     def __init__(self, message: str = "request aborted") -> None:
         super().__init__(message)
+
+class StageRestartingError(OmniError, RuntimeError):
+    """A stage lost a worker and is restarting it: the requests it was running failed, later ones are
+    served once it is back. Unlike `EngineDeadError` the engine stays alive."""
+
+    status_code = 503
+    error_type = "ServiceUnavailableError"
 
 
 class EngineDeadError(OmniError, RuntimeError):

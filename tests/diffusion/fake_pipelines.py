@@ -3,7 +3,9 @@
 They run in real worker processes; only the model is fake. Each image is a pure function of (seed, prompt), so
 a request gives the same pixels alone or inside a batch. Prompts steer behaviour:
 "fail" -> that request fails with a 422, "break-batch" -> the whole forward raises (the runner then retries
-one by one), "sleep:<s>" -> the forward sleeps, "big" -> a 4 MB array output (travels through shared memory).
+one by one), "sleep:<s>" -> the forward sleeps, "big" -> a 4 MB array output (travels through shared memory),
+"bad-output" -> an output that cannot be encoded (a lone surrogate). `FakeStepPipeline` runs a denoise-like
+loop of `num_inference_steps` steps that checks for aborts before every step, as the real pipelines do.
 """
 
 from __future__ import annotations
@@ -55,11 +57,40 @@ class FakeBatchPipeline:
         sp = request.sampling_params
         if request.prompt_text == "fail":
             return DiffusionOutput.from_exception(OmniClientError("prompt 'fail' is refused", status_code=422))
+        if request.prompt_text == "bad-output":
+            return DiffusionOutput(output={"caption": "\ud800"})
         if request.prompt_text == "big":
             return DiffusionOutput(output={"array": np.arange(1_000_000, dtype=np.float32)})
         size = sp.height or 16
         images = [fake_image((sp.seed or 0) + i, request.prompt_text, size) for i in range(sp.num_outputs_per_prompt)]
         return DiffusionOutput(output=images, stage_durations={"denoise": 0.0}, extra={"batch_size": batch_size})
+
+
+class FakeStepPipeline(FakeBatchPipeline):
+    """`STEP_S` seconds per step; before every step the aborted rows leave with a 499 and the others go on.
+    `extra["steps_run"]` says how many steps a request ran, `extra["rows_left"]` how many rows of its forward
+    were still running when it finished."""
+
+    STEP_S = 0.02
+
+    def forward(self, batch: DiffusionRequestBatch, ctx: Any = None) -> list[DiffusionOutput]:
+        done: dict[str, DiffusionOutput] = {}
+        steps_run = dict.fromkeys(batch.request_ids, 0)
+        active = list(batch.requests)
+        while active:
+            for rid in ctx.aborted([r.request_id for r in active]):
+                done[rid] = DiffusionOutput(error="request aborted", error_status_code=499, error_type="aborted")
+            active = [r for r in active if r.request_id not in done]
+            finished = [r for r in active if steps_run[r.request_id] >= (r.sampling_params.num_inference_steps or 1)]
+            for r in finished:
+                done[r.request_id] = self._one(r, len(batch))
+                done[r.request_id].extra.update(steps_run=steps_run[r.request_id], rows_left=len(active))
+            active = [r for r in active if r.request_id not in done]
+            if active:
+                time.sleep(self.STEP_S)
+                for r in active:
+                    steps_run[r.request_id] += 1
+        return [done[rid] for rid in batch.request_ids]
 
 
 class FakeSingleRequestPipeline(FakeBatchPipeline):

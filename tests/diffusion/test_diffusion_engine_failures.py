@@ -37,7 +37,7 @@ def assert_nothing_left(engine: DiffusionEngine) -> None:
 
 
 def test_kill9_worker_fails_requests_fast_and_engine_restarts(tmp_path):
-    engine = make_engine(tmp_path)
+    engine = make_engine(tmp_path, max_stage_restarts=0)  # no restart budget: the engine is dead
     died = threading.Event()
     engine.register_failure_callback(died.set)
     running = engine.submit(OmniDiffusionRequest("sleep:60", SP(), "slow"))

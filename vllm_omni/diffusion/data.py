@@ -126,6 +126,9 @@ class OmniDiffusionConfig:
     init_timeout: float = 600.0
     """Seconds the engine waits for every worker to load the model; a worker that fails to load fails start-up
     with its rank and traceback."""
+    max_stage_restarts: int = 3
+    """How many times the engine replaces workers that died (crash, OOM kill) before the stage is dead; the
+    requests a dying worker ran fail with 503, queued ones wait for the new workers."""
     diffusers_load_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of diffusers' `from_pretrained` on the generic adapter path."""
     use_diffusers_adapter: bool = False
@@ -144,6 +147,8 @@ class OmniDiffusionConfig:
     def __post_init__(self) -> None:
         refuse_unimplemented({f.name: getattr(self, f.name) for f in fields(self)})
         check_attention_backend(self.diffusion_attention_backend)
+        if self.max_stage_restarts < 0:
+            raise ValueError(f"max_stage_restarts must be >= 0, got {self.max_stage_restarts}")
         if self.load_format not in DIFFUSION_LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {list(DIFFUSION_LOAD_FORMATS)}, got {self.load_format!r}")
 

@@ -5,6 +5,11 @@ request's partial results (`PartialResult`: denoise progress, decoded video chun
 thread, all of them before the future resolves. A scheduler thread forms batches with
 `RequestScheduler` and keeps one batch in flight; the batch's results resolve the request futures directly
 from the executor's result thread, so a request pays one thread hand-off on the way back.
+
+`abort` resolves the request's future at once and tells the workers, which stop it at the next denoise
+step. When a worker dies, the requests it ran fail with `StageRestartingError` (503) and the engine
+replaces its executor, up to `max_stage_restarts` times; queued and new requests wait for the new
+workers. Past that budget the engine is dead (`EngineDeadError`, failure callbacks fire).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from vllm_omni.diffusion.ipc import PartialResult
 from vllm_omni.diffusion.model_loader.dummy import check_weights_present
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.sched.request_scheduler import RequestScheduler
-from vllm_omni.errors import EngineDeadError, OmniClientError
+from vllm_omni.errors import EngineDeadError, OmniClientError, StageRestartingError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.logger import init_logger
 from vllm_omni.models.registry import MODEL_REGISTRY
@@ -34,6 +39,7 @@ logger = init_logger(__name__)
 
 _SCHEDULER_IDLE_WAIT_S = 1.0
 _SCHEDULER_JOIN_TIMEOUT_S = 2.0
+_CLOSE_TIMEOUT_S = 10.0
 
 
 class DiffusionEngine:
@@ -61,11 +67,15 @@ class DiffusionEngine:
         self._partial_callbacks: dict[str, Callable[[PartialResult], None]] = {}
         self._batch_in_flight = False
         self._stopping = False
+        self._dead = False
+        self._restarting = False
+        self._restarts = 0
+        self._restart_thread: threading.Thread | None = None
         self._counters: Counter[str] = Counter()
         self._batch_sizes: Counter[int] = Counter()
         self._failure_callbacks: list[Callable[[], None]] = []
         self.executor = MultiprocDiffusionExecutor(self.od_config)
-        self.executor.register_failure_callback(self._on_executor_failure)
+        self._watch(self.executor)
         self._thread = threading.Thread(target=self._schedule_loop, name="DiffusionScheduler", daemon=True)
         self._thread.start()
         logger.info(
@@ -78,7 +88,12 @@ class DiffusionEngine:
 
     @property
     def is_dead(self) -> bool:
-        return self.executor.is_failed
+        return self._dead
+
+    @property
+    def is_restarting(self) -> bool:
+        """A worker died and new workers are starting: the stage is degraded, not dead."""
+        return self._restarting
 
     def submit(self, request: OmniDiffusionRequest, on_partial: Callable[[PartialResult], None] | None = None
                ) -> Future[DiffusionOutput]:
@@ -105,17 +120,21 @@ class DiffusionEngine:
         return future
 
     def abort(self, request_ids: list[str]) -> None:
-        """Drop queued requests; running ones finish on the workers and their results are discarded."""
+        """Drop queued requests and stop running ones; their futures are cancelled at once, and the workers
+        leave the aborted rows of their forward at the next step (`num_running` counts them until then)."""
         with self._cond:
             for rid in request_ids:
                 self._partial_callbacks.pop(rid, None)
             for request in self.scheduler.abort(request_ids):
                 self._waiting.pop(request.request_id)[0].cancel()
                 self._counters["num_aborted"] += 1
-            for rid in request_ids:
-                future = self._running.get(rid)
-                if future is not None and future.cancel():
+            running = [rid for rid in request_ids if rid in self._running]
+            for rid in running:
+                if self._running[rid].cancel():
                     self._counters["num_aborted"] += 1
+            executor = self.executor
+        if running:
+            executor.abort(running)
 
     def collective_rpc(
         self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None, timeout: float | None = None
@@ -135,10 +154,12 @@ class DiffusionEngine:
                 "batch_sizes": dict(self._batch_sizes),
                 "num_running": len(self._running),
                 "num_waiting": self.scheduler.num_waiting,
+                "num_restarts": self._restarts,
+                "is_restarting": self._restarting,
                 "is_dead": self.is_dead,
             }
 
-    def close(self, timeout: float = 20.0) -> None:
+    def close(self, timeout: float = _CLOSE_TIMEOUT_S) -> None:
         """Stop the workers and release every resource; always returns within about `timeout` seconds."""
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -147,6 +168,8 @@ class DiffusionEngine:
             self._stopping = True
             self._cond.notify_all()
         self._thread.join(min(_SCHEDULER_JOIN_TIMEOUT_S, max(deadline - time.monotonic(), 0.0)))
+        if self._restart_thread is not None:  # it shuts down what it starts once it sees _stopping
+            self._restart_thread.join(max(deadline - time.monotonic() - 1.0, 0.0))
         self.executor.shutdown(timeout=max(deadline - time.monotonic(), 1.0))
         self._fail_waiting(EngineDeadError("the diffusion engine was closed"))
 
@@ -163,6 +186,7 @@ class DiffusionEngine:
             self._schedule_forever()
         except Exception as exc:  # a bug here must not leave callers waiting forever
             logger.exception("diffusion scheduler thread crashed")
+            self._give_up(f"diffusion scheduler thread crashed: {exc}")  # no restart: the scheduler is gone
             self.executor.fail(f"diffusion scheduler thread crashed: {exc}")
 
     def _schedule_forever(self) -> None:
@@ -170,10 +194,10 @@ class DiffusionEngine:
             with self._cond:
                 batch: list[OmniDiffusionRequest] = []
                 while not batch:
-                    if self._stopping or self.is_dead:
+                    if self._stopping or self._dead:
                         return
                     wait = _SCHEDULER_IDLE_WAIT_S
-                    if not self._batch_in_flight:
+                    if not self._batch_in_flight and not self._restarting:
                         batch, due = self.scheduler.schedule()
                         wait = due if due is not None else wait
                     if not batch:
@@ -187,9 +211,10 @@ class DiffusionEngine:
                 self._batch_in_flight = True
                 self._batch_sizes[len(batch)] += 1
                 self._counters["num_forwards"] += 1
+                executor = self.executor
             streamed = [r.request_id for r in batch if r.request_id in self._partial_callbacks]
             try:
-                batch_future = self.executor.execute_batch(batch, streamed, self._on_partial if streamed else None)
+                batch_future = executor.execute_batch(batch, streamed, self._on_partial if streamed else None)
             except Exception as exc:
                 batch_future = Future()
                 batch_future.set_exception(exc)
@@ -206,6 +231,8 @@ class DiffusionEngine:
         """Runs on the executor's result thread (or wherever the batch future completed)."""
         exc = batch_future.exception()
         outputs = batch_future.result() if exc is None else None
+        if isinstance(exc, EngineDeadError) and self._can_restart():
+            exc = StageRestartingError(f"{exc}; the diffusion stage is restarting its workers")
         with self._cond:
             for rid in futures:
                 self._running.pop(rid, None)
@@ -215,7 +242,9 @@ class DiffusionEngine:
         for i, (future, queued) in enumerate(futures.values()):
             if future.cancelled():
                 continue
-            if isinstance(exc, EngineDeadError):
+            if isinstance(exc, EngineDeadError | StageRestartingError):
+                with self._cond:
+                    self._counters["num_failed"] += 1
                 _set(future, exception=exc)
                 continue
             if exc is not None:  # e.g. the batch could not be sent: its requests fail, the engine goes on
@@ -227,8 +256,59 @@ class DiffusionEngine:
                 self._counters["num_failed" if output.error else "num_finished"] += 1
             _set(future, result=output)
 
-    def _on_executor_failure(self) -> None:
-        self._fail_waiting(EngineDeadError("a diffusion worker died; the engine is dead"))
+    # ---- worker death and restart -------------------------------------------------------------------
+
+    def _can_restart(self) -> bool:
+        return not (self._stopping or self._dead) and self._restarts < self.od_config.max_stage_restarts
+
+    def _watch(self, executor: MultiprocDiffusionExecutor) -> None:
+        executor.register_failure_callback(lambda: self._on_executor_failure(executor))
+        if executor.is_failed:  # died before the callback was registered
+            self._on_executor_failure(executor)
+
+    def _on_executor_failure(self, executor: MultiprocDiffusionExecutor) -> None:
+        """Runs on the executor's monitor thread once its in-flight batch has failed."""
+        with self._cond:
+            if self._stopping or self._dead or self._restarting or executor is not self.executor:
+                return
+            restart = self._can_restart()
+            if restart:
+                self._restarts += 1
+                self._restarting = True
+                self._restart_thread = threading.Thread(target=self._restart, args=(executor,),
+                                                        name="DiffusionRestart", daemon=True)
+                self._restart_thread.start()
+        if not restart:
+            self._give_up("a diffusion worker died; the engine is dead")
+
+    def _restart(self, failed: MultiprocDiffusionExecutor) -> None:
+        logger.warning("restarting the diffusion workers (restart %d of at most %d)", self._restarts,
+                       self.od_config.max_stage_restarts)
+        failed.shutdown()
+        try:
+            executor = MultiprocDiffusionExecutor(self.od_config)
+        except Exception as exc:
+            logger.exception("restarting the diffusion workers failed")
+            with self._cond:
+                self._restarting = False
+            self._give_up(f"a diffusion worker died and restarting the workers failed: {exc}")
+            return
+        with self._cond:
+            stopping = self._stopping
+            if not stopping:
+                self.executor = executor
+                self._restarting = False
+                self._cond.notify_all()
+        if stopping:
+            executor.shutdown()
+            return
+        logger.info("diffusion workers restarted")
+        self._watch(executor)
+
+    def _give_up(self, reason: str) -> None:
+        with self._cond:
+            self._dead = True
+        self._fail_waiting(EngineDeadError(reason))
         for fn in self._failure_callbacks:
             try:
                 fn()

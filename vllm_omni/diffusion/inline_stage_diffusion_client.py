@@ -149,6 +149,10 @@ class InlineStageDiffusionClient(StageClientBase):
     def is_dead(self) -> bool:
         return self._engine_dead or (self._engine is not None and self._engine.is_dead)
 
+    @property
+    def is_restarting(self) -> bool:
+        return self._engine is not None and self._engine.is_restarting
+
     def shutdown(self) -> None:
         with self._shutdown_lock:
             if self._shutdown_complete:

@@ -9,6 +9,7 @@ left behind. Dtypes numpy lacks (bfloat16, float8) travel as same-width integers
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
@@ -39,6 +40,14 @@ class ExecuteBatch(msgspec.Struct, tag="batch", array_like=True, gc=False):
     """Requests whose submitter listens for `PartialResult`s (rank 0 sends them)."""
 
 
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True, gc=False):
+    """Requests of batch `batch_id` to stop; sent on the abort channel, which a worker reads while it runs a
+    forward (its input socket is only read between batches)."""
+
+    batch_id: int
+    request_ids: list[str]
+
+
 class RpcCall(msgspec.Struct, tag="rpc", array_like=True, gc=False):
     call_id: int
     method: str
@@ -66,6 +75,24 @@ class BatchResult(msgspec.Struct, tag="result", array_like=True, gc=False):
     outputs: list[DiffusionOutput]
 
 
+class EncodedBatch(msgspec.Struct, tag="batch", array_like=True, gc=False):
+    """`ExecuteBatch` as the engine sends it: each request encoded on its own, so a request that cannot be
+    encoded (e.g. a lone surrogate in its prompt) fails alone instead of its whole batch."""
+
+    batch_id: int
+    requests: list[msgspec.Raw]
+    stream_request_ids: list[str] = []
+
+
+class EncodedBatchResult(msgspec.Struct, tag="result", array_like=True, gc=False):
+    """`BatchResult` as a worker sends it: each output encoded on its own, so an output that cannot be sent
+    fails its request only."""
+
+    batch_id: int
+    rank: int
+    outputs: list[msgspec.Raw]
+
+
 class PartialResult(msgspec.Struct, tag="partial", array_like=True, gc=False):
     """Something a request produced before its final output: kind "progress" ({step, total}) or
     "video_chunk" ({video: uint8 frames, fps, frame_start}). Sent on the same socket as, and before, the
@@ -85,6 +112,7 @@ class RpcResult(msgspec.Struct, tag="rpc_result", array_like=True, gc=False):
 
 
 WorkerInput = ExecuteBatch | RpcCall | Shutdown
+AbortInput = AbortRequests
 WorkerOutput = WorkerReady | WorkerInitFailed | BatchResult | PartialResult | RpcResult
 
 
@@ -102,10 +130,31 @@ class MsgCodec:
         self._lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._decode_type = decode_type
+        self._segments: list[str] = []
 
-    def encode(self, msg: msgspec.Struct) -> bytes:
+    def encode(self, msg: Any) -> bytes:
+        """Encode `msg`; when it fails, the segments made for it are unlinked before the error propagates."""
         with self._lock:
-            return self._encoder.encode(msg)
+            self._segments = []
+            try:
+                return self._encoder.encode(msg)
+            except BaseException:
+                for name in self._segments:
+                    _unlink_segment(name)
+                raise
+
+    def encode_each(self, items: list[Any]) -> tuple[list[msgspec.Raw | None], list[Exception | None]]:
+        """Encode items one by one: (encoded or None, error or None) per item, in order."""
+        encoded: list[msgspec.Raw | None] = []
+        errors: list[Exception | None] = []
+        for item in items:
+            try:
+                encoded.append(msgspec.Raw(self.encode(item)))
+                errors.append(None)
+            except Exception as exc:
+                encoded.append(None)
+                errors.append(exc)
+        return encoded, errors
 
     def decoder(self) -> msgspec.msgpack.Decoder:
         """A decoder for one reading thread (decoders are not shared across threads)."""
@@ -143,6 +192,7 @@ class MsgCodec:
             return msgspec.msgpack.encode([*header, array.tobytes(), None])
         name = f"{self.shm_prefix}{os.getpid()}_{next(self._counter)}"
         shm = SharedMemory(name=name, create=True, size=max(array.nbytes, 1))
+        self._segments.append(name)
         # The receiver unlinks the segment; the creator must not also track it (it would "clean" it at exit).
         resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
         view = np.ndarray(array.shape, array.dtype, buffer=shm.buf)
@@ -184,6 +234,11 @@ def _read_shm(name: str, dtype: np.dtype, shape: list[int]) -> np.ndarray:
         shm.close()
         shm.unlink()
     return array
+
+
+def _unlink_segment(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(_SHM_DIR, name))
 
 
 def cleanup_shm(prefix: str) -> list[str]:

@@ -141,6 +141,12 @@ class AsyncOmniEngine:
         return not self._thread.is_alive() or (orch is not None and orch.dead_error is not None)
 
     @property
+    def restarting_stages(self) -> list[int]:
+        """Stages that lost a worker and are starting new ones (the engine is degraded meanwhile)."""
+        return [pool.stage_id for pool in self._runtime.pools
+                if any(c is not None and c.is_restarting for c in pool.clients)]
+
+    @property
     def dead_error(self) -> str | None:
         if self.orchestrator is not None and self.orchestrator.dead_error is not None:
             return self.orchestrator.dead_error

@@ -65,5 +65,10 @@ class StageClientBase:
     def is_dead(self) -> bool:
         raise NotImplementedError
 
+    @property
+    def is_restarting(self) -> bool:
+        """The stage lost a worker and is starting a new one: degraded, not dead."""
+        return False
+
     def shutdown(self) -> None:
         raise NotImplementedError

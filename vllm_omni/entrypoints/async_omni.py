@@ -16,7 +16,7 @@ from typing import Any
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.messages import AckMetadata, CuMemTag, ErrorMessage, OmniACK, PauseMode, StageRpcError
 from vllm_omni.entrypoints.omni_base import OmniBase
-from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError
+from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError, StageRestartingError
 from vllm_omni.logger import init_logger
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -65,8 +65,11 @@ class AsyncOmni(OmniBase):
         return EngineDeadError(f"engine is dead: {self.engine.dead_error}")
 
     async def check_health(self) -> None:
+        """Raises while the engine is dead, or degraded (a stage restarting its workers: 503 until back)."""
         if self.engine.is_dead:
             raise self.dead_error
+        if restarting := self.engine.restarting_stages:
+            raise StageRestartingError(f"degraded: stage(s) {restarting} are restarting their workers")
 
     def is_paused(self) -> bool:
         return self._paused
@@ -307,4 +310,6 @@ def _to_exception(msg: ErrorMessage) -> BaseException:
         return EngineDeadError(msg.error)
     if 400 <= msg.status_code < 500:
         return OmniClientError(msg.error, status_code=msg.status_code, param=msg.param)
+    if msg.status_code == StageRestartingError.status_code:
+        return StageRestartingError(msg.error)
     return EngineGenerateError(msg.error)

@@ -1,10 +1,12 @@
 """One spawned worker process per rank, driven over ZeroMQ sockets with msgspec messages.
 
 Each rank has its own input socket and its own result socket; a pump thread per result socket resolves
-futures as results arrive (no polling sleeps on the hot path). A monitor thread waits on the worker
-processes' sentinels: a worker that dies for any reason fails every in-flight future with
-`EngineDeadError` at once and fires the failure callbacks. `shutdown` works against one global deadline
-(ask, join, terminate, kill) and then removes whatever shared memory the workers may have left behind.
+futures as results arrive (no polling sleeps on the hot path). One more socket publishes aborts to every
+rank: a worker reads it on a side thread while it is busy inside a forward. A monitor thread waits on the
+worker processes' sentinels: a worker that dies for any reason fails every in-flight future with
+`EngineDeadError` at once, fires the failure callbacks, and then reaps every worker and removes the
+shared memory and socket files (not at shutdown: a dead executor is replaced, not kept). `shutdown` works
+against one global deadline (abort, ask, join, terminate, kill) and cleans up the same way.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import zmq
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.ipc import (
+    AbortRequests,
     BatchResult,
-    ExecuteBatch,
+    EncodedBatch,
     MsgCodec,
     PartialResult,
     RpcCall,
@@ -41,7 +44,7 @@ from vllm_omni.diffusion.ipc import (
 )
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.worker_proc import WorkerSpec, worker_main
-from vllm_omni.errors import EngineDeadError
+from vllm_omni.errors import EngineDeadError, OmniClientError
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
@@ -50,6 +53,25 @@ _PUMP_POLL_MS = 200
 _PUMP_JOIN_TIMEOUT_S = 2.0
 _DEFAULT_RPC_TIMEOUT_S = 600.0
 _SEND_TIMEOUT_MS = 5000
+_SHUTDOWN_TIMEOUT_S = 10.0
+"""Abort, ask, terminate, kill: a server's SIGTERM must end within 15 s with a busy worker."""
+
+
+class _PendingBatch:
+    """A batch on the workers: its future, its request ids, and the outputs already known (requests that
+    could not be encoded never went out and fail alone)."""
+
+    def __init__(self, request_ids: list[str], failed: dict[int, DiffusionOutput]) -> None:
+        self.future: Future[list[DiffusionOutput]] = Future()
+        self.request_ids = request_ids
+        self.failed = failed
+
+    def outputs(self, sent: list[DiffusionOutput]) -> list[DiffusionOutput]:
+        """All outputs in request order: the workers' for the requests sent, the known failures for the rest."""
+        sent_iter = iter(sent)
+        missing = DiffusionOutput.from_exception(RuntimeError("the worker returned too few outputs"))
+        return [self.failed[i] if i in self.failed else next(sent_iter, missing)
+                for i in range(len(self.request_ids))]
 
 
 class _RpcWait:
@@ -69,6 +91,9 @@ class MultiprocDiffusionExecutor:
         self._context = zmq.Context(io_threads=1)
         self._inputs: list[zmq.Socket] = []
         self._outputs: list[zmq.Socket] = []
+        self._abort_pub = self._context.socket(zmq.PUB)
+        self._abort_pub.setsockopt(zmq.LINGER, 0)
+        self._abort_pub.bind(f"ipc://{self._ipc_dir}/abort")
         for rank in range(self.world_size):
             push = self._context.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
@@ -84,7 +109,7 @@ class MultiprocDiffusionExecutor:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
-        self._batch_futures: dict[int, Future[list[DiffusionOutput]]] = {}
+        self._batches: dict[int, _PendingBatch] = {}
         self._partial_handlers: dict[int, Callable[[PartialResult], None]] = {}
         self._rpc_waits: dict[int, _RpcWait] = {}
         self._failure_callbacks: list[Callable[[], None]] = []
@@ -124,6 +149,8 @@ class MultiprocDiffusionExecutor:
                 world_size=self.world_size,
                 input_address=f"ipc://{self._ipc_dir}/in{rank}",
                 output_address=f"ipc://{self._ipc_dir}/out{rank}",
+                abort_address=f"ipc://{self._ipc_dir}/abort",
+                ipc_dir=self._ipc_dir,
                 shm_prefix=self.shm_prefix,
                 distributed_init_method=init_method,
             )
@@ -179,18 +206,38 @@ class MultiprocDiffusionExecutor:
         `on_partial` gets the `PartialResult`s of `stream_request_ids` on the result thread, in order and all
         before the future resolves; it must not block.
         """
-        future: Future[list[DiffusionOutput]] = Future()
         batch_id = next(self._ids)
-        msg = ExecuteBatch(batch_id=batch_id, requests=requests,
+        encoded, errors = self._codec.encode_each(requests)
+        failed = {i: _unsendable(exc) for i, exc in enumerate(errors) if exc is not None}
+        pending = _PendingBatch([r.request_id for r in requests], failed)
+        if len(failed) == len(requests):
+            pending.future.set_result(pending.outputs([]))
+            return pending.future
+        msg = EncodedBatch(batch_id=batch_id, requests=[raw for raw in encoded if raw is not None],
                            stream_request_ids=list(stream_request_ids or []) if on_partial is not None else [])
-        data = self._codec.encode(msg)  # may raise: nothing sent
+        data = self._codec.encode(msg)
         with self._lock:
             self._check_alive()
-            self._batch_futures[batch_id] = future
+            self._batches[batch_id] = pending
             if on_partial is not None:
                 self._partial_handlers[batch_id] = on_partial
         self._broadcast(data)
-        return future
+        return pending.future
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Ask the workers to stop these requests inside their running forward (the pipeline checks between
+        steps); their batch's result still comes, with the aborted requests' outputs marked as aborted."""
+        wanted = set(request_ids)
+        with self._lock:
+            targets = {batch_id: [rid for rid in pending.request_ids if rid in wanted]
+                       for batch_id, pending in self._batches.items()}
+        for batch_id, ids in targets.items():
+            if ids:
+                self._publish_abort(batch_id, ids)
+
+    def _publish_abort(self, batch_id: int, request_ids: list[str]) -> None:
+        with contextlib.suppress(zmq.ZMQError, UnicodeEncodeError), self._send_lock:
+            self._abort_pub.send(self._codec.encode(AbortRequests(batch_id, request_ids)), flags=zmq.NOBLOCK)
 
     def collective_rpc(
         self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None, timeout: float | None = None
@@ -255,10 +302,10 @@ class MultiprocDiffusionExecutor:
                         logger.exception("partial-output handler of batch %d raised", msg.batch_id)
             elif isinstance(msg, BatchResult):
                 with self._lock:
-                    future = self._batch_futures.pop(msg.batch_id, None)
+                    pending = self._batches.pop(msg.batch_id, None)
                     self._partial_handlers.pop(msg.batch_id, None)
-                if future is not None:
-                    future.set_result(msg.outputs)
+                if pending is not None:
+                    pending.future.set_result(pending.outputs(msg.outputs))
             elif isinstance(msg, RpcResult):
                 with self._lock:
                     pending = self._rpc_waits.get(msg.call_id)
@@ -277,6 +324,7 @@ class MultiprocDiffusionExecutor:
                            for rank, proc in dead)
         logger.error("%s; failing all in-flight diffusion requests", reason)
         self.fail(reason)
+        self._finalizer()  # reap the dead (no zombie), stop the other ranks, free their shm and sockets
 
     def fail(self, reason: str) -> None:
         """Mark the executor dead: fail every pending future and fire the failure callbacks (once)."""
@@ -284,8 +332,8 @@ class MultiprocDiffusionExecutor:
             if self._is_failed:
                 return
             self._is_failed = True
-            futures = list(self._batch_futures.values())
-            self._batch_futures.clear()
+            futures = [pending.future for pending in self._batches.values()]
+            self._batches.clear()
             self._partial_handlers.clear()
             waits = list(self._rpc_waits.values())
         for future in futures:
@@ -302,13 +350,20 @@ class MultiprocDiffusionExecutor:
 
     # ---- shutdown ------------------------------------------------------------------------------------
 
-    def shutdown(self, timeout: float = 20.0) -> None:
-        """Stop every worker within `timeout` seconds overall; always returns."""
+    def shutdown(self, timeout: float = _SHUTDOWN_TIMEOUT_S) -> None:
+        """Stop every worker within `timeout` seconds overall; always returns.
+
+        Running requests are aborted first, so a busy worker leaves its forward within a step and exits
+        on its own; what still stands at half the time is terminated, then killed."""
         if self._closed:
             return
         deadline = time.monotonic() + timeout
         self._closed = True
         self._monitor_stop_w.send(None)
+        with self._lock:
+            running = {batch_id: pending.request_ids for batch_id, pending in self._batches.items()}
+        for batch_id, ids in running.items():
+            self._publish_abort(batch_id, ids)
         with contextlib.suppress(zmq.ZMQError, EngineDeadError):
             self._broadcast(self._codec.encode(Shutdown()), flags=zmq.NOBLOCK)
         _stop_processes(self.processes, deadline)
@@ -317,7 +372,7 @@ class MultiprocDiffusionExecutor:
             if thread is not threading.current_thread():
                 thread.join(_PUMP_JOIN_TIMEOUT_S)
         self.fail("the diffusion engine was shut down")
-        for sock in self._inputs + self._outputs:
+        for sock in [*self._inputs, *self._outputs, self._abort_pub]:
             sock.close(linger=0)
         self._context.term()
         self._monitor_stop_r.close()
@@ -325,9 +380,17 @@ class MultiprocDiffusionExecutor:
         self._finalizer()
 
 
+def _unsendable(exc: Exception) -> DiffusionOutput:
+    """Text that is not valid Unicode (a lone surrogate) came from the client: 400; anything else is ours."""
+    if isinstance(exc, UnicodeEncodeError):
+        return DiffusionOutput.from_exception(OmniClientError(f"the request has text that is not valid "
+                                                              f"Unicode and cannot be sent to the workers: {exc}"))
+    return DiffusionOutput.from_exception(exc)
+
+
 def _stop_processes(processes: list, deadline: float) -> None:
-    """Join until 3/4 of the time left, then terminate, then kill what still stands."""
-    grace_end = time.monotonic() + max(deadline - time.monotonic(), 0.0) * 0.75
+    """Join until half the time left (aborted work leaves within a step), then terminate, then kill."""
+    grace_end = time.monotonic() + max(deadline - time.monotonic(), 0.0) * 0.5
     for proc in processes:
         proc.join(max(grace_end - time.monotonic(), 0.0))
     for proc in processes:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,9 +63,9 @@ class DiffusionWorker:
     def load_model(self) -> None:
         self.model_runner.load_model()
 
-    def execute_model(self, batch: DiffusionRequestBatch, partial_sink: PartialSink | None = None
-                      ) -> list[DiffusionOutput]:
-        return self.model_runner.execute_model(batch, partial_sink)
+    def execute_model(self, batch: DiffusionRequestBatch, partial_sink: PartialSink | None = None,
+                      abort_requested: Callable[[str], bool] | None = None) -> list[DiffusionOutput]:
+        return self.model_runner.execute_model(batch, partial_sink, abort_requested)
 
     def ping(self) -> dict[str, Any]:
         return {"rank": self.rank, "pid": os.getpid(), "device": str(self.device), "sleep_level": self.sleep_level}

@@ -2,15 +2,26 @@
 
 Messages arrive on a PULL socket (one per worker) and results leave on this worker's own PUSH socket, so the
 engine reads each rank's results independently. Batch results come from rank 0 only (all ranks compute the
-same batch); RPC results come from every rank. The loop also exits when the engine process disappears.
+same batch); RPC results come from every rank.
+
+Two small threads run beside the loop, because the loop itself is inside a forward most of the time: one
+reads the abort channel into a set the pipeline checks between steps, one watches the parent and ends the
+process (sweeping the engine's shared memory and socket files) within a second of the engine's death, even
+a SIGKILL. A parent watchdog rather than PR_SET_PDEATHSIG: the death signal fires when the *thread* that
+spawned us exits, and engines are built and restarted from short-lived threads.
+
+Nothing one request brings can end the loop: a message that cannot be decoded, a forward that raises, an
+output that cannot be encoded each fail the requests concerned, and the worker serves the next message.
 """
 
 from __future__ import annotations
 
 import atexit
-import multiprocessing
 import os
+import shutil
 import sys
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -19,7 +30,9 @@ import zmq
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.ipc import (
-    BatchResult,
+    AbortInput,
+    AbortRequests,
+    EncodedBatchResult,
     ExecuteBatch,
     MsgCodec,
     PartialResult,
@@ -29,10 +42,12 @@ from vllm_omni.diffusion.ipc import (
     WorkerInitFailed,
     WorkerInput,
     WorkerReady,
+    cleanup_shm,
 )
 from vllm_omni.logger import configure_process_logging
 
-_PARENT_CHECK_INTERVAL_MS = 1000
+_POLL_INTERVAL_MS = 200
+_PARENT_CHECK_INTERVAL_S = 0.5
 _SEND_LINGER_MS = 2000
 
 
@@ -45,8 +60,32 @@ class WorkerSpec:
     world_size: int
     input_address: str
     output_address: str
+    abort_address: str
+    ipc_dir: str
+    """The engine's socket directory: removed by the worker that outlives the engine."""
     shm_prefix: str
     distributed_init_method: str | None
+
+
+class AbortedRequests:
+    """(batch_id, request_id) pairs the engine aborted; filled by the abort thread, read inside forwards."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pairs: set[tuple[int, str]] = set()
+
+    def add(self, msg: AbortRequests) -> None:
+        with self._lock:
+            self._pairs.update((msg.batch_id, rid) for rid in msg.request_ids)
+
+    def contains(self, batch_id: int, request_id: str) -> bool:
+        with self._lock:
+            return (batch_id, request_id) in self._pairs
+
+    def forget_through(self, batch_id: int) -> None:
+        """Drop the aborts of finished batches (an abort may arrive after its batch ended)."""
+        with self._lock:
+            self._pairs = {pair for pair in self._pairs if pair[0] > batch_id}
 
 
 class WorkerProc:
@@ -62,6 +101,10 @@ class WorkerProc:
         self.codec = MsgCodec(None, spec.shm_prefix)
         self.decoder = MsgCodec(WorkerInput, spec.shm_prefix).decoder()
         self.worker = None
+        self.aborted = AbortedRequests()
+        self._stop = threading.Event()
+        self._abort_thread = threading.Thread(target=self._read_aborts, name="abort-reader", daemon=True)
+        self._abort_thread.start()
 
     @staticmethod
     def run(spec: WorkerSpec) -> int:
@@ -91,19 +134,24 @@ class WorkerProc:
         return True
 
     def serve(self) -> None:
-        parent = multiprocessing.parent_process()
         while True:
-            if not self.input.poll(_PARENT_CHECK_INTERVAL_MS):
-                if parent is not None and not parent.is_alive():
-                    return
+            if not self.input.poll(_POLL_INTERVAL_MS):
                 continue
-            msg = self.decoder.decode(self.input.recv(copy=False).buffer)
+            buffer = self.input.recv(copy=False).buffer
+            try:
+                msg = self.decoder.decode(buffer)
+            except Exception as exc:
+                self._undecodable(buffer, exc)
+                continue
             if isinstance(msg, Shutdown):
                 return
-            if isinstance(msg, ExecuteBatch):
-                self._execute(msg)
-            elif isinstance(msg, RpcCall):
-                self._rpc(msg)
+            try:
+                if isinstance(msg, ExecuteBatch):
+                    self._execute(msg)
+                elif isinstance(msg, RpcCall):
+                    self._rpc(msg)
+            except Exception:  # a bug in the handling of one message must not end the worker
+                traceback.print_exc()
 
     def _execute(self, msg: ExecuteBatch) -> None:
         from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
@@ -117,24 +165,60 @@ class WorkerProc:
                     self._send_partial(PartialResult(msg.batch_id, request_id, kind, data))
 
         try:
-            outputs = self.worker.execute_model(DiffusionRequestBatch(msg.requests), partial_sink=sink)
+            outputs = self.worker.execute_model(
+                DiffusionRequestBatch(msg.requests), partial_sink=sink,
+                abort_requested=lambda rid: self.aborted.contains(msg.batch_id, rid))
         except Exception as exc:  # e.g. asleep: every request of the batch fails, the worker keeps serving
             outputs = [DiffusionOutput.from_exception(exc) for _ in msg.requests]
-        if self.rank != 0:
-            return
+        finally:
+            self.aborted.forget_through(msg.batch_id)
+        if self.rank == 0:
+            self._send_outputs(msg.batch_id, outputs)
+
+    def _send_outputs(self, batch_id: int, outputs: list[DiffusionOutput]) -> None:
+        encoded, errors = self.codec.encode_each(outputs)
+        for i, exc in enumerate(errors):
+            if exc is not None:
+                error = DiffusionOutput.from_exception(RuntimeError(f"pipeline output cannot be sent: {exc!r}"))
+                encoded[i] = msgspec.Raw(self.codec.encode(error))
+        self._send(EncodedBatchResult(batch_id=batch_id, rank=self.rank, outputs=encoded))
+
+    def _undecodable(self, buffer: memoryview, exc: Exception) -> None:
+        """Fail the batch (or RPC) whose message could not be decoded, if its envelope says which it was."""
         try:
-            self._send(BatchResult(batch_id=msg.batch_id, rank=self.rank, outputs=outputs))
-        except (TypeError, NotImplementedError, msgspec.EncodeError) as exc:
-            error = DiffusionOutput.from_exception(RuntimeError(f"pipeline output cannot be sent: {exc}"))
-            self._send(BatchResult(batch_id=msg.batch_id, rank=self.rank, outputs=[error] * len(outputs)))
+            tag, call_id, *rest = msgspec.msgpack.decode(buffer)
+        except Exception:
+            tag, call_id, rest = None, None, []
+        print(f"[diffusion rank {self.rank}] undecodable {tag or 'message'}: {exc!r}", file=sys.stderr)
+        if tag == "batch" and self.rank == 0:
+            error = DiffusionOutput.from_exception(RuntimeError(f"request cannot be decoded by the worker: {exc!r}"))
+            self._send_outputs(call_id, [error] * len(rest[0] if rest and isinstance(rest[0], list) else []))
+        elif tag == "rpc":
+            self._send(RpcResult(call_id=call_id, rank=self.rank, error=f"undecodable call: {exc!r}"))
 
     def _send_partial(self, msg: PartialResult) -> None:
         """A partial that cannot be encoded is dropped (the final output still comes); the forward goes on."""
         try:
             self._send(msg)
-        except (TypeError, NotImplementedError, msgspec.EncodeError) as exc:
-            print(f"[diffusion rank {self.rank}] dropped a {msg.kind!r} partial of {msg.request_id}: {exc}",
+        except Exception as exc:
+            print(f"[diffusion rank {self.rank}] dropped a {msg.kind!r} partial of {msg.request_id}: {exc!r}",
                   file=sys.stderr)
+
+    def _read_aborts(self) -> None:
+        sock = self.context.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(self.spec.abort_address)
+        decoder = msgspec.msgpack.Decoder(AbortInput)
+        try:
+            while not self._stop.is_set():
+                if sock.poll(_POLL_INTERVAL_MS):
+                    try:
+                        self.aborted.add(decoder.decode(sock.recv()))
+                    except msgspec.DecodeError as exc:
+                        print(f"[diffusion rank {self.rank}] undecodable abort: {exc!r}", file=sys.stderr)
+        finally:
+            sock.close(linger=0)
 
     def _rpc(self, msg: RpcCall) -> None:
         from vllm_omni.diffusion.worker.diffusion_worker import RPC_METHODS
@@ -151,6 +235,8 @@ class WorkerProc:
         self.output.send(self.codec.encode(msg), copy=False)
 
     def shutdown(self) -> None:
+        self._stop.set()
+        self._abort_thread.join(2 * _POLL_INTERVAL_MS / 1000)
         if self.worker is not None:
             try:
                 self.worker.shutdown()
@@ -161,12 +247,22 @@ class WorkerProc:
         self.context.term()
 
 
+def _watch_parent(spec: WorkerSpec, parent_pid: int) -> None:
+    """End the process once the engine is gone (we were re-parented), leaving none of its resources."""
+    while os.getppid() == parent_pid:
+        time.sleep(_PARENT_CHECK_INTERVAL_S)
+    cleanup_shm(spec.shm_prefix)
+    shutil.rmtree(spec.ipc_dir, ignore_errors=True)
+    os._exit(1)
+
+
 def worker_main(spec: WorkerSpec) -> None:
     """Process entry point. Everything is released by the time `run` returns, so after the exit handlers the
     process skips the interpreter teardown (seconds of module finalization with torch loaded)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     configure_process_logging(spec.od_config.logging_config,
                               f"DiffusionWorker_S{spec.od_config.stage_id}_R{spec.rank}")
+    threading.Thread(target=_watch_parent, args=(spec, os.getppid()), name="parent-watchdog", daemon=True).start()
     code = 1
     try:
         code = WorkerProc.run(spec)

@@ -105,6 +105,9 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return OmniEngineArgs.omni_kwargs_from_cli(args, defaults)
 
 
+_GRACEFUL_SHUTDOWN_S = 3.0
+
+
 def build_engine(args: argparse.Namespace) -> Any:
     from vllm_omni.entrypoints.async_omni import AsyncOmni
 
@@ -114,7 +117,11 @@ def build_engine(args: argparse.Namespace) -> Any:
 
 
 async def run_server(args: argparse.Namespace, **uvicorn_kwargs: Any) -> None:
-    """Bind the socket first (so the port is ours), start the engine, then serve until SIGINT/SIGTERM."""
+    """Bind the socket first (so the port is ours), start the engine, then serve until SIGINT/SIGTERM.
+
+    On SIGTERM, requests still running after `_GRACEFUL_SHUTDOWN_S` are cancelled (which aborts them in the
+    engine) rather than awaited: a busy diffusion worker must not hold the server past 15 s."""
+    uvicorn_kwargs.setdefault("timeout_graceful_shutdown", _GRACEFUL_SHUTDOWN_S)
     sock = create_server_socket((args.host or "", args.port), reuse_port=False)
     listen_address = f"http://{args.host or '0.0.0.0'}:{args.port}"
     engine = build_engine(args)

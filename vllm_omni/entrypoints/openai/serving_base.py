@@ -187,6 +187,9 @@ class OmniServingBase:
                 yield output
             completed = True
             outcome = "finished"
+        except Exception:  # the engine failed it (a client that left cancels: BaseException, "aborted")
+            outcome = "error"
+            raise
         finally:
             if completed:
                 self.metrics.request_ended(outcome)

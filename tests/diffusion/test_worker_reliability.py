@@ -1,0 +1,177 @@
+"""Reliability of the diffusion runtime with real worker processes (only the pipeline is fake).
+
+What it pins: an abort reaches a worker busy inside a forward through the side channel and the request
+leaves within a step, so the next request runs at once; in a co-batched forward only the aborted row leaves;
+a request or an output that cannot be encoded fails alone and the worker lives on; `kill -9` of a worker
+fails its request with a 503 within 1 s, reaps it (no zombie), frees its shm and socket files, and the
+engine serves again on new workers; workers exit within 10 s of a SIGKILL of their engine's process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import CancelledError
+from pathlib import Path
+
+import pytest
+from fake_pipelines import FakeStepPipeline, class_path
+from test_diffusion_engine_failures import assert_nothing_left, make_engine
+
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.errors import EngineDeadError, StageRestartingError
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
+
+FOREVER = 100_000  # steps: about half an hour of FakeStepPipeline
+
+
+def request(rid: str, steps: int, prompt: str = "x") -> OmniDiffusionRequest:
+    return OmniDiffusionRequest(prompt, SP(num_inference_steps=steps, height=16), rid)
+
+
+def wait_running(engine, n: int = 1, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.stats()["num_running"] < n:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.05)
+    time.sleep(0.2)  # well inside the forward now
+
+
+def process_gone(pid: int) -> bool:
+    """Neither running nor a zombie: /proc has no entry once the parent reaped it."""
+    return not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_abort_stops_the_running_forward(tmp_path):
+    engine = make_engine(tmp_path, FakeStepPipeline)
+    try:
+        long = engine.submit(request("long", FOREVER))
+        wait_running(engine)
+        engine.abort(["long"])
+        with pytest.raises(CancelledError):
+            long.result(timeout=0)  # resolved at once, not when the worker gets round to it
+        start = time.monotonic()
+        short = engine.submit(request("short", 2)).result(timeout=30)
+        assert short.error is None and short.extra["steps_run"] == 2
+        assert time.monotonic() - start < 2.0
+        stats = engine.stats()
+        assert stats["num_aborted"] == 1 and stats["num_running"] == 0
+    finally:
+        engine.close()
+    assert_nothing_left(engine)
+
+
+def test_abort_in_a_cobatched_forward_drops_only_that_row(tmp_path):
+    engine = make_engine(tmp_path, FakeStepPipeline, max_num_seqs=2, request_batch_max_wait_ms=500)
+    try:
+        doomed = engine.submit(request("doomed", 100))  # same steps: requests co-batch only with equal keys
+        kept = engine.submit(request("kept", 100))
+        wait_running(engine, 2)
+        engine.abort(["doomed"])
+        out = kept.result(timeout=30)
+        assert out.error is None and out.extra == {"batch_size": 2, "steps_run": 100, "rows_left": 1}
+        assert doomed.cancelled()
+    finally:
+        engine.close()
+
+
+def test_unencodable_request_or_output_fails_alone(tmp_path):
+    engine = make_engine(tmp_path, FakeStepPipeline, max_num_seqs=3, request_batch_max_wait_ms=500)
+    try:
+        pid = engine.executor.processes[0].pid
+        futures = [engine.submit(request("surrogate", 1, "\ud800")), engine.submit(request("bad", 1, "bad-output")),
+                   engine.submit(request("fine", 1))]
+        surrogate, bad, fine = (f.result(timeout=30) for f in futures)
+        assert surrogate.error_status_code == 400 and "not valid Unicode" in surrogate.error
+        assert bad.error_status_code == 500 and "cannot be sent" in bad.error
+        assert fine.error is None and fine.extra["batch_size"] == 2  # the surrogate never reached the worker
+        assert engine.submit(request("after", 1)).result(timeout=30).error is None
+        assert engine.executor.processes[0].pid == pid and not engine.is_dead
+    finally:
+        engine.close()
+
+
+def test_kill9_mid_request_fails_fast_then_the_stage_restarts(tmp_path):
+    engine = make_engine(tmp_path, FakeStepPipeline)
+    try:
+        running = engine.submit(request("running", FOREVER))
+        wait_running(engine)
+        old = engine.executor
+        queued = engine.submit(request("queued", 2))
+        pid = old.processes[0].pid
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(StageRestartingError):
+            running.result(timeout=5)
+        assert time.monotonic() - killed_at <= 1.0
+        assert not engine.is_dead
+        deadline = time.monotonic() + 10
+        while not (process_gone(pid) and not os.path.exists(old._ipc_dir)):
+            assert time.monotonic() < deadline, "dead worker not reaped or its socket files not removed"
+            time.sleep(0.1)
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(old.shm_prefix)]
+        assert queued.result(timeout=60).error is None  # waited for the new workers
+        assert time.monotonic() - killed_at < 60
+        assert engine.executor is not old and engine.stats()["num_restarts"] == 1
+        assert engine.submit(request("next", 2)).result(timeout=30).error is None
+    finally:
+        engine.close()
+    assert_nothing_left(engine)
+
+
+def test_restart_budget_spent_means_dead(tmp_path):
+    engine = make_engine(tmp_path, FakeStepPipeline, max_stage_restarts=1)
+    try:
+        for attempt in range(2):
+            future = engine.submit(request(f"r{attempt}", FOREVER))
+            wait_running(engine, timeout=60)
+            os.kill(engine.executor.processes[0].pid, signal.SIGKILL)
+            with pytest.raises(StageRestartingError if attempt == 0 else EngineDeadError):
+                future.result(timeout=5)
+        assert engine.is_dead
+        with pytest.raises(EngineDeadError):
+            engine.submit(request("late", 1))
+    finally:
+        engine.close()
+    assert_nothing_left(engine)
+
+
+_ORPHAN_SCRIPT = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from fake_pipelines import FakeStepPipeline, class_path
+from vllm_omni.diffusion.data import OmniDiffusionConfig
+from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
+
+engine = DiffusionEngine(OmniDiffusionConfig(model={model!r}, model_class_name={cls!r}))
+engine.submit(OmniDiffusionRequest("x", SP(num_inference_steps=100_000), "busy"))
+ex = engine.executor
+print(ex.processes[0].pid, ex.shm_prefix, ex._ipc_dir, flush=True)
+time.sleep(600)
+"""
+
+
+def test_workers_exit_when_their_engine_is_killed(tmp_path):
+    script = _ORPHAN_SCRIPT.format(tests=str(Path(__file__).parent), model=str(tmp_path),
+                                   cls=class_path(FakeStepPipeline))
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pid, shm_prefix, ipc_dir = proc.stdout.readline().split()
+        time.sleep(0.5)
+        proc.kill()
+        proc.wait(10)
+        killed_at = time.monotonic()
+        while Path(f"/proc/{pid}").exists():  # re-parented: init reaps it once it exits
+            assert time.monotonic() - killed_at < 10, "the worker outlived its engine"
+            time.sleep(0.1)
+        assert not os.path.exists(ipc_dir)
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(shm_prefix)]
+    finally:
+        proc.kill()
+        proc.wait(10)

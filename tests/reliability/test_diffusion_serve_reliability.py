@@ -1,0 +1,154 @@
+"""`vllm serve ... --omni` with a busy diffusion worker: abort, worker death, shutdown, death of the server.
+
+The abort and restart tests serve `FakeStepPipeline` (20 ms steps that check for aborts before each step,
+as the native pipelines do) through `--model-class-name` on the tiny Qwen-Image checkpoint, so their timings
+are the runtime's and not a model's; the SIGKILL test runs the real tiny Qwen-Image pipeline.
+
+Pins: a client that gives up on a long request frees the worker at once (a 2-step request right after
+completes within 2 s); kill -9 of the worker fails its request with 503 within about a second, /health says
+degraded, and the stage serves again within 60 s without restarting the server, leaving no zombie, shm
+segment or socket directory; SIGTERM with a busy worker exits within 15 s leaving nothing; after SIGKILL of
+the server its workers are gone within 10 s.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.entrypoints.leak_checks import orphan_segments, shm_segments
+from tests.entrypoints.openai.live_server import LiveServer
+
+FAKE = "tests.diffusion.fake_pipelines:FakeStepPipeline"
+IMAGES = "/v1/images/generations"
+
+
+def body(steps: int) -> dict:
+    return {"prompt": "x", "size": "64x64", "num_inference_steps": steps}
+
+
+def workers(srv: LiveServer) -> list[psutil.Process]:
+    return [p for p in psutil.Process(srv.proc.pid).children(recursive=True)
+            if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+
+
+def ipc_dirs(pid: int) -> set[str]:
+    """The diffusion socket directories a process has bound."""
+    return {str(Path(c.laddr).parent) for c in psutil.Process(pid).net_connections(kind="unix")
+            if "vllm_omni_ipc_" in (c.laddr or "")}
+
+
+def post_in_background(srv: LiveServer, steps: int, timeout: float = 120) -> dict:
+    result: dict = {}
+
+    def run() -> None:
+        start = time.monotonic()
+        try:
+            result["response"] = httpx.post(srv.url + IMAGES, json=body(steps), timeout=timeout)
+        except httpx.HTTPError as exc:
+            result["error"] = exc
+        result["at"] = time.monotonic()
+        result["took"] = result["at"] - start
+
+    result["thread"] = threading.Thread(target=run, daemon=True)
+    result["thread"].start()
+    return result
+
+
+def wait_busy(srv: LiveServer) -> None:
+    """Until the worker is inside the forward (its CPU time grows)."""
+    proc = workers(srv)[0]
+    start = sum(proc.cpu_times()[:2])
+    deadline = time.monotonic() + 30
+    while sum(proc.cpu_times()[:2]) - start < 0.3:
+        assert time.monotonic() < deadline, "the worker never got busy"
+        time.sleep(0.1)
+
+
+def gone(pid: int) -> bool:
+    """Exited and reaped: a zombie still has a process entry."""
+    return not psutil.pid_exists(pid)
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    shm_before = shm_segments()
+    srv = LiveServer("tiny/qwen-image", "--model-class-name", FAKE)
+    yield srv, shm_before
+    srv.close()
+
+
+def test_client_gone_frees_the_worker_at_once(fake_server):
+    srv, _ = fake_server
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + IMAGES, json=body(1000), timeout=2.0)  # 20 s of work, abandoned after 2 s
+    start = time.monotonic()
+    resp = httpx.post(srv.url + IMAGES, json=body(2), timeout=30)
+    assert resp.status_code == 200
+    assert time.monotonic() - start < 2.0
+    assert srv.metric("vllm_omni:engine_requests_total", outcome="aborted") == 1
+
+
+def test_kill9_of_the_worker_fails_fast_and_the_stage_comes_back(fake_server):
+    srv, shm_before = fake_server
+    old_dirs = ipc_dirs(srv.proc.pid)
+    pending = post_in_background(srv, 1000)
+    wait_busy(srv)
+    (worker,) = workers(srv)
+    killed_at = time.monotonic()
+    worker.kill()
+    pending["thread"].join(30)
+    assert pending["response"].status_code == 503, pending["response"].text
+    assert pending["at"] - killed_at <= 1.5
+    health = httpx.get(srv.url + "/health", timeout=10)
+    assert health.status_code == 503 and "degraded" in health.json()["error"]["message"]
+    deadline = killed_at + 60
+    while httpx.get(srv.url + "/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, "the stage did not come back within 60 s"
+        time.sleep(0.5)
+    assert httpx.post(srv.url + IMAGES, json=body(2), timeout=30).status_code == 200
+    assert gone(worker.pid), "the dead worker was not reaped"
+    assert not any(os.path.exists(d) for d in old_dirs)
+    assert not orphan_segments(shm_before)
+    assert srv.metric("vllm_omni:engine_requests_total", outcome="error") == 1
+
+
+def test_sigterm_with_a_busy_worker_exits_within_15s_leaving_nothing(fake_server):
+    srv, shm_before = fake_server
+    dirs = ipc_dirs(srv.proc.pid)
+    post_in_background(srv, 5000)
+    wait_busy(srv)
+    (worker,) = workers(srv)
+    start = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    srv.proc.wait(timeout=30)
+    assert time.monotonic() - start <= 15
+    assert gone(worker.pid)
+    assert not any(os.path.exists(d) for d in dirs)
+    assert not orphan_segments(shm_before)
+
+
+def test_sigkill_of_the_server_takes_its_workers_along():
+    shm_before = shm_segments()
+    srv = LiveServer("tiny/qwen-image")
+    try:
+        dirs = ipc_dirs(srv.proc.pid)
+        post_in_background(srv, 20_000)
+        wait_busy(srv)
+        pids = [p.pid for p in workers(srv)]
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        while not all(gone(pid) for pid in pids):
+            assert time.monotonic() - killed_at < 10, "a worker outlived the server by 10 s"
+            time.sleep(0.2)
+        assert not any(os.path.exists(d) for d in dirs)
+        assert not orphan_segments(shm_before)
+    finally:
+        srv.close()
