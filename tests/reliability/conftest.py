@@ -27,8 +27,9 @@ def make_client(parser, engine: FakeOmni, *extra: str) -> TestClient:
 
 @pytest.fixture(scope="module")
 def img(parser):
-    """Like IMG (tiny/qwen-image): one diffusion stage answering with images."""
-    engine = FakeOmni(stage_types=["diffusion"], output_modalities={"image"})
+    """Like IMG, but taking input images too (tiny/qwen-image-edit), so the input checks are reached: a
+    text-to-image model refuses input images before any of them (tests/entrypoints/openai capability tests)."""
+    engine = FakeOmni(stage_types=["diffusion"], output_modalities={"image"}, input_modalities={"text", "image"})
     return make_client(parser, engine)
 
 
@@ -40,8 +41,9 @@ def ar(parser):
 
 @pytest.fixture(scope="module")
 def vid(parser):
-    """Like VID (tiny/wan2.1-t2v): one diffusion stage answering with video."""
-    return make_client(parser, FakeOmni(stage_types=["diffusion"], output_modalities={"video"}))
+    """Like VID, taking an input image too (tiny/wan2.1-i2v), so `input_reference` checks are reached."""
+    return make_client(parser, FakeOmni(stage_types=["diffusion"], output_modalities={"video"},
+                                        input_modalities={"text", "image"}))
 
 
 def png(size: tuple[int, int], mode: str = "1") -> bytes:

@@ -20,7 +20,8 @@ EVIL = {"origin": "http://evil.example"}
 
 def test_request_body_limit(parser):
     """D11: a 50 MB prompt was accepted (110 s, worker at 10.8 GB); now 413 before the body is read."""
-    client = make_client(parser, FakeOmni(stage_types=["diffusion"], output_modalities={"image"}),
+    client = make_client(parser, FakeOmni(stage_types=["diffusion"], output_modalities={"image"},
+                                          input_modalities={"text", "image"}),
                          "--max-request-body-mb", "1", "--max-upload-mb", "2")
     body = {"prompt": "a" * (2 * 2**20), "size": "64x64", "num_inference_steps": 2}
     err = assert_client_error(client.post("/v1/images/generations", json=body), "body", status=413)
@@ -41,8 +42,9 @@ def test_request_body_limit(parser):
 
 
 def test_input_image_pixels_checked_from_header(parser, bomb_warn):
-    """D13: a 17.5 KB PNG of 144 Mpx was decoded to RGB (API RSS +1.3 GB); the header now decides."""
-    engine = FakeOmni(stage_types=["diffusion"], output_modalities={"image"})
+    """D13: a 17.5 KB PNG of 144 Mpx was decoded to RGB (API RSS +1.3 GB); the header now decides (and a
+    text-to-image model refuses input images before reading them at all)."""
+    engine = FakeOmni(stage_types=["diffusion"], output_modalities={"image"}, input_modalities={"text", "image"})
     client = make_client(parser, engine, "--max-input-image-pixels", "1000000")
     seen = len(engine.seen)
     err = assert_client_error(client.post("/v1/images/edits", data={"prompt": "x", "size": "64x64"},

@@ -58,7 +58,7 @@ def make_client(parser, engine) -> TestClient:
 
 @pytest.fixture()
 def video(parser):
-    engine = FakeVideoOmni(stage_types=["diffusion"], output_modalities={"video"})
+    engine = FakeVideoOmni(stage_types=["diffusion"], output_modalities={"video"}, input_modalities={"text", "image"})
     with make_client(parser, engine) as client:
         yield engine, client
 
