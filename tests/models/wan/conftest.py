@@ -1,4 +1,4 @@
-"""Wan tests: tiny checkpoints (the process-group fixture `dist_world` lives in tests/diffusion/conftest.py)."""
+"""Wan tests: tiny checkpoints (the process-group fixture `dist_world` lives in tests/conftest.py)."""
 
 from __future__ import annotations
 
