@@ -321,24 +321,22 @@ class WanPipeline(NativeDiffusionPipeline):
 
     def decode_chunks(self, state: DenoiseState, latents: torch.Tensor, ctx: StepContext, streamed: set[str],
                       fps: int) -> Any:
-        """Latents -> uint8 frames (rows, T, H, W, 3) of the requests still in `state`, through the causal VAE.
+        """Latents -> uint8 frames (rows, T, H, W, 3) of the requests still in `state`, through the causal VAE
+        (None when every request streams: nobody needs the whole clip back).
 
         Each decoded chunk goes at once to the listeners of the `streamed` requests (their rows, shaped like the
         final output), so clients see the first frames early. Between chunks, aborted requests leave: their rows
         are dropped from `state`, from the frames so far and from the VAE's running cache.
         """
         per = state.outputs_per_request
+        keep_clip = any(r.request_id not in streamed for r in state.requests)
         chunks, frame_start = [], 0
         with WanVaeStream(self.vae, self.normalize_latents(latents.to(self.vae.dtype), inverse=True)) as stream:
             for chunk in stream:
-                chunks.append(chunk)
+                if keep_clip:
+                    chunks.append(chunk)
                 if streamed:
-                    frames = to_uint8_frames(chunk)
-                    for i, request in enumerate(state.requests):
-                        if request.request_id in streamed:
-                            video = frames[i * per:(i + 1) * per]
-                            ctx.emit_partial(request.request_id, "video_chunk", {
-                                "video": video[0] if per == 1 else video, "fps": fps, "frame_start": frame_start})
+                    self.emit_chunk(state, ctx, chunk, streamed, frame_start, fps)
                 frame_start += chunk.shape[2]
                 aborted = set(ctx.aborted(state.request_ids))
                 if aborted:
@@ -349,4 +347,16 @@ class WanPipeline(NativeDiffusionPipeline):
                         return None
                     stream.keep_rows(rows)
                     chunks = [c.index_select(0, rows) for c in chunks]
-        return to_uint8_frames(torch.cat(chunks, dim=2))
+        return to_uint8_frames(torch.cat(chunks, dim=2)) if chunks else None
+
+    @staticmethod
+    def emit_chunk(state: DenoiseState, ctx: StepContext, chunk: torch.Tensor, streamed: set[str], frame_start: int,
+                   fps: int) -> None:
+        """One decoded chunk to each streamed request's listener, shaped like that request's final video."""
+        per = state.outputs_per_request
+        frames = to_uint8_frames(chunk)
+        for i, request in enumerate(state.requests):
+            if request.request_id in streamed:
+                video = frames[i * per:(i + 1) * per]
+                ctx.emit_partial(request.request_id, "video_chunk",
+                                 {"video": video[0] if per == 1 else video, "fps": fps, "frame_start": frame_start})
