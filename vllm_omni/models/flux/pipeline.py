@@ -1,8 +1,9 @@
 """FLUX.1 text-to-image pipeline: CLIP + T5 prompt encoding, our MMDiT, flow-matching Euler, AutoencoderKL decode.
 
 Numerically the same recipe as diffusers' `FluxPipeline` (same noise for the same seed, same sigmas and shift,
-same guidance embedding), so images match it. Requests that share sampling params run as one batch; when true
-CFG is on, positive and negative prompts go through the transformer as one batched forward.
+same guidance embedding, diffusers' FlowMatchEulerDiscreteScheduler), so images match it. It runs on the
+`NativeDiffusionPipeline` template: requests that share sampling params run as one batch; when true CFG is on,
+positive rows and the negatives of the requests that have one go through the transformer as one forward.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import functools
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -99,6 +100,7 @@ class FluxConditioning:
 
 
 class FluxPipeline(NativeDiffusionPipeline):
+    progress_desc: ClassVar[str] = "FLUX denoise"
 
     def __init__(self, *, od_config: OmniDiffusionConfig, transformer: FluxTransformer2DModel, text_encoder,
                  text_encoder_2, tokenizer, tokenizer_2, vae, scheduler, device: torch.device, dtype: torch.dtype):
