@@ -1,22 +1,20 @@
-"""Video helpers: MP4 round trip through PyAV and the streaming Wan VAE decode.
+"""Video helpers: MP4 round trip through PyAV, and streamed clips joined back from their chunks.
 
-Why it matters: the API returns MP4 built by `encode_mp4` (frame count and size must survive), and
-streaming sends frames decoded chunk by chunk, which must be the same frames a full decode gives.
+Why it matters: the API returns MP4 built by `encode_mp4` (frame count and size must survive), and a streamed
+clip's final output is rebuilt from its chunks, which must give exactly the clip (the streaming Wan VAE decode
+itself is pinned in tests/models/wan/test_vae_stream.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from vllm_omni.diffusion.video_utils import (
     STREAMED_FRAMES,
     decode_mp4,
     encode_mp4,
-    iter_wan_vae_decode,
     join_streamed_video,
-    to_uint8_frames,
 )
 
 
@@ -41,23 +39,6 @@ def test_mp4_pads_odd_sizes_and_rejects_bad_input():
         encode_mp4(np.zeros((3, 8, 8, 3), dtype=np.float32), fps=8)
     with pytest.raises(ValueError, match="fps"):
         encode_mp4(_frames(3, 8, 8), fps=0)
-
-
-def test_chunked_wan_vae_decode_equals_full_decode():
-    from diffusers import AutoencoderKLWan
-
-    from vllm_omni.models.tiny import build_tiny
-
-    vae = AutoencoderKLWan.from_pretrained(build_tiny("wan2.1-t2v") / "vae", dtype=torch.float32).eval()
-    latents = torch.randn(2, 16, 4, 4, 6, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        full = vae.decode(latents).sample
-        chunks = list(iter_wan_vae_decode(vae, latents, chunk_latent_frames=1))
-    # First latent frame -> 1 video frame, each later one -> 4 (the causal temporal stride).
-    assert [c.shape[2] for c in chunks] == [1, 4, 4, 4]
-    torch.testing.assert_close(torch.cat(chunks, dim=2), full, rtol=0, atol=1e-6)
-    frames = to_uint8_frames(full)
-    assert frames.shape == (2, 13, 32, 48, 3) and frames.dtype == np.uint8
 
 
 def test_fragmented_writer_streams_one_playable_mp4():

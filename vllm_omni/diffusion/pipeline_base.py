@@ -89,6 +89,7 @@ class DenoiseState:
         rows = torch.tensor([i * per + j for i in keep for j in range(per)], device=self.latents.device)
         self.latents = self.latents.index_select(0, rows)
         self.conditioning = self.conditioning.select(rows)
+        _select_scheduler_rows(self.scheduler, rows)
 
 
 class NativeDiffusionPipeline(nn.Module):
@@ -222,3 +223,17 @@ class NativeDiffusionPipeline(nn.Module):
 
 def _aborted_output() -> DiffusionOutput:
     return DiffusionOutput.from_exception(RequestAbortedError())
+
+
+_SCHEDULER_ROW_STATE = ("model_outputs", "last_sample")
+"""Per-row history that diffusers' multistep schedulers (UniPC for Wan, DPM-Solver) keep between steps."""
+
+
+def _select_scheduler_rows(scheduler: Any, rows: torch.Tensor) -> None:
+    """Keep only latent rows `rows` in the scheduler's per-row history (stateless schedulers have none)."""
+    for name in _SCHEDULER_ROW_STATE:
+        value = getattr(scheduler, name, None)
+        if isinstance(value, torch.Tensor):
+            setattr(scheduler, name, value.index_select(0, rows))
+        elif isinstance(value, list):
+            setattr(scheduler, name, [v.index_select(0, rows) if isinstance(v, torch.Tensor) else v for v in value])

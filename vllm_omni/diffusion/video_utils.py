@@ -1,4 +1,4 @@
-"""Video helpers: streaming VAE decode, float->uint8 frames, and MP4 (H.264) encoding with PyAV.
+"""Video helpers: float->uint8 frames, streamed clips joined back, and MP4 (H.264) encoding with PyAV.
 
 Decoding runs in the worker (it is part of the pipeline); MP4 encoding is CPU work the serving layer does
 in a thread (`asyncio.to_thread(encode_mp4, ...)`), off the engine's critical path.
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,44 +15,11 @@ import numpy as np
 
 if TYPE_CHECKING:
     import torch
-    from diffusers import AutoencoderKLWan
 
 DEFAULT_CODEC = "libx264"
 STREAMED_FRAMES = "streamed_frames"
 """Key of a final video output whose frames were all sent before it as "video_chunk" partials: the clip
 crosses the worker boundary once, and the engine side joins the chunks back (`join_streamed_video`)."""
-
-
-def iter_wan_vae_decode(vae: AutoencoderKLWan, latents: torch.Tensor, chunk_latent_frames: int = 1
-                        ) -> Iterator[torch.Tensor]:
-    """Decode Wan latents (B, z, T, h, w) a few latent frames at a time, yielding pixels (B, 3, t, H, W) in [-1, 1].
-
-    The Wan VAE decoder is causal over time and already decodes one latent frame per step with a feature
-    cache; this walks the same loop but yields after every `chunk_latent_frames` frames, so the first pixels
-    are ready early and the concatenation equals `vae.decode(latents)` exactly (same ops, same order).
-    The first latent frame gives 1 video frame, every later one `scale_factor_temporal` frames.
-    """
-    import torch
-    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
-
-    if chunk_latent_frames < 1:
-        raise ValueError(f"chunk_latent_frames must be >= 1, got {chunk_latent_frames}")
-    vae.clear_cache()
-    try:
-        x = vae.post_quant_conv(latents)
-        num_frames = x.shape[2]
-        for start in range(0, num_frames, chunk_latent_frames):
-            outs = []
-            for i in range(start, min(start + chunk_latent_frames, num_frames)):
-                vae._conv_idx = [0]
-                outs.append(vae.decoder(x[:, :, i:i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
-                                        first_chunk=i == 0))
-            out = torch.cat(outs, dim=2)
-            if vae.config.patch_size is not None:
-                out = unpatchify(out, patch_size=vae.config.patch_size)
-            yield out.clamp(-1.0, 1.0)
-    finally:
-        vae.clear_cache()
 
 
 def join_streamed_video(output: dict[str, Any], chunks: list[np.ndarray]) -> dict[str, Any]:

@@ -97,3 +97,20 @@ def test_omni_wan22_a14b_matches_diffusers():
     video = out.multimodal_output["video"]
     mse = np.mean((video.astype(np.float64) - (expected * 255).round()) ** 2)
     assert video.std() > 1.0 and (mse == 0 or 10 * np.log10(255.0**2 / mse) >= 35.0)
+
+
+def test_omni_wan_honours_diffusion_attention_backend(monkeypatch):
+    """`--diffusion-attention-backend` reaches the worker's Wan layers (issue 12: Wan used to ignore it).
+
+    The env fallback names a backend that does not exist and the worker processes inherit it: a layer that
+    did not get the stage's TORCH_SDPA from its constructor would fail the model load.
+    """
+    from vllm_omni.entrypoints.omni import Omni
+
+    monkeypatch.setenv("DIFFUSION_ATTENTION_BACKEND", "NOPE")
+    omni = Omni("tiny/wan2.1-t2v", diffusion_attention_backend="TORCH_SDPA")
+    try:
+        (out,) = omni.generate(["A cat."], OmniDiffusionSamplingParams(seed=3, **SIZE), use_tqdm=False)
+    finally:
+        omni.close()
+    assert out.error is None and out.multimodal_output["video"].shape == (9, 32, 48, 3)

@@ -1,14 +1,15 @@
 """Wan 2.1 / 2.2 text-to-video, natively: UMT5 text encoder, our Wan DiT (one or two experts), UniPC, Wan VAE.
 
-Reference spec: diffusers `WanPipeline.__call__`. The steps below follow it so that, with the same weights
-and seed, the decoded frames match:
+Reference spec: diffusers `WanPipeline.__call__`. The hooks of `NativeDiffusionPipeline` follow it so that, with
+the same weights and seed, the decoded frames match:
   1. resolve sizes (height/width multiples of 16, `num_frames` rounded to 4k+1),
   2. encode prompt and negative prompt (zero-padded to `max_sequence_length`),
   3. draw noise per request with `torch.Generator("cpu").manual_seed(seed)`, shape (n_outputs, 16, T, h, w),
   4. denoise with true CFG (positive and negative rows in one DiT forward); Wan2.2 A14B switches from the
      high-noise `transformer` to the low-noise `transformer_2` once t < boundary_ratio * 1000, with
      `guidance_scale_2`,
-  5. un-normalize latents and decode them with the causal VAE.
+  5. un-normalize latents and decode them with the causal VAE, chunk by chunk (streamed to listeners; an aborted
+     request leaves between chunks).
 Requests whose sampling-params keys agree (the scheduler guarantees it) share every forward.
 """
 
@@ -16,30 +17,27 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from vllm_omni.diffusion.data import DiffusionOutput
-from vllm_omni.diffusion.step_context import StepContext
+from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
 from vllm_omni.diffusion.timing import elapsed_since
-from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, iter_wan_vae_decode, to_uint8_frames
+from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, to_uint8_frames
 from vllm_omni.errors import OmniClientError
 from vllm_omni.logger import init_logger
+from vllm_omni.models.wan.vae_stream import WanVaeStream
 
 if TYPE_CHECKING:
-    from typing import Self
-
     from diffusers import AutoencoderKLWan
 
     from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.diffusion.request import OmniDiffusionRequest
-    from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+    from vllm_omni.diffusion.step_context import StepContext
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
     from vllm_omni.models.wan.transformer import WanTransformer3DModel
 
@@ -63,22 +61,41 @@ class WanGeometry:
 
 
 @dataclass
-class WanConditions:
-    """Per-row extras of image-conditioned pipelines (None for text-to-video)."""
+class WanConditioning:
+    """What the DiT rows of one group are conditioned on besides latents and timestep."""
 
+    geometry: WanGeometry
+    embeds: torch.Tensor
+    """UMT5 text tokens: one row per latent row, then (CFG) the negatives in the same order."""
+    do_cfg: bool
+    guidance: float
+    """Guidance of `transformer` (and of every step without a boundary)."""
+    guidance_2: float
+    """Guidance of `transformer_2` (Wan2.2 A14B, steps below the boundary)."""
+    boundary: float | None
+    """Timestep below which `transformer_2` denoises; None: one expert."""
     latents: torch.Tensor | None = None
-    """Channels concatenated to the noisy latents (I2V: 4 mask channels + 16 image-latent channels)."""
+    """Per latent row (image-conditioned pipelines): I2V's 4 mask + 16 image-latent channels concatenated to the
+    noisy latents, or TI2V's latents of the given first frame."""
     image_embeds: torch.Tensor | None = None
-    """CLIP tokens for the DiT's image cross-attention branch."""
+    """CLIP tokens per latent row for the DiT's image cross-attention branch (Wan2.1 I2V)."""
     first_frame_mask: torch.Tensor | None = None
     """Wan2.2 TI2V: (1, 1, T, h, w), 0 on the given first frame (whose latents are `latents`), 1 elsewhere; the
     DiT sees the first frame's latents there and a timestep of 0 on its tokens."""
 
+    def select(self, rows: torch.Tensor) -> WanConditioning:
+        """The conditioning of latent rows `rows` only (and of their negatives)."""
+        num_rows = self.embeds.shape[0] // (2 if self.do_cfg else 1)
+        text_rows = torch.cat([rows, rows + num_rows]) if self.do_cfg else rows
+        return replace(self, embeds=self.embeds.index_select(0, text_rows),
+                       latents=None if self.latents is None else self.latents.index_select(0, rows),
+                       image_embeds=None if self.image_embeds is None else self.image_embeds.index_select(0, rows))
 
-class WanPipeline(nn.Module):
+
+class WanPipeline(NativeDiffusionPipeline):
     """Text-to-video for Wan2.1 (one DiT) and Wan2.2 A14B (high/low-noise expert pair)."""
 
-    supports_request_batch: ClassVar[bool] = True
+    progress_desc: ClassVar[str] = "Wan denoise"
 
     def __init__(self, *, od_config: OmniDiffusionConfig, device: torch.device, dtype: torch.dtype, tokenizer: Any,
                  text_encoder: nn.Module, transformer: WanTransformer3DModel,
@@ -147,32 +164,94 @@ class WanPipeline(nn.Module):
             expand_timesteps=bool(index.get("expand_timesteps")),
         )
 
-    # ---- request handling ----------------------------------------------------------------------------------
+    # ---- hooks of the denoise template ----------------------------------------------------------------------
 
-    @torch.no_grad()
-    def forward(self, batch: DiffusionRequestBatch, ctx: StepContext | None = None) -> list[DiffusionOutput]:
-        """One output per request; a request that is invalid alone fails alone (`ctx` None: used standalone)."""
-        ctx = ctx or StepContext(self.od_config, request_ids=batch.request_ids)
-        outputs: list[DiffusionOutput | None] = [None] * len(batch.requests)
-        valid: list[int] = []
-        for i, request in enumerate(batch.requests):
-            try:
-                self.validate_request(request)
-                valid.append(i)
-            except OmniClientError as exc:
-                outputs[i] = DiffusionOutput.from_exception(exc)
-        if valid:
-            try:
-                results = self.generate([batch.requests[i] for i in valid], ctx)
-            except OmniClientError as exc:  # a shared parameter is invalid: every request says why
-                results = [DiffusionOutput.from_exception(exc) for _ in valid]
-            for i, result in zip(valid, results, strict=True):
-                outputs[i] = result
-        return [out for out in outputs if out is not None]
+    def group_key(self, request: OmniDiffusionRequest) -> Any:
+        """Validates the request; requests with equal keys run in one forward."""
+        self.validate_request(request)
+        sp = request.sampling_params
+        return (sp.height, sp.width, sp.num_frames, sp.num_inference_steps, sp.guidance_scale, sp.guidance_scale_2,
+                sp.boundary_ratio, sp.flow_shift, sp.num_outputs_per_prompt, sp.max_sequence_length, sp.fps)
 
     def validate_request(self, request: OmniDiffusionRequest) -> None:
         if not request.prompt_text.strip():
             raise OmniClientError("prompt must be a non-empty string", param="prompt")
+
+    def encode_prompt(self, requests: list[OmniDiffusionRequest]) -> WanConditioning:
+        """Validates the group's sizes and guidance, then encodes prompts (and negatives for CFG) in one batch."""
+        sp = requests[0].sampling_params
+        geometry = self.resolve_geometry(sp)
+        guidance, guidance_2, boundary = self.resolve_guidance(sp)
+        do_cfg = guidance > 1.0  # diffusers decides CFG on the first expert's scale only
+        max_len = sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
+        prompts = [r.prompt_text for r in requests]
+        negatives = [r.negative_prompt or "" for r in requests] if do_cfg else []
+        embeds = self.encode_texts(prompts + negatives, max_len).repeat_interleave(sp.num_outputs_per_prompt, dim=0)
+        return WanConditioning(geometry, embeds, do_cfg, guidance, guidance_2, boundary)
+
+    def prepare_latents(self, requests: list[OmniDiffusionRequest], conditioning: WanConditioning) -> torch.Tensor:
+        """Noise per request from its own CPU generator, the same draw diffusers makes for that seed."""
+        geometry = conditioning.geometry
+        shape = (requests[0].sampling_params.num_outputs_per_prompt, self.vae.config.z_dim, geometry.latent_frames,
+                 geometry.latent_height, geometry.latent_width)
+        noise = []
+        for request in requests:
+            seed = request.sampling_params.seed
+            generator = torch.Generator(device="cpu").manual_seed(random.getrandbits(63) if seed is None else seed)
+            noise.append(torch.randn(shape, generator=generator, dtype=torch.float32))
+        return torch.cat(noise).to(self.device)
+
+    def make_scheduler(self, requests: list[OmniDiffusionRequest], latents: torch.Tensor) -> Any:
+        import diffusers
+
+        sp = requests[0].sampling_params
+        cls = getattr(diffusers, self.scheduler_config["_class_name"])
+        overrides = {} if sp.flow_shift is None else {"flow_shift": float(sp.flow_shift)}
+        scheduler = cls.from_config(self.scheduler_config, **overrides)
+        scheduler.set_timesteps(sp.num_inference_steps or DEFAULT_NUM_INFERENCE_STEPS, device=self.device)
+        scheduler.set_begin_index(0)
+        return scheduler
+
+    def predict_noise(self, state: DenoiseState) -> torch.Tensor:
+        """Positive and negative rows in one forward of the expert that owns this step's timestep."""
+        cond, latents = state.conditioning, state.latents
+        t = state.timesteps[state.step_index]
+        high_noise = cond.boundary is None or t >= cond.boundary
+        model = self.transformer if high_noise else self.transformer_2
+        x = self.model_input(latents, cond)
+        image_embeds = cond.image_embeds
+        if cond.do_cfg:
+            x = torch.cat([x, x])
+            image_embeds = None if image_embeds is None else torch.cat([image_embeds, image_embeds])
+        pred = model(x.to(self.dtype), self.model_timestep(t, x, cond), cond.embeds, image_embeds)
+        if not cond.do_cfg:
+            return pred
+        rows = latents.shape[0]
+        positive, negative = pred[:rows], pred[rows:]
+        return negative + (cond.guidance if high_noise else cond.guidance_2) * (positive - negative)
+
+    def finish(self, state: DenoiseState, ctx: StepContext) -> list[DiffusionOutput]:
+        """Decode chunk by chunk; a streamed request's final output carries no frames (they went as chunks)."""
+        cond = state.conditioning
+        fps = state.requests[0].sampling_params.fps or DEFAULT_FPS
+        streamed = {r.request_id for r in state.requests if r.sampling_params.stream_partial_outputs} \
+            if ctx.partials_enabled else set()
+        latents = self.model_input(state.latents, cond) if cond.first_frame_mask is not None else state.latents
+        start = time.perf_counter()
+        frames = self.decode_chunks(state, latents, ctx, streamed, fps)
+        state.durations["vae_decode"] = elapsed_since(start, self.device)
+        per = state.outputs_per_request
+        outputs = []
+        for i, request in enumerate(state.requests):
+            if request.request_id in streamed:  # the engine side joins the chunks it already has
+                output = {STREAMED_FRAMES: cond.geometry.num_frames, "fps": fps}
+            else:
+                video = frames[i * per:(i + 1) * per]
+                output = {"video": video[0] if per == 1 else video, "fps": fps}
+            outputs.append(DiffusionOutput(output=output, stage_durations=dict(state.durations)))
+        return outputs
+
+    # ---- stages --------------------------------------------------------------------------------------------
 
     def resolve_geometry(self, sp: OmniDiffusionSamplingParams) -> WanGeometry:
         height = sp.height or DEFAULT_HEIGHT
@@ -202,48 +281,7 @@ class WanPipeline(nn.Module):
         num_train = self.scheduler_config.get("num_train_timesteps", 1000)
         return guidance, guidance_2, boundary_ratio * num_train
 
-    def generate(self, requests: list[OmniDiffusionRequest], ctx: StepContext) -> list[DiffusionOutput]:
-        sp = requests[0].sampling_params
-        geometry = self.resolve_geometry(sp)
-        guidance, guidance_2, boundary = self.resolve_guidance(sp)
-        do_cfg = guidance > 1.0  # diffusers decides CFG on the first expert's scale only
-        per_prompt = sp.num_outputs_per_prompt
-        durations: dict[str, float] = {}
-
-        start = time.perf_counter()
-        max_len = sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
-        prompts = [r.prompt_text for r in requests]
-        negatives = [r.negative_prompt or "" for r in requests] if do_cfg else []
-        embeds = self.encode_prompt(prompts + negatives, max_len).repeat_interleave(per_prompt, dim=0)
-        durations["text_encoder"] = elapsed_since(start, self.device)
-
-        latents = self.prepare_latents(requests, geometry, per_prompt)
-        conditions = self.prepare_conditions(requests, geometry, durations)
-
-        start = time.perf_counter()
-        latents = self.denoise(latents, embeds, conditions, sp, guidance, guidance_2, boundary, do_cfg, ctx)
-        durations["denoise"] = elapsed_since(start, self.device)
-
-        fps = sp.fps or DEFAULT_FPS
-        streamed = {r.request_id for r in requests if r.sampling_params.stream_partial_outputs} \
-            if ctx.partials_enabled else set()
-        start = time.perf_counter()
-        frames = self.decode(latents, ctx, requests, streamed, per_prompt, fps)
-        durations["vae_decode"] = elapsed_since(start, self.device)
-
-        outputs = []
-        for i, request in enumerate(requests):
-            if request.request_id in streamed:  # its frames crossed as chunks; the engine side joins them
-                output = {STREAMED_FRAMES: geometry.num_frames, "fps": fps}
-            else:
-                video = frames[i * per_prompt:(i + 1) * per_prompt]
-                output = {"video": video[0] if per_prompt == 1 else video, "fps": fps}
-            outputs.append(DiffusionOutput(output=output, stage_durations=dict(durations)))
-        return outputs
-
-    # ---- stages --------------------------------------------------------------------------------------------
-
-    def encode_prompt(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor:
+    def encode_texts(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor:
         """UMT5 last hidden states, cut at each prompt's length and zero-padded back (as the model was trained)."""
         from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
@@ -255,77 +293,21 @@ class WanPipeline(nn.Module):
         keep = torch.arange(max_sequence_length, device=self.device)[None, :] < mask.sum(dim=1, keepdim=True)
         return hidden * keep[..., None].to(hidden.dtype)
 
-    def prepare_latents(self, requests: list[OmniDiffusionRequest], geometry: WanGeometry, per_prompt: int
-                        ) -> torch.Tensor:
-        """Noise per request from its own CPU generator, the same draw diffusers makes for that seed."""
-        shape = (per_prompt, self.vae.config.z_dim, geometry.latent_frames, geometry.latent_height,
-                 geometry.latent_width)
-        noise = []
-        for request in requests:
-            seed = request.sampling_params.seed
-            generator = torch.Generator(device="cpu").manual_seed(random.getrandbits(63) if seed is None else seed)
-            noise.append(torch.randn(shape, generator=generator, dtype=torch.float32))
-        return torch.cat(noise).to(self.device)
-
-    def prepare_conditions(self, requests: list[OmniDiffusionRequest], geometry: WanGeometry,
-                           durations: dict[str, float]) -> WanConditions:
-        return WanConditions()
-
-    def make_scheduler(self, sp: OmniDiffusionSamplingParams) -> Any:
-        import diffusers
-
-        cls = getattr(diffusers, self.scheduler_config["_class_name"])
-        overrides = {} if sp.flow_shift is None else {"flow_shift": float(sp.flow_shift)}
-        return cls.from_config(self.scheduler_config, **overrides)
-
-    def denoise(self, latents: torch.Tensor, embeds: torch.Tensor, conditions: WanConditions,
-                sp: OmniDiffusionSamplingParams, guidance: float, guidance_2: float, boundary: float | None,
-                do_cfg: bool, ctx: StepContext) -> torch.Tensor:
-        scheduler = self.make_scheduler(sp)
-        steps = sp.num_inference_steps or DEFAULT_NUM_INFERENCE_STEPS
-        scheduler.set_timesteps(steps, device=self.device)
-        scheduler.set_begin_index(0)
-        rows = latents.shape[0]
-        image_embeds = conditions.image_embeds
-        if do_cfg and image_embeds is not None:
-            image_embeds = torch.cat([image_embeds, image_embeds])
-        num_train = self.scheduler_config.get("num_train_timesteps", 1000)
-        show = self.od_config.enable_progress_bar
-        with tqdm(total=len(scheduler.timesteps), desc="Wan denoise", disable=not show) as progress:
-            for i, t in enumerate(scheduler.timesteps):
-                ctx.step_index, ctx.timestep = i, float(t) / num_train
-                high_noise = boundary is None or t >= boundary
-                model = self.transformer if high_noise else self.transformer_2
-                scale = guidance if high_noise else guidance_2
-                x = self.model_input(latents, conditions)
-                x = torch.cat([x, x]) if do_cfg else x
-                pred = model(x.to(self.dtype), self.model_timestep(t, x, conditions), embeds, image_embeds)
-                if do_cfg:
-                    cond, uncond = pred[:rows], pred[rows:]
-                    pred = uncond + scale * (cond - uncond)
-                latents = scheduler.step(pred, t, latents, return_dict=False)[0]
-                progress.update()
-                ctx.report_progress(i + 1, len(scheduler.timesteps))
-        ctx.step_index = ctx.timestep = None
-        if conditions.first_frame_mask is not None:
-            latents = self.model_input(latents, conditions)
-        return latents
-
     @staticmethod
-    def model_input(latents: torch.Tensor, conditions: WanConditions) -> torch.Tensor:
-        if conditions.first_frame_mask is not None:  # TI2V: the given first frame replaces the noisy one
-            mask = conditions.first_frame_mask
-            return (1 - mask) * conditions.latents + mask * latents
-        if conditions.latents is not None:  # Wan2.1 I2V: conditioning channels ride along
-            return torch.cat([latents, conditions.latents], dim=1)
+    def model_input(latents: torch.Tensor, cond: WanConditioning) -> torch.Tensor:
+        if cond.first_frame_mask is not None:  # TI2V: the given first frame replaces the noisy one
+            mask = cond.first_frame_mask
+            return (1 - mask) * cond.latents + mask * latents
+        if cond.latents is not None:  # Wan2.1 I2V: conditioning channels ride along
+            return torch.cat([latents, cond.latents], dim=1)
         return latents
 
-    def model_timestep(self, t: torch.Tensor, x: torch.Tensor, conditions: WanConditions) -> torch.Tensor:
+    def model_timestep(self, t: torch.Tensor, x: torch.Tensor, cond: WanConditioning) -> torch.Tensor:
         """(rows,), or (rows, tokens) for Wan2.2 TI2V, where first-frame tokens of an I2V request get 0."""
         if not self.expand_timesteps:
             return t.expand(x.shape[0])
         _, p_h, p_w = self.transformer.config.patch_size
-        mask = conditions.first_frame_mask
+        mask = cond.first_frame_mask
         if mask is None:
             mask = torch.ones(1, 1, *x.shape[2:], device=x.device)
         return (mask[0, 0, :, ::p_h, ::p_w] * t).flatten().unsqueeze(0).expand(x.shape[0], -1)
@@ -337,24 +319,44 @@ class WanPipeline(nn.Module):
         inv_std = 1.0 / torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         return latents / inv_std + mean if inverse else (latents - mean) * inv_std
 
-    def decode(self, latents: torch.Tensor, ctx: StepContext, requests: Sequence[OmniDiffusionRequest] = (),
-               streamed: Set[str] = frozenset(), per_prompt: int = 1, fps: int = DEFAULT_FPS) -> Any:
-        """Latents -> uint8 frames (rows, T, H, W, 3), decoded chunk by chunk through the causal VAE.
+    def decode_chunks(self, state: DenoiseState, latents: torch.Tensor, ctx: StepContext, streamed: set[str],
+                      fps: int) -> Any:
+        """Latents -> uint8 frames (rows, T, H, W, 3) of the requests still in `state`, through the causal VAE
+        (None when every request streams: nobody needs the whole clip back).
 
-        Each decoded chunk is also sent to the listeners of the `requests` (rows `per_prompt` each) whose ids are
-        in `streamed`, shaped like the final output, as soon as it exists, so clients see the first frames early.
+        Each decoded chunk goes at once to the listeners of the `streamed` requests (their rows, shaped like the
+        final output), so clients see the first frames early. Between chunks, aborted requests leave: their rows
+        are dropped from `state`, from the frames so far and from the VAE's running cache.
         """
-        latents = self.normalize_latents(latents.to(self.vae.dtype), inverse=True)
+        per = state.outputs_per_request
+        keep_clip = any(r.request_id not in streamed for r in state.requests)
         chunks, frame_start = [], 0
-        for chunk in iter_wan_vae_decode(self.vae, latents):
-            chunks.append(chunk)
-            if streamed:
-                frames = to_uint8_frames(chunk)
-                for i, request in enumerate(requests):
-                    if request.request_id not in streamed:
-                        continue
-                    video = frames[i * per_prompt:(i + 1) * per_prompt]
-                    ctx.emit_partial(request.request_id, "video_chunk", {
-                        "video": video[0] if per_prompt == 1 else video, "fps": fps, "frame_start": frame_start})
-            frame_start += chunk.shape[2]
-        return to_uint8_frames(torch.cat(chunks, dim=2))
+        with WanVaeStream(self.vae, self.normalize_latents(latents.to(self.vae.dtype), inverse=True)) as stream:
+            for chunk in stream:
+                if keep_clip:
+                    chunks.append(chunk)
+                if streamed:
+                    self.emit_chunk(state, ctx, chunk, streamed, frame_start, fps)
+                frame_start += chunk.shape[2]
+                aborted = set(ctx.aborted(state.request_ids))
+                if aborted:
+                    keep = [i for i, r in enumerate(state.requests) if r.request_id not in aborted]
+                    rows = torch.tensor([i * per + j for i in keep for j in range(per)], device=chunk.device)
+                    state.drop(aborted)
+                    if not state.requests:
+                        return None
+                    stream.keep_rows(rows)
+                    chunks = [c.index_select(0, rows) for c in chunks]
+        return to_uint8_frames(torch.cat(chunks, dim=2)) if chunks else None
+
+    @staticmethod
+    def emit_chunk(state: DenoiseState, ctx: StepContext, chunk: torch.Tensor, streamed: set[str], frame_start: int,
+                   fps: int) -> None:
+        """One decoded chunk to each streamed request's listener, shaped like that request's final video."""
+        per = state.outputs_per_request
+        frames = to_uint8_frames(chunk)
+        for i, request in enumerate(state.requests):
+            if request.request_id in streamed:
+                video = frames[i * per:(i + 1) * per]
+                ctx.emit_partial(request.request_id, "video_chunk",
+                                 {"video": video[0] if per == 1 else video, "fps": fps, "frame_start": frame_start})

@@ -20,13 +20,15 @@ import torch
 
 from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.errors import OmniClientError
-from vllm_omni.models.wan.pipeline import WanConditions, WanGeometry, WanPipeline
+from vllm_omni.models.wan.pipeline import WanConditioning, WanGeometry, WanPipeline
 
 if TYPE_CHECKING:
     from PIL import Image
 
     from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.pipeline_base import DenoiseState
     from vllm_omni.diffusion.request import OmniDiffusionRequest
+    from vllm_omni.diffusion.step_context import StepContext
 
 
 def _request_image(request: OmniDiffusionRequest) -> Image.Image:
@@ -71,26 +73,27 @@ class WanImageToVideoPipeline(WanPipeline):
         super().validate_request(request)
         _request_image(request)
 
-    def prepare_conditions(self, requests: list[OmniDiffusionRequest], geometry: WanGeometry,
-                           durations: dict[str, float]) -> WanConditions:
-        per_prompt = requests[0].sampling_params.num_outputs_per_prompt
+    def prepare(self, requests: list[OmniDiffusionRequest], ctx: StepContext) -> DenoiseState:
+        """The text-to-video preparation plus the images' conditioning: CLIP tokens (when the checkpoint has an
+        image encoder) and VAE latents of the first frame."""
+        state = super().prepare(requests, ctx)
+        cond: WanConditioning = state.conditioning
+        per_prompt = state.outputs_per_request
         images = [_request_image(r) for r in requests]
         start = time.perf_counter()
-        image_embeds = None
         if self.image_encoder is not None:
             pixels = self.image_processor(images=images, return_tensors="pt").to(self.device)
             hidden = self.image_encoder(**pixels, output_hidden_states=True).hidden_states[-2]
-            image_embeds = hidden.to(self.dtype).repeat_interleave(per_prompt, dim=0)
-            durations["image_encoder"] = elapsed_since(start, self.device)
+            cond.image_embeds = hidden.to(self.dtype).repeat_interleave(per_prompt, dim=0)
+            state.durations["image_encoder"] = elapsed_since(start, self.device)
             start = time.perf_counter()
         if self.expand_timesteps:
-            latents, first_frame_mask = self.encode_first_frame_latents(images, geometry)
-            durations["vae_encode"] = elapsed_since(start, self.device)
-            return WanConditions(latents=latents.repeat_interleave(per_prompt, dim=0),
-                                 first_frame_mask=first_frame_mask)
-        latents = self.encode_first_frames(images, geometry).repeat_interleave(per_prompt, dim=0)
-        durations["vae_encode"] = elapsed_since(start, self.device)
-        return WanConditions(latents=latents, image_embeds=image_embeds)
+            latents, cond.first_frame_mask = self.encode_first_frame_latents(images, cond.geometry)
+        else:
+            latents = self.encode_first_frames(images, cond.geometry)
+        cond.latents = latents.repeat_interleave(per_prompt, dim=0)
+        state.durations["vae_encode"] = elapsed_since(start, self.device)
+        return state
 
     def _preprocess(self, images: list[Image.Image], geometry: WanGeometry) -> torch.Tensor:
         return torch.cat([self.video_processor.preprocess(img, height=geometry.height, width=geometry.width)
