@@ -24,13 +24,15 @@ def _strip_global_omni(argv: list[str]) -> list[str]:
 
 
 def _refuse_unimplemented(argv: list[str]) -> None:
-    """Knobs of unbuilt features fail before vLLM's serve parser and its imports run (seconds of CPU).
+    """Knobs of unbuilt features (and an attention backend that does not exist) fail before vLLM's serve parser
+    and its imports run (seconds of CPU).
 
     A fast path only: `OmniServeCommand.validate` checks the fully parsed flags again (e.g. the
     `--cache-config.key value` form), and a malformed value is left to the serve parser to name."""
-    from vllm_omni.diffusion.data import CLI_REFUSED, NOT_IMPLEMENTED, refuse_unimplemented
+    from vllm_omni.diffusion.data import CLI_REFUSED, NOT_IMPLEMENTED, check_attention_backend, refuse_unimplemented
 
     early = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    early.add_argument("--diffusion-attention-backend")
     for name in sorted(CLI_REFUSED):
         off = NOT_IMPLEMENTED[name][1][0]
         early.add_argument("--" + name.replace("_", "-"), type=json.loads if isinstance(off, dict) else type(off))
@@ -39,6 +41,7 @@ def _refuse_unimplemented(argv: list[str]) -> None:
     except argparse.ArgumentError:
         return
     try:
+        check_attention_backend(vars(known).pop("diffusion_attention_backend"))
         refuse_unimplemented(vars(known))
     except OmniClientError as exc:
         raise SystemExit(f"vllm-omni serve: {exc.message}") from None
