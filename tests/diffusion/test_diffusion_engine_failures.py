@@ -99,7 +99,8 @@ def test_workers_exit_when_the_engine_process_is_killed(tmp_path):
 
     script = tmp_path / "engine_proc.py"
     script.write_text(_ORPHAN_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+           "VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # stdout carries only the pid; worker logs go to stderr
     proc = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
     try:
         worker_pid = int(proc.stdout.readline())

@@ -28,6 +28,9 @@ NOT_IMPLEMENTED: dict[str, tuple[str, tuple[Any, ...]]] = {
 """Knobs the schema reserves for features that are not built yet: feature name and the values that mean "off".
 
 Any other value is refused where the config is resolved, so a knob is never accepted and silently ignored."""
+CLI_REFUSED = frozenset(NOT_IMPLEMENTED) - {"data_parallel_size"}
+"""The ones with a vllm-omni flag, refused by `vllm serve` itself; `--data-parallel-size` is vLLM's flag and
+keeps its meaning for AR stages (diffusion stages refuse it at resolution)."""
 
 
 def refuse_unimplemented(values: dict[str, Any]) -> None:

@@ -1,6 +1,6 @@
 """`OmniEngineArgs`: vLLM's `EngineArgs` plus the knobs of the omni control plane and diffusion stages.
 
-The CLI (`vllm serve M --omni`) parses these; `to_omni_kwargs()` turns the flags a user actually set into
+The CLI (`vllm serve M --omni`) parses these; `omni_kwargs_from_cli()` turns the flags a user actually set into
 the `**engine_kwargs` of `AsyncOmni(model, ...)`, so the Python API and the CLI share one set of names.
 """
 
@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -58,7 +59,8 @@ def add_dataclass_args(group, cls: type, names: list[str], docs: dict[str, str],
         field = by_name[name]
         # Only these fields' annotations are evaluated (postponed annotations, as typing.get_type_hints does).
         hint = eval(field.type, module_globals) if isinstance(field.type, str) else field.type
-        base = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
+        options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        base = next(t for t in options if t is not type(None))
         kwargs: dict[str, Any] = {"default": field.default, "help": docs[name]}
         if base is bool:
             kwargs["action"] = "store_true"

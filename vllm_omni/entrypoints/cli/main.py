@@ -7,9 +7,11 @@ Subcommand modules load lazily so `--help` and `import vllm_omni` stay fast.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from vllm_omni import __version__
+from vllm_omni.errors import OmniClientError
 
 SERVE_HELP = "Launch the vllm-omni OpenAI-compatible server."
 
@@ -21,8 +23,34 @@ def _strip_global_omni(argv: list[str]) -> list[str]:
     return argv
 
 
+def _refuse_unimplemented(argv: list[str]) -> None:
+    """Knobs of unbuilt features (and an attention backend that does not exist) fail before vLLM's serve parser
+    and its imports run (seconds of CPU).
+
+    A fast path only: `OmniServeCommand.validate` checks the fully parsed flags again (e.g. the
+    `--cache-config.key value` form), and a malformed value is left to the serve parser to name."""
+    from vllm_omni.diffusion.data import CLI_REFUSED, NOT_IMPLEMENTED, check_attention_backend, refuse_unimplemented
+
+    early = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    early.add_argument("--diffusion-attention-backend")
+    for name in sorted(CLI_REFUSED):
+        off = NOT_IMPLEMENTED[name][1][0]
+        early.add_argument("--" + name.replace("_", "-"), type=json.loads if isinstance(off, dict) else type(off))
+    try:
+        known, _ = early.parse_known_args(argv)
+    except argparse.ArgumentError:
+        return
+    try:
+        check_attention_backend(vars(known).pop("diffusion_attention_backend"))
+        refuse_unimplemented(vars(known))
+    except OmniClientError as exc:
+        raise SystemExit(f"vllm-omni serve: {exc.message}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = _strip_global_omni(list(sys.argv[1:] if argv is None else argv))
+    if argv[:1] == ["serve"]:
+        _refuse_unimplemented(argv[1:])
     parser = argparse.ArgumentParser(
         prog="vllm-omni",
         description="vLLM-Omni CLI: serve omni-modality pipelines (AR, generation and diffusion stages) "

@@ -9,8 +9,8 @@ from vllm.entrypoints.cli.types import CLISubcommand
 from vllm.entrypoints.launchers.cli_args import FrontendArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from vllm_omni.diffusion.data import NOT_IMPLEMENTED, refuse_unimplemented
-from vllm_omni.engine.arg_utils import OMNI_ARG_NAMES, OmniEngineArgs, add_dataclass_args, attr_help
+from vllm_omni.diffusion.data import CLI_REFUSED, refuse_unimplemented
+from vllm_omni.engine.arg_utils import OmniEngineArgs, add_dataclass_args, attr_help
 from vllm_omni.entrypoints.cli.main import SERVE_HELP
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import DiffusionLimits
@@ -90,8 +90,7 @@ class OmniServeCommand(CLISubcommand):
             if getattr(args, flag) <= 0:
                 raise SystemExit(f"--{flag.replace('_', '-')} must be > 0")
         try:  # here, before any engine or worker starts
-            # vLLM's own --data-parallel-size stays vLLM's for AR stages; diffusion stages refuse it themselves.
-            refuse_unimplemented({name: getattr(args, name) for name in NOT_IMPLEMENTED if name in OMNI_ARG_NAMES})
+            refuse_unimplemented({name: getattr(args, name) for name in CLI_REFUSED})
         except OmniClientError as exc:
             raise SystemExit(f"vllm-omni serve: {exc.message}") from None
 
