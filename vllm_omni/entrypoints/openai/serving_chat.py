@@ -175,7 +175,7 @@ class OmniOpenAIServingChat(OmniServingBase):
 
     # Validation ----------------------------------------------------------------------------------
 
-    def check_text_generation_fields(self, request: OmniChatCompletionRequest) -> None:
+    def check_text_generation_fields(self, request: OmniChatFields) -> None:
         """Without an AR stage, text-generation fields would be ignored: they are refused, named."""
         if self.has_ar_stage:
             return
