@@ -98,6 +98,8 @@ def test_message_shapes(request, server, path, body, param):
 ])
 def test_text_generation_fields_on_a_diffusion_model(img, extra, param):
     assert_client_error(img.post("/v1/chat/completions", json={"messages": CHAT, **extra}), param)
+    if param != "n":  # batch chat has its own n rule
+        assert_client_error(img.post("/v1/chat/completions/batch", json={"messages": [CHAT], **extra}), param)
 
 
 @pytest.mark.parametrize("body,param", [

@@ -190,3 +190,22 @@ async def test_engine_dying_mid_stream_ends_with_error_event(parser):
     assert resp.status_code == 200
     events = [line.removeprefix("data: ") for line in resp.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and '"code":503' in events[-2]
+
+
+def test_prompt_that_cannot_fit_is_refused_before_tokenizing(parser):
+    """D12: a 5 MB prompt was tokenized (seconds of GIL-holding work) only for vLLM to refuse it; the bound
+    vLLM itself applies first (max_model_len x the tokenizer's longest token) now runs before tokenizing."""
+
+    class _Tok(_Tokenizer):
+        max_chars_per_token = 4
+
+        def encode(self, text, add_special_tokens=False):
+            raise AssertionError("a prompt that cannot fit was tokenized")
+
+    engine = FakeOmni(stage_types=["llm"], output_modalities={"text"})
+    engine.get_tokenizer = _Tok
+    engine.model_config = type("ModelConfig", (), {"max_model_len": 512})()
+    client = make_client(parser, engine)
+    body = {"messages": [{"role": "user", "content": "a " * 2048}], "max_tokens": 2}
+    err = assert_client_error(client.post("/v1/chat/completions", json=body), "messages")
+    assert "2048" in err["message"] and "--max-model-len" in err["message"]

@@ -30,6 +30,7 @@ class OmniOpenAIServingChatBatch(OmniOpenAIServingChat):
     async def create_batch_chat_completion(self, request: OmniBatchChatCompletionRequest,
                                            raw_request: Request | None) -> JSONResponse:
         self.check_model(request.model)
+        self.check_text_generation_fields(request)
         if request.n not in (None, 1):
             raise OmniClientError("n must be 1 for batch chat (one answer per conversation)", param="n")
         if request.stream:

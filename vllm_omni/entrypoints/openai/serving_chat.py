@@ -176,7 +176,7 @@ class OmniOpenAIServingChat(OmniServingBase):
 
     # Validation ----------------------------------------------------------------------------------
 
-    def check_text_generation_fields(self, request: OmniChatCompletionRequest) -> None:
+    def check_text_generation_fields(self, request: OmniChatFields) -> None:
         """Without an AR stage, text-generation fields would be ignored: they are refused, named."""
         if self.has_ar_stage:
             return
@@ -268,11 +268,20 @@ class OmniOpenAIServingChat(OmniServingBase):
         if template is None and not getattr(tokenizer, "chat_template", None):
             raise OmniClientError(f"`{self.model_name}` has no chat template; pass chat_template",
                                   param="chat_template")
-        return await self._render_async(tokenizer, messages, template, request)
+        return await self._render_async(tokenizer, messages, template, request, self.max_prompt_chars(tokenizer))
+
+    def max_prompt_chars(self, tokenizer: Any) -> int | None:
+        """vLLM's bound before tokenizing: no prompt of more characters fits the model's context (tokenizing
+        megabytes only to refuse them would hold the GIL for long stretches)."""
+        model_config = getattr(self.engine, "model_config", None)
+        per_token = getattr(tokenizer, "max_chars_per_token", None)
+        if model_config is None or not per_token:
+            return None
+        return model_config.max_model_len * per_token
 
     @staticmethod
     def _render(tokenizer: Any, messages: list[dict[str, Any]], template: str | None,
-                request: OmniChatCompletionRequest) -> tuple[str, int]:
+                request: OmniChatCompletionRequest, max_chars: int | None) -> tuple[str, int]:
         """(prompt text, its token count); runs in the render thread."""
         try:
             prompt = tokenizer.apply_chat_template(
@@ -284,6 +293,9 @@ class OmniOpenAIServingChat(OmniServingBase):
             )
         except Exception as exc:  # jinja errors, bad kwargs: the request's fault
             raise OmniClientError(f"chat template failed: {exc}", param="messages") from exc
+        if max_chars is not None and len(prompt) > max_chars:
+            raise OmniClientError(f"the prompt has {len(prompt)} characters, more than the {max_chars} that fit this "
+                                  "model's context (--max-model-len)", param="messages")
         return prompt, len(tokenizer.encode(prompt, add_special_tokens=False))
 
     @classmethod

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi.responses import Response
 from vllm.utils import random_uuid
 
@@ -44,4 +46,5 @@ class OmniOpenAIServingSpeech(OmniServingBase):
                                   param="input")
         messages = [{"role": "system", "content": request.instructions}] if request.instructions else []
         messages.append({"role": "user", "content": request.input})
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=False,
+                                       add_generation_prompt=True)  # off the event loop, like chat

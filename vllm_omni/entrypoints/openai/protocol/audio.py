@@ -15,7 +15,7 @@ class SpeechRequest(CheckedBody):
     input: str = Field(min_length=1, max_length=4096)
     model: str | None = None
     voice: str | dict[str, Any] | None = None
-    instructions: str | None = None
+    instructions: str | None = Field(default=None, max_length=4096)
     response_format: Literal["wav", "pcm"] = "wav"
     """wav (16-bit PCM in a RIFF container) or raw 16-bit little-endian pcm."""
     speed: float = Field(default=1.0, ge=0.25, le=4.0)
