@@ -120,10 +120,9 @@ def test_kill9_of_the_worker_fails_fast_and_the_stage_comes_back(fake_server):
     assert srv.metric("vllm_omni:engine_requests_total", outcome="error") == 1
 
 
-def test_sigterm_with_a_busy_worker_exits_within_15s_leaving_nothing(fake_server):
-    srv, shm_before = fake_server
+def assert_sigterm_busy_exits_within_15s_leaving_nothing(srv: LiveServer, shm_before: set[str], steps: int) -> None:
     dirs = ipc_dirs(srv.proc.pid)
-    post_in_background(srv, 5000)
+    post_in_background(srv, steps)
     wait_busy(srv)
     (worker,) = workers(srv)
     start = time.monotonic()
@@ -133,6 +132,21 @@ def test_sigterm_with_a_busy_worker_exits_within_15s_leaving_nothing(fake_server
     assert gone(worker.pid)
     assert not any(os.path.exists(d) for d in dirs)
     assert not orphan_segments(shm_before)
+
+
+def test_sigterm_with_a_busy_worker_exits_within_15s_leaving_nothing(fake_server):
+    srv, shm_before = fake_server
+    assert_sigterm_busy_exits_within_15s_leaving_nothing(srv, shm_before, 5000)
+
+
+def test_sigterm_with_a_busy_real_pipeline():
+    """The native tiny Qwen-Image pipeline: stopped in time whether or not its denoise loop checks aborts."""
+    shm_before = shm_segments()
+    srv = LiveServer("tiny/qwen-image")
+    try:
+        assert_sigterm_busy_exits_within_15s_leaving_nothing(srv, shm_before, 20_000)
+    finally:
+        srv.close()
 
 
 def test_sigkill_of_the_server_takes_its_workers_along():

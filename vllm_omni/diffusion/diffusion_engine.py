@@ -219,6 +219,9 @@ class DiffusionEngine:
             except Exception as exc:
                 batch_future = Future()
                 batch_future.set_exception(exc)
+            else:  # aborted between leaving the queue and reaching the executor: tell the workers now
+                if aborted := [rid for rid, (future, _) in futures.items() if future.cancelled()]:
+                    executor.abort(aborted)
             batch_future.add_done_callback(lambda f, futures=futures: self._finish_batch(f, futures))
 
     def _on_partial(self, partial: PartialResult) -> None:
