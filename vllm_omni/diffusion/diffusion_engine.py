@@ -137,6 +137,18 @@ class DiffusionEngine:
         if running:
             executor.abort(running)
 
+    def wait_stopped(self, request_ids: list[str], timeout: float) -> bool:
+        """Wait until none of these requests runs on the workers (an aborted one leaves at its next denoise
+        step); False when some still ran after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while any(rid in self._running for rid in request_ids):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
     def collective_rpc(
         self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None, timeout: float | None = None
     ) -> list[Any]:
@@ -242,7 +254,7 @@ class DiffusionEngine:
                 self._running.pop(rid, None)
                 self._partial_callbacks.pop(rid, None)
             self._batch_in_flight = False
-            self._cond.notify()
+            self._cond.notify_all()  # the scheduler, and `wait_stopped` callers
         for i, (future, queued) in enumerate(futures.values()):
             if future.cancelled():
                 continue
