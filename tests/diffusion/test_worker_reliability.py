@@ -54,6 +54,7 @@ def test_abort_stops_the_running_forward(tmp_path):
         engine.abort(["long"])
         with pytest.raises(CancelledError):
             long.result(timeout=0)  # resolved at once, not when the worker gets round to it
+        assert engine.wait_stopped(["long"], timeout=2.0)  # the worker left the forward within a step
         start = time.monotonic()
         short = engine.submit(request("short", 2)).result(timeout=30)
         assert short.error is None and short.extra["steps_run"] == 2

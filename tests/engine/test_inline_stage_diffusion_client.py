@@ -38,6 +38,10 @@ class Engine:
     def abort(self, ids):
         self.events.append(f"abort:{ids}")
 
+    def wait_stopped(self, ids, timeout):
+        self.events.append(f"wait_stopped:{ids}")
+        return True
+
     def collective_rpc(self, method, args=(), kwargs=None, timeout=None):
         return [f"{method}{args}"]
 
@@ -82,6 +86,12 @@ async def test_failure_callback_marks_dead():
     with pytest.raises(EngineDeadError):
         await client.add_request_async("a", "cat", OmniDiffusionSamplingParams())
     client.shutdown()
+
+
+async def test_abort_returns_once_the_workers_stopped():
+    engine = Engine()
+    await make(engine).abort(["r1"])
+    assert engine.events == ["abort:['r1']", "wait_stopped:['r1']"]
 
 
 def test_shutdown_idempotent_engine_closed_before_executor():

@@ -136,6 +136,18 @@ class DiffusionEngine:
         if running:
             executor.abort(running)
 
+    def wait_stopped(self, request_ids: list[str], timeout: float) -> bool:
+        """Wait until none of these requests runs on the workers (an aborted one leaves at its next denoise
+        step); False when some still ran after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while any(rid in self._running for rid in request_ids):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
     def collective_rpc(
         self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None, timeout: float | None = None
     ) -> list[Any]:
@@ -218,6 +230,9 @@ class DiffusionEngine:
             except Exception as exc:
                 batch_future = Future()
                 batch_future.set_exception(exc)
+            else:  # aborted between leaving the queue and reaching the executor: tell the workers now
+                if aborted := [rid for rid, (future, _) in futures.items() if future.cancelled()]:
+                    executor.abort(aborted)
             batch_future.add_done_callback(lambda f, futures=futures: self._finish_batch(f, futures))
 
     def _on_partial(self, partial: PartialResult) -> None:
@@ -238,7 +253,7 @@ class DiffusionEngine:
                 self._running.pop(rid, None)
                 self._partial_callbacks.pop(rid, None)
             self._batch_in_flight = False
-            self._cond.notify()
+            self._cond.notify_all()  # the scheduler, and `wait_stopped` callers
         for i, (future, queued) in enumerate(futures.values()):
             if future.cancelled():
                 continue

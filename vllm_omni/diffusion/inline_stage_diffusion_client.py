@@ -22,8 +22,15 @@ from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, join_streamed_video
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.errors import EngineDeadError, client_error_from_metadata
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.logger import init_logger
 from vllm_omni.models.spec import Modality
 from vllm_omni.outputs import OmniRequestOutput
+
+logger = init_logger(__name__)
+
+_ABORT_WAIT_S = 3.0
+"""How long an abort waits for the workers to leave the request: well inside the frontend's 10 s, and short
+enough that a SIGTERM (3 s grace, this, then the executor's shutdown) still ends within 15 s."""
 
 
 class InlineStageDiffusionClient(StageClientBase):
@@ -136,8 +143,16 @@ class InlineStageDiffusionClient(StageClientBase):
         return out
 
     async def abort(self, request_ids: list[str]) -> None:
-        if not self.is_dead:
-            self._engine.abort(list(request_ids))
+        """Returns once the workers stopped running the requests (or after `_ABORT_WAIT_S`), so that what
+        the frontend counts as running is what the workers run."""
+        if self.is_dead:
+            return
+        self._engine.abort(list(request_ids))
+        stopped = await asyncio.get_running_loop().run_in_executor(
+            None, self._engine.wait_stopped, list(request_ids), _ABORT_WAIT_S)
+        if not stopped:
+            logger.warning("%s: aborted request(s) %s still ran on the workers after %.0f s", self.name,
+                           request_ids, _ABORT_WAIT_S)
 
     async def collective_rpc_async(self, method: str, timeout: float | None = None, args: tuple = (),
                                    kwargs: dict[str, Any] | None = None) -> Any:

@@ -320,6 +320,8 @@ class MultiprocDiffusionExecutor:
         if self._closed or self._monitor_stop_r in ready:
             return
         dead = [(rank, proc) for rank, proc in enumerate(self.processes) if proc.sentinel in ready]
+        for _, proc in dead:
+            proc.join(0)  # reap now: no zombie, and the exit code for the log
         reason = "; ".join(f"diffusion worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
                            for rank, proc in dead)
         logger.error("%s; failing all in-flight diffusion requests", reason)
