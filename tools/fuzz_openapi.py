@@ -18,6 +18,7 @@ import argparse
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -54,7 +55,8 @@ def fuzz(model: str, max_time: int, extra: list[str]) -> tuple[int, int]:
                f"{server.url}/openapi.json", "--checks", "not_a_server_error", "--max-time", str(max_time),
                "--request-timeout", "60", "--workers", "1", "--continue-on-failure", "--no-color",
                "--exclude-path-regex", "^/v1/omni/", "--suppress-health-check", "all"]
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=max_time + 600)
+        with tempfile.TemporaryDirectory() as scratch:  # schemathesis keeps its caches in the working directory
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=max_time + 600, cwd=scratch)
         print(run.stdout[-6000:], run.stderr[-2000:], sep="\n")
         after = status_counts(server.url)
     finally:

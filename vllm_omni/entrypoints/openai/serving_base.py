@@ -39,6 +39,29 @@ async def maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 
 
+async def fail_fast(stream: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`stream` with its first chunk already produced, so that what it raises before sending anything (a dead or
+    sleeping engine) is the HTTP status instead of a 200 stream carrying an error event."""
+    first = await anext(stream)
+
+    async def chained() -> AsyncIterator[str]:
+        try:
+            yield first
+            async for chunk in stream:
+                yield chunk
+        finally:
+            await stream.aclose()
+
+    return chained()
+
+
+async def prepend(first: list[Any], rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    for output in first:
+        yield output
+    async for output in rest:
+        yield output
+
+
 class OmniServingBase:
     """Holds the engine (an `AsyncOmni`) and the server-wide settings the feature handlers need."""
 

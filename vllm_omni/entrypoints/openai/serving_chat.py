@@ -44,7 +44,7 @@ from vllm_omni.entrypoints.openai.protocol.chat import (
     OmniDeltaMessage,
 )
 from vllm_omni.entrypoints.openai.protocol.common import DIFFUSION_FIELD_NAMES, DiffusionFields
-from vllm_omni.entrypoints.openai.serving_base import OmniServingBase, maybe_await
+from vllm_omni.entrypoints.openai.serving_base import OmniServingBase, fail_fast, maybe_await, prepend
 from vllm_omni.errors import OmniClientError, OmniError
 from vllm_omni.logger import init_logger
 from vllm_omni.outputs import OmniRequestOutput
@@ -96,30 +96,6 @@ def _part_value(part: dict[str, Any], kind: str, param: str) -> str:
     if not isinstance(value, str):
         raise OmniClientError(f"{param}: a {kind} part needs a string {kind}", param=param)
     return value
-
-
-async def fail_fast(stream: AsyncIterator[str]) -> AsyncIterator[str]:
-    """`stream` with its first chunk already produced, so that what it raises before sending anything (a dead or
-    sleeping engine) is the HTTP status instead of a 200 stream carrying an error event."""
-    first = await anext(stream)
-
-    async def chained() -> AsyncIterator[str]:
-        try:
-            yield first
-            async for chunk in stream:
-                yield chunk
-        finally:
-            await stream.aclose()
-
-    return chained()
-
-
-async def _prepend(first: list[OmniRequestOutput], rest: AsyncIterator[OmniRequestOutput]
-                   ) -> AsyncIterator[OmniRequestOutput]:
-    for output in first:
-        yield output
-    async for output in rest:
-        yield output
 
 
 class OmniOpenAIServingChat(OmniServingBase):
@@ -488,7 +464,7 @@ class OmniOpenAIServingChat(OmniServingBase):
         latest: dict[int, Completion] = {}  # per choice: its completion as last seen
         text_out: OmniRequestOutput | None = None
         try:
-            async for output in _prepend(first, outputs):
+            async for output in prepend(first, outputs):
                 if is_text_output(output):
                     text_out = output
                     for completion in completions(output):
