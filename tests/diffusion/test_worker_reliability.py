@@ -161,7 +161,9 @@ time.sleep(600)
 def test_workers_exit_when_their_engine_is_killed(tmp_path):
     script = _ORPHAN_SCRIPT.format(tests=str(Path(__file__).parent), model=str(tmp_path),
                                    cls=class_path(FakeStepPipeline))
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # stdout carries only the ids; logs go to stderr
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True,
+                            env=env)
     try:
         pid, shm_prefix, ipc_dir = proc.stdout.readline().split()
         time.sleep(0.5)
