@@ -95,6 +95,9 @@ class NativeDiffusionPipeline(nn.Module):
     """Base of the native pipelines; subclasses set `od_config` and `device` and implement the hooks."""
 
     supports_request_batch: ClassVar[bool] = True
+    supports_step_execution: ClassVar[bool] = True
+    """The step executor drives `prepare` / `denoise_step` / `finish` itself; a family whose loop needs more
+    than these hooks (e.g. an override of `denoise`) sets it False."""
     progress_desc: ClassVar[str] = "denoise"
     od_config: OmniDiffusionConfig
     device: torch.device
