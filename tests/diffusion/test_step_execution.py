@@ -116,7 +116,7 @@ def test_joiners_and_leavers_match_solo_bitwise(pipes, name):
     harness = Harness(pipe, max_num_seqs=2)
     a = make(name, "a", steps=5, seed=1)
     b = make(name, "b", steps=2, seed=2, prompt="a red car at night", cfg=False)
-    c = make(name, "c", steps=3, seed=3, prompt="mountains and a lake")
+    c = make(name, "c", steps=3, seed=3, prompt="mountains and a lake", size=64)
     harness.add(a)
     harness.round()
     harness.add(b)  # joins at the next boundary

@@ -11,8 +11,8 @@ group as
 
 A family overrides named hooks (`group_key`, `check_inputs`, `encode_prompt`, `prepare_latents`,
 `make_scheduler`, `prepare_step_tables`, `predict_noise`, `scheduler_step`, `decode`), never the loop. All
-per-request state lives in a `DenoiseState`, none on the pipeline, so that a step-level scheduler can later
-advance many states one step at a time.
+per-request state lives in a `DenoiseState`, none on the pipeline, so that the worker's step executor
+(`vllm_omni/diffusion/worker/step_runner.py`) can advance many states one step at a time.
 """
 
 from __future__ import annotations
