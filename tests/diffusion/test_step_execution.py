@@ -199,3 +199,14 @@ def test_an_invalid_request_fails_alone_at_admission(pipes):
     assert harness.outputs["empty"].error_status_code == 400 and "prompt" in harness.outputs["empty"].error
     harness.drain()
     assert_solo(pipe, harness, good)
+
+
+def test_resident_states_fail_clearly_while_the_worker_sleeps(pipes):
+    harness = Harness(pipes["qwen-image"])
+    harness.add(make("qwen-image", "r", steps=3, seed=1, cfg=False))
+    harness.round()
+    harness.executor.runner.pipeline = None  # what sleep(level=2) leaves
+    harness.add(make("qwen-image", "late", steps=2, seed=2, cfg=False))
+    harness.drain()
+    for rid in ("r", "late"):
+        assert "asleep" in harness.outputs[rid].error

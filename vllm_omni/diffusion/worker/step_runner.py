@@ -106,7 +106,7 @@ class StepExecutor:
         self._retire()
         self._admit()
         for job in list(self.resident):  # a job that fails leaves the list
-            self._guarded(job, lambda job=job: self.runner.pipeline.denoise_step(job.state, job.ctx))
+            self._guarded(job, lambda job=job: self._pipeline().denoise_step(job.state, job.ctx))
         self._retire()
 
     # ---- round phases ---------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ class StepExecutor:
             elif state.done:
                 job.ctx.step_index = job.ctx.timestep = None
                 state.durations["denoise"] = time.perf_counter() - job.denoise_start
-                outputs = self._guarded(job, lambda job=job: self.runner.pipeline.finish(job.state, job.ctx))
+                outputs = self._guarded(job, lambda job=job: self._pipeline().finish(job.state, job.ctx))
                 if outputs is not None:
                     self._finish(job, outputs[0])
 
@@ -138,14 +138,18 @@ class StepExecutor:
             job.denoise_start = time.perf_counter()
 
     def _prepare(self, job: _Job) -> DenoiseState:
-        pipeline = self.runner.pipeline
-        if pipeline is None:
-            raise RuntimeError("the diffusion worker is asleep; call wake_up() first")
+        pipeline = self._pipeline()
         pipeline.group_key(job.request)  # validates the request alone (OmniClientError naming the field)
         admitted = time.perf_counter()
         state = pipeline.prepare([job.request], job.ctx)
         state.durations["step_admission_wait"] = admitted - job.arrival
         return state
+
+    def _pipeline(self):
+        """The loaded pipeline; a state resident while the worker sleeps at level 2 fails with this error."""
+        if self.runner.pipeline is None:
+            raise RuntimeError("the diffusion worker is asleep; call wake_up() first")
+        return self.runner.pipeline
 
     def _guarded(self, job: _Job, fn: Callable[[], object]) -> object:
         """`fn()`, or None after retiring `job` with the error it raised (the other states are untouched)."""
