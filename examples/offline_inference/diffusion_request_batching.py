@@ -2,10 +2,13 @@
 
     .venv/bin/python examples/offline_inference/diffusion_request_batching.py
     .venv/bin/python examples/offline_inference/diffusion_request_batching.py --diffusers-adapter
+    .venv/bin/python examples/offline_inference/diffusion_request_batching.py --step-execution
     python examples/offline_inference/diffusion_request_batching.py --model Qwen/Qwen-Image --size 1024 --steps 50
 
 Requests with the same sampling-params key (size, steps, CFG, quality, ...) but different prompts and seeds
-share a forward, up to --max-num-seqs, waiting at most --batch-wait-ms for the batch to fill.
+share a forward, up to --max-num-seqs, waiting at most --batch-wait-ms for the batch to fill. With
+--step-execution the worker instead admits each request at the next denoise-step boundary (up to
+--max-num-seqs resident, one forward per request per step; see "Execution modes" in docs/diffusion_runtime.md).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ def main() -> None:
     parser.add_argument("--batch-wait-ms", type=float, default=200.0)
     parser.add_argument("--diffusers-adapter", action="store_true",
                         help="run the model with plain diffusers inside the runtime (one request per forward)")
+    parser.add_argument("--step-execution", action="store_true",
+                        help="admit and retire requests at every denoise step instead of batching whole requests")
     args = parser.parse_args()
 
     params = OmniDiffusionSamplingParams(height=args.size, width=args.size, num_inference_steps=args.steps,
@@ -35,6 +40,7 @@ def main() -> None:
         max_num_seqs=1 if args.diffusers_adapter else args.max_num_seqs,
         request_batch_max_wait_ms=args.batch_wait_ms,
         use_diffusers_adapter=args.diffusers_adapter,
+        step_execution=args.step_execution,
     )
     try:
         outputs = omni.generate(PROMPTS, params)  # all prompts are queued at once, so they can share a forward

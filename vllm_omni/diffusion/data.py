@@ -116,6 +116,11 @@ class OmniDiffusionConfig:
     """Most requests co-batched into one forward (request-batch mode)."""
     request_batch_max_wait_ms: float = 0.0
     """Milliseconds the scheduler waits for compatible requests to fill a batch."""
+    step_execution: bool = False
+    """Admit and retire requests at every denoise-step boundary (up to max_num_seqs resident, one transformer
+    forward per request per step): a new request starts at the next step instead of behind a whole request,
+    and an abort or a failure inside a step ends only its own request. Pipelines that cannot step (the
+    diffusers adapter) serve in request mode. One rank only for now."""
     cache_backend: Literal["cache_dit", "none"] | None = None
     """Not implemented yet (diffusion cache acceleration): refused unless none."""
     cache_config: dict[str, Any] = field(default_factory=dict)
@@ -150,6 +155,8 @@ class OmniDiffusionConfig:
     def __post_init__(self) -> None:
         refuse_unimplemented({f.name: getattr(self, f.name) for f in fields(self)})
         check_attention_backend(self.diffusion_attention_backend)
+        if self.step_execution and self.parallel_config.world_size > 1:
+            raise ValueError("step_execution supports one rank only for now (tensor_parallel_size=1)")
         if self.max_stage_restarts < 0:
             raise ValueError(f"max_stage_restarts must be >= 0, got {self.max_stage_restarts}")
         if self.load_format not in DIFFUSION_LOAD_FORMATS:

@@ -4,7 +4,9 @@
 request's partial results (`PartialResult`: denoise progress, decoded video chunks) on the executor's result
 thread, all of them before the future resolves. A scheduler thread forms batches with
 `RequestScheduler` and keeps one batch in flight; the batch's results resolve the request futures directly
-from the executor's result thread, so a request pays one thread hand-off on the way back.
+from the executor's result thread, so a request pays one thread hand-off on the way back. In step mode
+(`step_execution`) every request goes to the workers as it arrives, as a batch of its own with many in
+flight, and the worker's `StepExecutor` admits it at the next denoise-step boundary.
 
 `abort` resolves the request's future at once and tells the workers, which stop it at the next denoise
 step. When a worker dies, the requests it ran fail with `StageRestartingError` (503) and the engine
@@ -24,7 +26,7 @@ from typing import Any
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.executor.multiproc_executor import MultiprocDiffusionExecutor
-from vllm_omni.diffusion.interface import supports_request_batch
+from vllm_omni.diffusion.interface import supports_request_batch, supports_step_execution
 from vllm_omni.diffusion.ipc import PartialResult
 from vllm_omni.diffusion.model_loader.dummy import check_weights_present
 from vllm_omni.diffusion.request import OmniDiffusionRequest
@@ -52,15 +54,22 @@ class DiffusionEngine:
         self.input_modalities = MODEL_REGISTRY.input_modalities(self.model_class_name)
         target = MODEL_REGISTRY.pipeline_class_path(self.model_class_name, od_config.use_diffusers_adapter)
         pipeline_cls = MODEL_REGISTRY.load_pipeline_class(target)
+        self.step_execution = od_config.step_execution and supports_step_execution(pipeline_cls)
+        if od_config.step_execution and not self.step_execution:
+            logger.info("%s cannot step; step_execution is off and requests run in request mode",
+                        pipeline_cls.__name__)
         # Resolved once here: the workers get the checkpoint directory and our class as "module:Class".
-        self.od_config = dataclasses.replace(od_config, model=str(model_dir), model_class_name=target)
+        self.od_config = dataclasses.replace(od_config, model=str(model_dir), model_class_name=target,
+                                             step_execution=self.step_execution)
         self.supports_request_batch = supports_request_batch(pipeline_cls)
-        if od_config.max_num_seqs > 1 and not self.supports_request_batch:
+        if od_config.max_num_seqs > 1 and not (self.supports_request_batch or self.step_execution):
             raise ValueError(
                 f"{pipeline_cls.__name__} (serving {self.model_class_name}) does not support request-level "
                 f"batching. Use max_num_seqs=1 (got {od_config.max_num_seqs})."
             )
-        self.scheduler = RequestScheduler(od_config.max_num_seqs, od_config.request_batch_max_wait_ms)
+        # Step mode: every request goes to the worker as it arrives, which admits it at a step boundary.
+        self.scheduler = (RequestScheduler() if self.step_execution
+                          else RequestScheduler(od_config.max_num_seqs, od_config.request_batch_max_wait_ms))
         self._cond = threading.Condition()
         self._waiting: dict[str, tuple[Future[DiffusionOutput], float]] = {}
         self._running: dict[str, Future[DiffusionOutput]] = {}
@@ -79,9 +88,9 @@ class DiffusionEngine:
         self._thread = threading.Thread(target=self._schedule_loop, name="DiffusionScheduler", daemon=True)
         self._thread.start()
         logger.info(
-            "diffusion engine ready: %s (%s, %s output), %d rank(s), max_num_seqs=%d, batch wait %.1f ms",
+            "diffusion engine ready: %s (%s, %s output), %d rank(s), %s mode, max_num_seqs=%d, batch wait %.1f ms",
             od_config.model, self.model_class_name, self.output_modality, self.executor.world_size,
-            od_config.max_num_seqs, od_config.request_batch_max_wait_ms,
+            "step" if self.step_execution else "request", od_config.max_num_seqs, od_config.request_batch_max_wait_ms,
         )
 
     # ---- public API ----------------------------------------------------------------------------------
@@ -209,7 +218,7 @@ class DiffusionEngine:
                     if self._stopping or self._dead:
                         return
                     wait = _SCHEDULER_IDLE_WAIT_S
-                    if not self._batch_in_flight and not self._restarting:
+                    if (self.step_execution or not self._batch_in_flight) and not self._restarting:
                         batch, due = self.scheduler.schedule()
                         wait = due if due is not None else wait
                     if not batch:

@@ -3,6 +3,8 @@
 A pipeline is built by the model runner inside a worker process with the classmethod
 `from_pretrained(od_config, model_dir, device, dtype)` and answers `forward(batch, ctx) -> list[DiffusionOutput]`
 with one output per request in batch order (a request that fails alone carries `error`, the others go on);
+a pipeline that sets `supports_step_execution` (every `NativeDiffusionPipeline`) may instead be driven one
+denoise step at a time by the worker's step executor (`prepare` / `denoise_step` / `finish`);
 `ctx` (a `StepContext`) carries the partial-output sink and the abort flag polled between denoise steps.
 The model registry (`vllm_omni/models/registry.py`) maps a checkpoint's `_class_name` to the pipeline class.
 """
@@ -31,3 +33,8 @@ class DiffusionPipeline(Protocol):
 
 def supports_request_batch(pipeline_cls: type) -> bool:
     return bool(getattr(pipeline_cls, "supports_request_batch", False))
+
+
+def supports_step_execution(pipeline_cls: type) -> bool:
+    """True for pipelines whose work is `prepare` / `denoise_step` / `finish` over a `DenoiseState`."""
+    return bool(getattr(pipeline_cls, "supports_step_execution", False))

@@ -11,8 +11,8 @@ group as
 
 A family overrides named hooks (`group_key`, `check_inputs`, `encode_prompt`, `prepare_latents`,
 `make_scheduler`, `prepare_step_tables`, `predict_noise`, `scheduler_step`, `decode`), never the loop. All
-per-request state lives in a `DenoiseState`, none on the pipeline, so that a step-level scheduler can later
-advance many states one step at a time.
+per-request state lives in a `DenoiseState`, none on the pipeline, so that the worker's step executor
+(`vllm_omni/diffusion/worker/step_runner.py`) can advance many states one step at a time.
 """
 
 from __future__ import annotations
@@ -96,6 +96,9 @@ class NativeDiffusionPipeline(nn.Module):
     """Base of the native pipelines; subclasses set `od_config` and `device` and implement the hooks."""
 
     supports_request_batch: ClassVar[bool] = True
+    supports_step_execution: ClassVar[bool] = True
+    """The step executor drives `prepare` / `denoise_step` / `finish` itself; a family whose loop needs more
+    than these hooks (e.g. an override of `denoise`) sets it False."""
     progress_desc: ClassVar[str] = "denoise"
     od_config: OmniDiffusionConfig
     device: torch.device

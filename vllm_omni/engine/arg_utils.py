@@ -96,6 +96,7 @@ class OmniEngineArgs(EngineArgs):
     """Seconds the whole pipeline may take to start; None = the control plane's default."""
     diffusion_attention_backend: str | None = None
     request_batch_max_wait_ms: float = 0.0
+    step_execution: bool = False
     fa_deterministic: bool = False
     diffusers_load_kwargs: dict[str, Any] | None = None
     use_diffusers_adapter: bool = False

@@ -80,7 +80,7 @@ class DiffusionModelRunner:
             outputs = [self._forward(DiffusionRequestBatch([request]), partial_sink, abort_requested)[0]
                        for request in batch.requests]
         elapsed = time.perf_counter() - start
-        peak = self._peak_memory_mb()
+        peak = self.peak_memory_mb()
         for out in outputs:
             out.stage_durations.setdefault("forward", elapsed)
             out.peak_memory_mb = peak
@@ -107,8 +107,9 @@ class DiffusionModelRunner:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
-    def _peak_memory_mb(self) -> float:
-        """Peak device memory of this forward on CUDA; the worker's lifetime peak RSS on CPU."""
+    def peak_memory_mb(self) -> float:
+        """Peak device memory since the last reset (this forward in request mode) on CUDA; the worker's
+        lifetime peak RSS on CPU."""
         if self.device.type == "cuda":
             return torch.cuda.max_memory_allocated(self.device) / 2**20
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -10,6 +10,10 @@ process (sweeping the engine's shared memory and socket files) within a second o
 a SIGKILL. A parent watchdog rather than PR_SET_PDEATHSIG: the death signal fires when the *thread* that
 spawned us exits, and engines are built and restarted from short-lived threads.
 
+In step mode (`od_config.step_execution`) a batch message is handed to the `StepExecutor` instead of run at
+once: between two denoise-step rounds the loop reads every message that arrived, so new requests join at the
+next step boundary and each request's output leaves as soon as it is decoded.
+
 Nothing one request brings can end the loop: a message that cannot be decoded, a forward that raises, an
 output that cannot be encoded each fail the requests concerned, and the worker serves the next message.
 """
@@ -101,6 +105,8 @@ class WorkerProc:
         self.codec = MsgCodec(None, spec.shm_prefix)
         self.decoder = MsgCodec(WorkerInput, spec.shm_prefix).decoder()
         self.worker = None
+        self.steps = None
+        """The `StepExecutor` in step mode; None in request mode."""
         self.aborted = AbortedRequests()
         self._stop = threading.Event()
         self._abort_thread = threading.Thread(target=self._read_aborts, name="abort-reader", daemon=True)
@@ -129,13 +135,20 @@ class WorkerProc:
         except BaseException:
             self._send(WorkerInitFailed(rank=self.rank, error=traceback.format_exc()))
             return False
+        if spec.od_config.step_execution:
+            from vllm_omni.diffusion.worker.step_runner import StepExecutor
+
+            self.steps = StepExecutor(self.worker.model_runner, self._send_outputs, self.aborted)
         info = {**self.worker.ping(), "pipeline_class": self.worker.model_runner.pipeline_class_name}
         self._send(WorkerReady(rank=self.rank, info=info))
         return True
 
     def serve(self) -> None:
         while True:
-            if not self.input.poll(_POLL_INTERVAL_MS):
+            stepping = self.steps is not None and self.steps.has_work
+            if not self.input.poll(0 if stepping else _POLL_INTERVAL_MS):
+                if stepping:  # every message that arrived is read before the next step
+                    self._run_round()
                 continue
             buffer = self.input.recv(copy=False).buffer
             try:
@@ -146,24 +159,37 @@ class WorkerProc:
             if isinstance(msg, Shutdown):
                 return
             try:
-                if isinstance(msg, ExecuteBatch):
+                if isinstance(msg, ExecuteBatch) and self.steps is not None:
+                    self.steps.add(msg.batch_id, msg.requests, self._partial_sink(msg))
+                elif isinstance(msg, ExecuteBatch):
                     self._execute(msg)
                 elif isinstance(msg, RpcCall):
                     self._rpc(msg)
             except Exception:  # a bug in the handling of one message must not end the worker
                 traceback.print_exc()
 
+    def _run_round(self) -> None:
+        try:
+            self.steps.run_round()
+        except Exception:  # the executor retires failing requests itself; this is a bug in the round
+            traceback.print_exc()
+
+    def _partial_sink(self, msg: ExecuteBatch):
+        """The partial-output sink of a batch's streamed requests (None when none streams)."""
+        if self.rank != 0 or not msg.stream_request_ids:
+            return None
+        wanted = frozenset(msg.stream_request_ids)
+
+        def sink(request_id: str, kind: str, data: dict) -> None:
+            if request_id in wanted:
+                self._send_partial(PartialResult(msg.batch_id, request_id, kind, data))
+
+        return sink
+
     def _execute(self, msg: ExecuteBatch) -> None:
         from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
-        sink = None
-        if self.rank == 0 and msg.stream_request_ids:
-            wanted = frozenset(msg.stream_request_ids)
-
-            def sink(request_id: str, kind: str, data: dict) -> None:
-                if request_id in wanted:
-                    self._send_partial(PartialResult(msg.batch_id, request_id, kind, data))
-
+        sink = self._partial_sink(msg)
         try:
             outputs = self.worker.execute_model(
                 DiffusionRequestBatch(msg.requests), partial_sink=sink,

@@ -1,0 +1,178 @@
+"""Step execution: requests join and leave a diffusion worker's work at every denoise-step boundary.
+
+In request mode a forward runs its requests from encode to decode, so a request that arrives meanwhile waits
+for all of it. In step mode the worker keeps one resident `DenoiseState` per request (each with its own
+scheduler and timesteps) and runs rounds:
+
+    retire   aborted requests leave (their memory is freed); finished states are decoded, output sent at once
+    admit    waiting requests join up to `max_num_seqs` resident states (encode, initial latents)
+    advance  every resident state takes one denoise step (one transformer forward per state)
+    retire   as above, so an output leaves right after its last step
+
+The worker polls its input between rounds, so a new request starts at the next step boundary. Each state has
+its own forward: a request's arithmetic is the one it has alone (bitwise), whatever else is resident, and a
+request that raises inside a step is retired with its error while the others go on unaffected.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from vllm_omni.diffusion.data import DiffusionOutput
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.step_context import PartialSink, StepContext
+from vllm_omni.errors import RequestAbortedError
+from vllm_omni.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.pipeline_base import DenoiseState
+    from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
+
+logger = init_logger(__name__)
+
+SendOutputs = Callable[[int, list[DiffusionOutput]], None]
+"""(batch_id, one output per request of the batch, in batch order) -> None."""
+
+
+class AbortSet(Protocol):
+    """The worker's aborted (batch_id, request_id) pairs, filled by its abort side channel."""
+
+    def contains(self, batch_id: int, request_id: str) -> bool: ...
+
+    def forget_through(self, batch_id: int) -> None: ...
+
+
+@dataclass
+class _Batch:
+    """One message from the engine; its result goes back once every request in it has an output."""
+
+    batch_id: int
+    outputs: list[DiffusionOutput | None]
+
+    @property
+    def complete(self) -> bool:
+        return all(out is not None for out in self.outputs)
+
+
+@dataclass
+class _Job:
+    """One request from admission to its output."""
+
+    batch: _Batch
+    index: int
+    request: OmniDiffusionRequest
+    ctx: StepContext
+    arrival: float = field(default_factory=time.perf_counter)
+    state: DenoiseState | None = None
+    denoise_start: float = 0.0
+
+
+class StepExecutor:
+    """The resident states of one worker and the rounds that advance them (single rank only)."""
+
+    def __init__(self, runner: DiffusionModelRunner, send: SendOutputs, aborted: AbortSet) -> None:
+        self.runner = runner
+        self.max_resident = runner.od_config.max_num_seqs
+        self.send = send
+        self.aborted = aborted
+        self.waiting: deque[_Job] = deque()
+        self.resident: list[_Job] = []
+        self._batches: dict[int, _Batch] = {}
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.resident)
+
+    def add(self, batch_id: int, requests: list[OmniDiffusionRequest], partial_sink: PartialSink | None) -> None:
+        """Queue a batch's requests; each is admitted on its own at a step boundary."""
+        batch = _Batch(batch_id, [None] * len(requests))
+        self._batches[batch_id] = batch
+        for index, request in enumerate(requests):
+            ctx = StepContext(self.runner.od_config, request_ids=[request.request_id], partial_sink=partial_sink,
+                              abort_requested=lambda rid, b=batch_id: self.aborted.contains(b, rid))
+            self.waiting.append(_Job(batch, index, request, ctx))
+        if not requests:
+            self._complete(batch)
+
+    @torch.inference_mode()
+    def run_round(self) -> None:
+        """Retire, admit, advance every resident state by one step, retire."""
+        self._retire()
+        self._admit()
+        for job in list(self.resident):  # a job that fails leaves the list
+            self._guarded(job, lambda job=job: self._pipeline().denoise_step(job.state, job.ctx))
+        self._retire()
+
+    # ---- round phases ---------------------------------------------------------------------------------------
+
+    def _retire(self) -> None:
+        """Aborted requests leave with `RequestAbortedError`; finished states are decoded and sent."""
+        for job in list(self.resident):
+            state = job.state
+            state.drop(set(job.ctx.aborted(state.request_ids)))
+            if not state.requests:
+                self._finish(job, DiffusionOutput.from_exception(RequestAbortedError()))
+            elif state.done:
+                job.ctx.step_index = job.ctx.timestep = None
+                state.durations["denoise"] = time.perf_counter() - job.denoise_start
+                outputs = self._guarded(job, lambda job=job: self._pipeline().finish(job.state, job.ctx))
+                if outputs is not None:
+                    self._finish(job, outputs[0])
+
+    def _admit(self) -> None:
+        """Aborted waiting requests leave; the others join in arrival order while fewer than `max_num_seqs`
+        states are resident."""
+        for job in [job for job in self.waiting if job.ctx.aborted([job.request.request_id])]:
+            self.waiting.remove(job)
+            self._finish(job, DiffusionOutput.from_exception(RequestAbortedError()))
+        while self.waiting and len(self.resident) < self.max_resident:
+            job = self.waiting.popleft()
+            self.resident.append(job)
+            job.state = self._guarded(job, lambda job=job: self._prepare(job))
+            job.denoise_start = time.perf_counter()
+
+    def _prepare(self, job: _Job) -> DenoiseState:
+        pipeline = self._pipeline()
+        pipeline.group_key(job.request)  # validates the request alone (OmniClientError naming the field)
+        admitted = time.perf_counter()
+        state = pipeline.prepare([job.request], job.ctx)
+        state.durations["step_admission_wait"] = admitted - job.arrival
+        return state
+
+    def _pipeline(self):
+        """The loaded pipeline; a state resident while the worker sleeps at level 2 fails with this error."""
+        if self.runner.pipeline is None:
+            raise RuntimeError("the diffusion worker is asleep; call wake_up() first")
+        return self.runner.pipeline
+
+    def _guarded(self, job: _Job, fn: Callable[[], object]) -> object:
+        """`fn()`, or None after retiring `job` with the error it raised (the other states are untouched)."""
+        try:
+            return fn()
+        except Exception as exc:
+            logger.info("[diffusion step] request %s failed: %s", job.request.request_id, exc)
+            self._finish(job, DiffusionOutput.from_exception(exc))
+            return None
+
+    def _finish(self, job: _Job, output: DiffusionOutput) -> None:
+        """Free the job's state and send its batch's result once the batch is complete."""
+        if job in self.resident:
+            self.resident.remove(job)
+        job.state = None
+        output.stage_durations.setdefault("forward", time.perf_counter() - job.arrival)
+        output.peak_memory_mb = self.runner.peak_memory_mb()
+        job.batch.outputs[job.index] = output
+        if job.batch.complete:
+            self._complete(job.batch)
+
+    def _complete(self, batch: _Batch) -> None:
+        del self._batches[batch.batch_id]
+        self.send(batch.batch_id, batch.outputs)
+        # Aborts are kept for every batch still here (an abort may also arrive after its batch ended).
+        self.aborted.forget_through(min(self._batches, default=batch.batch_id + 1) - 1)
