@@ -18,6 +18,7 @@ from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 class Engine:
     output_modality = "image"
+    prompt_bound = None
 
     def __init__(self) -> None:
         self.submitted = []

@@ -3,7 +3,8 @@
 What it pins, on `vllm serve tiny/qwen-image --omni` and `vllm serve tiny/wan2.1-t2v --omni` with the request at
 the configured step maximum: a client that disconnects after 2 s (images), `DELETE /v1/videos/{id}` on a running
 job, and a WebSocket closed mid-session each free the worker, so a 2-step request sent right after completes
-within 2 s plus its own solo time; the worker keeps its pid (nothing was restarted to get there).
+within 2 s plus its own solo time; the worker keeps its pid (nothing was restarted to get there). A prompt over
+the text encoder's token limit is a 400 naming `prompt`.
 """
 
 from __future__ import annotations
@@ -105,3 +106,13 @@ def test_closing_the_websocket_frees_the_worker(video_server):
     after = _timed(lambda: _quick_video(video_server))
     assert after < 2.0 + solo, f"2-step video took {after:.2f} s after the socket closed (solo {solo:.2f} s)"
     _wait_running(video_server, 0)
+
+
+def test_a_prompt_over_the_text_encoders_limit_is_a_400(image_server):
+    """D11's family: a 1 MiB prompt (under the body limit) is refused in the API process, quickly."""
+    start = time.monotonic()
+    resp = httpx.post(f"{image_server.url}/v1/images/generations", timeout=30,
+                      json={"prompt": "a" * 2**20, "size": "32x32", "num_inference_steps": 2})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text
+    assert "text encoder reads at most 1024 tokens" in resp.json()["error"]["message"]
+    assert time.monotonic() - start < 5

@@ -29,6 +29,7 @@ from vllm_omni.diffusion.executor.multiproc_executor import MultiprocDiffusionEx
 from vllm_omni.diffusion.interface import supports_request_batch, supports_step_execution
 from vllm_omni.diffusion.ipc import PartialResult
 from vllm_omni.diffusion.model_loader.dummy import check_weights_present
+from vllm_omni.diffusion.prompt_bound import PromptBound
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.sched.request_scheduler import RequestScheduler
 from vllm_omni.errors import EngineDeadError, OmniClientError, StageRestartingError
@@ -61,6 +62,10 @@ class DiffusionEngine:
         # Resolved once here: the workers get the checkpoint directory and our class as "module:Class".
         self.od_config = dataclasses.replace(od_config, model=str(model_dir), model_class_name=target,
                                              step_execution=self.step_execution)
+        entry = MODEL_REGISTRY.diffusion_entry(self.model_class_name)
+        self.prompt_bound = (PromptBound.for_model(model_dir, entry.prompt_tokenizer, entry.max_prompt_tokens)
+                             if entry is not None and entry.max_prompt_tokens else None)
+        """The text encoder's token limit, checked by the stage client off the event loop before `submit`."""
         self.supports_request_batch = supports_request_batch(pipeline_cls)
         if od_config.max_num_seqs > 1 and not (self.supports_request_batch or self.step_execution):
             raise ValueError(

@@ -89,6 +89,10 @@ class InlineStageDiffusionClient(StageClientBase):
         if self.is_dead:
             raise EngineDeadError(f"{self.name}: diffusion engine is dead")
         request = self._make_request(request_id, prompt, sampling_params)
+        bound = self._engine.prompt_bound
+        if bound is not None:  # tokenizing runs off the event loop; a prompt over the limit is a 400 here
+            await asyncio.to_thread(bound.check, {"prompt": request.prompt_text,
+                                                  "negative_prompt": request.negative_prompt})
         return asyncio.wrap_future(self._engine.submit(request, on_partial=on_partial))
 
     async def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:

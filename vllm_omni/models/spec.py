@@ -32,6 +32,10 @@ class DiffusionPipelineEntry:
     output_modality: Modality
     input_modalities: frozenset[Modality] = frozenset({"text"})
     """"image" here: the pipeline conditions on an input image (edits, image-to-video)."""
+    max_prompt_tokens: int | None = None
+    """The most prompt tokens its text encoder reads (longer prompts are refused before queuing)."""
+    prompt_tokenizer: str = "tokenizer"
+    """The checkpoint subfolder of the tokenizer those tokens are counted with."""
 
 
 @dataclass(frozen=True)

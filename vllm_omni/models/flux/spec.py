@@ -5,7 +5,7 @@ from vllm_omni.models.spec import DiffusionPipelineEntry, ModelSpec
 SPEC = ModelSpec(
     family="flux",
     description="black-forest-labs/FLUX.1-dev (native pipeline, matches diffusers)",
-    diffusion_pipelines={"FluxPipeline": DiffusionPipelineEntry("vllm_omni.models.flux.pipeline:FluxPipeline",
-                                                                "image")},
+    diffusion_pipelines={"FluxPipeline": DiffusionPipelineEntry(
+        "vllm_omni.models.flux.pipeline:FluxPipeline", "image", max_prompt_tokens=512, prompt_tokenizer="tokenizer_2")},
     tiny={"flux": "vllm_omni.models.flux.tiny:build_flux"},
 )

@@ -7,10 +7,10 @@ SPEC = ModelSpec(
     description="Qwen/Qwen-Image, Qwen/Qwen-Image-Edit (native pipelines, match diffusers)",
     diffusion_pipelines={
         "QwenImagePipeline": DiffusionPipelineEntry("vllm_omni.models.qwen_image.pipeline:QwenImagePipeline",
-                                                    "image"),
+                                                    "image", max_prompt_tokens=1024),
         "QwenImageEditPipeline": DiffusionPipelineEntry(
             "vllm_omni.models.qwen_image.pipeline_edit:QwenImageEditPipeline", "image",
-            input_modalities=frozenset({"text", "image"})),
+            input_modalities=frozenset({"text", "image"}), max_prompt_tokens=1024),
     },
     tiny={"qwen-image": "vllm_omni.models.qwen_image.tiny:build_qwen_image",
           "qwen-image-edit": "vllm_omni.models.qwen_image.tiny:build_qwen_image_edit"},

@@ -6,10 +6,11 @@ SPEC = ModelSpec(
     family="wan",
     description="Wan-AI Wan2.1 T2V/I2V, Wan2.2 A14B and TI2V-5B (native pipelines, match diffusers)",
     diffusion_pipelines={
-        "WanPipeline": DiffusionPipelineEntry("vllm_omni.models.wan.pipeline:WanPipeline", "video"),
+        "WanPipeline": DiffusionPipelineEntry("vllm_omni.models.wan.pipeline:WanPipeline", "video",
+                                              max_prompt_tokens=512),
         "WanImageToVideoPipeline": DiffusionPipelineEntry(
             "vllm_omni.models.wan.pipeline_i2v:WanImageToVideoPipeline", "video",
-            input_modalities=frozenset({"text", "image"})),
+            input_modalities=frozenset({"text", "image"}), max_prompt_tokens=512),
     },
     tiny={"wan2.1-t2v": "vllm_omni.models.wan.tiny:build_wan21_t2v",
           "wan2.1-i2v": "vllm_omni.models.wan.tiny:build_wan21_i2v",
