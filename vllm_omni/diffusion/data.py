@@ -61,8 +61,10 @@ def check_diffusion_args(engine_args: dict[str, Any]) -> None:
     """The checks of `OmniDiffusionConfig` that need no engine process, run when the stage is resolved."""
     parallel = engine_args.get("parallel_config")  # a DiffusionParallelConfig object checked itself
     refuse_unimplemented({**engine_args, **(parallel if isinstance(parallel, dict) else {})})
-    check_attention_backend(engine_args.get("diffusion_attention_backend"))
-    check_attention_backend(envs.DIFFUSION_ATTENTION_BACKEND, "env DIFFUSION_ATTENTION_BACKEND")
+    if engine_args.get("diffusion_attention_backend") is not None:
+        check_attention_backend(engine_args["diffusion_attention_backend"])
+    else:  # the env var is only the fallback of an unset flag
+        check_attention_backend(envs.DIFFUSION_ATTENTION_BACKEND, "env DIFFUSION_ATTENTION_BACKEND")
 
 
 @dataclass
