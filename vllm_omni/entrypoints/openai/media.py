@@ -26,22 +26,32 @@ def image_data_url(image: Any, fmt: str = "png") -> str:
     return f"data:image/{fmt};base64,{encode_image_b64(image, fmt)}"
 
 
-def decode_image_bytes(data: bytes, param: str, max_pixels: int) -> Any:
-    """Decode an uploaded image to RGB; its pixel count is checked from the header before anything is decoded
-    (a small PNG may expand to gigabytes). CPU-bound: call it off the event loop (`decode_image_async`)."""
+def probe_image(data: bytes, param: str, max_pixels: int) -> Any:
+    """Open an uploaded image's header only: not an image, or more pixels than `max_pixels`, is a 400 naming
+    `param` before anything is decoded (a small PNG may expand to gigabytes). Cheap; returns the lazy image."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         image = Image.open(io.BytesIO(data))
-        width, height = image.size
-        if width * height > max_pixels:
-            raise OmniClientError(f"{param} is {width}x{height} = {width * height} pixels, more than this server "
-                                  f"decodes ({max_pixels}; see --max-input-image-pixels)", param=param)
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise OmniClientError(f"{param} is not a readable image: {exc}", param=param) from exc
+    width, height = image.size
+    if width * height > max_pixels:
+        raise OmniClientError(f"{param} is {width}x{height} = {width * height} pixels, more than this server "
+                              f"decodes ({max_pixels}; see --max-input-image-pixels)", param=param)
+    return image
+
+
+def decode_image_bytes(data: bytes, param: str, max_pixels: int) -> Any:
+    """Decode an uploaded image to RGB after `probe_image`. CPU-bound: call it off the event loop
+    (`decode_image_async`)."""
+    from PIL import Image, UnidentifiedImageError
+
+    image = probe_image(data, param, max_pixels)
+    try:
         image.load()
         return image.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-        if isinstance(exc, OmniClientError):
-            raise
         raise OmniClientError(f"{param} is not a readable image: {exc}", param=param) from exc
 
 

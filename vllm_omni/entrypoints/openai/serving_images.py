@@ -7,7 +7,7 @@ from typing import Any
 
 from vllm.utils import random_uuid
 
-from vllm_omni.entrypoints.openai.media import decode_image_async, encode_image_b64
+from vllm_omni.entrypoints.openai.media import decode_image_async, encode_image_b64, probe_image
 from vllm_omni.entrypoints.openai.protocol.images import ImageData, ImageGenerationRequest, ImagesResponse
 from vllm_omni.entrypoints.openai.serving_base import OmniServingBase
 from vllm_omni.errors import OmniClientError
@@ -21,10 +21,6 @@ class OmniOpenAIServingImages(OmniServingBase):
                           ) -> ImagesResponse:
         if not uploads:
             raise OmniClientError("image is required (one or more image files)", param="image")
-        if not self.capabilities.supports_edits:
-            raise OmniClientError(f"/v1/images/edits needs a model that takes an input image and outputs images; "
-                                  f"`{self.model_name}` {self.capabilities.describe()} (use /v1/images/generations)",
-                                  param="image")
         for name, data in uploads:
             if len(data) > self.limits.max_upload_bytes:
                 raise OmniClientError(
@@ -32,6 +28,11 @@ class OmniOpenAIServingImages(OmniServingBase):
                     "(see --max-upload-mb)",
                     status_code=413, param=name,
                 )
+            probe_image(data, name, self.limits.max_input_image_pixels)  # header only: says what was sent
+        if not self.capabilities.supports_edits:
+            raise OmniClientError(f"/v1/images/edits needs a model that takes an input image and outputs images; "
+                                  f"`{self.model_name}` {self.capabilities.describe()} (use /v1/images/generations)",
+                                  param="image")
         params = self._params(request)  # every check before the images are decoded
         images = [await decode_image_async(data, name, self.limits.max_input_image_pixels) for name, data in uploads]
         return await self._run(request, params, images)
