@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from vllm_omni import __version__
+from vllm_omni.errors import OmniClientError
 
 SERVE_HELP = "Launch the vllm-omni OpenAI-compatible server."
 
@@ -44,7 +45,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if hasattr(args, "dispatch_function"):
         command.validate(args)
-        args.dispatch_function(args)
+        try:
+            args.dispatch_function(args)
+        except OmniClientError as exc:  # a model or flag the server cannot start with: one line, no traceback
+            raise SystemExit(f"vllm-omni {args.subparser}: {exc}") from None
     else:
         parser.print_help()
 
