@@ -24,7 +24,10 @@ def _strip_global_omni(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = _strip_global_omni(list(sys.argv[1:] if argv is None else argv))
-    parser = argparse.ArgumentParser(
+    parser_cls = argparse.ArgumentParser
+    if argv[:1] == ["serve"]:  # vLLM's parser: `--help=<group>`, `--help=all`, `--help=<flag>`, `--config`
+        from vllm.utils.argparse_utils import FlexibleArgumentParser as parser_cls
+    parser = parser_cls(
         prog="vllm-omni",
         description="vLLM-Omni CLI: serve omni-modality pipelines (AR, generation and diffusion stages) "
         "behind an OpenAI-compatible API. Reached as `vllm-omni <cmd>` or `vllm <cmd> ... --omni`.",
