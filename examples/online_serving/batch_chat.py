@@ -9,18 +9,19 @@ from __future__ import annotations
 import argparse
 
 import httpx
+import server_args
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("prompts", nargs="+")
-    parser.add_argument("--url", default="http://localhost:8000")
+    server_args.add_server_args(parser)
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
 
     body = {"messages": [[{"role": "user", "content": p}] for p in args.prompts], "max_tokens": args.max_tokens}
-    resp = httpx.post(f"{args.url}/v1/chat/completions/batch", json=body, timeout=600,
-                      headers={"X-Request-Id": "example"})
+    resp = httpx.post(f"{server_args.server_url(args)}/v1/chat/completions/batch", json=body, timeout=600,
+                      headers={"X-Request-Id": "example", **server_args.auth_headers(args)})
     resp.raise_for_status()
     data = resp.json()
     print(f"{data['id']}: {data['usage']}")

@@ -15,12 +15,12 @@ import argparse
 import base64
 from pathlib import Path
 
-import openai
+import server_args
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--url", default="http://localhost:8000")
+    server_args.add_server_args(parser)
     parser.add_argument("--prompt", default="Tell me about lighthouses.")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--stream", action="store_true")
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args()
 
-    client = openai.OpenAI(base_url=f"{args.url}/v1", api_key="EMPTY")
+    client = server_args.client(args)
     model = client.models.list().data[0].id
     kwargs: dict = {"model": model, "messages": [{"role": "user", "content": args.prompt}],
                     "max_tokens": args.max_tokens}

@@ -13,12 +13,12 @@ import argparse
 import base64
 from pathlib import Path
 
-import openai
+import server_args
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--url", default="http://localhost:8000")
+    server_args.add_server_args(parser)
     parser.add_argument("--prompt", default="a lighthouse on a cliff at dusk")
     parser.add_argument("--size", default="64x64")
     parser.add_argument("--n", type=int, default=1)
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("image.png"))
     args = parser.parse_args()
 
-    client = openai.OpenAI(base_url=f"{args.url}/v1", api_key="EMPTY")
+    client = server_args.client(args)
     extra = {"num_inference_steps": args.steps, "seed": args.seed}
     if args.edit:
         image = (args.edit.name, args.edit.read_bytes(), "image/png")

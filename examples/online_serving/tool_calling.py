@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-import openai
+import server_args
 
 TOOLS = [{
     "type": "function",
@@ -30,12 +30,12 @@ TOOLS = [{
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--url", default="http://localhost:8000")
+    server_args.add_server_args(parser)
     parser.add_argument("--tool-choice", default="auto", help="auto | required | none | get_weather")
     parser.add_argument("--max-tokens", type=int, default=200)
     args = parser.parse_args()
 
-    client = openai.OpenAI(base_url=f"{args.url}/v1", api_key="EMPTY")
+    client = server_args.client(args)
     model = client.models.list().data[0].id
     choice = args.tool_choice
     if choice not in ("auto", "required", "none"):

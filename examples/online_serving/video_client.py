@@ -12,11 +12,11 @@ import json
 import time
 from pathlib import Path
 
-import openai
+import server_args
 
 
 def via_videos_api(args: argparse.Namespace) -> bytes:
-    client = openai.OpenAI(base_url=f"{args.url}/v1", api_key="EMPTY")
+    client = server_args.client(args)
     job = client.videos.create(prompt=args.prompt, size=args.size,
                                extra_body={"num_frames": args.frames, "num_inference_steps": args.steps,
                                            "seed": args.seed})
@@ -32,9 +32,9 @@ def via_videos_api(args: argparse.Namespace) -> bytes:
 def via_websocket(args: argparse.Namespace) -> bytes:
     from websockets.sync.client import connect
 
-    url = args.url.replace("http", "ws", 1) + "/v1/realtime/video"
+    url = server_args.server_url(args).replace("http", "ws", 1) + "/v1/realtime/video"
     data = b""
-    with connect(url) as ws:
+    with connect(url, additional_headers=server_args.auth_headers(args)) as ws:
         ws.send(json.dumps({"type": "session.start", "prompt": args.prompt, "frames_per_chunk": 4,
                             "sampling_params": {"size": args.size, "num_frames": args.frames,
                                                 "num_inference_steps": args.steps, "seed": args.seed}}))
@@ -50,7 +50,7 @@ def via_websocket(args: argparse.Namespace) -> bytes:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default="http://localhost:8000")
+    server_args.add_server_args(parser)
     parser.add_argument("--prompt", default="A red car drives along a coastal road at sunset.")
     parser.add_argument("--size", default="48x32", help="WIDTHxHEIGHT")
     parser.add_argument("--frames", type=int, default=17)

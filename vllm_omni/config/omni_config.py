@@ -157,7 +157,8 @@ def pipeline_for_model(model_path: str) -> PipelineConfig:
         return PipelineConfig.single_stage("diffusion", StageKind.DIFFUSION)
     hf_config = _read_json(model_path, "config.json")
     if hf_config is None:
-        raise OmniClientError(f"{model_path} has neither model_index.json nor config.json", param="model")
+        raise OmniClientError(f"{model_path} is not a model checkpoint: it has neither model_index.json (a diffusers "
+                              "pipeline) nor config.json (a transformers model)", param="model")
     from vllm_omni.models.registry import MODEL_REGISTRY
 
     factory = MODEL_REGISTRY.topology_for([*hf_config.get("architectures", []), hf_config.get("model_type")])
@@ -170,13 +171,15 @@ def _read_json(model_path: str, filename: str) -> dict[str, Any] | None:
     local = Path(model_path) / filename
     if Path(model_path).is_dir():
         return json.loads(local.read_text()) if local.exists() else None
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+    if model_path.startswith((".", "/", "~")):
+        raise OmniClientError(f"model {model_path!r} is not a directory", param="model")
+    from vllm_omni.models.resolution import fetch_hub_file
 
     try:
-        return json.loads(Path(hf_hub_download(model_path, filename)).read_text())
-    except (EntryNotFoundError, LocalEntryNotFoundError):
-        return None
+        path = fetch_hub_file(model_path, filename)
+    except FileNotFoundError as exc:
+        raise OmniClientError(str(exc), param="model") from exc
+    return None if path is None else json.loads(path.read_text())
 
 
 def _stage_model(model_path: str, stage_model: str | None, subfolder: str | None) -> str:

@@ -146,8 +146,11 @@ class StageEngineCoreClient(StageClientBase):
         return self.llm is not None and self.llm.errored
 
     def shutdown(self) -> None:
-        if self.llm is not None:
-            self.llm.shutdown(timeout=10.0)
+        """Shut the AsyncLLM down and drop it now: a reference kept until interpreter exit runs its `__del__`
+        (another `shutdown`) after module globals are cleared, which prints "Exception ignored ... TypeError"."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.shutdown(timeout=10.0)
 
 
 def _utility_args(method: str, args: tuple, kwargs: dict[str, Any] | None) -> tuple:

@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from vllm_omni.diffusion.data import OmniDiffusionConfig
 
 
+HUB_PROBE_TIMEOUT_S = 5.0
+"""One look at the hub before a first download: huggingface_hub itself retries an unreachable hub for ~25 s
+per file before it gives up."""
+
+
 def resolve_model_dir(model: str, revision: str | None = None, with_weights: bool = True) -> Path:
     """`tiny/<name>` -> built tiny checkpoint; local dir as is; anything else -> Hugging Face hub snapshot
     (configs and tokenizers only when `with_weights` is False)."""
@@ -34,10 +39,55 @@ def resolve_model_dir(model: str, revision: str | None = None, with_weights: boo
     try:
         return download_diffusers_checkpoint(model, revision, with_weights)
     except LocalEntryNotFoundError as exc:
-        raise FileNotFoundError(
-            f"model {model!r} is neither a local directory nor in the Hugging Face cache, and the hub cannot be "
-            f"reached (HF_HUB_OFFLINE={_offline_flag()}); download it first or pass a local path"
-        ) from exc
+        raise FileNotFoundError(_not_cached(model, "the hub cannot be reached")) from exc
+
+
+def fetch_hub_file(model: str, filename: str, revision: str | None = None) -> Path | None:
+    """`filename` of hub repo `model` (downloaded or cached), None when the repo has no such file.
+
+    A file never fetched before is looked up once on the hub first, so that no network (or HF_HUB_OFFLINE)
+    fails within seconds with a FileNotFoundError saying so instead of after huggingface_hub's retries.
+    """
+    from huggingface_hub import _CACHED_NO_EXIST, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
+
+    cached = try_to_load_from_cache(model, filename, revision=revision)
+    if cached is _CACHED_NO_EXIST:
+        return None
+    if cached is None and not _hub_has_file(model, filename, revision):
+        return None
+    try:
+        return Path(hf_hub_download(model, filename, revision=revision))
+    except RemoteEntryNotFoundError:
+        return None
+    except LocalEntryNotFoundError as exc:
+        raise FileNotFoundError(_not_cached(model, "the hub cannot be reached")) from exc
+
+
+def _hub_has_file(model: str, filename: str, revision: str | None) -> bool:
+    """One HEAD request without retries; FileNotFoundError when offline, unreachable or no such repo."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import HfHubHTTPError, RemoteEntryNotFoundError, RepositoryNotFoundError
+
+    if _offline():
+        raise FileNotFoundError(_not_cached(model, "HF_HUB_OFFLINE is set"))
+    try:
+        get_hf_file_metadata(hf_hub_url(model, filename, revision=revision), timeout=HUB_PROBE_TIMEOUT_S)
+    except RemoteEntryNotFoundError:
+        return False
+    except RepositoryNotFoundError as exc:
+        raise FileNotFoundError(f"model {model!r} is neither a local directory nor a Hugging Face repo you can "
+                                "access (a private or gated repo needs `hf auth login`)") from exc
+    except HfHubHTTPError:
+        raise
+    except Exception as exc:  # the transport's own errors (DNS, refused, timeout)
+        raise FileNotFoundError(_not_cached(model, f"the hub cannot be reached ({exc})")) from exc
+    return True
+
+
+def _not_cached(model: str, why: str) -> str:
+    return (f"model {model!r} is neither a local directory nor in the Hugging Face cache, and {why}: "
+            f"download it first (`hf download {model}`) or pass a local path")
 
 
 def read_model_index(model_dir: Path) -> dict:
@@ -57,7 +107,10 @@ def resolve_pipeline_class_name(od_config: OmniDiffusionConfig, model_dir: Path)
     return name
 
 
-def _offline_flag() -> str:
+def _offline() -> bool:
+    """huggingface_hub reads HF_HUB_OFFLINE once at import; a later setting counts too."""
     import os
 
-    return os.environ.get("HF_HUB_OFFLINE", "0")
+    from huggingface_hub import constants
+
+    return constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}

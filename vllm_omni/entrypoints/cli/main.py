@@ -49,9 +49,12 @@ def _refuse_unimplemented(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = _strip_global_omni(list(sys.argv[1:] if argv is None else argv))
+    parser_cls = argparse.ArgumentParser
     if argv[:1] == ["serve"]:
         _refuse_unimplemented(argv[1:])
-    parser = argparse.ArgumentParser(
+        # vLLM's parser: `--help=<group>`, `--help=all`, `--help=<flag>`, `--config`
+        from vllm.utils.argparse_utils import FlexibleArgumentParser as parser_cls
+    parser = parser_cls(
         prog="vllm-omni",
         description="vLLM-Omni CLI: serve omni-modality pipelines (AR, generation and diffusion stages) "
         "behind an OpenAI-compatible API. Reached as `vllm-omni <cmd>` or `vllm <cmd> ... --omni`.",
@@ -72,7 +75,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if hasattr(args, "dispatch_function"):
         command.validate(args)
-        args.dispatch_function(args)
+        try:
+            args.dispatch_function(args)
+        except OmniClientError as exc:  # a model or flag the server cannot start with: one line, no traceback
+            raise SystemExit(f"vllm-omni {args.subparser}: {exc}") from None
     else:
         parser.print_help()
 

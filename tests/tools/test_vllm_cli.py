@@ -1,0 +1,59 @@
+"""vLLM's own CLI on our install (tools/setup_env.sh): `vllm --version` answers, and `vllm bench serve` and
+`vllm chat` run against a live `vllm serve tiny/qwen2 --omni` (on the CPU build they need the `vllm`
+distribution alias that tools/vllm_dist_alias.py writes)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.entrypoints.openai.live_server import LiveServer
+from vllm_omni.models.tiny import resolve_model
+
+MODEL = "tiny/qwen2"
+VLLM = str(Path(sys.executable).with_name("vllm"))
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+def _vllm(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([VLLM, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def test_version():
+    out = _vllm("--version", timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == importlib.metadata.version("vllm")
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = LiveServer(MODEL, "--gpu-memory-utilization", "0.15", "--max-model-len", "512", "--max-num-seqs", "4",
+                     "--enforce-eager")
+    yield srv
+    assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
+
+
+def test_bench_serve(server, tmp_path):
+    """The openai-chat backend on the random dataset: every prompt completes with the tokens asked for."""
+    out = _vllm("bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+                "--base-url", server.url, "--model", MODEL, "--tokenizer", resolve_model(MODEL),
+                "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "8",
+                "--num-prompts", "4", "--max-concurrency", "2", "--ignore-eos", "--disable-tqdm",
+                "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["completed"] == 4 and result["failed"] == 0
+    assert result["total_output_tokens"] == 4 * 8
+    assert result["request_throughput"] > 0
+
+
+def test_chat_quick(server):
+    out = _vllm("chat", "--url", f"{server.url}/v1", "--model-name", MODEL, "--quick", "hello", "--stats")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    assert "TTFT:" in out.stdout and "tokens/s" in out.stdout

@@ -1,0 +1,57 @@
+"""Run the documented commands marked runnable, so a page cannot keep a command that fails.
+
+A fenced ```bash or ```python block right after a `<!-- runnable -->` line in README.md or docs/*.md is run from a
+fresh temporary directory with the repo's interpreter first on PATH: a bash block line by line (`set -e`), a python
+block as a script (so `if __name__ == "__main__"` guards are exercised as users run them). Mark only cheap
+commands: help pages, tiny offline snippets; servers that keep running do not belong here.
+    python tools/check_docs.py                # every marked block
+    python tools/check_docs.py docs/video.md  # one page
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MARK = re.compile(r"^<!-- runnable -->\n```(bash|python)\n(.*?)^```", flags=re.M | re.S)
+TIMEOUT_S = 600
+
+
+def runnable_blocks(page: Path) -> list[tuple[str, str]]:
+    return MARK.findall(page.read_text())
+
+
+def run_block(lang: str, body: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with tempfile.TemporaryDirectory() as cwd:
+        if lang == "python":
+            script = Path(cwd) / "snippet.py"
+            script.write_text(body)
+            cmd = [sys.executable, str(script)]
+        else:
+            cmd = ["bash", "-ec", body]
+        return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def main(pages: list[str]) -> int:
+    paths = [Path(p) for p in pages] or [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    failed = 0
+    for page in paths:
+        for lang, body in runnable_blocks(page):
+            out = run_block(lang, body)
+            status = "ok" if out.returncode == 0 else f"FAILED (exit {out.returncode})"
+            print(f"[check_docs] {page.name} {lang} block: {status}")
+            if out.returncode != 0:
+                failed += 1
+                print(body + (out.stdout + out.stderr)[-3000:])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
