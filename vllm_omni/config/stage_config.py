@@ -15,6 +15,7 @@ from pydantic.dataclasses import dataclass
 
 from vllm_omni.config.pipeline_config import FORBID, OutputModality
 from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.errors import OmniClientError
 
 
 @dataclass(config=FORBID)
@@ -56,6 +57,13 @@ class VllmOmniARStageConfig(BaseVllmOmniStageConfig):
     @staticmethod
     def known_args() -> frozenset[str]:
         return _ar_arg_names()
+
+    @staticmethod
+    def check_args(engine_args: dict[str, Any]) -> None:
+        restarts = engine_args.get("max_stage_restarts")
+        if restarts is not None and (not isinstance(restarts, int) or restarts < 0):
+            raise OmniClientError(f"max_stage_restarts must be an integer >= 0, got {restarts!r}",
+                                  param="max_stage_restarts")
 
     @property
     def max_stage_restarts(self) -> int:
