@@ -15,6 +15,7 @@ from pydantic.dataclasses import dataclass
 
 from vllm_omni.config.pipeline_config import FORBID, OutputModality
 from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.errors import OmniClientError
 
 
 @dataclass(config=FORBID)
@@ -57,10 +58,25 @@ class VllmOmniARStageConfig(BaseVllmOmniStageConfig):
     def known_args() -> frozenset[str]:
         return _ar_arg_names()
 
+    @staticmethod
+    def check_args(engine_args: dict[str, Any]) -> None:
+        restarts = engine_args.get("max_stage_restarts")
+        if restarts is not None and (not isinstance(restarts, int) or restarts < 0):
+            raise OmniClientError(f"max_stage_restarts must be an integer >= 0, got {restarts!r}",
+                                  param="max_stage_restarts")
+
+    @property
+    def max_stage_restarts(self) -> int:
+        """Times the stage re-creates an EngineCore that died before it is dead: the diffusion stages'
+        `--max-stage-restarts`, read from the same engine arguments (it is not a vLLM engine argument)."""
+        value = self.engine_args.get("max_stage_restarts")
+        return _DEFAULT_MAX_STAGE_RESTARTS if value is None else value
+
     def make_engine_args(self):
         from vllm.engine.arg_utils import AsyncEngineArgs
 
-        return AsyncEngineArgs(model=self.model, **self.engine_args)
+        args = {k: v for k, v in self.engine_args.items() if k not in _AR_STAGE_ARGS}
+        return AsyncEngineArgs(model=self.model, **args)
 
 
 @dataclass(config=FORBID)
@@ -92,6 +108,10 @@ class VllmOmniDiffusionStageConfig(BaseVllmOmniStageConfig):
         return OmniDiffusionConfig.from_kwargs(model=self.model, stage_id=self.stage_id, **self.engine_args)
 
 
+# AR stage arguments that are the stage's own, not vLLM's; the default is the diffusion stages' one.
+_AR_STAGE_ARGS = frozenset({"max_stage_restarts"})
+_DEFAULT_MAX_STAGE_RESTARTS = 3
+
 StageConfig = VllmOmniARStageConfig | VllmOmniGenerationStageConfig | VllmOmniDiffusionStageConfig
 
 
@@ -99,7 +119,7 @@ StageConfig = VllmOmniARStageConfig | VllmOmniGenerationStageConfig | VllmOmniDi
 def _ar_arg_names() -> frozenset[str]:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    return frozenset(f.name for f in dataclasses.fields(AsyncEngineArgs)) - {"model"}
+    return (frozenset(f.name for f in dataclasses.fields(AsyncEngineArgs)) - {"model"}) | _AR_STAGE_ARGS
 
 
 @functools.cache

@@ -109,7 +109,8 @@ class OmniEngineArgs(EngineArgs):
     ring_degree: int | None = None
     cfg_parallel_size: int | None = None
     max_stage_restarts: int | None = None
-    """Times a diffusion stage replaces workers that died before it is dead; None = the stage's default (3)."""
+    """Times a stage re-creates what died (diffusion workers, an AR stage's EngineCore) before it is dead;
+    None = the stage's default (3)."""
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

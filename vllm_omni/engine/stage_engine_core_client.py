@@ -2,20 +2,27 @@
 
 We compose vLLM's `AsyncLLM` (InputProcessor + OutputProcessor + AsyncMPClient), so scheduling, KV cache,
 detokenization and liveness monitoring are vLLM's; this class only adapts it to the stage interface.
+
+When vLLM marks the AsyncLLM errored (its EngineCore died), the stage shuts it down at once (vLLM's
+`shutdown()` reaps the EngineCore and its workers and frees their shared memory) and builds a new one from
+the same engine arguments, up to `max_stage_restarts` times, as the diffusion stage replaces its workers:
+the requests it ran fail with `StageRestartingError` (503), new ones get 503 until it is back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from collections.abc import AsyncIterator
+from multiprocessing import shared_memory
 from typing import Any
 
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.output_collectors import get_output_collector
 from vllm_omni.engine.stage_client import StageClientBase
-from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError
+from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError, StageRestartingError
 from vllm_omni.logger import init_logger
 from vllm_omni.models.spec import Modality
 from vllm_omni.outputs import OmniRequestOutput
@@ -25,6 +32,9 @@ logger = init_logger(__name__)
 # EngineCore utilities (not worker methods) that `collective_rpc_async` forwards as utility calls.
 _ENGINE_CORE_UTILITIES = frozenset({"reset_prefix_cache", "reset_mm_cache", "reset_encoder_cache", "is_sleeping",
                                     "is_scheduler_paused"})
+# How often the stage looks at vLLM's `errored` flag when no request would notice the death.
+_DEATH_POLL_INTERVAL_S = 0.2
+_SHUTDOWN_TIMEOUT_S = 10.0
 
 
 class StageEngineCoreClient(StageClientBase):
@@ -33,8 +43,17 @@ class StageEngineCoreClient(StageClientBase):
     def __init__(self, config, replica_id: int = 0) -> None:
         super().__init__(config, replica_id)
         self.llm = None
+        self._restarts = 0
+        self._restart_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
+        self._dead = False
+        self._core_segments: set[str] = set()
 
     async def start(self) -> None:
+        await self._start_llm()
+        self._watch_task = asyncio.create_task(self._watch(), name=f"{self.name}-watch")
+
+    async def _start_llm(self) -> None:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -51,6 +70,7 @@ class StageEngineCoreClient(StageClientBase):
         )
         logger.info("[%s] vLLM config in %.1f s, EngineCore ready in %.1f s", self.name, configured - start,
                     time.perf_counter() - configured)
+        self._core_segments = _engine_core_segments(self.llm)
 
     @property
     def vllm_config(self):
@@ -86,6 +106,8 @@ class StageEngineCoreClient(StageClientBase):
         if not isinstance(sampling_params, SamplingParams):
             raise OmniClientError(f"stage {self.stage_id} is an AR stage and needs vLLM SamplingParams, got "
                                   f"{type(sampling_params).__name__}", param="sampling_params_list")
+        if self.is_restarting:
+            raise StageRestartingError(f"{self.name}: the EngineCore died and is being re-created")
         start = time.perf_counter()
         try:
             async for out in self.llm.generate(prompt, sampling_params, request_id):
@@ -111,14 +133,64 @@ class StageEngineCoreClient(StageClientBase):
                     result.stage_durations[self.config.stage_type] = result.stage_durations[self.config.name] = elapsed
                 yield result
         except VllmEngineDeadError as e:
-            raise EngineDeadError(f"{self.name}: EngineCore died") from e
+            raise self._engine_died() from e
         except (VLLMClientError, ValueError) as e:  # vLLM input validation (prompt too long, bad params, ...)
             if self.llm.errored:
-                raise EngineDeadError(f"{self.name}: EngineCore died") from e
+                raise self._engine_died() from e
             raise OmniClientError(f"stage {self.stage_id}: {e}", param=getattr(e, "parameter", None)) from e
 
+    def _engine_died(self) -> Exception:
+        """The error for requests the dead EngineCore ran; starts the restart when the budget allows."""
+        self._begin_restart()
+        if self.is_restarting:
+            return StageRestartingError(f"{self.name}: the EngineCore died; the stage is re-creating it")
+        return EngineDeadError(f"{self.name}: EngineCore died")
+
+    async def _watch(self) -> None:
+        """Notice a death no request is waiting on (vLLM's own monitor sets `errored`)."""
+        while not self._dead:
+            if self.llm.errored:
+                self._begin_restart()
+                if self._restart_task is not None:
+                    await asyncio.shield(self._restart_task)
+            await asyncio.sleep(_DEATH_POLL_INTERVAL_S)
+
+    def _begin_restart(self) -> None:
+        if self.is_restarting or self._dead or not self.llm.errored:
+            return
+        if self._restarts >= self.config.max_stage_restarts:
+            logger.error("[%s] EngineCore died; restart budget (%d) spent, the stage is dead", self.name,
+                         self.config.max_stage_restarts)
+            self._dead = True
+            self._shutdown_llm()
+            return
+        self._restarts += 1
+        self._restart_task = asyncio.create_task(self._restart(), name=f"{self.name}-restart")
+
+    async def _restart(self) -> None:
+        logger.warning("[%s] EngineCore died; re-creating it (restart %d of %d)", self.name, self._restarts,
+                       self.config.max_stage_restarts)
+        await asyncio.get_running_loop().run_in_executor(None, self._shutdown_llm)
+        try:
+            await self._start_llm()
+        except Exception:
+            logger.exception("[%s] re-creating the EngineCore failed; the stage is dead", self.name)
+            self._dead = True
+
+    def _shutdown_llm(self) -> None:
+        """vLLM's shutdown of the AsyncLLM (reaps the EngineCore); then the shared memory that EngineCore
+        created, which a killed EngineCore never unlinks (the resource tracker would only at server exit)."""
+        # Dropped before its shutdown: a reference kept until interpreter exit runs AsyncLLM.__del__ (another
+        # shutdown) after module globals are cleared ("Exception ignored ... TypeError").
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.shutdown(timeout=_SHUTDOWN_TIMEOUT_S)
+        for name in self._core_segments:
+            _unlink_segment(name)
+        self._core_segments = set()
+
     async def abort(self, request_ids: list[str]) -> None:
-        if not self.llm.errored:
+        if not self.is_restarting and not self.llm.errored:
             await self.llm.abort(request_ids)
 
     # vLLM AsyncMPClient control helpers (StagePool calls these for pause/resume/sleep/wake).
@@ -143,14 +215,44 @@ class StageEngineCoreClient(StageClientBase):
 
     @property
     def is_dead(self) -> bool:
-        return self.llm is not None and self.llm.errored
+        return self._dead
+
+    @property
+    def is_restarting(self) -> bool:
+        return self._restart_task is not None and not self._restart_task.done()
 
     def shutdown(self) -> None:
-        """Shut the AsyncLLM down and drop it now: a reference kept until interpreter exit runs its `__del__`
-        (another `shutdown`) after module globals are cleared, which prints "Exception ignored ... TypeError"."""
-        llm, self.llm = self.llm, None
-        if llm is not None:
-            llm.shutdown(timeout=10.0)
+        self._dead = True
+        for task in (self._watch_task, self._restart_task):
+            if task is not None:
+                task.cancel()
+        self._shutdown_llm()
+
+
+def _engine_core_segments(llm) -> set[str]:
+    """The /dev/shm segments this AsyncLLM's EngineCore processes (and their workers) map."""
+    import psutil
+
+    manager = getattr(llm.engine_core.resources, "engine_manager", None)
+    pids = [p.pid for p in getattr(manager, "processes", [])]
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            core = psutil.Process(pid)
+            procs += [core, *core.children(recursive=True)]
+    names: set[str] = set()
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            names.update(m.path.removeprefix("/dev/shm/") for m in proc.memory_maps()
+                         if m.path.startswith("/dev/shm/"))
+    return names
+
+
+def _unlink_segment(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        segment = shared_memory.SharedMemory(name=name)
+        segment.close()
+        segment.unlink()  # also tells the resource tracker it is gone
 
 
 def _utility_args(method: str, args: tuple, kwargs: dict[str, Any] | None) -> tuple:
