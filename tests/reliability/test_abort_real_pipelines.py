@@ -19,7 +19,8 @@ from websockets.sync.client import connect
 
 from tests.entrypoints.openai.live_server import LiveServer
 
-MAX_STEPS = 1000  # the server's default --max-inference-steps
+MAX_STEPS = 100_000
+"""The servers' configured --max-inference-steps: minutes of work for the tiny models even on an idle machine."""
 QUICK_IMAGE = {"prompt": "quick", "size": "32x32", "num_inference_steps": 2, "seed": 0}
 QUICK_VIDEO = {"prompt": "quick", "size": "32x32", "num_frames": 5, "num_inference_steps": 2, "seed": 0}
 
@@ -44,14 +45,14 @@ def _wait_running(srv: LiveServer, value: float, timeout: float = 30) -> None:
 
 @pytest.fixture(scope="module")
 def image_server():
-    srv = LiveServer("tiny/qwen-image")
+    srv = LiveServer("tiny/qwen-image", "--max-inference-steps", str(MAX_STEPS))
     yield srv
     assert srv.close(), f"server did not shut down cleanly; log: {srv.log}"
 
 
 @pytest.fixture(scope="module")
 def video_server():
-    srv = LiveServer("tiny/wan2.1-t2v")
+    srv = LiveServer("tiny/wan2.1-t2v", "--max-inference-steps", str(MAX_STEPS))
     yield srv
     assert srv.close(), f"server did not shut down cleanly; log: {srv.log}"
 

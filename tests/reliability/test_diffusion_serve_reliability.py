@@ -28,6 +28,8 @@ from tests.entrypoints.openai.live_server import LiveServer
 
 FAKE = "tests.diffusion.fake_pipelines:FakeStepPipeline"
 IMAGES = "/v1/images/generations"
+LONG = ("--max-inference-steps", "100000")
+"""Requests long enough to still be running when the test acts, whatever the machine's speed."""
 
 
 def body(steps: int) -> dict:
@@ -87,7 +89,7 @@ def gone(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def fake_server():
     shm_before = shm_segments()
-    srv = LiveServer("tiny/qwen-image", "--model-class-name", FAKE)
+    srv = LiveServer("tiny/qwen-image", "--model-class-name", FAKE, *LONG)
     yield srv, shm_before
     srv.close()
 
@@ -161,7 +163,7 @@ def test_sigterm_with_a_busy_worker_exits_within_15s_leaving_nothing(fake_server
 def test_sigterm_with_a_busy_real_pipeline():
     """The native tiny Qwen-Image pipeline: stopped in time whether or not its denoise loop checks aborts."""
     shm_before = shm_segments()
-    srv = LiveServer("tiny/qwen-image")
+    srv = LiveServer("tiny/qwen-image", *LONG)
     try:
         assert_sigterm_busy_exits_within_15s_leaving_nothing(srv, shm_before, 20_000)
     finally:
@@ -170,7 +172,7 @@ def test_sigterm_with_a_busy_real_pipeline():
 
 def test_sigkill_of_the_server_takes_its_workers_along():
     shm_before = shm_segments()
-    srv = LiveServer("tiny/qwen-image")
+    srv = LiveServer("tiny/qwen-image", *LONG)
     try:
         dirs = ipc_dirs(srv.proc.pid)
         post_in_background(srv, 20_000)
