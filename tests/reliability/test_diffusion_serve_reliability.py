@@ -28,6 +28,7 @@ from tests.entrypoints.openai.live_server import LiveServer
 
 FAKE = "tests.diffusion.fake_pipelines:FakeStepPipeline"
 IMAGES = "/v1/images/generations"
+REPO = Path(__file__).resolve().parents[2]
 LONG = ("--max-inference-steps", "100000")
 """Requests long enough to still be running when the test acts, whatever the machine's speed."""
 
@@ -89,7 +90,9 @@ def gone(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def fake_server():
     shm_before = shm_segments()
-    srv = LiveServer("tiny/qwen-image", "--model-class-name", FAKE, *LONG)
+    with pytest.MonkeyPatch.context() as mp:  # the server's workers import the fake pipeline from tests/
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        srv = LiveServer("tiny/qwen-image", "--model-class-name", FAKE, *LONG)
     yield srv, shm_before
     srv.close()
 
