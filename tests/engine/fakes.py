@@ -52,3 +52,7 @@ class FakeStageClient:
     @property
     def is_dead(self) -> bool:
         return self.dead
+
+    @property
+    def is_restarting(self) -> bool:
+        return False

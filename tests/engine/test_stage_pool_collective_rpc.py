@@ -21,6 +21,7 @@ class Client:
         self.kind = StageKind(stage_type)
         self.calls: list = []
         self.is_dead = False
+        self.is_restarting = False
 
     async def pause_scheduler_async(self, **kwargs):
         self.calls.append(("pause_scheduler_async", kwargs))

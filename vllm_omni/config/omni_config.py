@@ -22,6 +22,7 @@ from vllm_omni.config.stage_config import (
     VllmOmniARStageConfig,
     VllmOmniDiffusionStageConfig,
     VllmOmniGenerationStageConfig,
+    device_ids,
 )
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.errors import OmniClientError
@@ -88,6 +89,12 @@ class VllmOmniConfig:
                     f"stage {spec.stage_id} ({spec.execution_type.value}) does not accept engine "
                     f"argument(s) {unknown}", param=unknown[0])
             stage_cls.check_args(args)
+            num_replicas = stage_deploy.num_replicas
+            if spec.execution_type is StageKind.DIFFUSION:
+                num_replicas = _diffusion_replicas(spec.stage_id, args, num_replicas)
+            if stage_deploy.devices is not None and len(device_ids(stage_deploy.devices)) % num_replicas:
+                raise OmniClientError(f"stage {spec.stage_id}: devices {stage_deploy.devices!r} cannot be split "
+                                      f"evenly over its {num_replicas} replicas", param="devices")
             stages.append(stage_cls(
                 stage_id=spec.stage_id,
                 model=_stage_model(model_path, spec.model, spec.model_subfolder),
@@ -96,7 +103,7 @@ class VllmOmniConfig:
                 output_collector=spec.output_collector,
                 final_output=spec.final_output,
                 final_output_type=spec.final_output_type,
-                num_replicas=stage_deploy.num_replicas,
+                num_replicas=num_replicas,
                 devices=stage_deploy.devices,
                 engine_args=args,
                 default_sampling_params=dict(spec.default_sampling_params),
@@ -110,6 +117,24 @@ class VllmOmniConfig:
                       for s in stages for src in s.inputs}
         return cls(model=model, model_path=model_path, pipeline_name=pipeline.name, stages=stages,
                    connectors=connectors, init_timeout=init_timeout)
+
+
+def _diffusion_replicas(stage_id: int, args: dict[str, Any], deploy_replicas: int) -> int:
+    """A diffusion stage's `data_parallel_size` is its replica count (vLLM's flag, the deploy config's
+    `num_replicas`); it leaves the engine arguments, since each replica is a whole engine of its own."""
+    parallel = args.get("parallel_config")
+    nested = parallel.pop("data_parallel_size", None) if isinstance(parallel, dict) else None
+    size = args.pop("data_parallel_size", None)
+    size = nested if size is None else size
+    if size is None or size == 1:
+        return deploy_replicas
+    if not isinstance(size, int) or size < 1:
+        raise OmniClientError(f"data_parallel_size must be an integer >= 1, got {size!r}",
+                              param="data_parallel_size")
+    if deploy_replicas not in (1, size):
+        raise OmniClientError(f"stage {stage_id}: data_parallel_size={size} (--data-parallel-size) contradicts "
+                              f"the deploy config's num_replicas={deploy_replicas}", param="data_parallel_size")
+    return size
 
 
 class StageConfigFactory:

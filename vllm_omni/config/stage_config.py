@@ -18,6 +18,11 @@ from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.errors import OmniClientError
 
 
+def device_ids(devices: str) -> list[str]:
+    """`CUDA_VISIBLE_DEVICES`-style "0,1,2" -> ["0", "1", "2"]."""
+    return [d.strip() for d in devices.split(",") if d.strip()]
+
+
 @dataclass(config=FORBID)
 class BaseVllmOmniStageConfig:
     stage_id: int
@@ -48,6 +53,15 @@ class BaseVllmOmniStageConfig:
     @staticmethod
     def check_args(engine_args: dict[str, Any]) -> None:
         """Refuse values this stage's engine cannot honour, at resolution (before any process starts)."""
+
+    def replica_devices(self, replica: int) -> str | None:
+        """Replica `replica`'s share of the stage's devices: the list cut into `num_replicas` equal contiguous
+        parts (checked at resolution), so replicas never share a device; None = what the process sees (CPU)."""
+        if self.devices is None or self.num_replicas == 1:
+            return self.devices
+        ids = device_ids(self.devices)
+        per = len(ids) // self.num_replicas
+        return ",".join(ids[replica * per:(replica + 1) * per])
 
 
 @dataclass(config=FORBID)

@@ -23,14 +23,10 @@ NOT_IMPLEMENTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "ulysses_degree": ("sequence parallelism (Ulysses)", (1,)),
     "ring_degree": ("sequence parallelism (ring attention)", (1,)),
     "cfg_parallel_size": ("CFG parallelism", (1,)),
-    "data_parallel_size": ("data parallelism inside a diffusion stage (use deploy replicas)", (1,)),
 }
 """Knobs the schema reserves for features that are not built yet: feature name and the values that mean "off".
 
 Any other value is refused where the config is resolved, so a knob is never accepted and silently ignored."""
-CLI_REFUSED = frozenset(NOT_IMPLEMENTED) - {"data_parallel_size"}
-"""The ones with a vllm-omni flag, refused by `vllm serve` itself; `--data-parallel-size` is vLLM's flag and
-keeps its meaning for AR stages (diffusion stages refuse it at resolution)."""
 
 
 def refuse_unimplemented(values: dict[str, Any]) -> None:
@@ -82,7 +78,9 @@ class DiffusionParallelConfig:
     cfg_parallel_size: int = 1
     """Not implemented yet (conditional and unconditional branches on different devices): refused unless 1."""
     data_parallel_size: int = 1
-    """Not implemented yet inside a diffusion stage (use deploy-config replicas): refused unless 1."""
+    """Replicas of the diffusion stage, each a full engine (all its ranks) on its own devices; requests go to
+    the least loaded live replica. Resolved into the stage's `num_replicas` (the deploy config's name for it),
+    so an engine itself always has 1."""
 
     def __post_init__(self) -> None:
         refuse_unimplemented(asdict(self))

@@ -142,9 +142,15 @@ class AsyncOmniEngine:
 
     @property
     def restarting_stages(self) -> list[int]:
-        """Stages that lost a worker and are starting new ones (the engine is degraded meanwhile)."""
+        """Stages with no serving replica that are starting new workers: requests to them wait or get 503."""
         return [pool.stage_id for pool in self._runtime.pools
-                if any(c is not None and c.is_restarting for c in pool.clients)]
+                if not pool.is_serving and "restarting" in pool.replica_states()]
+
+    def stage_health(self) -> list[dict[str, Any]]:
+        """Per stage: its replicas' states and how many requests each was given (read by `/health`)."""
+        return [{"stage_id": pool.stage_id, "stage_type": pool.kind.stage_type, "replicas": pool.replica_states(),
+                 "dispatched": [pool.dispatched.get(i, 0) for i in range(len(pool.clients))]}
+                for pool in self._runtime.pools]
 
     @property
     def dead_error(self) -> str | None:

@@ -1,4 +1,8 @@
-"""All replicas of one stage: request dispatch (least in-flight) and control RPC routing."""
+"""All replicas of one stage: request dispatch (least in-flight among the serving ones) and control RPC routing.
+
+A replica that dies or restarts its workers stops getting requests while another one serves; the stage is
+degraded (reported by `/health`), and dead only when none is left.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ class StagePool:
         self._kind = kind
         self._inflight: dict[str, int] = {}
         self._load: dict[int, int] = {}
+        self.dispatched: dict[int, int] = {}
+        """Requests each replica was given since start, by replica id (the stats of load balancing)."""
 
     @property
     def kind(self) -> StageKind:
@@ -40,13 +46,30 @@ class StagePool:
         attached = [c for c in self.clients if c is not None]
         return bool(attached) and all(c.is_dead for c in attached)
 
+    def replica_states(self) -> list[str]:
+        """Per replica: "serving", "restarting", "dead" or "not_attached"."""
+        return [_replica_state(c) for c in self.clients]
+
+    @property
+    def is_degraded(self) -> bool:
+        """Some replica does not serve (dead or restarting)."""
+        return any(state != "serving" for state in self.replica_states())
+
+    @property
+    def is_serving(self) -> bool:
+        """At least one replica takes requests now."""
+        return "serving" in self.replica_states()
+
     def active_replica(self, request_id: str) -> int | None:
         return self._inflight.get(request_id)
 
     async def _pick_replica(self) -> int:
         deadline = asyncio.get_running_loop().time() + self.DISPATCH_WAIT_TIMEOUT_S
         while True:
-            alive = [i for i, c in enumerate(self.clients) if c is not None and not c.is_dead]
+            states = self.replica_states()
+            serving = [i for i, state in enumerate(states) if state == "serving"]
+            # A restarting replica answers for itself (wait or 503) when no other one serves.
+            alive = serving or [i for i, state in enumerate(states) if state == "restarting"]
             if alive:
                 return min(alive, key=lambda i: self._load.get(i, 0))
             if self.is_dead or asyncio.get_running_loop().time() >= deadline:
@@ -57,6 +80,7 @@ class StagePool:
         replica = await self._pick_replica()
         self._inflight[request_id] = replica
         self._load[replica] = self._load.get(replica, 0) + 1
+        self.dispatched[replica] = self.dispatched.get(replica, 0) + 1
         try:
             async for out in self.clients[replica].generate(request_id, prompt, sampling_params):
                 yield out
@@ -100,3 +124,11 @@ class StagePool:
                                  kwargs: dict[str, Any] | None = None) -> list[Any]:
         return list(await asyncio.gather(*(self.collective_rpc(i, method, timeout, args, kwargs)
                                            for i in range(len(self.clients)))))
+
+
+def _replica_state(client: StageClientBase | None) -> str:
+    if client is None:
+        return "not_attached"
+    if client.is_dead:
+        return "dead"
+    return "restarting" if client.is_restarting else "serving"

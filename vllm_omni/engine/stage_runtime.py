@@ -67,7 +67,7 @@ class StageRuntime:
                 for replica in range(stage.num_replicas):
                     client = self.client_factory(stage, replica)
                     start = time.perf_counter()
-                    with _visible_devices(stage.devices):
+                    with _visible_devices(stage.replica_devices(replica)):
                         await client.start()
                     clients.append(client)
                     logger.info("[StageRuntime] %s ready in %.1f s", client.name, time.perf_counter() - start)

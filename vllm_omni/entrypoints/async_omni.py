@@ -65,11 +65,20 @@ class AsyncOmni(OmniBase):
         return EngineDeadError(f"engine is dead: {self.engine.dead_error}")
 
     async def check_health(self) -> None:
-        """Raises while the engine is dead, or degraded (a stage restarting its workers: 503 until back)."""
+        """Raises while the engine is dead, or while a stage has no serving replica because it is restarting
+        its workers (503 until back). A stage with another replica serving is degraded, not unhealthy."""
         if self.engine.is_dead:
             raise self.dead_error
         if restarting := self.engine.restarting_stages:
             raise StageRestartingError(f"degraded: stage(s) {restarting} are restarting their workers")
+
+    def stage_health(self) -> list[dict[str, Any]]:
+        """Per stage: its replicas' states ("serving", "restarting", "dead") and requests given to each."""
+        return self.engine.stage_health()
+
+    def degraded_stages(self) -> list[dict[str, Any]]:
+        """The stages with a replica that does not serve (dead or restarting), as `stage_health` reports them."""
+        return [stage for stage in self.stage_health() if any(r != "serving" for r in stage["replicas"])]
 
     def is_paused(self) -> bool:
         return self._paused

@@ -29,11 +29,11 @@ def _refuse_unimplemented(argv: list[str]) -> None:
 
     A fast path only: `OmniServeCommand.validate` checks the fully parsed flags again (e.g. the
     `--cache-config.key value` form), and a malformed value is left to the serve parser to name."""
-    from vllm_omni.diffusion.data import CLI_REFUSED, NOT_IMPLEMENTED, check_attention_backend, refuse_unimplemented
+    from vllm_omni.diffusion.data import NOT_IMPLEMENTED, check_attention_backend, refuse_unimplemented
 
     early = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     early.add_argument("--diffusion-attention-backend")
-    for name in sorted(CLI_REFUSED):
+    for name in sorted(NOT_IMPLEMENTED):
         off = NOT_IMPLEMENTED[name][1][0]
         early.add_argument("--" + name.replace("_", "-"), type=json.loads if isinstance(off, dict) else type(off))
     try:

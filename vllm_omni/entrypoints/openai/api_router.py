@@ -32,7 +32,8 @@ def _state(request: Request):
 @router.get("/health")
 async def health(raw_request: Request) -> Response:
     """200 while the engine is alive, as vLLM answers; while it sleeps the body says so
-    ({"status": "sleeping", "is_sleeping": true}) and generation requests get 503 until /v1/omni/wakeup."""
+    ({"status": "sleeping", "is_sleeping": true}) and generation requests get 503 until /v1/omni/wakeup; while
+    a stage replica is dead or restarting and another serves, {"status": "degraded", "stages": [...]}."""
     engine = _state(raw_request).engine
     if getattr(engine, "is_dead", False):
         return error_json(str(getattr(engine, "dead_error", "engine is dead")), 503)
@@ -42,6 +43,8 @@ async def health(raw_request: Request) -> Response:
         return error_json(f"engine is unhealthy: {type(exc).__name__}: {exc}", 503)
     if getattr(engine, "is_sleeping", False):
         return JSONResponse({"status": "sleeping", "is_sleeping": True})
+    if degraded := getattr(engine, "degraded_stages", list)():
+        return JSONResponse({"status": "degraded", "stages": degraded})
     return Response(status_code=200)
 
 
@@ -53,7 +56,10 @@ async def is_sleeping(raw_request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(raw_request: Request) -> Response:
-    return _state(raw_request).metrics.render()
+    state = _state(raw_request)
+    if (stage_health := getattr(state.engine, "stage_health", None)) is not None:
+        state.metrics.observe_replicas(stage_health())
+    return state.metrics.render()
 
 
 @router.get("/v1/models")

@@ -39,6 +39,23 @@ class OmniMetrics:
             registry=self.registry,
         )
 
+        self.replica_dispatched = Gauge(
+            "vllm_omni:stage_replica_dispatched_requests", "Requests given to each stage replica since start.",
+            ["model_name", "stage_id", "replica"], registry=self.registry,
+        )
+        self.replica_serving = Gauge(
+            "vllm_omni:stage_replica_serving", "1 while a stage replica takes requests (0: dead or restarting).",
+            ["model_name", "stage_id", "replica"], registry=self.registry,
+        )
+
+    def observe_replicas(self, stages: list[dict]) -> None:
+        """Copies the engine's per-replica state (`stage_health()`) into the gauges, at scrape time."""
+        for stage in stages:
+            for replica, (state, count) in enumerate(zip(stage["replicas"], stage["dispatched"], strict=True)):
+                labels = (self.model_name, str(stage["stage_id"]), str(replica))
+                self.replica_dispatched.labels(*labels).set(count)
+                self.replica_serving.labels(*labels).set(state == "serving")
+
     def observe_stages(self, stage_durations: dict[str, float]) -> None:
         for stage, seconds in stage_durations.items():
             self.stage_latency.labels(self.model_name, stage).observe(seconds)
