@@ -11,6 +11,17 @@ if [ -z "$target" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then target=cuda; else target=cpu; fi
 fi
 
+# The playground's browser test drives Debian's Chromium through its ChromeDriver (system packages).
+if ! { [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; }; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup_env] installing chromium + chromium-driver (apt)"
+    apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null; }
+  else
+    echo "[setup_env] chromium/chromedriver missing: install Debian's chromium and chromium-driver for the browser test"
+  fi
+fi
+
 stamp_src=$(cat "$root"/requirements/*.txt "$root/pyproject.toml" "$root/setup.py" "$root/tools/setup_env.sh" \
   "$root/tools/vllm_requirements.py" "$root/tools/vllm_dist_alias.py" | sha256sum | cut -c1-16)
 stamp="$target-$stamp_src"

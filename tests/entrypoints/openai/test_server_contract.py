@@ -334,3 +334,11 @@ async def test_leaving_early_aborts_in_engine(dit):
     assert "gone-1" in engine.aborted
     assert serving.metrics.running.labels("fake-model")._value.get() == 0
     assert json.loads(json.dumps(engine.aborted))
+
+
+def test_playground_page_is_served_unless_disabled(parser):
+    engine = FakeOmni(stage_types=["diffusion"], output_modalities={"image"})
+    page = make_client(parser, engine).get("/playground")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert 'id="image-send"' in page.text and "/v1/images/generations" in page.text
+    assert make_client(parser, engine, "--disable-playground").get("/playground").status_code == 404

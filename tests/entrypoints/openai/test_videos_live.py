@@ -124,3 +124,30 @@ def test_closing_the_socket_aborts_the_request(server):
     resp = httpx.post(f"{server.url}/v1/videos/sync", timeout=300, json={"prompt": "after", **FAST,
                                                                         "size": "32x32"})
     assert resp.status_code == 200 and decode_mp4(resp.content).shape[0] == 9
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["jobs_api", "websocket"])
+def test_playground_video_form_plays_in_chromium(server, streamed):
+    """The playground's video form (tests/entrypoints/openai/test_playground_browser.py has the others): the
+    jobs API with its progress bar, or the WebSocket's fragments; either way a clip the browser decodes."""
+    from selenium.webdriver.common.by import By
+
+    from tests.entrypoints.openai.browser import chromium, fill, screenshot, wait_for
+
+    with chromium() as driver:
+        driver.get(server.url + "/playground")
+        fill(driver, "video-size", "48x32")
+        fill(driver, "video-frames", "9")
+        fill(driver, "video-steps", "2")
+        if streamed:
+            driver.find_element(By.ID, "video-stream").click()
+        driver.find_element(By.ID, "video-send").click()
+        size = wait_for(driver, "(() => { const v = document.getElementById('video-output');"
+                                " return !v.hidden && v.readyState >= 1 ? [v.videoWidth, v.videoHeight, v.duration]"
+                                " : null; })()")
+        screenshot(driver, f"playground_video_{'websocket' if streamed else 'jobs'}")
+        width, height, duration = size
+        assert (width, height) == (48, 32) and duration > 0
+        assert driver.find_element(By.ID, "video-progress").get_attribute("value") == "100"
+        info = driver.find_element(By.ID, "video-info").text
+        assert ("streamed" in info) if streamed else (info == "completed")

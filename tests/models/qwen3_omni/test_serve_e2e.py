@@ -125,3 +125,41 @@ def test_sleep_and_wake_the_whole_pipeline(server, client):
         assert [a["stage_id"] for a in resp.json()["acks"]] == [0, 1]
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, modalities=["text"])
     assert out.choices[0].message.content is not None
+
+
+@pytest.mark.parametrize("spoken", [False, True], ids=["streamed_text", "spoken_reply"])
+def test_playground_chat_form_in_chromium(server, client, spoken):
+    """The playground's chat form (tests/entrypoints/openai/test_playground_browser.py has the others) shows what
+    the openai client gets for the same request: the streamed text, and a spoken reply as a WAV the browser's
+    audio element decodes to the same duration."""
+    import json
+
+    from selenium.webdriver.common.by import By
+
+    from tests.entrypoints.openai.browser import chromium, fill, screenshot, wait_for
+
+    extra = {"temperature": 0.0, "ignore_eos": True, "sampling_params_list": PARAMS_LIST}
+    modalities = ["text", "audio"] if spoken else ["text"]
+    expected = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": USER_TEXT}], max_tokens=THINKER_TOKENS,
+        modalities=modalities, audio={"format": "wav", "voice": "ethan"} if spoken else None,
+        extra_body={k: v for k, v in extra.items() if k != "temperature"}, temperature=0.0).choices[0].message
+    with chromium() as driver:
+        driver.get(server.url + "/playground")
+        fill(driver, "chat-input", USER_TEXT)
+        fill(driver, "chat-max-tokens", str(THINKER_TOKENS))
+        driver.find_element(By.CSS_SELECTOR, "#chat details summary").click()
+        fill(driver, "chat-extra", json.dumps(extra))
+        if spoken:
+            driver.find_element(By.ID, "chat-audio").click()
+        driver.find_element(By.ID, "chat-send").click()
+        wait_for(driver, "document.getElementById('chat-output').dataset.done === '1'"
+                         " || document.getElementById('chat-output').classList.contains('error')", 300)
+        shown = driver.execute_script("return document.getElementById('chat-output').textContent;")
+        assert shown == expected.content
+        if spoken:
+            duration = wait_for(driver, "(() => { const a = document.getElementById('chat-audio-player');"
+                                        " return a.readyState >= 1 ? a.duration : null; })()", 30)
+            samples, rate = read_wav(base64.b64decode(expected.audio.data))
+            assert abs(duration - len(samples) / rate) < 0.01
+        screenshot(driver, f"playground_chat_{'spoken' if spoken else 'text'}")

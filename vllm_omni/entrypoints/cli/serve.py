@@ -43,6 +43,8 @@ class OmniFrontendArgs:
     """Most output pixels (width x height) per image or video frame."""
     max_input_image_pixels: int = 4096 * 4096
     """Most pixels of an input image, read from its header before it is decoded."""
+    disable_playground: bool = False
+    """Do not serve the browser playground page at /playground."""
 
 
 def add_omni_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -21,6 +21,7 @@ from vllm_omni.entrypoints.openai.batch_serving import OmniOpenAIServingChatBatc
 from vllm_omni.entrypoints.openai.errors import register_exception_handlers
 from vllm_omni.entrypoints.openai.metrics import OmniMetrics
 from vllm_omni.entrypoints.openai.middleware import add_omni_middleware
+from vllm_omni.entrypoints.openai.playground import router as playground_router
 from vllm_omni.entrypoints.openai.serving_base import ServerLimits, maybe_await
 from vllm_omni.entrypoints.openai.serving_chat import OmniOpenAIServingChat
 from vllm_omni.entrypoints.openai.serving_images import OmniOpenAIServingImages
@@ -59,6 +60,8 @@ def build_app(args: argparse.Namespace, engine: Any) -> FastAPI:
     app.root_path = args.root_path
     app.include_router(router)
     app.include_router(video_router)
+    if not args.disable_playground:
+        app.include_router(playground_router)
     register_exception_handlers(app)
     init_entrypoints_middleware(args, app, supported_tasks=())
     add_omni_middleware(app, args)
