@@ -86,6 +86,10 @@ def thinker_to_talker_request(upstream: list[StagePayload], original_prompt: Any
                                    speaker=voice or DEFAULT_SPEAKER)
     except ValueError as e:
         raise OmniClientError(f"talker input: {e}", param="prompt") from e
+    if prompt.multimodal_positions:
+        raise OmniClientError("speech for audio / image / video input is not supported yet (the talker would need "
+                              "the thinker's hidden states); ask for text only (output_modalities=['text'])",
+                              param="output_modalities")
     vllm_prompt, params = talker_request(prompt, context.request_id, config.talker_config,
                                          max_new_tokens=sampling.max_new_tokens, sampling=sampling)
     params.output_kind = RequestOutputKind.FINAL_ONLY  # only the finished frames feed on
