@@ -73,6 +73,9 @@ def test_specs_are_light_and_every_name_resolves():
             "print(len(specs))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(out.stdout) >= 5
+    from vllm_omni.plugins import register_models
+
+    register_models()  # what vLLM runs in every process before it resolves a model class
     for spec in MODEL_REGISTRY.specs():
         targets = [e.target for e in spec.diffusion_pipelines.values()]
         targets += [*spec.ar_models.values(), *spec.stage_input_processors.values(), *spec.output_collectors.values(),
@@ -82,4 +85,6 @@ def test_specs_are_light_and_every_name_resolves():
                 assert callable(import_target(target)), target
     assert MODEL_REGISTRY.ar_models() == {
         "Qwen3OmniMoeTalkerForConditionalGeneration":
-            "vllm_omni.models.qwen3_omni.vllm_talker:Qwen3OmniMoeTalkerForConditionalGeneration"}
+            "vllm_omni.models.qwen3_omni.vllm_talker:Qwen3OmniMoeTalkerForConditionalGeneration",
+        "Qwen3OmniMoeOmniThinkerForConditionalGeneration":
+            "vllm_omni.models.qwen3_omni.vllm_thinker:Qwen3OmniMoeOmniThinkerForConditionalGeneration"}

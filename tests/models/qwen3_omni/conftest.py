@@ -50,3 +50,40 @@ def hf_model(tiny_path):
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     return Qwen3OmniMoeForConditionalGeneration.from_pretrained(tiny_path, dtype=torch.float32).eval()
+
+
+def media_inputs(seed: int = 0):
+    """A 1 s 16 kHz tone with noise, a 64x80 RGB image and 4 64x64 frames: small, deterministic, not constant."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.RandomState(seed)
+    t = np.arange(16000) / 16000
+    audio = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * rng.randn(16000)).astype(np.float32)
+    image = Image.fromarray((rng.rand(64, 80, 3) * 255).astype(np.uint8))
+    video = (rng.rand(4, 64, 64, 3) * 255).astype(np.uint8)
+    return audio, image, video
+
+
+def media_prompt(path: Path, parts: list[str], text: str) -> str:
+    """The chat template over one user turn with media parts (`"audio"`, `"image"`, `"video"`) then text."""
+    from transformers import AutoTokenizer
+
+    content = [{"type": p} for p in parts] + [{"type": "text", "text": text}]
+    messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": content}]
+    return AutoTokenizer.from_pretrained(path).apply_chat_template(messages, add_generation_prompt=True,
+                                                                   tokenize=False)
+
+
+def hf_thinker_tokens(hf_model, path: Path, prompt: str, tokens: int, use_audio_in_video: bool = False,
+                      **media) -> list[int]:
+    """transformers' greedy thinker tokens for a prompt with media, processed by the checkpoint's processor."""
+    from vllm_omni.models.qwen3_omni.processing import qwen3_omni_processor
+
+    processor = qwen3_omni_processor(str(path))
+    inputs = processor(text=prompt, return_tensors="pt", use_audio_in_video=use_audio_in_video, **media)
+    with torch.no_grad():
+        sequences = hf_model.generate(**inputs, thinker_max_new_tokens=tokens, thinker_do_sample=False,
+                                      thinker_eos_token_id=None, return_audio=False,
+                                      use_audio_in_video=use_audio_in_video)
+    return sequences[0, inputs["input_ids"].shape[1]:].tolist()

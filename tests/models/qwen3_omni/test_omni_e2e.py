@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from .conftest import chat_prompt_ids, hf_generate
+from .conftest import chat_prompt_ids, hf_generate, hf_thinker_tokens, media_inputs, media_prompt
 
 pytestmark = pytest.mark.slow
 THINKER_TOKENS = 8
@@ -23,8 +23,10 @@ PROMPTS = ["Hello! How are you today?", "Describe the image in detail, then answ
 def omni():
     from vllm_omni import Omni
 
+    # skip_mm_profiling: the thinker's dummy multimodal profile (300 s of audio, a max-size video) costs ~20 s of
+    # CPU at start-up and sizes nothing on CPU.
     engine = Omni("tiny/qwen3-omni", dtype="float32", gpu_memory_utilization=0.15, max_model_len=512,
-                  enforce_eager=True, seed=0)
+                  enforce_eager=True, seed=0, skip_mm_profiling=True)
     yield engine
     engine.close()
 
@@ -111,3 +113,27 @@ def test_talker_samples_when_asked_and_seeds_reproduce(omni, tiny_path, talker_f
     assert {len(frame) for frame in sampled[0]} == {len(greedy[0])}  # every frame has all its codebooks
     # No talker params: the stage default, transformers' sampling (temperature 0.9, top-k 50, penalty 1.05).
     assert omni.default_sampling_params_list[1].temperature == 0.9
+
+
+@pytest.mark.parametrize("use_audio_in_video", [False, True], ids=["audio+image", "video+audio_in_video"])
+def test_media_input_thinker_tokens_equal_transformers(omni, hf_model, tiny_path, use_audio_in_video):
+    """Audio + image, and video with its audio track (`use_audio_in_video`), through vLLM's thinker and its
+    multimodal processor (torchvision-free here): greedy text tokens equal transformers' `generate`."""
+    from vllm import SamplingParams
+
+    audio, image, video = media_inputs()
+    if use_audio_in_video:
+        prompt = media_prompt(tiny_path, ["video"], "What happens?")
+        media = {"video": video, "audio": (audio, 16000)}
+        reference = {"videos": [video], "audio": [audio]}
+    else:
+        prompt = media_prompt(tiny_path, ["audio", "image"], "What is this?")
+        media = {"audio": (audio, 16000), "image": image}
+        reference = {"audio": [audio], "images": [image]}
+    request = {"prompt": prompt, "multi_modal_data": media,
+               "mm_processor_kwargs": {"use_audio_in_video": use_audio_in_video}}
+    params = [SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS, ignore_eos=True), None, None]
+    (out,) = omni.generate([request], params, use_tqdm=False, output_modalities=["text"])
+    assert out.stage_id == 0 and out.finished
+    assert out.token_ids == hf_thinker_tokens(hf_model, tiny_path, prompt, THINKER_TOKENS,
+                                              use_audio_in_video=use_audio_in_video, **reference)

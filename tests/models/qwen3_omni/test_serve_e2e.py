@@ -3,6 +3,8 @@ process) through the official openai client. Pins: chat with modalities ["text",
 text and a base64 WAV equal to transformers' greedy `generate(return_audio=True)` (same text, same samples up to
 16-bit quantization), streamed text equals the plain answer and the audio arrives at the end of
 the stream, a text-only chat never runs the talker or the vocoder, and `audio.speech.create` returns a WAV.
+Media content parts (`input_audio` WAV + `image_url`) reach vLLM's thinker: the text equals transformers' on the
+same decoded inputs; bad or oversized media is a 400 naming the field, with a request in flight untouched.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 
 from tests.entrypoints.openai.live_server import LiveServer
 
-from .conftest import chat_prompt_ids, hf_generate
+from .conftest import chat_prompt_ids, hf_generate, hf_thinker_tokens, media_inputs, media_prompt
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny/qwen3-omni"
@@ -32,7 +34,8 @@ PARAMS_LIST = [{"temperature": 0.0, "max_tokens": THINKER_TOKENS, "ignore_eos": 
 @pytest.fixture(scope="module")
 def server():
     srv = LiveServer(MODEL, "--gpu-memory-utilization", "0.15", "--max-model-len", "256", "--enforce-eager",
-                     "--dtype", "float32")
+                     "--dtype", "float32", "--max-input-audio-seconds", "5", "--max-input-video-frames", "2",
+                     "--skip-mm-profiling")  # the thinker's dummy multimodal profile: ~20 s of CPU, sizes nothing
     yield srv
     assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
 
@@ -163,3 +166,95 @@ def test_playground_chat_form_in_chromium(server, client, spoken):
             samples, rate = read_wav(base64.b64decode(expected.audio.data))
             assert abs(duration - len(samples) / rate) < 0.01
         screenshot(driver, f"playground_chat_{'spoken' if spoken else 'text'}")
+
+
+def wav_part(audio: np.ndarray) -> dict:
+    from vllm_omni.entrypoints.openai.media import encode_wav
+
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(encode_wav(audio, 16000)).decode(),
+                                                   "format": "wav"}}
+
+
+def image_part(image) -> dict:
+    from vllm_omni.entrypoints.openai.media import image_data_url
+
+    return {"type": "image_url", "image_url": {"url": image_data_url(image)}}
+
+
+def media_messages(*parts: dict, text: str = "What is this?") -> list[dict]:
+    return [MESSAGES[0], {"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+def test_chat_with_audio_and_image_equals_transformers(client, hf_model, tiny_path):
+    """input_audio (WAV) + image_url through vLLM's parser and media connector to vLLM's thinker: the text equals
+    transformers' greedy thinker on the WAV's 16-bit samples and the same image."""
+    from transformers import AutoTokenizer
+
+    audio, image, _ = media_inputs()
+    out = client.chat.completions.create(model=MODEL, messages=media_messages(wav_part(audio), image_part(image)),
+                                         modalities=["text"], extra_body={"sampling_params_list": PARAMS_LIST})
+    decoded = (np.clip(audio, -1, 1) * 32767).astype("<i2").astype(np.float32) / 32768  # what the WAV holds
+    prompt = media_prompt(tiny_path, ["audio", "image"], "What is this?")
+    tokens = hf_thinker_tokens(hf_model, tiny_path, prompt, THINKER_TOKENS, audio=[decoded], images=[image])
+    text = AutoTokenizer.from_pretrained(tiny_path).decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
+    assert out.choices[0].message.content == text and out.choices[0].message.audio is None
+
+
+def _bad_media_cases() -> list[tuple[str, list[dict], dict, str]]:
+    audio, image, _ = media_inputs()
+    flac = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "flac"}}
+    not_wav = {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"not a wav").decode(), "format": "wav"}}
+    not_png = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    garbage = base64.b64encode(b"x" * 64).decode()
+    not_mp4 = {"type": "video_url", "video_url": {"url": f"data:video/mp4;base64,{garbage}"}}
+    long_audio = wav_part(np.zeros(16000 * 6, dtype=np.float32))
+    return [
+        ("format", media_messages(flac), {}, "messages[1].content[0].input_audio.format"),
+        ("undecodable-audio", media_messages(not_wav), {}, "messages"),
+        ("undecodable-image", media_messages(not_png), {}, "messages[1].content[0].image_url"),
+        ("undecodable-video", media_messages(not_mp4), {}, "messages"),
+        ("audio-too-long", media_messages(long_audio), {}, "messages"),
+        ("local-file", media_messages({"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}), {},
+         "messages"),  # no --allowed-local-media-path: vLLM refuses local files
+        ("unknown-part", media_messages({"type": "file", "file": {}}), {}, "messages[1].content[0]"),
+        ("speech-for-media", media_messages(image_part(image)), {"modalities": ["text", "audio"]}, "modalities"),
+    ]
+
+
+def _open_fds(pid: int) -> set[str]:
+    import contextlib
+    import os
+
+    fds = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            fds.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return {target for target in fds if target.startswith(("/tmp", "/dev/shm"))}
+
+
+def test_bad_media_is_400_naming_the_field_and_spares_requests_in_flight(server, client, reference):
+    """Each bad media request answers 400 with `param`, while a streamed text request in flight finishes with its
+    normal answer; the server holds no more temp / shm files afterwards than before."""
+    import threading
+
+    import httpx
+
+    before = _open_fds(server.proc.pid)
+    streamed: list[str] = []
+
+    def stream_in_flight() -> None:
+        params = [{**PARAMS_LIST[0], "max_tokens": 64}, *PARAMS_LIST[1:]]
+        chunks = client.chat.completions.create(model=MODEL, messages=MESSAGES, modalities=["text"], stream=True,
+                                                extra_body={"sampling_params_list": params})
+        streamed.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+
+    thread = threading.Thread(target=stream_in_flight)
+    thread.start()
+    for name, messages, extra, param in _bad_media_cases():
+        resp = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                          json={"model": MODEL, "messages": messages, **extra})
+        assert resp.status_code == 400, (name, resp.text)
+        assert resp.json()["error"]["param"] == param, (name, resp.text)
+    thread.join(timeout=300)
+    assert streamed and streamed[0].startswith(reference[0])
+    assert _open_fds(server.proc.pid) <= before

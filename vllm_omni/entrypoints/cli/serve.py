@@ -42,7 +42,14 @@ class OmniFrontendArgs:
     max_output_pixels: int = DiffusionLimits.max_output_pixels
     """Most output pixels (width x height) per image or video frame."""
     max_input_image_pixels: int = 4096 * 4096
-    """Most pixels of an input image, read from its header before it is decoded."""
+    """Most pixels of an input image, read from its header before it is decoded; also bounds each frame of an
+    input video."""
+    max_input_audio_seconds: float = 600.0
+    """Longest input audio (chat `input_audio` / `audio_url` parts, a video's audio track) in seconds, after
+    decoding; vLLM's VLLM_MAX_AUDIO_DECODE_DURATION_S bounds the decoding itself."""
+    max_input_video_frames: int = 256
+    """Most frames of one input video after vLLM's loader sampled them (`--media-io-kwargs
+    '{"video": {"num_frames": N}}'` sets how many it samples)."""
     disable_playground: bool = False
     """Do not serve the browser playground page at /playground."""
 
@@ -88,7 +95,7 @@ class OmniServeCommand(CLISubcommand):
         if args.max_request_outputs < 1:
             raise SystemExit("--max-request-outputs must be >= 1")
         for flag in ("max_request_body_mb", "max_inference_steps", "max_num_frames", "max_output_pixels",
-                     "max_input_image_pixels"):
+                     "max_input_image_pixels", "max_input_audio_seconds", "max_input_video_frames"):
             if getattr(args, flag) <= 0:
                 raise SystemExit(f"--{flag.replace('_', '-')} must be > 0")
         try:  # here, before any engine or worker starts

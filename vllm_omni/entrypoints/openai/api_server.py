@@ -82,6 +82,8 @@ def init_app_state(app: FastAPI, args: argparse.Namespace, engine: Any) -> None:
     limits = ServerLimits(max_upload_bytes=int(args.max_upload_mb * 2**20),
                           max_request_outputs=args.max_request_outputs,
                           max_input_image_pixels=args.max_input_image_pixels,
+                          max_input_audio_seconds=args.max_input_audio_seconds,
+                          max_input_video_frames=args.max_input_video_frames,
                           diffusion=DiffusionLimits(max_inference_steps=args.max_inference_steps,
                                                     max_num_frames=args.max_num_frames,
                                                     max_output_pixels=args.max_output_pixels))

@@ -31,7 +31,12 @@ class ServerLimits:
     max_upload_bytes: int = 20 * 2**20
     max_request_outputs: int = 8
     max_input_image_pixels: int = 4096 * 4096
-    """Decoded size of an input image, read from its header before decoding (--max-input-image-pixels)."""
+    """Decoded size of an input image (or video frame), read from its header before decoding where it can be
+    (--max-input-image-pixels)."""
+    max_input_audio_seconds: float = 600.0
+    """Length of one decoded input audio (--max-input-audio-seconds)."""
+    max_input_video_frames: int = 256
+    """Frames of one decoded input video (--max-input-video-frames)."""
     diffusion: DiffusionLimits = field(default_factory=DiffusionLimits)
 
 

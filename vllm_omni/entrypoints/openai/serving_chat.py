@@ -35,6 +35,12 @@ from vllm.utils.async_utils import make_async
 
 from openai.types.chat.chat_completion_audio import ChatCompletionAudio
 from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.entrypoints.openai.chat_media import (
+    MediaLimits,
+    check_media_parts,
+    media_modalities,
+    parse_media_messages,
+)
 from vllm_omni.entrypoints.openai.errors import exception_to_response
 from vllm_omni.entrypoints.openai.media import audio_to_pcm16, decode_image_url, encode_wav, image_data_url
 from vllm_omni.entrypoints.openai.protocol.chat import (
@@ -129,6 +135,9 @@ class OmniOpenAIServingChat(OmniServingBase):
         modalities = self.resolve_modalities(request)
         request, parser = await self.prepare_tools(request, modalities)
         prompt, num_prompt_tokens = await self.build_prompt(request)
+        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            modalities = media_modalities(request.modalities, modalities)
+            request.modalities = sorted(modalities)
         params = self.build_chat_sampling_params(request)
         base_id = self.base_request_id(raw_request)
         request_id = f"chatcmpl-{base_id}"
@@ -228,13 +237,34 @@ class OmniOpenAIServingChat(OmniServingBase):
 
     async def build_prompt(self, request: OmniChatCompletionRequest) -> tuple[Any, int]:
         if self.starts_with_ar:
-            prompt, num_tokens = await self.templated_prompt(request)
+            conversation, mm_data = await self.media_conversation(request)
+            prompt, num_tokens = await self.templated_prompt(request, conversation)
+            fields: dict[str, Any] = {}
+            if mm_data:
+                fields["multi_modal_data"] = mm_data
+                if request.mm_processor_kwargs:
+                    fields["mm_processor_kwargs"] = request.mm_processor_kwargs
             voice = (request.audio or {}).get("voice")  # the speaker of an audio stage downstream
-            return ({"prompt": prompt, "voice": voice} if voice else prompt), num_tokens
+            if voice:
+                fields["voice"] = voice
+            return ({"prompt": prompt, **fields} if fields else prompt), num_tokens
         return await self.diffusion_prompt(request), 0
 
-    async def templated_prompt(self, request: OmniChatCompletionRequest) -> tuple[str, int]:
-        messages = [self.template_message(m, i) for i, m in enumerate(request.messages)]
+    async def media_conversation(self, request: OmniChatCompletionRequest
+                                 ) -> tuple[list[dict[str, Any]] | None, dict[str, Any] | None]:
+        """(conversation, multi_modal_data) parsed by vLLM when the messages carry media parts; (None, None)
+        for text-only messages or a text-only model, which keep our own template messages (tool calls
+        included; media parts there are refused by `text_only`)."""
+        accepted = frozenset(self.capabilities.input_modalities - {"text"})
+        limits = MediaLimits.from_server(self.limits)
+        if not accepted or not check_media_parts(request.messages, accepted, self.model_name, limits):
+            return None, None
+        return await parse_media_messages(request.messages, self.engine.model_config, request.mm_processor_kwargs,
+                                          limits)
+
+    async def templated_prompt(self, request: OmniChatCompletionRequest,
+                               conversation: list[dict[str, Any]] | None = None) -> tuple[str, int]:
+        messages = conversation or [self.template_message(m, i) for i, m in enumerate(request.messages)]
         request_template = request.chat_template or (request.chat_template_kwargs or {}).get("chat_template")
         if request_template is not None and not self.trust_request_chat_template:
             raise OmniClientError("a request chat_template is refused unless the server runs with "

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from vllm_omni.models.qwen3_omni.talker import TalkerSamplingParams
 
 DEFAULT_SPEAKER = "ethan"
+THINKER_ARCHITECTURE = "Qwen3OmniMoeOmniThinkerForConditionalGeneration"
+"""vllm_thinker.py's name for vLLM's thinker (kept here so the topology imports no vLLM model code)."""
 TALKER_DEFAULT_SAMPLING = {"max_tokens": 4096, "temperature": 0.9, "top_k": 50, "top_p": 1.0,
                            "repetition_penalty": 1.05}
 """The talker's decoding when a request names none: transformers' `Qwen3OmniMoeForConditionalGeneration.generate`
@@ -40,9 +42,9 @@ def qwen3_omni_pipeline() -> PipelineConfig:
 
     ar, generation = StageExecutionType.AR, StageExecutionType.GENERATION
     return PipelineConfig(name="qwen3_omni", stages=[
-        # The talker takes text prompts only so far, so the thinker's multimodal inputs are off.
+        # vLLM's thinker with a processor that also works without torchvision (vllm_thinker.py).
         PipelineStageConfig(stage_id=0, execution_type=ar, final_output=True, final_output_type="text",
-                            engine_args={"limit_mm_per_prompt": {"image": 0, "video": 0, "audio": 0}}),
+                            engine_args={"hf_overrides": {"architectures": [THINKER_ARCHITECTURE]}}),
         PipelineStageConfig(stage_id=1, execution_type=ar, inputs=[0], input_processor="qwen3_omni_thinker_to_talker",
                             output_collector="qwen3_omni_talker_frames", engine_args=talker_engine_kwargs(),
                             default_sampling_params=TALKER_DEFAULT_SAMPLING),
@@ -84,6 +86,10 @@ def thinker_to_talker_request(upstream: list[StagePayload], original_prompt: Any
                                    speaker=voice or DEFAULT_SPEAKER)
     except ValueError as e:
         raise OmniClientError(f"talker input: {e}", param="prompt") from e
+    if prompt.multimodal_positions:
+        raise OmniClientError("speech for audio / image / video input is not supported yet (the talker would need "
+                              "the thinker's hidden states); ask for text only (output_modalities=['text'])",
+                              param="output_modalities")
     vllm_prompt, params = talker_request(prompt, context.request_id, config.talker_config,
                                          max_new_tokens=sampling.max_new_tokens, sampling=sampling)
     params.output_kind = RequestOutputKind.FINAL_ONLY  # only the finished frames feed on

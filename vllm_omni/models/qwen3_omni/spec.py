@@ -4,13 +4,17 @@ from vllm_omni.models.spec import ModelSpec
 
 SPEC = ModelSpec(
     family="qwen3_omni",
-    description="Qwen/Qwen3-Omni-30B-A3B-Instruct: text in, text + speech out",
-    architectures=("Qwen3OmniMoeForConditionalGeneration", "qwen3_omni_moe"),
+    description="Qwen/Qwen3-Omni-30B-A3B-Instruct: text, audio, image and video in; text + speech out",
+    # The thinker stage runs under our architecture name (vllm_thinker.py); it is still this family.
+    architectures=("Qwen3OmniMoeForConditionalGeneration", "qwen3_omni_moe",
+                   "Qwen3OmniMoeOmniThinkerForConditionalGeneration"),
     topology="vllm_omni.models.qwen3_omni.pipeline:qwen3_omni_pipeline",
-    input_modalities=frozenset({"text"}),
+    input_modalities=frozenset({"text", "audio", "image", "video"}),
     output_modalities=frozenset({"text", "audio"}),
     ar_models={"Qwen3OmniMoeTalkerForConditionalGeneration":
-               "vllm_omni.models.qwen3_omni.vllm_talker:Qwen3OmniMoeTalkerForConditionalGeneration"},
+               "vllm_omni.models.qwen3_omni.vllm_talker:Qwen3OmniMoeTalkerForConditionalGeneration",
+               "Qwen3OmniMoeOmniThinkerForConditionalGeneration":
+               "vllm_omni.models.qwen3_omni.vllm_thinker:Qwen3OmniMoeOmniThinkerForConditionalGeneration"},
     stage_input_processors={
         "qwen3_omni_thinker_to_talker": "vllm_omni.models.qwen3_omni.pipeline:thinker_to_talker_request",
         "qwen3_omni_talker_to_code2wav": "vllm_omni.models.qwen3_omni.pipeline:talker_to_code2wav_chunks",
