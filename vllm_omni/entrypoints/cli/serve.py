@@ -9,7 +9,7 @@ from vllm.entrypoints.cli.types import CLISubcommand
 from vllm.entrypoints.launchers.cli_args import FrontendArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from vllm_omni.diffusion.data import CLI_REFUSED, refuse_unimplemented
+from vllm_omni.diffusion.data import CLI_REFUSED, check_cache_args, refuse_unimplemented
 from vllm_omni.engine.arg_utils import OmniEngineArgs, add_dataclass_args, attr_help
 from vllm_omni.entrypoints.cli.main import SERVE_HELP
 from vllm_omni.errors import OmniClientError
@@ -91,6 +91,7 @@ class OmniServeCommand(CLISubcommand):
                 raise SystemExit(f"--{flag.replace('_', '-')} must be > 0")
         try:  # here, before any engine or worker starts
             refuse_unimplemented({name: getattr(args, name) for name in CLI_REFUSED})
+            check_cache_args({k: getattr(args, k) for k in ("cache_backend", "cache_config", "step_execution")})
         except OmniClientError as exc:
             raise SystemExit(f"vllm-omni serve: {exc.message}") from None
 
