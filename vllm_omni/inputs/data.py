@@ -18,7 +18,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from vllm_omni.diffusion.cache.policy import check_cache_config
+from vllm_omni.diffusion.cache.policy import check_request_cache_config
 from vllm_omni.errors import OmniClientError
 
 Quality = Literal["lossless", "high", "fast"]
@@ -92,7 +92,7 @@ class OmniDiffusionSamplingParams:
         for f in fields(self):
             _check_value(f.name, getattr(self, f.name), f.metadata)
         if self.cache_config is not None:
-            check_cache_config(self.cache_config)
+            check_request_cache_config(self.cache_config, self.quality, self.num_inference_steps)
 
     def check_limits(self, limits: DiffusionLimits, prefix: str = "") -> None:
         """The server's maxima; `prefix` locates the params in the request (e.g. `sampling_params_list[0].`)."""

@@ -166,13 +166,24 @@ def check_cache_config(config: Any, backend: str | None = None) -> None:
         _check_setting(key, value, allowed[key])
 
 
+def check_request_cache_config(config: Any, quality: str | None, num_steps: int | None) -> None:
+    """What a request's cache_config can be checked for before it reaches a worker."""
+    check_cache_config(config)
+    _check_refresh_policy(config)
+    if quality == "lossless" and config:
+        raise OmniClientError("cache_config cannot be combined with quality='lossless': it caches nothing (force "
+                              "refresh hints require an active cache backend)", param="cache_config")
+    if num_steps is not None:
+        check_refresh_hint(CachePolicy("request", settings=tuple(config.items())), num_steps)
+
+
 def _check_setting(key: str, value: Any, kind: type) -> None:
     param = f"cache_config.{key}"
     if kind is int:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise OmniClientError(f"{param} must be a non-negative integer, got {value!r}", param=param)
-        if key in ("interval", "force_refresh_step_hint", "taylorseer_order") and value < 1:
-            raise OmniClientError(f"{param} must be a positive integer, got {value!r}", param=param)
+        low = 1 if key in ("interval", "force_refresh_step_hint", "taylorseer_order") else 0
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise OmniClientError(f"{param} must be a {'positive' if low else 'non-negative'} integer, got {value!r}",
+                                  param=param)
     elif kind is float:
         if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
             raise OmniClientError(f"{param} must be a finite number >= 0, got {value!r}", param=param)
@@ -197,9 +208,6 @@ def resolve_policy(defaults: CacheDefaults, family: str | None, quality: str | N
                    override: dict[str, Any] | None) -> CachePolicy:
     """The policy of one request (see the module docstring); `family` None = a pipeline with no cache hooks."""
     if quality == "lossless":
-        if override:
-            raise OmniClientError("cache_config cannot be combined with quality='lossless' (it caches nothing)",
-                                  param="cache_config")
         return LOSSLESS
     if quality is None and not override and defaults.backend == "none":
         return LOSSLESS
