@@ -157,7 +157,7 @@ class NativeDiffusionPipeline(nn.Module):
                              outputs_per_request=requests[0].sampling_params.num_outputs_per_prompt,
                              durations=durations)
         self.prepare_step_tables(state)
-        state.cache = cache_state_for(self.cache_policy(requests[0]), self.cache_transformer, len(state.timesteps))
+        state.cache = cache_state_for(self.cache_policy(requests[0]), self.cache_transformers, len(state.timesteps))
         return state
 
     def denoise(self, state: DenoiseState, ctx: StepContext) -> None:
@@ -206,6 +206,12 @@ class NativeDiffusionPipeline(nn.Module):
     def cache_transformer(self) -> nn.Module | None:
         """The DiT whose class picks the cache presets (docs/cache.md); None = no cache hooks."""
         return getattr(self, "transformer", None)
+
+    @property
+    def cache_transformers(self) -> dict[str, nn.Module]:
+        """Every DiT a step may run, by the slot name `predict_noise` gives `call_transformer`."""
+        return {name: getattr(self, name) for name in ("transformer", "transformer_2")
+                if getattr(self, name, None) is not None}
 
     def cache_policy(self, request: OmniDiffusionRequest):
         """The request's cache policy on this stage (OmniClientError naming the field when it has none)."""

@@ -3,7 +3,8 @@
 Pins: `quality="lossless"` on a server running a cache backend is bitwise the output of a server without one,
 for Qwen-Image, FLUX and Wan; `high` / `fast` reuse exactly the steps their fixed schedules say and change the
 output; a step wave (step mode, max_num_seqs=3) holding a lossless, a high, a fast and an adaptive request
-gives each exactly (bitwise) what it gets alone; every output says what ran.
+gives each exactly (bitwise) what it gets alone; every output says what ran; `--cache-backend cache_dit` runs
+cache-dit's DBCache over our blocks in request mode, and its lossless requests stay bitwise uncached.
 """
 
 from __future__ import annotations
@@ -140,3 +141,20 @@ def test_adaptive_requests_batched_in_request_mode_get_their_solo_output(pipes):
     outputs = cached.forward(DiffusionRequestBatch(requests))
     for request, out in zip(requests, outputs, strict=True):
         np.testing.assert_array_equal(pixels(out), pixels(run(cached, request)))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_cache_dit_request_mode(pipes, name):
+    """cache-dit's DBCache over our blocks: high reuses steps, and lossless on the same (hooked) server is still
+    bitwise the uncached output."""
+    plain, _ = pipes[name]
+    dit = load(name, cache_backend="cache_dit")
+    reference = pixels(run(plain, make(name)))
+    high = run(dit, make(name, quality="high"))
+    info = high.extra["cache"]
+    assert (info["backend"], info["quality"]) == ("cache_dit", "high")
+    assert info["reused_steps"] >= 1 and info["reused_block_steps"] >= 1
+    assert not np.array_equal(pixels(high), reference)
+    np.testing.assert_array_equal(pixels(run(dit, make(name, quality="lossless"))), reference)
+    if name == "qwen-image":  # a fresh context per request: the same output again after another request
+        np.testing.assert_array_equal(pixels(run(dit, make(name, quality="high"))), pixels(high))

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from vllm_omni.diffusion.cache import cachedit
 from vllm_omni.diffusion.cache.policy import (
     FAMILY_PRESETS,
     WAN_14B_COEFFICIENTS,
@@ -16,7 +17,7 @@ from vllm_omni.diffusion.cache.policy import (
     check_refresh_hint,
     resolve_policy,
 )
-from vllm_omni.diffusion.cache.state import BlockCache, CacheState
+from vllm_omni.diffusion.cache.state import CacheState
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.data import OmniDiffusionConfig
@@ -38,9 +39,14 @@ def cache_group(policy: CachePolicy, request: Any) -> Hashable:
     return ("alone", id(request)) if policy.adaptive else policy
 
 
-def cache_state_for(policy: CachePolicy, transformer: nn.Module | None, num_steps: int) -> CacheState:
+def cache_state_for(policy: CachePolicy, transformers: dict[str, nn.Module], num_steps: int) -> CacheState:
+    """A request group's cache state; a cache-dit group gets fresh cache-dit contexts with its config."""
     check_refresh_hint(policy, num_steps)
-    return CacheState.create(policy, num_steps, type(transformer).__name__, _coefficients(transformer))
+    transformer = transformers.get("transformer")
+    state = CacheState.create(policy, num_steps, type(transformer).__name__, _coefficients(transformer))
+    if policy.backend == "cache_dit":
+        state.backend_state = cachedit.refresh(transformers, policy, num_steps)
+    return state
 
 
 def _coefficients(transformer: nn.Module | None) -> tuple[float, ...] | None:
@@ -52,12 +58,20 @@ def _coefficients(transformer: nn.Module | None) -> tuple[float, ...] | None:
     return FAMILY_PRESETS[family].coefficients
 
 
-def call_transformer(model: nn.Module, cache: BlockCache | None, *args: Any, **kwargs: Any) -> Any:
-    """`model(*args, **kwargs)`, with `cache=` when a step is cached.
+def call_transformer(model: nn.Module, cache: CacheState, step: int, slot: str, *args: Any, **kwargs: Any) -> Any:
+    """One transformer forward of `cache`'s group at `step` (`slot`: which of the pipeline's transformers).
 
-    A cached forward branches on its data and keeps residuals, so it calls the module's own `forward`, not a
-    CUDA graph runner that may have replaced `model.forward` (compiled blocks still apply); uncached steps
-    take exactly the path they take without a cache backend."""
-    if cache is None:
+    A TeaCache step branches on its data and keeps residuals, so it calls the module's own `forward`, not a
+    CUDA graph runner that may have replaced `model.forward` (compiled blocks still apply). A cache-dit group
+    calls cache-dit's patched forward; a group that caches nothing takes exactly the uncached path (the class
+    forward when cache-dit's hooks are on the module)."""
+    backend = cache.policy.backend
+    if backend == "tea_cache":
+        return type(model).forward(model, *args, cache=cache.step(step, slot), **kwargs)
+    if backend == "cache_dit":
+        forwards = cache.backend_state.forwards
+        forwards[slot] = forwards.get(slot, 0) + 1
         return model(*args, **kwargs)
-    return type(model).forward(model, *args, cache=cache, **kwargs)
+    if cachedit.is_enabled(model):
+        return type(model).forward(model, *args, **kwargs)
+    return model(*args, **kwargs)

@@ -100,6 +100,9 @@ class CacheState:
 
     def summary(self) -> dict[str, Any]:
         """What ran, for the request's output metadata."""
+        if self.backend_state is not None:  # a backend that counts itself (cache-dit)
+            (self.computed_steps, self.reused_steps, self.computed_block_steps,
+             self.reused_block_steps) = self.backend_state.counts(self.policy)
         return {"quality": self.policy.quality, "backend": self.policy.backend, "custom": self.policy.custom,
                 "config": self.policy.config, "computed_steps": self.computed_steps,
                 "reused_steps": self.reused_steps, "computed_block_steps": self.computed_block_steps,

@@ -213,7 +213,7 @@ class FluxPipeline(NativeDiffusionPipeline):
         cond, latents, i = state.conditioning, state.latents, state.step_index
         has_cfg = len(cond.neg_rows) > 0
         model_in = torch.cat([latents, latents.index_select(0, cond.neg_rows)]) if has_cfg else latents
-        pred = call_transformer(self.transformer, state.cache.step(i), model_in, cond.embeds, cond.pooled,
+        pred = call_transformer(self.transformer, state.cache, i, "transformer", model_in, cond.embeds, cond.pooled,
                                 cond.step_timesteps[i], guidance=cond.guidance, rotary_emb=cond.rotary_emb,
                                 modulation=self.transformer.step_slice(cond.modulation, i))
         if not has_cfg:

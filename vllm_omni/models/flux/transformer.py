@@ -22,6 +22,7 @@ from vllm.model_executor.layers.linear import (
 
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
+from vllm_omni.diffusion.cache.cachedit import IndexedBlock, JoinedBlock
 from vllm_omni.diffusion.cache.state import BlockCache
 from vllm_omni.diffusion.layers.embeddings import MLPEmbedder, timestep_sinusoid
 from vllm_omni.diffusion.layers.gelu_linear import linear_gelu_tanh
@@ -244,6 +245,11 @@ class FluxTransformer2DModel(nn.Module):
 
         def blocks() -> torch.Tensor:
             img, txt = x, ctx
+            if "cache_dit_double" in self._modules:  # the cache-dit backend: inside its forward, its cached blocks
+                for blocks, table in ((self.cache_dit_double, double), (self.cache_dit_single, single)):
+                    for block in blocks:
+                        img, txt = block(img, txt, table, rope)
+                return img
             for block, block_modulation in zip(self.transformer_blocks, double, strict=True):
                 img, txt = block(img, txt, block_modulation, rope)
             joined = torch.cat([txt, img], dim=1)
@@ -259,6 +265,14 @@ class FluxTransformer2DModel(nn.Module):
             out = cache.run(x, blocks, lambda: layer_norm_modulate(x, shift0, scale0), num_blocks)
         scale, shift = final.chunk(2, dim=1)
         return self.proj_out(layer_norm_modulate(out, shift, scale))
+
+    def cache_dit_block_lists(self) -> dict[str, tuple[nn.ModuleList, int]]:
+        """What the cache-dit backend caches: {attribute: (blocks, cache-dit forward pattern)}."""
+        double = self._modules.get("cache_dit_double") or nn.ModuleList(
+            IndexedBlock(block, i) for i, block in enumerate(self.transformer_blocks))
+        single = self._modules.get("cache_dit_single") or nn.ModuleList(
+            JoinedBlock(block, i) for i, block in enumerate(self.single_transformer_blocks))
+        return {"cache_dit_double": (double, 0), "cache_dit_single": (single, 0)}
 
     def temb(self, timestep: torch.Tensor, guidance: torch.Tensor | None, pooled: torch.Tensor,
              dtype: torch.dtype) -> torch.Tensor:

@@ -195,7 +195,7 @@ class QwenImagePipeline(NativeDiffusionPipeline):
             image = torch.cat([cond.image_latents, cond.image_latents]) if cond.do_cfg else cond.image_latents
             x = torch.cat([x, image], dim=1)
         timestep = state.timesteps[i].expand(x.shape[0]).to(latents.dtype) / 1000
-        pred = call_transformer(self.transformer, state.cache.step(i), x, cond.prompt.embeds, None, timestep,
+        pred = call_transformer(self.transformer, state.cache, i, "transformer", x, cond.prompt.embeds, None, timestep,
                                 cond.geometry.img_shapes, cond.modulation[:, :, i : i + 1],
                                 cond.prompt.lengths)[:, :img_len]
         return _true_cfg(pred[:rows], pred[rows:], cond.cfg_scale) if cond.do_cfg else pred

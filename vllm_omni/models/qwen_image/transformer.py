@@ -25,6 +25,7 @@ from vllm.model_executor.layers.linear import (
 
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
+from vllm_omni.diffusion.cache.cachedit import IndexedBlock
 from vllm_omni.diffusion.cache.state import BlockCache
 from vllm_omni.diffusion.layers.gelu_linear import linear_gelu_tanh
 from vllm_omni.diffusion.layers.qk_norm_rope import qk_norm_rope
@@ -365,6 +366,11 @@ class QwenImageTransformer2DModel(nn.Module):
             txt_lengths = None
         def blocks() -> torch.Tensor:
             out, stream = img, txt
+            wrapped = self._modules.get("cache_dit_blocks")
+            if wrapped is not None:  # the cache-dit backend: inside its forward these are its cached blocks
+                for block in wrapped:
+                    out, stream = block(out, stream, modulation, txt_lengths, rope)
+                return out
             for block, block_modulation in zip(self.transformer_blocks, modulation, strict=True):
                 out, stream = block(out, stream, block_modulation, txt_lengths, rope)
             return out
@@ -380,6 +386,12 @@ class QwenImageTransformer2DModel(nn.Module):
         """Block 0's modulated image input: what TeaCache compares between steps."""
         shift, scale = img_modulation[:, None, :].chunk(6, dim=-1)[:2]
         return _layer_norm(img) * (1 + scale) + shift
+
+    def cache_dit_block_lists(self) -> dict[str, tuple[nn.ModuleList, int]]:
+        """What the cache-dit backend caches: {attribute: (blocks, cache-dit forward pattern)}."""
+        blocks = self._modules.get("cache_dit_blocks") or nn.ModuleList(
+            IndexedBlock(block, i) for i, block in enumerate(self.transformer_blocks))
+        return {"cache_dit_blocks": (blocks, 0)}
 
     def block_modulation(self, temb: torch.Tensor) -> torch.Tensor:
         """Every block's image and text adaLN parameters, (num_layers, 2, *temb.shape[:-1], 6 * dim).

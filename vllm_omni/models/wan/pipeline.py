@@ -224,9 +224,9 @@ class WanPipeline(NativeDiffusionPipeline):
         if cond.do_cfg:
             x = torch.cat([x, x])
             image_embeds = None if image_embeds is None else torch.cat([image_embeds, image_embeds])
-        cache = state.cache.step(state.step_index, "transformer" if high_noise else "transformer_2")
-        pred = call_transformer(model, cache, x.to(self.dtype), self.model_timestep(t, x, cond), cond.embeds,
-                                image_embeds)
+        slot = "transformer" if high_noise else "transformer_2"
+        pred = call_transformer(model, state.cache, state.step_index, slot, x.to(self.dtype),
+                                self.model_timestep(t, x, cond), cond.embeds, image_embeds)
         if not cond.do_cfg:
             return pred
         rows = latents.shape[0]

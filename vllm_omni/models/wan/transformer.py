@@ -323,6 +323,11 @@ class WanTransformer3DModel(nn.Module):
         x = x.reshape(batch, frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1)
         return x.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
 
+    def cache_dit_block_lists(self) -> dict[str, tuple[nn.ModuleList, int]]:
+        """What the cache-dit backend caches: {attribute: (blocks, cache-dit forward pattern)}; Wan's blocks take
+        (hidden, context, ...) and return hidden, cache-dit's Pattern_2, as they are."""
+        return {"blocks": (self.blocks, 2)}
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load diffusers-named tensors (sharding TP slices); returns the names of the parameters filled."""
         params = dict(self.named_parameters())
