@@ -72,6 +72,15 @@ def call_transformer(model: nn.Module, cache: CacheState, step: int, slot: str, 
         forwards = cache.backend_state.forwards
         forwards[slot] = forwards.get(slot, 0) + 1
         return model(*args, **kwargs)
+    if slot not in cache.block_counts:
+        cache.block_counts[slot] = num_blocks(model)
+    cache.count(True, cache.block_counts[slot])
     if cachedit.is_enabled(model):
         return type(model).forward(model, *args, **kwargs)
     return model(*args, **kwargs)
+
+
+def num_blocks(model: nn.Module) -> int:
+    """The transformer's blocks (its `_repeated_blocks` classes), counted once per module instance."""
+    names = set(getattr(model, "_repeated_blocks", ()))
+    return sum(1 for module in model.modules() if type(module).__name__ in names)

@@ -39,6 +39,8 @@ class CacheState:
     computed_block_steps: int = 0
     reused_block_steps: int = 0
     slots: dict[str, _Slot] = field(default_factory=dict)
+    block_counts: dict[str, int] = field(default_factory=dict)
+    """Blocks of each transformer slot, counted on its first uncached forward."""
     backend_state: Any = None
     """A backend's own per-request object (the cache-dit runtime's context), if it keeps one."""
 
