@@ -40,6 +40,19 @@ def pipes(dist_world):
     return {name: (load(name), load(name, cache_backend="tea_cache")) for name in FAMILIES}
 
 
+@pytest.fixture(scope="module")
+def references(pipes):
+    """Each family's uncached output of `make(name)`, computed once for the module."""
+    out: dict[str, DiffusionOutput] = {}
+
+    def get(name: str) -> DiffusionOutput:
+        if name not in out:
+            out[name] = run(pipes[name][0], make(name))
+        return out[name]
+
+    return get
+
+
 def make(name: str, rid: str = "r", seed: int = 1, **sp) -> OmniDiffusionRequest:
     size = {"height": 16, "width": 16, "num_frames": 5} if name.startswith("wan") else {"height": 32, "width": 32}
     scale = {"guidance_scale": 3.0} if name.startswith("wan") else {"true_cfg_scale": 2.5}
@@ -59,9 +72,9 @@ def pixels(out: DiffusionOutput) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_lossless_is_bitwise_the_uncached_path_and_presets_cache(pipes, name):
-    plain, cached = pipes[name]
-    reference = run(plain, make(name))
+def test_lossless_is_bitwise_the_uncached_path_and_presets_cache(pipes, references, name):
+    _, cached = pipes[name]
+    reference = references(name)
     assert reference.extra["cache"]["backend"] == "none" and reference.extra["cache"]["reused_steps"] == 0
     lossless = run(cached, make(name, quality="lossless"))
     np.testing.assert_array_equal(pixels(lossless), pixels(reference))
@@ -144,12 +157,11 @@ def test_adaptive_requests_batched_in_request_mode_get_their_solo_output(pipes):
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_cache_dit_request_mode(pipes, name):
+def test_cache_dit_request_mode(references, name):
     """cache-dit's DBCache over our blocks: high reuses steps, and lossless on the same (hooked) server is still
     bitwise the uncached output."""
-    plain, _ = pipes[name]
     dit = load(name, cache_backend="cache_dit")
-    reference = pixels(run(plain, make(name)))
+    reference = pixels(references(name))
     high = run(dit, make(name, quality="high"))
     info = high.extra["cache"]
     assert (info["backend"], info["quality"]) == ("cache_dit", "high")
@@ -158,3 +170,18 @@ def test_cache_dit_request_mode(pipes, name):
     np.testing.assert_array_equal(pixels(run(dit, make(name, quality="lossless"))), reference)
     if name == "qwen-image":  # a fresh context per request: the same output again after another request
         np.testing.assert_array_equal(pixels(run(dit, make(name, quality="high"))), pixels(high))
+
+
+@pytest.mark.parametrize("backend", ["tea_cache", "cache_dit"])
+def test_an_abort_inside_a_cached_group_leaves_the_others_running(pipes, backend):
+    """Request mode: dropping a row mid-way drops the group's cache (residuals / cache-dit context hold it)."""
+    from vllm_omni.diffusion.step_context import StepContext
+
+    pipe = pipes["qwen-image"][1] if backend == "tea_cache" else load("qwen-image", cache_backend=backend)
+    requests = [make("qwen-image", rid, seed, quality="fast") for seed, rid in enumerate(["drop", "keep"])]
+    ctx = StepContext(pipe.od_config, request_ids=["drop", "keep"],
+                      abort_requested=lambda rid: rid == "drop" and (ctx.step_index or 0) >= 2)
+    dropped, kept = pipe.forward(DiffusionRequestBatch(requests), ctx)
+    assert dropped.error_status_code == 499
+    assert kept.error is None, kept.error
+    assert kept.extra["cache"]["backend"] == backend and pixels(kept).shape[0] == 1

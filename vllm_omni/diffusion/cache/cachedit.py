@@ -99,7 +99,7 @@ def refresh(transformers: dict[str, nn.Module], policy: CachePolicy, num_steps: 
         enable(transformer)
         config, calibrator = db_cache_config(policy, num_steps)
         cache_dit.refresh_context(transformer, cache_config=config, calibrator_config=calibrator, verbose=False)
-    return CacheDiTRun(transformers)
+    return CacheDiTRun(transformers, policy, num_steps)
 
 
 @dataclass
@@ -107,7 +107,13 @@ class CacheDiTRun:
     """One request group's cache-dit run: its transformers (refreshed for it) and the forwards each took."""
 
     transformers: dict[str, nn.Module]
+    policy: CachePolicy
+    num_steps: int
     forwards: dict[str, int] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        """Rows were dropped (an abort in a request-mode group): cache-dit's buffers hold them, start afresh."""
+        refresh(self.transformers, self.policy, self.num_steps)
 
     def counts(self, policy: CachePolicy) -> tuple[int, int, int, int]:
         """(computed steps, reused steps, computed block-steps, reused block-steps), from cache-dit's stats."""

@@ -91,6 +91,8 @@ class CacheState:
     def invalidate(self) -> None:
         """Rows were dropped (an abort in a request-mode group): the next step of every slot computes."""
         self.slots.clear()
+        if self.backend_state is not None:
+            self.backend_state.reset()
 
     def count(self, computed: bool, num_blocks: int) -> None:
         if computed:
