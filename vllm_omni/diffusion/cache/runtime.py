@@ -18,6 +18,7 @@ from vllm_omni.diffusion.cache.policy import (
     resolve_policy,
 )
 from vllm_omni.diffusion.cache.state import CacheState
+from vllm_omni.errors import OmniClientError
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.data import OmniDiffusionConfig
@@ -45,6 +46,10 @@ def cache_state_for(policy: CachePolicy, transformers: dict[str, nn.Module], num
     transformer = transformers.get("transformer")
     state = CacheState.create(policy, num_steps, type(transformer).__name__, _coefficients(transformer))
     if policy.backend == "cache_dit":
+        if len(transformers) > 1:  # its stats stayed empty on Wan2.2's second expert: not counted, not offered
+            raise OmniClientError("cache_backend='cache_dit' does not support two-expert models (Wan2.2 A14B) yet; "
+                                  "use quality='lossless' here, or serve with --cache-backend tea_cache",
+                                  status_code=422, param="quality")
         state.backend_state = cachedit.refresh(transformers, policy, num_steps)
     return state
 
