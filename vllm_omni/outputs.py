@@ -26,6 +26,9 @@ class OmniRequestOutput:
     images: list[Any] = field(default_factory=list)
     multimodal_output: dict[str, Any] = field(default_factory=dict)
     stage_durations: dict[str, float] = field(default_factory=dict)
+    cache: dict[str, Any] | None = None
+    """What a diffusion stage's cache ran for this request (quality, backend, computed / reused block-steps;
+    docs/cache.md); None for other stages."""
     peak_memory_mb: float = 0.0
     error: str | None = None
     error_status_code: int | None = None

@@ -6,12 +6,21 @@ checkpoints. Text encoders and VAE are shared by both pipelines; diffusers gets 
 of the same weights. Our pipeline runs eager, and with `--accelerate` also with compiled blocks + CUDA graphs.
 `--smoke` runs the tiny checkpoints on the CPU.
 
+`--quality lossless,high,fast` times our pipeline per request quality instead (docs/cache.md): same prompt and
+seed, `--cache-backend` (default: none, so high / fast run TeaCache), compiled blocks + CUDA graphs on CUDA
+(cached steps run without the graph); each row gives seconds, speed-up, PSNR and SSIM against `lossless` and
+what the cache computed / reused, and `--png` shows the first image of each side by side. Random weights say
+little about real image quality: PSNR / SSIM only show how far the cached output drifts.
+
   python benchmarks/diffusion/bench_pipeline.py --models flux qwen-image --size 1024 --out res.json
+  python benchmarks/diffusion/bench_pipeline.py --models qwen-image flux wan --quality lossless,high,fast \
+      --out quality.json --png quality.png
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -31,6 +40,7 @@ from bench_dit_forward import (  # noqa: E402
     sync,
     vllm_single_rank,
 )
+from quality_metrics import as_frames, psnr, save_side_by_side, ssim  # noqa: E402
 
 from vllm_omni.diffusion.data import OmniDiffusionConfig  # noqa: E402
 from vllm_omni.diffusion.request import OmniDiffusionRequest  # noqa: E402
@@ -250,9 +260,91 @@ def bench_model(name: str, args, device, dtype) -> list[dict[str, Any]]:
     return rows
 
 
+def quality_pipeline(name: str, args, device, dtype):
+    """Our pipeline for the quality runs (the diffusers reference is dropped) and its request kwargs."""
+    if name == "wan":
+        from bench_wan import WAN21_13B, build_pipelines, build_transformers
+
+        from vllm_omni.models.tiny import build_tiny
+
+        config = WAN21_13B
+        if args.smoke:
+            config = _public(json.loads((build_tiny("wan2.1-t2v") / "transformer" / "config.json").read_text()))
+        _, ours = build_transformers(config, device, dtype)
+        _, pipe = build_pipelines(args, device, dtype, None, ours)
+        size = (48, 32) if args.smoke else (832, 480)
+        kwargs = dict(width=size[0], height=size[1], num_frames=9 if args.smoke else 33, guidance_scale=5.0)
+        prompt = PROMPT
+    else:
+        _, ours_with, ours_tf = make_pipelines(name, device, dtype, args.smoke, args.accelerate)
+        pipe = ours_with(ours_tf)
+        cfg = {"true_cfg_scale": 4.0} if name == "qwen-image" else {}
+        kwargs = dict(height=args.size, width=args.size, **cfg)
+        prompt = {"prompt": PROMPT, "negative_prompt": NEGATIVE} if cfg else PROMPT
+    if args.accelerate and device.type == "cuda":
+        from vllm_omni.diffusion.layers.compile import accelerate_transformer
+
+        accelerate_transformer(pipe.transformer, cuda_graphs=name != "wan")
+    pipe.od_config = dataclasses.replace(pipe.od_config, cache_backend=args.cache_backend)
+    return pipe, prompt, kwargs
+
+
+def bench_quality(name: str, args, device, dtype) -> list[dict[str, Any]]:
+    pipe, prompt, kwargs = quality_pipeline(name, args, device, dtype)
+    steps = args.steps or {"flux": 28}.get(name, 50)
+    qualities = ["lossless"] + [q for q in args.quality if q != "lossless"]
+
+    def call(quality: str, num_steps: int):
+        sp = OmniDiffusionSamplingParams(seed=0, num_inference_steps=num_steps, quality=quality, **kwargs)
+        sync(device)
+        start = time.perf_counter()
+        out = pipe.forward(DiffusionRequestBatch([OmniDiffusionRequest(prompt, sp, f"bench-{quality}")]))[0]
+        sync(device)
+        if out.error:
+            raise RuntimeError(out.error)
+        return time.perf_counter() - start, out
+
+    rows, frames = [], {}
+    with torch.inference_mode():
+        for quality in qualities:
+            call(quality, min(steps, 4))  # warm-up (compiles, captures the lossless graph)
+            secs, out = call(quality, steps)
+            frames[quality] = as_frames(out.output)
+            base = rows[0]["s"] if rows else secs
+            rows.append({"model": name, "quality": quality, "backend": out.extra["cache"]["backend"],
+                         "steps": steps, "s": secs, "speedup_vs_lossless": base / secs,
+                         "time_vs_lossless": secs / base, "psnr_vs_lossless": psnr(frames[quality], frames["lossless"]),
+                         "ssim_vs_lossless": ssim(frames[quality], frames["lossless"]), "cache": out.extra["cache"],
+                         "stage_durations": out.stage_durations, "random_weights": True, **kwargs})
+            print(json.dumps(rows[-1], default=str), flush=True)
+    if args.png:
+        save_side_by_side(frames, args.png.with_name(f"{args.png.stem}_{name}{args.png.suffix}"))
+    return rows
+
+
+def print_quality_table(rows: list[dict[str, Any]]) -> None:
+    print("\nrandom weights: PSNR / SSIM vs lossless show drift only, not real image quality")
+    print(f"{'model':<11}{'quality':<10}{'backend':<11}{'steps':>6}{'s':>9}{'x lossless':>11}{'PSNR':>8}"
+          f"{'SSIM':>8}{'reused':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['model']:<11}error: {r['error'][:90]}")
+            continue
+        cache = r["cache"]
+        print(f"{r['model']:<11}{r['quality']:<10}{r['backend']:<11}{r['steps']:>6}{r['s']:>9.2f}"
+              f"{r['time_vs_lossless']:>11.3f}{r['psnr_vs_lossless']:>8.1f}{r['ssim_vs_lossless']:>8.4f}"
+              f"{cache['reused_steps']:>4}/{cache['reused_steps'] + cache['computed_steps']:<3}")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["flux", "qwen-image"], choices=["flux", "qwen-image"])
+    parser.add_argument("--models", nargs="+", default=["flux", "qwen-image"], choices=["flux", "qwen-image", "wan"],
+                        help="wan (Wan2.1-T2V-1.3B, 33 frames 832x480) only with --quality")
+    parser.add_argument("--quality", type=lambda s: s.split(","), default=None,
+                        help="comma-separated request qualities to time against lossless, e.g. lossless,high,fast")
+    parser.add_argument("--cache-backend", default="none", choices=["none", "tea_cache", "cache_dit"],
+                        help="the server backend of --quality runs (none: high / fast use tea_cache)")
+    parser.add_argument("--png", type=Path, default=None, help="--quality: side-by-side PNG per model")
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=None, help="default: 28 (FLUX), 50 (Qwen-Image, true CFG 4)")
     parser.add_argument("--accelerate", action=argparse.BooleanOptionalAction, default=True)
@@ -262,6 +354,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    if "wan" in args.models and not args.quality:
+        parser.error("--models wan needs --quality")
     if args.smoke:
         args.size, args.steps = 64, args.steps or 2
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
@@ -272,7 +366,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with vllm_single_rank(device):
         for name in args.models:
             try:
-                rows += bench_model(name, args, device, dtype)
+                rows += (bench_quality if args.quality else bench_model)(name, args, device, dtype)
             except Exception as exc:  # keep the other model's numbers
                 import traceback
 
@@ -284,6 +378,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if args.out:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(result, indent=1, default=str))
+    if args.quality:
+        print_quality_table(rows)
+        return {"command": " ".join(sys.argv), "env": env, "rows": rows}
     print(f"\n{'model':<11}{'pipeline':<30}{'size':>6}{'steps':>6}{'s/image':>9}{'x diff':>8}{'PSNR':>7}")
     for r in rows:
         if "error" in r:

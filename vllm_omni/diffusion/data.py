@@ -16,8 +16,6 @@ DIFFUSION_LOAD_FORMATS = ("auto", "dummy")
 
 
 NOT_IMPLEMENTED: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "cache_backend": ("diffusion cache acceleration", ("none",)),
-    "cache_config": ("diffusion cache acceleration", ({},)),
     "num_gpus": ("placement by --num-gpus (use --tensor-parallel-size and the deploy config's devices)", (1,)),
     "sequence_parallel_size": ("sequence parallelism", (1,)),
     "ulysses_degree": ("sequence parallelism (Ulysses)", (1,)),
@@ -53,10 +51,23 @@ def check_attention_backend(name: str | None,
                               f"{available_backends()}", param="diffusion_attention_backend")
 
 
+def check_cache_args(values: dict[str, Any]) -> None:
+    """The server's cache backend and default cache config (OmniClientError naming the field)."""
+    from vllm_omni.diffusion.cache.policy import CacheDefaults
+
+    defaults = CacheDefaults(values.get("cache_backend") or "none", values.get("cache_config") or {})
+    if defaults.backend == "cache_dit" and values.get("step_execution"):
+        raise OmniClientError("cache_backend='cache_dit' (--cache-backend) keeps its cache context on the "
+                              "transformer, shared by every resident request, so it cannot run with "
+                              "--step-execution; use --cache-backend tea_cache (per-request state)",
+                              param="cache_backend")
+
+
 def check_diffusion_args(engine_args: dict[str, Any]) -> None:
     """The checks of `OmniDiffusionConfig` that need no engine process, run when the stage is resolved."""
     parallel = engine_args.get("parallel_config")  # a DiffusionParallelConfig object checked itself
     refuse_unimplemented({**engine_args, **(parallel if isinstance(parallel, dict) else {})})
+    check_cache_args(engine_args)
     if engine_args.get("diffusion_attention_backend") is not None:
         check_attention_backend(engine_args["diffusion_attention_backend"])
     else:  # the env var is only the fallback of an unset flag
@@ -121,10 +132,15 @@ class OmniDiffusionConfig:
     forward per request per step): a new request starts at the next step instead of behind a whole request,
     and an abort or a failure inside a step ends only its own request. Pipelines that cannot step (the
     diffusers adapter) serve in request mode. One rank only for now."""
-    cache_backend: Literal["cache_dit", "none"] | None = None
-    """Not implemented yet (diffusion cache acceleration): refused unless none."""
+    cache_backend: Literal["cache_dit", "tea_cache", "none"] | None = None
+    """Cache acceleration of the native DiTs (docs/cache.md): tea_cache (ours, per-request state, any mode) or
+    cache_dit (the cache-dit library, request mode only). It serves requests naming no quality with
+    --cache-config, and the high / fast presets; quality=lossless always runs uncached. None/none: requests
+    naming no quality run uncached, high / fast ones use tea_cache."""
     cache_config: dict[str, Any] = field(default_factory=dict)
-    """Not implemented yet (settings of the cache backend): refused unless empty."""
+    """The default cache settings of requests that name no quality: {"quality": "high" | "fast"} picks the
+    family preset it starts from ({} = high), other keys override it (e.g. {"rel_l1_thresh": 0.2} for
+    adaptive TeaCache, {"Fn_compute_blocks": 1, "residual_diff_threshold": 0.12} for cache-dit)."""
     enforce_eager: bool = True
     """Eager transformer; False compiles it on CUDA (+ CUDA graphs where the pipeline supports them)."""
     fa_deterministic: bool = False
@@ -154,6 +170,8 @@ class OmniDiffusionConfig:
 
     def __post_init__(self) -> None:
         refuse_unimplemented({f.name: getattr(self, f.name) for f in fields(self)})
+        check_cache_args({"cache_backend": self.cache_backend, "cache_config": self.cache_config,
+                          "step_execution": self.step_execution})
         check_attention_backend(self.diffusion_attention_backend)
         if self.step_execution and self.parallel_config.world_size > 1:
             raise ValueError("step_execution supports one rank only for now (tensor_parallel_size=1)")

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from vllm_omni.diffusion.cache.runtime import cache_group, cache_state_for, request_policy
+from vllm_omni.diffusion.cache.state import CacheState
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.step_context import StepContext
@@ -61,6 +63,8 @@ class DenoiseState:
     timesteps: torch.Tensor = field(init=False)
     normalized_timesteps: list[float] = field(init=False)
     """Host copy of the timesteps in [0, 1] (1.0 = pure noise), read once instead of syncing every step."""
+    cache: CacheState = field(default_factory=CacheState)
+    """This group's cache policy, residuals and counters (docs/cache.md); the default caches nothing."""
 
     def __post_init__(self) -> None:
         self.timesteps = self.scheduler.timesteps
@@ -82,6 +86,7 @@ class DenoiseState:
             return
         self.aborted += [r for r in self.requests if r.request_id in request_ids]
         self.requests = [self.requests[i] for i in keep]
+        self.cache.invalidate()  # its residuals hold the dropped rows too: the next step computes
         if not keep:
             self.latents = self.latents[:0]
             return
@@ -116,7 +121,8 @@ class NativeDiffusionPipeline(nn.Module):
         groups: dict[Any, list[OmniDiffusionRequest]] = {}
         for request in batch.requests:
             try:
-                groups.setdefault(self.group_key(request), []).append(request)
+                key = (self.group_key(request), cache_group(self.cache_policy(request), request))
+                groups.setdefault(key, []).append(request)
             except OmniClientError as exc:
                 outputs[id(request)] = DiffusionOutput.from_exception(exc)
         for requests in groups.values():
@@ -151,6 +157,7 @@ class NativeDiffusionPipeline(nn.Module):
                              outputs_per_request=requests[0].sampling_params.num_outputs_per_prompt,
                              durations=durations)
         self.prepare_step_tables(state)
+        state.cache = cache_state_for(self.cache_policy(requests[0]), self.cache_transformers, len(state.timesteps))
         return state
 
     def denoise(self, state: DenoiseState, ctx: StepContext) -> None:
@@ -185,8 +192,30 @@ class NativeDiffusionPipeline(nn.Module):
         decoded = self.decode(state)
         state.durations["vae_decode"] = elapsed_since(start, self.device)
         per = state.outputs_per_request
-        return [DiffusionOutput(output=decoded[i * per:(i + 1) * per], stage_durations=dict(state.durations))
+        return [DiffusionOutput(output=decoded[i * per:(i + 1) * per], stage_durations=dict(state.durations),
+                                extra=self.output_extra(state))
                 for i in range(len(state.requests))]
+
+    def output_extra(self, state: DenoiseState) -> dict[str, Any]:
+        """Metadata every output of `state` carries: what its cache ran."""
+        return {"cache": state.cache.summary()}
+
+    # ---- cache ---------------------------------------------------------------------------------------------
+
+    @property
+    def cache_transformer(self) -> nn.Module | None:
+        """The DiT whose class picks the cache presets (docs/cache.md); None = no cache hooks."""
+        return getattr(self, "transformer", None)
+
+    @property
+    def cache_transformers(self) -> dict[str, nn.Module]:
+        """Every DiT a step may run, by the slot name `predict_noise` gives `call_transformer`."""
+        return {name: getattr(self, name) for name in ("transformer", "transformer_2")
+                if getattr(self, name, None) is not None}
+
+    def cache_policy(self, request: OmniDiffusionRequest):
+        """The request's cache policy on this stage (OmniClientError naming the field when it has none)."""
+        return request_policy(self.od_config, self.cache_transformer, request.sampling_params)
 
     # ---- hooks ---------------------------------------------------------------------------------------------
 

@@ -101,7 +101,7 @@ class OmniEngineArgs(EngineArgs):
     diffusers_load_kwargs: dict[str, Any] | None = None
     use_diffusers_adapter: bool = False
     model_class_name: str | None = None
-    cache_backend: Literal["cache_dit", "none"] | None = None
+    cache_backend: Literal["cache_dit", "tea_cache", "none"] | None = None
     cache_config: dict[str, Any] | None = None
     num_gpus: int | None = None
     sequence_parallel_size: int | None = None

@@ -18,11 +18,12 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from vllm_omni.diffusion.cache.policy import check_request_cache_config
 from vllm_omni.errors import OmniClientError
 
-Quality = Literal["lossless", "high"]
+Quality = Literal["lossless", "high", "fast"]
 OutputType = Literal["pil", "np", "pt", "latent"]
-QUALITY_VALUES: tuple[str, ...] = ("lossless", "high")
+QUALITY_VALUES: tuple[str, ...] = ("lossless", "high", "fast")
 OUTPUT_TYPES: tuple[str, ...] = ("pil", "np", "pt", "latent")
 MAX_OUTPUTS_PER_PROMPT = 16
 MAX_IMAGE_SIDE = 8192
@@ -70,7 +71,11 @@ class OmniDiffusionSamplingParams:
     seed: int | None = knob(batch_key=False, minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
     num_outputs_per_prompt: int = knob(1, minimum=1, maximum=MAX_OUTPUTS_PER_PROMPT)
     quality: Quality | None = knob(choices=QUALITY_VALUES)
-    """`lossless`: reference path; `high`: the model's conservative cache profile; None: server default."""
+    """`lossless`: nothing cached (bitwise the uncached path); `high` / `fast`: the model family's cache presets
+    (docs/cache.md); None: the server's `--cache-backend` / `--cache-config`."""
+    cache_config: dict[str, Any] | None = knob()
+    """A request's own cache settings over its quality's preset (keys in docs/cache.md; unknown keys are refused
+    naming them)."""
     output_type: OutputType = knob("pil", http=False, choices=OUTPUT_TYPES)
     num_frames: int | None = knob(minimum=1, pipeline_kwarg=True)
     fps: int | None = knob(minimum=1, maximum=240)
@@ -86,6 +91,8 @@ class OmniDiffusionSamplingParams:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_value(f.name, getattr(self, f.name), f.metadata)
+        if self.cache_config is not None:
+            check_request_cache_config(self.cache_config, self.quality, self.num_inference_steps)
 
     def check_limits(self, limits: DiffusionLimits, prefix: str = "") -> None:
         """The server's maxima; `prefix` locates the params in the request (e.g. `sampling_params_list[0].`)."""

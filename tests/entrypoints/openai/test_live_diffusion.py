@@ -120,6 +120,26 @@ def test_edit_on_text_to_image_model_names_the_capability(server):
     assert error["param"] == "image" and "takes ['text'], makes ['image']" in error["message"]
 
 
+def test_images_cache_quality_says_what_ran(server):
+    """A server without cache backend runs `quality=high` with TeaCache; the response, the metrics and the
+    validation errors say so (docs/cache.md)."""
+    body = {"prompt": "a red cube", "size": "32x32", "num_inference_steps": 4, "seed": 0, "quality": "high"}
+    resp = httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    cache = resp.json()["cache"]
+    assert (cache["quality"], cache["backend"], cache["computed_steps"], cache["reused_steps"]) == \
+        ("high", "tea_cache", 3, 1)
+    assert server.metric("vllm_omni:diffusion_cache_block_steps_total", quality="high", outcome="reused") == \
+        cache["reused_block_steps"] > 0
+    for extra, param in (({"cache_config": {"bogus": 1}}, "cache_config.bogus"),
+                         ({"cache_config": {"force_refresh_step_hint": 9}}, "cache_config.force_refresh_step_hint"),
+                         ({"quality": "lossless", "cache_config": {"interval": 2}}, "cache_config"),
+                         ({"quality": "best"}, "quality")):
+        resp = httpx.post(f"{server.url}/v1/images/generations", json={**body, **extra}, timeout=120)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == param, resp.text
+
+
 def test_no_5xx_recorded(server):
     """Everything above, good or bad, was answered without a server error."""
     assert server.metric("vllm_omni:http_requests_total", status="500") == 0

@@ -29,10 +29,18 @@ def _refuse_unimplemented(argv: list[str]) -> None:
 
     A fast path only: `OmniServeCommand.validate` checks the fully parsed flags again (e.g. the
     `--cache-config.key value` form), and a malformed value is left to the serve parser to name."""
-    from vllm_omni.diffusion.data import NOT_IMPLEMENTED, check_attention_backend, refuse_unimplemented
+    from vllm_omni.diffusion.data import (
+        NOT_IMPLEMENTED,
+        check_attention_backend,
+        check_cache_args,
+        refuse_unimplemented,
+    )
 
     early = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     early.add_argument("--diffusion-attention-backend")
+    early.add_argument("--cache-backend")
+    early.add_argument("--cache-config", type=json.loads)
+    early.add_argument("--step-execution", action="store_true")
     for name in sorted(NOT_IMPLEMENTED):
         off = NOT_IMPLEMENTED[name][1][0]
         early.add_argument("--" + name.replace("_", "-"), type=json.loads if isinstance(off, dict) else type(off))
@@ -41,8 +49,10 @@ def _refuse_unimplemented(argv: list[str]) -> None:
     except argparse.ArgumentError:
         return
     try:
-        check_attention_backend(vars(known).pop("diffusion_attention_backend"))
-        refuse_unimplemented(vars(known))
+        values = vars(known)
+        check_attention_backend(values.pop("diffusion_attention_backend"))
+        check_cache_args({k: values.pop(k) for k in ("cache_backend", "cache_config", "step_execution")})
+        refuse_unimplemented(values)
     except OmniClientError as exc:
         raise SystemExit(f"vllm-omni serve: {exc.message}") from None
 

@@ -9,7 +9,7 @@ from vllm.entrypoints.cli.types import CLISubcommand
 from vllm.entrypoints.launchers.cli_args import FrontendArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from vllm_omni.diffusion.data import NOT_IMPLEMENTED, refuse_unimplemented
+from vllm_omni.diffusion.data import NOT_IMPLEMENTED, check_cache_args, refuse_unimplemented
 from vllm_omni.engine.arg_utils import OmniEngineArgs, add_dataclass_args, attr_help
 from vllm_omni.entrypoints.cli.main import SERVE_HELP
 from vllm_omni.errors import OmniClientError
@@ -100,6 +100,7 @@ class OmniServeCommand(CLISubcommand):
                 raise SystemExit(f"--{flag.replace('_', '-')} must be > 0")
         try:  # here, before any engine or worker starts
             refuse_unimplemented({name: getattr(args, name) for name in NOT_IMPLEMENTED})
+            check_cache_args({k: getattr(args, k) for k in ("cache_backend", "cache_config", "step_execution")})
         except OmniClientError as exc:
             raise SystemExit(f"vllm-omni serve: {exc.message}") from None
 

@@ -34,6 +34,11 @@ class OmniMetrics:
             "vllm_omni:engine_requests", "Engine requests by outcome (finished, error, aborted).",
             ["model_name", "outcome"], registry=self.registry,
         )
+        self.cache_block_steps = Counter(
+            "vllm_omni:diffusion_cache_block_steps", "DiT block-steps of diffusion requests by cache quality, backend "
+            "and outcome (computed, reused = cache hits).", ["model_name", "quality", "backend", "outcome"],
+            registry=self.registry,
+        )
         self.running = Gauge(
             "vllm_omni:requests_running", "Requests currently inside the engine.", ["model_name"],
             registry=self.registry,
@@ -59,6 +64,16 @@ class OmniMetrics:
     def observe_stages(self, stage_durations: dict[str, float]) -> None:
         for stage, seconds in stage_durations.items():
             self.stage_latency.labels(self.model_name, stage).observe(seconds)
+
+    # ---- diffusion cache (docs/cache.md) ---------------------------------------------------------------------
+
+    def observe_cache(self, cache: dict | None) -> None:
+        """Block-steps a request's cache computed and reused (hits), by quality and backend."""
+        if cache is None:
+            return
+        for outcome in ("computed", "reused"):
+            self.cache_block_steps.labels(self.model_name, cache["quality"], cache["backend"], outcome).inc(
+                cache[f"{outcome}_block_steps"])
 
     def request_started(self) -> None:
         self.running.labels(self.model_name).inc()

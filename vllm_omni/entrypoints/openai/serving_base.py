@@ -212,6 +212,7 @@ class OmniServingBase:
                                                      error_type=None)
                 if output.finished:
                     self.metrics.observe_stages(output.stage_durations)
+                    self.metrics.observe_cache(output.cache)
                 yield output
             completed = True
             outcome = "finished"

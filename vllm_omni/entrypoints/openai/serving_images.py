@@ -49,8 +49,8 @@ class OmniOpenAIServingImages(OmniServingBase):
             raise OmniClientError(f"`{self.model_name}` returned no image for this request", status_code=422)
         durations = {k: v for o in finals for k, v in o.stage_durations.items()}
         data = await asyncio.to_thread(lambda: [self._image_data(img, request) for img in outputs])  # PNG encoding
-        return ImagesResponse(data=data,
-                              output_format=request.output_format, stage_durations=durations or None)
+        return ImagesResponse(data=data, output_format=request.output_format, stage_durations=durations or None,
+                              cache=next((o.cache for o in finals if o.cache is not None), None))
 
     def _params(self, request: ImageGenerationRequest) -> list[Any]:
         self.check_model(request.model)

@@ -33,6 +33,9 @@ class DiffusersAdapterPipeline:
     supports_request_batch: ClassVar[bool] = False
 
     def __init__(self, pipe: Any, od_config: OmniDiffusionConfig) -> None:
+        if (od_config.cache_backend or "none") != "none":
+            raise ValueError(f"cache_backend={od_config.cache_backend!r}: the generic diffusers adapter has no cache "
+                             f"hooks ({type(pipe).__name__}); cache acceleration runs on the native pipelines")
         self.pipe = pipe
         self.od_config = od_config
         self._accepted = set(inspect.signature(pipe.__call__).parameters)
@@ -70,6 +73,10 @@ class DiffusersAdapterPipeline:
     def call_kwargs(self, request: OmniDiffusionRequest) -> dict[str, Any]:
         """The `__call__` arguments for `request` (the generator is seeded on CPU, like diffusers' docs do)."""
         sp = request.sampling_params
+        if sp.quality not in (None, "lossless") or sp.cache_config:
+            raise OmniClientError(f"{type(self.pipe).__name__} runs on the generic diffusers adapter, which has no "
+                                  "cache acceleration: use quality='lossless' or omit it",
+                                  param="quality" if sp.quality not in (None, "lossless") else "cache_config")
         kwargs: dict[str, Any] = {"prompt": request.prompt_text}
         if request.negative_prompt is not None:
             kwargs["negative_prompt"] = request.negative_prompt

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+from vllm_omni.diffusion.cache.runtime import call_transformer
 from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
 from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
@@ -212,8 +213,9 @@ class FluxPipeline(NativeDiffusionPipeline):
         cond, latents, i = state.conditioning, state.latents, state.step_index
         has_cfg = len(cond.neg_rows) > 0
         model_in = torch.cat([latents, latents.index_select(0, cond.neg_rows)]) if has_cfg else latents
-        pred = self.transformer(model_in, cond.embeds, cond.pooled, cond.step_timesteps[i], guidance=cond.guidance,
-                                rotary_emb=cond.rotary_emb, modulation=self.transformer.step_slice(cond.modulation, i))
+        pred = call_transformer(self.transformer, state.cache, i, "transformer", model_in, cond.embeds, cond.pooled,
+                                cond.step_timesteps[i], guidance=cond.guidance, rotary_emb=cond.rotary_emb,
+                                modulation=self.transformer.step_slice(cond.modulation, i))
         if not has_cfg:
             return pred
         pred, neg = pred[: latents.shape[0]], pred[latents.shape[0]:]

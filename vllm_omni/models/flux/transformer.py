@@ -22,6 +22,8 @@ from vllm.model_executor.layers.linear import (
 
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
+from vllm_omni.diffusion.cache.cachedit import IndexedBlock, JoinedBlock
+from vllm_omni.diffusion.cache.state import BlockCache
 from vllm_omni.diffusion.layers.embeddings import MLPEmbedder, timestep_sinusoid
 from vllm_omni.diffusion.layers.gelu_linear import linear_gelu_tanh
 from vllm_omni.diffusion.layers.modulation import AdaLNModulation, gated_residual, layer_norm_modulate
@@ -228,23 +230,49 @@ class FluxTransformer2DModel(nn.Module):
         guidance: torch.Tensor | None = None,
         rotary_emb: RotaryEmb | None = None,
         modulation: FluxModulation | None = None,
+        cache: BlockCache | None = None,
     ) -> torch.Tensor:
         """`modulation`: this step's slice of `step_modulation(...)` when the caller computed it ahead (then
-        `timestep`, `guidance` and `pooled_projections` are not read); None = computed here."""
+        `timestep`, `guidance` and `pooled_projections` are not read); None = computed here.
+        `cache`: this step's view of the request's cache (TeaCache: the double and single blocks run, or the
+        image residual they left at the last computed step is reused; the probe is block 0's modulated input)."""
         x = self.x_embedder(hidden_states)
         if modulation is None:
             modulation = self.block_modulation(self.temb(timestep, guidance, pooled_projections, x.dtype))
         double, single, final = modulation
         ctx = self.context_embedder(encoder_hidden_states)
         rope = rotary_emb if rotary_emb is not None else self.rotary_emb(txt_ids, img_ids)
-        for block, block_modulation in zip(self.transformer_blocks, double, strict=True):
-            x, ctx = block(x, ctx, block_modulation, rope)
-        text_len = ctx.shape[1]
-        joined = torch.cat([ctx, x], dim=1)
-        for block, block_modulation in zip(self.single_transformer_blocks, single, strict=True):
-            joined = block(joined, block_modulation, rope)
+
+        def blocks() -> torch.Tensor:
+            img, txt = x, ctx
+            if "cache_dit_double" in self._modules:  # the cache-dit backend: inside its forward, its cached blocks
+                for blocks, table in ((self.cache_dit_double, double), (self.cache_dit_single, single)):
+                    for block in blocks:
+                        img, txt = block(img, txt, table, rope)
+                return img
+            for block, block_modulation in zip(self.transformer_blocks, double, strict=True):
+                img, txt = block(img, txt, block_modulation, rope)
+            joined = torch.cat([txt, img], dim=1)
+            for block, block_modulation in zip(self.single_transformer_blocks, single, strict=True):
+                joined = block(joined, block_modulation, rope)
+            return joined[:, txt.shape[1]:]
+
+        if cache is None:
+            out = blocks()
+        else:
+            num_blocks = len(self.transformer_blocks) + len(self.single_transformer_blocks)
+            shift0, scale0 = double[0][0].chunk(6, dim=-1)[:2]
+            out = cache.run(x, blocks, lambda: layer_norm_modulate(x, shift0, scale0), num_blocks)
         scale, shift = final.chunk(2, dim=1)
-        return self.proj_out(layer_norm_modulate(joined[:, text_len:], shift, scale))
+        return self.proj_out(layer_norm_modulate(out, shift, scale))
+
+    def cache_dit_block_lists(self) -> dict[str, tuple[nn.ModuleList, int]]:
+        """What the cache-dit backend caches: {attribute: (blocks, cache-dit forward pattern)}."""
+        double = self._modules.get("cache_dit_double") or nn.ModuleList(
+            IndexedBlock(block, i) for i, block in enumerate(self.transformer_blocks))
+        single = self._modules.get("cache_dit_single") or nn.ModuleList(
+            JoinedBlock(block, i) for i, block in enumerate(self.single_transformer_blocks))
+        return {"cache_dit_double": (double, 0), "cache_dit_single": (single, 0)}
 
     def temb(self, timestep: torch.Tensor, guidance: torch.Tensor | None, pooled: torch.Tensor,
              dtype: torch.dtype) -> torch.Tensor:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from vllm_omni.diffusion.cache.runtime import call_transformer
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
 from vllm_omni.diffusion.request import OmniDiffusionRequest
@@ -194,8 +195,9 @@ class QwenImagePipeline(NativeDiffusionPipeline):
             image = torch.cat([cond.image_latents, cond.image_latents]) if cond.do_cfg else cond.image_latents
             x = torch.cat([x, image], dim=1)
         timestep = state.timesteps[i].expand(x.shape[0]).to(latents.dtype) / 1000
-        pred = self.transformer(x, cond.prompt.embeds, None, timestep, cond.geometry.img_shapes,
-                                cond.modulation[:, :, i : i + 1], cond.prompt.lengths)[:, :img_len]
+        pred = call_transformer(self.transformer, state.cache, i, "transformer", x, cond.prompt.embeds, None, timestep,
+                                cond.geometry.img_shapes, cond.modulation[:, :, i : i + 1],
+                                cond.prompt.lengths)[:, :img_len]
         return _true_cfg(pred[:rows], pred[rows:], cond.cfg_scale) if cond.do_cfg else pred
 
     def decode(self, state: DenoiseState) -> Any:

@@ -25,6 +25,8 @@ from vllm.model_executor.layers.linear import (
 
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
+from vllm_omni.diffusion.cache.cachedit import IndexedBlock
+from vllm_omni.diffusion.cache.state import BlockCache
 from vllm_omni.diffusion.layers.gelu_linear import linear_gelu_tanh
 from vllm_omni.diffusion.layers.qk_norm_rope import qk_norm_rope
 from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
@@ -338,6 +340,7 @@ class QwenImageTransformer2DModel(nn.Module):
         img_shapes: list[tuple[int, int, int]],
         modulation: torch.Tensor | None = None,
         txt_lengths: tuple[int, ...] | None = None,
+        cache: BlockCache | None = None,
     ) -> torch.Tensor:
         """Predict the flow for packed latents (batch, img_seq, in_channels).
 
@@ -348,6 +351,8 @@ class QwenImageTransformer2DModel(nn.Module):
         the lengths pass them.
         `timestep` is in [0, 1] (diffusers pipelines pass t / 1000). `modulation` is this step's slice of
         `block_modulation(...)` when the caller computed it ahead; None = computed here from `timestep`.
+        `cache`: this step's view of the request's cache (TeaCache over the image stream: the blocks run, or the
+        image residual they left at the last computed step is reused; the probe is block 0's modulated input).
         """
         img = self.img_in(hidden_states)
         txt = self.txt_in(self.txt_norm(encoder_hidden_states))
@@ -359,9 +364,34 @@ class QwenImageTransformer2DModel(nn.Module):
             txt_lengths = padding_lengths(encoder_hidden_states_mask)
         if txt_lengths is not None and all(n == txt.shape[1] for n in txt_lengths):
             txt_lengths = None
-        for block, block_modulation in zip(self.transformer_blocks, modulation, strict=True):
-            img, txt = block(img, txt, block_modulation, txt_lengths, rope)
+        def blocks() -> torch.Tensor:
+            out, stream = img, txt
+            wrapped = self._modules.get("cache_dit_blocks")
+            if wrapped is not None:  # the cache-dit backend: inside its forward these are its cached blocks
+                for block in wrapped:
+                    out, stream = block(out, stream, modulation, txt_lengths, rope)
+                return out
+            for block, block_modulation in zip(self.transformer_blocks, modulation, strict=True):
+                out, stream = block(out, stream, block_modulation, txt_lengths, rope)
+            return out
+
+        if cache is None:
+            img = blocks()
+        else:
+            img = cache.run(img, blocks, lambda: self._probe(img, modulation[0][0]), len(self.transformer_blocks))
         return self.proj_out(self.norm_out(img, temb))
+
+    @staticmethod
+    def _probe(img: torch.Tensor, img_modulation: torch.Tensor) -> torch.Tensor:
+        """Block 0's modulated image input: what TeaCache compares between steps."""
+        shift, scale = img_modulation[:, None, :].chunk(6, dim=-1)[:2]
+        return _layer_norm(img) * (1 + scale) + shift
+
+    def cache_dit_block_lists(self) -> dict[str, tuple[nn.ModuleList, int]]:
+        """What the cache-dit backend caches: {attribute: (blocks, cache-dit forward pattern)}."""
+        blocks = self._modules.get("cache_dit_blocks") or nn.ModuleList(
+            IndexedBlock(block, i) for i, block in enumerate(self.transformer_blocks))
+        return {"cache_dit_blocks": (blocks, 0)}
 
     def block_modulation(self, temb: torch.Tensor) -> torch.Tensor:
         """Every block's image and text adaLN parameters, (num_layers, 2, *temb.shape[:-1], 6 * dim).

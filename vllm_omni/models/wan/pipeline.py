@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 import torch
 from torch import nn
 
+from vllm_omni.diffusion.cache.runtime import call_transformer
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
 from vllm_omni.diffusion.timing import elapsed_since
@@ -223,7 +224,9 @@ class WanPipeline(NativeDiffusionPipeline):
         if cond.do_cfg:
             x = torch.cat([x, x])
             image_embeds = None if image_embeds is None else torch.cat([image_embeds, image_embeds])
-        pred = model(x.to(self.dtype), self.model_timestep(t, x, cond), cond.embeds, image_embeds)
+        slot = "transformer" if high_noise else "transformer_2"
+        pred = call_transformer(model, state.cache, state.step_index, slot, x.to(self.dtype),
+                                self.model_timestep(t, x, cond), cond.embeds, image_embeds)
         if not cond.do_cfg:
             return pred
         rows = latents.shape[0]
@@ -248,7 +251,8 @@ class WanPipeline(NativeDiffusionPipeline):
             else:
                 video = frames[i * per:(i + 1) * per]
                 output = {"video": video[0] if per == 1 else video, "fps": fps}
-            outputs.append(DiffusionOutput(output=output, stage_durations=dict(state.durations)))
+            outputs.append(DiffusionOutput(output=output, stage_durations=dict(state.durations),
+                                           extra=self.output_extra(state)))
         return outputs
 
     # ---- stages --------------------------------------------------------------------------------------------

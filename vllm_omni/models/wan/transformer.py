@@ -33,6 +33,7 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelL
 
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
+from vllm_omni.diffusion.cache.state import BlockCache
 from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
 
 # diffusers name -> ours (substring replacements; diffusers keeps Dropout/activation slots in its ModuleLists).
@@ -296,15 +297,24 @@ class WanTransformer3DModel(nn.Module):
         return cls(WanTransformerConfig.from_dict(config), prefix=prefix, attn_config=attn_config)
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                encoder_hidden_states_image: torch.Tensor | None = None) -> torch.Tensor:
+                encoder_hidden_states_image: torch.Tensor | None = None, cache: BlockCache | None = None
+                ) -> torch.Tensor:
+        """`cache`: this step's view of the request's cache (TeaCache: the blocks run, or the residual they left at
+        the last computed step is reused; the probe is the timestep embedding, as TeaCache4Wan2.1 calibrated)."""
         batch, _, frames, height, width = hidden_states.shape
         p_t, p_h, p_w = self.config.patch_size
         rotary_emb = self.rope(frames, height, width)
         x = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
         temb, timestep_proj, context, image_context = self.condition_embedder(
             timestep, encoder_hidden_states, encoder_hidden_states_image)
-        for block in self.blocks:
-            x = block(x, context, image_context, timestep_proj, rotary_emb)
+
+        def blocks() -> torch.Tensor:
+            out = x
+            for block in self.blocks:
+                out = block(out, context, image_context, timestep_proj, rotary_emb)
+            return out
+
+        x = blocks() if cache is None else cache.run(x, blocks, lambda: temb, len(self.blocks))
         if temb.ndim == 3:  # per-token timesteps
             shift, scale = (s.squeeze(2) for s in (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, 2))
         else:
@@ -312,6 +322,11 @@ class WanTransformer3DModel(nn.Module):
         x = self.proj_out((self.norm_out(x.float()) * (1 + scale) + shift).type_as(x))
         x = x.reshape(batch, frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1)
         return x.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+    def cache_dit_block_lists(self) -> dict[str, tuple[nn.ModuleList, int]]:
+        """What the cache-dit backend caches: {attribute: (blocks, cache-dit forward pattern)}; Wan's blocks take
+        (hidden, context, ...) and return hidden, cache-dit's Pattern_2, as they are."""
+        return {"blocks": (self.blocks, 2)}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load diffusers-named tensors (sharding TP slices); returns the names of the parameters filled."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,3 +40,5 @@ class ImagesResponse(BaseModel):
     output_format: str | None = None
     stage_durations: dict[str, float] | None = None
     """vllm-omni extension: seconds per stage/phase of the request."""
+    cache: dict[str, Any] | None = None
+    """vllm-omni extension: what the diffusion cache ran (quality, backend, computed / reused block-steps)."""

@@ -1,0 +1,91 @@
+"""The glue a native pipeline calls: a request's policy, its cache state, its cache group and the cached
+transformer call."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from vllm_omni.diffusion.cache import cachedit
+from vllm_omni.diffusion.cache.policy import (
+    FAMILY_PRESETS,
+    WAN_14B_COEFFICIENTS,
+    CacheDefaults,
+    CachePolicy,
+    check_refresh_hint,
+    resolve_policy,
+)
+from vllm_omni.diffusion.cache.state import CacheState
+from vllm_omni.errors import OmniClientError
+
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+
+
+def request_policy(od_config: OmniDiffusionConfig, transformer: nn.Module | None,
+                   sp: OmniDiffusionSamplingParams) -> CachePolicy:
+    """The request's policy on this stage (OmniClientError naming the field when it cannot have one)."""
+    family = type(transformer).__name__ if transformer is not None else None
+    defaults = CacheDefaults(od_config.cache_backend or "none", od_config.cache_config)
+    return resolve_policy(defaults, family, sp.quality, sp.cache_config)
+
+
+def cache_group(policy: CachePolicy, request: Any) -> Hashable:
+    """Part of a request-mode group key: requests with an adaptive policy decide from their own rows, so each
+    runs in a group of its own; equal fixed policies share forwards."""
+    return ("alone", id(request)) if policy.adaptive else policy
+
+
+def cache_state_for(policy: CachePolicy, transformers: dict[str, nn.Module], num_steps: int) -> CacheState:
+    """A request group's cache state; a cache-dit group gets fresh cache-dit contexts with its config."""
+    check_refresh_hint(policy, num_steps)
+    transformer = transformers.get("transformer")
+    state = CacheState.create(policy, num_steps, type(transformer).__name__, _coefficients(transformer))
+    if policy.backend == "cache_dit":
+        if len(transformers) > 1:  # its stats stayed empty on Wan2.2's second expert: not counted, not offered
+            raise OmniClientError("cache_backend='cache_dit' does not support two-expert models (Wan2.2 A14B) yet; "
+                                  "use quality='lossless' here, or serve with --cache-backend tea_cache",
+                                  status_code=422, param="quality")
+        state.backend_state = cachedit.refresh(transformers, policy, num_steps)
+    return state
+
+
+def _coefficients(transformer: nn.Module | None) -> tuple[float, ...] | None:
+    family = type(transformer).__name__
+    if family not in FAMILY_PRESETS:
+        return None
+    if family == "WanTransformer3DModel" and transformer.config.inner_dim >= 5120:
+        return WAN_14B_COEFFICIENTS  # TeaCache4Wan2.1's 14B calibration
+    return FAMILY_PRESETS[family].coefficients
+
+
+def call_transformer(model: nn.Module, cache: CacheState, step: int, slot: str, *args: Any, **kwargs: Any) -> Any:
+    """One transformer forward of `cache`'s group at `step` (`slot`: which of the pipeline's transformers).
+
+    A TeaCache step branches on its data and keeps residuals, so it calls the module's own `forward`, not a
+    CUDA graph runner that may have replaced `model.forward` (compiled blocks still apply). A cache-dit group
+    calls cache-dit's patched forward; a group that caches nothing takes exactly the uncached path (the class
+    forward when cache-dit's hooks are on the module)."""
+    backend = cache.policy.backend
+    if backend == "tea_cache":
+        return type(model).forward(model, *args, cache=cache.step(step, slot), **kwargs)
+    if backend == "cache_dit":
+        forwards = cache.backend_state.forwards
+        forwards[slot] = forwards.get(slot, 0) + 1
+        return model(*args, **kwargs)
+    if slot not in cache.block_counts:
+        cache.block_counts[slot] = num_blocks(model)
+    cache.count(True, cache.block_counts[slot])
+    if cachedit.is_enabled(model):
+        return type(model).forward(model, *args, **kwargs)
+    return model(*args, **kwargs)
+
+
+def num_blocks(model: nn.Module) -> int:
+    """The transformer's blocks (its `_repeated_blocks` classes), counted once per module instance."""
+    names = set(getattr(model, "_repeated_blocks", ()))
+    return sum(1 for module in model.modules() if type(module).__name__ in names)
