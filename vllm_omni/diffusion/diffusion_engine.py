@@ -37,6 +37,7 @@ from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.logger import init_logger
 from vllm_omni.models.registry import MODEL_REGISTRY
 from vllm_omni.models.resolution import resolve_model_dir, resolve_pipeline_class_name
+from vllm_omni.models.spec import import_target
 
 logger = init_logger(__name__)
 
@@ -66,6 +67,9 @@ class DiffusionEngine:
         self.prompt_bound = (PromptBound.for_model(model_dir, entry.prompt_tokenizer, entry.max_prompt_tokens)
                              if entry is not None and entry.max_prompt_tokens else None)
         """The text encoder's token limit, checked by the stage client off the event loop before `submit`."""
+        self.shape_rule = (import_target(entry.shape_rule)(model_dir)
+                           if entry is not None and entry.shape_rule else None)
+        """The sizes the pipeline makes, from the checkpoint's configs; the API process checks them first."""
         self.supports_request_batch = supports_request_batch(pipeline_cls)
         if od_config.max_num_seqs > 1 and not (self.supports_request_batch or self.step_execution):
             raise ValueError(
@@ -117,6 +121,8 @@ class DiffusionEngine:
         workers' results, so a slow callback delays every request's results (never the workers).
         """
         request = _validated(request)
+        if self.shape_rule is not None:
+            self.shape_rule.check(request.sampling_params)
         future: Future[DiffusionOutput] = Future()
         with self._cond:
             if self._stopping:
