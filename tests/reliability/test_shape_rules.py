@@ -80,3 +80,17 @@ def test_video_routes_create_no_job(vid):
         msg = ws.receive_json()
         assert (msg["type"], msg["param"]) == ("error", "size"), msg
     assert len(engine.seen) == seen
+
+
+def test_memory_that_never_fits_is_refused_before_queuing(parser):
+    """Admission (issue 13): the stage's budget travels with its rule, so a request whose estimated memory can
+    never fit is a 400 naming the field that makes it too big on the route itself."""
+    rule = ShapeRule(size_multiple=16, hidden_size=64, text_tokens=16, memory_budget_bytes=16 * 2**20)
+    engine = FakeOmni(stage_types=["diffusion"], output_modalities={"image"}, shape_rules=(rule,))
+    client = make_client(parser, engine)
+    ok = {"prompt": "a", "size": "64x64", "num_inference_steps": 2}
+    assert client.post("/v1/images/generations", json=ok).status_code == 200
+    assert_client_error(client.post("/v1/images/generations", json={**ok, "n": 4}), "num_outputs_per_prompt")
+    err = assert_client_error(client.post("/v1/images/generations", json={**ok, "size": "512x512"}), "size")
+    assert "--diffusion-memory-budget-gb" in err["message"]
+    assert len(engine.seen) == 1

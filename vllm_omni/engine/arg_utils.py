@@ -108,6 +108,7 @@ class OmniEngineArgs(EngineArgs):
     ulysses_degree: int | None = None
     ring_degree: int | None = None
     cfg_parallel_size: int | None = None
+    diffusion_memory_budget_gb: float | None = None
     max_stage_restarts: int | None = None
     """Times a stage re-creates what died (diffusion workers, an AR stage's EngineCore) before it is dead;
     None = the stage's default (3)."""
