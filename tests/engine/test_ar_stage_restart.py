@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -88,5 +90,42 @@ def test_dead_engine_is_recreated_within_the_budget_then_the_stage_is_dead(lm_di
         # shut down, and the reference dropped (no AsyncLLM.__del__ at interpreter exit)
         assert second.shut_down and client.llm is None and len(client.started) == 2 and not client.is_restarting
         client.shutdown()
+
+    asyncio.run(scenario())
+
+
+class SlowBuildClient(StageEngineCoreClient):
+    """The real `_start_llm` with a stand-in AsyncLLM constructor; builds after the first take 1 s (an
+    EngineCore starting), so a shutdown lands in the middle of a restart."""
+
+    built: list[StandInLLM]
+
+    @classmethod
+    def _build_llm(cls, async_llm_cls, vllm_config, engine_args):
+        if cls.built:
+            time.sleep(1.0)
+        llm = StandInLLM()
+        llm.engine_core = SimpleNamespace(resources=SimpleNamespace())
+        cls.built.append(llm)
+        return llm
+
+
+def test_shutdown_during_a_restart_leaves_no_half_built_engine(lm_dir):
+    """Why: the restart's AsyncLLM constructor runs in a thread that cannot be interrupted; a shutdown that only
+    cancelled the waiting task left the EngineCore it was starting running, owned by nobody."""
+
+    async def scenario():
+        SlowBuildClient.built = []
+        client = SlowBuildClient(ar_stage(lm_dir, max_stage_restarts=2))
+        await client.start()
+        first = client.llm
+        first.errored = True
+        await wait_for(lambda: client.is_restarting and client._building is not None)
+        client.shutdown()  # while the second EngineCore is still starting
+        assert first.shut_down and len(SlowBuildClient.built) == 2
+        assert SlowBuildClient.built[1].shut_down, "the engine built during shutdown was left running"
+        assert client.llm is None and client.is_dead
+        await asyncio.sleep(0.1)  # the cancelled restart task ends without adopting anything
+        assert client.llm is None
 
     asyncio.run(scenario())

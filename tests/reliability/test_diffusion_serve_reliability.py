@@ -6,7 +6,7 @@ are the runtime's and not a model's; the SIGKILL test runs the real tiny Qwen-Im
 
 Pins: a client that gives up on a long request frees the worker at once (a 2-step request right after
 completes within 2 s); a lone surrogate in chat content is a 400 and the worker lives on; kill -9 of the
-worker fails its request with 503 within about a second, /health says degraded, and the stage serves again
+worker fails its request with 503 within 1 s, /health says degraded, and the stage serves again
 within 60 s without restarting the server, leaving no zombie, shm segment or socket directory; SIGTERM with a
 busy worker exits within 15 s leaving nothing; after SIGKILL of the server its workers are gone within 10 s.
 """
@@ -130,7 +130,7 @@ def test_kill9_of_the_worker_fails_fast_and_the_stage_comes_back(fake_server):
     worker.kill()
     pending["thread"].join(30)
     assert pending["response"].status_code == 503, pending["response"].text
-    assert pending["at"] - killed_at <= 1.5
+    assert pending["at"] - killed_at <= 1.0  # issue 13 acceptance; 0.2-0.4 s measured on a loaded 2-core box
     health = httpx.get(srv.url + "/health", timeout=10)
     assert health.status_code == 503 and "degraded" in health.json()["error"]["message"]
     deadline = killed_at + 60

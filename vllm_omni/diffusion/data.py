@@ -153,6 +153,11 @@ class OmniDiffusionConfig:
     max_stage_restarts: int = 3
     """How many times the engine replaces workers that died (crash, OOM kill) before the stage is dead; the
     requests a dying worker ran fail with 503, queued ones wait for the new workers."""
+    diffusion_memory_budget_gb: float | None = None
+    """GiB of memory the diffusion stage's requests may use together beyond the weights (admission by each
+    request's estimated latents, activations and step tables at its shape): a request that could never fit is a
+    400 naming the field that makes it too big, one that fits later waits for running requests to finish.
+    None = on CUDA the free device memory measured after the model loaded, on CPU no memory admission."""
     diffusers_load_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of diffusers' `from_pretrained` on the generic adapter path."""
     use_diffusers_adapter: bool = False
@@ -175,6 +180,8 @@ class OmniDiffusionConfig:
         check_attention_backend(self.diffusion_attention_backend)
         if self.step_execution and self.parallel_config.world_size > 1:
             raise ValueError("step_execution supports one rank only for now (tensor_parallel_size=1)")
+        if self.diffusion_memory_budget_gb is not None and not self.diffusion_memory_budget_gb > 0:
+            raise ValueError(f"diffusion_memory_budget_gb must be > 0, got {self.diffusion_memory_budget_gb}")
         if self.max_stage_restarts < 0:
             raise ValueError(f"max_stage_restarts must be >= 0, got {self.max_stage_restarts}")
         if self.load_format not in DIFFUSION_LOAD_FORMATS:

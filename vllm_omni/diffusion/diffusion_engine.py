@@ -37,6 +37,8 @@ from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.logger import init_logger
 from vllm_omni.models.registry import MODEL_REGISTRY
 from vllm_omni.models.resolution import resolve_model_dir, resolve_pipeline_class_name
+from vllm_omni.models.shapes import ShapeRule
+from vllm_omni.models.spec import import_target
 
 logger = init_logger(__name__)
 
@@ -66,6 +68,7 @@ class DiffusionEngine:
         self.prompt_bound = (PromptBound.for_model(model_dir, entry.prompt_tokenizer, entry.max_prompt_tokens)
                              if entry is not None and entry.max_prompt_tokens else None)
         """The text encoder's token limit, checked by the stage client off the event loop before `submit`."""
+        rule = import_target(entry.shape_rule)(model_dir) if entry is not None and entry.shape_rule else None
         self.supports_request_batch = supports_request_batch(pipeline_cls)
         if od_config.max_num_seqs > 1 and not (self.supports_request_batch or self.step_execution):
             raise ValueError(
@@ -88,7 +91,12 @@ class DiffusionEngine:
         self._counters: Counter[str] = Counter()
         self._batch_sizes: Counter[int] = Counter()
         self._failure_callbacks: list[Callable[[], None]] = []
+        self._reserved: dict[str, int] = {}
+        """Estimated bytes of each request on the workers (memory admission)."""
         self.executor = MultiprocDiffusionExecutor(self.od_config)
+        self.shape_rule = _with_budget(rule, od_config, self.executor.worker_info)
+        """The sizes the pipeline makes and the memory budget of its requests; the API process checks both
+        before queuing, `submit` checks them again, and the scheduler admits by the budget."""
         self._watch(self.executor)
         self._thread = threading.Thread(target=self._schedule_loop, name="DiffusionScheduler", daemon=True)
         self._thread.start()
@@ -117,6 +125,8 @@ class DiffusionEngine:
         workers' results, so a slow callback delays every request's results (never the workers).
         """
         request = _validated(request)
+        if self.shape_rule is not None:
+            self.shape_rule.check(request.sampling_params)
         future: Future[DiffusionOutput] = Future()
         with self._cond:
             if self._stopping:
@@ -224,7 +234,7 @@ class DiffusionEngine:
                         return
                     wait = _SCHEDULER_IDLE_WAIT_S
                     if (self.step_execution or not self._batch_in_flight) and not self._restarting:
-                        batch, due = self.scheduler.schedule()
+                        batch, due = self.scheduler.schedule(fits=self._fits)
                         wait = due if due is not None else wait
                     if not batch:
                         self._cond.wait(wait)
@@ -234,6 +244,8 @@ class DiffusionEngine:
                     future, arrival = self._waiting.pop(request.request_id)
                     futures[request.request_id] = (future, now - arrival)
                     self._running[request.request_id] = future
+                    if self.shape_rule is not None:
+                        self._reserved[request.request_id] = self.shape_rule.estimate_bytes(request.sampling_params)
                 self._batch_in_flight = True
                 self._batch_sizes[len(batch)] += 1
                 self._counters["num_forwards"] += 1
@@ -248,6 +260,15 @@ class DiffusionEngine:
                 if aborted := [rid for rid, (future, _) in futures.items() if future.cancelled()]:
                     executor.abort(aborted)
             batch_future.add_done_callback(lambda f, futures=futures: self._finish_batch(f, futures))
+
+    def _fits(self, requests: list[OmniDiffusionRequest]) -> bool:
+        """Memory admission (called under the lock): what runs plus these requests' estimates fit the budget.
+        A lone request on idle workers always fits: `submit` refused the ones that never could."""
+        budget = None if self.shape_rule is None else self.shape_rule.memory_budget_bytes
+        if budget is None or (not self._reserved and len(requests) == 1):
+            return True
+        need = sum(self.shape_rule.estimate_bytes(r.sampling_params) for r in requests)
+        return sum(self._reserved.values()) + need <= budget
 
     def _on_partial(self, partial: PartialResult) -> None:
         callback = self._partial_callbacks.get(partial.request_id)
@@ -265,6 +286,7 @@ class DiffusionEngine:
         with self._cond:
             for rid in futures:
                 self._running.pop(rid, None)
+                self._reserved.pop(rid, None)
                 self._partial_callbacks.pop(rid, None)
             self._batch_in_flight = False
             self._cond.notify_all()  # the scheduler, and `wait_stopped` callers
@@ -353,6 +375,22 @@ class DiffusionEngine:
             self._cond.notify_all()
         for future in waiting:
             _set(future, exception=error)
+
+
+def _with_budget(rule: ShapeRule | None, od_config: OmniDiffusionConfig, worker_info: list[dict[str, Any]]
+                 ) -> ShapeRule | None:
+    """The family's rule with this stage's activation width and memory budget: the configured GiB, else the
+    least free device memory any rank measured after loading (CUDA), else none (CPU)."""
+    if rule is None:
+        return None
+    on_cuda = any("cuda" in str(info.get("device", "")) for info in worker_info)
+    dtype = od_config.dtype if od_config.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
+    budget = None
+    if od_config.diffusion_memory_budget_gb is not None:
+        budget = int(od_config.diffusion_memory_budget_gb * 2**30)
+    elif free := [info["free_memory_bytes"] for info in worker_info if "free_memory_bytes" in info]:
+        budget = min(free)
+    return dataclasses.replace(rule, dtype_bytes=4 if dtype == "float32" else 2, memory_budget_bytes=budget)
 
 
 def _validated(request: OmniDiffusionRequest) -> OmniDiffusionRequest:

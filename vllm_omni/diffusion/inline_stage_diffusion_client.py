@@ -23,6 +23,7 @@ from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.errors import EngineDeadError, client_error_from_metadata
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.logger import init_logger
+from vllm_omni.models.shapes import ShapeRule
 from vllm_omni.models.spec import Modality
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -72,6 +73,10 @@ class InlineStageDiffusionClient(StageClientBase):
     @property
     def input_modalities(self) -> frozenset[Modality]:
         return self._engine.input_modalities
+
+    @property
+    def shape_rule(self) -> ShapeRule | None:
+        return self._engine.shape_rule
 
     def default_sampling_params(self) -> OmniDiffusionSamplingParams:
         return OmniDiffusionSamplingParams.from_dict(dict(self.config.default_sampling_params))

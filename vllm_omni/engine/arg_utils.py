@@ -88,6 +88,9 @@ class OmniEngineArgs(EngineArgs):
     """Serve through vllm-omni (what makes `vllm` hand over)."""
     stage_overrides: dict[str, dict[str, Any]] | None = None
     """Per-stage engine args keyed by stage id, e.g. {"0": {"max_num_seqs": 2}}; they win over global flags."""
+    pipeline_config: str | None = None
+    """Pipeline config YAML (the stage graph: stages, their models, edges, final outputs) instead of the
+    model's own topology; serves any multi-stage pipeline `Omni(pipeline_config=...)` runs offline."""
     deploy_config: str | None = None
     """Deploy config YAML (placement, devices, deploy-time defaults); never changes the stage graph."""
     stage_init_timeout: float | None = None
@@ -108,6 +111,7 @@ class OmniEngineArgs(EngineArgs):
     ulysses_degree: int | None = None
     ring_degree: int | None = None
     cfg_parallel_size: int | None = None
+    diffusion_memory_budget_gb: float | None = None
     max_stage_restarts: int | None = None
     """Times a stage re-creates what died (diffusion workers, an AR stage's EngineCore) before it is dead;
     None = the stage's default (3)."""

@@ -114,10 +114,12 @@ class AsyncOmniEngine:
 
     def _capabilities(self) -> ModelCapabilities:
         entry = [c for c, stage in zip(self.stage_clients, self.config.stages, strict=True) if not stage.inputs]
+        rules = tuple(c.shape_rule for c in self.stage_clients)
         return ModelCapabilities(
             stage_kinds=tuple(c.kind for c in self.stage_clients),
             input_modalities=frozenset().union(*(c.input_modalities for c in entry)),
-            output_modalities=frozenset(c.output_modality for c in self.stage_clients if c.final_output))
+            output_modalities=frozenset(c.output_modality for c in self.stage_clients if c.final_output),
+            shape_rules=rules if any(rules) else ())
 
     @staticmethod
     def _describe(client: Any) -> dict[str, Any]:

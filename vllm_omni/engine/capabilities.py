@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.models.shapes import ShapeRule
 from vllm_omni.models.spec import Modality
 
 
@@ -20,6 +21,9 @@ class ModelCapabilities:
     """What a request may carry: the union over the stages the user's prompt feeds (no upstream `inputs`)."""
     output_modalities: frozenset[Modality]
     """What the final stages produce."""
+    shape_rules: tuple[ShapeRule | None, ...] = ()
+    """Per stage (by stage id): the output sizes a diffusion stage makes, checked on every route that takes a
+    size before anything is queued; None (or missing) for stages without one."""
 
     def __post_init__(self) -> None:
         if not self.stage_kinds:
@@ -38,6 +42,9 @@ class ModelCapabilities:
     def starts_with_ar(self) -> bool:
         """The prompt goes to an AR (text) model first: chat templates, tools and n > 1 apply to it."""
         return self.stage_kinds[0] is StageKind.AR
+
+    def shape_rule(self, stage_id: int) -> ShapeRule | None:
+        return self.shape_rules[stage_id] if stage_id < len(self.shape_rules) else None
 
     def describe(self) -> str:
         """For error messages: "takes [text], makes [image]"."""

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from vllm_omni.config.stage_config import StageConfig
 from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.models.shapes import ShapeRule
 from vllm_omni.models.spec import Modality
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -60,6 +61,11 @@ class StageClientBase:
     def input_modalities(self) -> frozenset[Modality]:
         """What this stage takes when the user's prompt feeds it (its family spec's declaration)."""
         return frozenset({"text"})
+
+    @property
+    def shape_rule(self) -> ShapeRule | None:
+        """The output sizes a diffusion stage makes (its family's `ShapeRule`); None: no constraint known."""
+        return None
 
     @property
     def is_dead(self) -> bool:

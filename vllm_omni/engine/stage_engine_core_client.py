@@ -16,6 +16,8 @@ import contextlib
 import inspect
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from multiprocessing import shared_memory
 from typing import Any
 
@@ -48,6 +50,10 @@ class StageEngineCoreClient(StageClientBase):
         self._watch_task: asyncio.Task | None = None
         self._dead = False
         self._core_segments: set[str] = set()
+        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-build")
+        self._building: Future | None = None
+        """An AsyncLLM being constructed (its EngineCore starting); `shutdown` takes it over so that a
+        shutdown during a restart never leaves a half-built engine running."""
 
     async def start(self) -> None:
         await self._start_llm()
@@ -61,16 +67,28 @@ class StageEngineCoreClient(StageClientBase):
         engine_args = self.config.make_engine_args()
         vllm_config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
         configured = time.perf_counter()
-        # AsyncLLM's constructor blocks until EngineCore is ready; keep the loop free meanwhile.
-        loop = asyncio.get_running_loop()
-        self.llm = await asyncio.wait_for(
-            loop.run_in_executor(None, lambda: AsyncLLM.from_vllm_config(
-                vllm_config, disable_log_stats=engine_args.disable_log_stats)),
-            timeout=self.config.stage_init_timeout,
-        )
+        # AsyncLLM's constructor blocks until EngineCore is ready; keep the loop free meanwhile. It cannot be
+        # interrupted: if we stop waiting (timeout, cancel) whatever it builds is shut down once built.
+        built = self._builder.submit(self._build_llm, AsyncLLM, vllm_config, engine_args)
+        self._building = built
+        try:
+            llm = await asyncio.wait_for(asyncio.wrap_future(built), timeout=self.config.stage_init_timeout)
+        except BaseException:
+            if self._building is built:  # not taken over by `shutdown`
+                self._building = None
+                built.add_done_callback(_discard_built)
+            raise
+        if self._building is not built:  # `shutdown` ran meanwhile and shut it down
+            raise EngineDeadError(f"{self.name}: shut down while its EngineCore started")
+        self._building = None
+        self.llm = llm
         logger.info("[%s] vLLM config in %.1f s, EngineCore ready in %.1f s", self.name, configured - start,
                     time.perf_counter() - configured)
         self._core_segments = _engine_core_segments(self.llm)
+
+    @staticmethod
+    def _build_llm(async_llm_cls: Any, vllm_config: Any, engine_args: Any) -> Any:
+        return async_llm_cls.from_vllm_config(vllm_config, disable_log_stats=engine_args.disable_log_stats)
 
     @property
     def vllm_config(self):
@@ -226,7 +244,31 @@ class StageEngineCoreClient(StageClientBase):
         for task in (self._watch_task, self._restart_task):
             if task is not None:
                 task.cancel()
+        building, self._building = self._building, None
+        if building is not None:  # mid-restart: wait for the EngineCore being started, then shut it down
+            try:
+                _discard(building.result(timeout=_SHUTDOWN_TIMEOUT_S))
+            except FutureTimeoutError:
+                logger.warning("[%s] the EngineCore being started was not ready within %.0f s of shutdown; "
+                               "it is shut down once it is", self.name, _SHUTDOWN_TIMEOUT_S)
+                building.add_done_callback(_discard_built)
+            except Exception:  # the build failed: nothing to shut down
+                pass
+        self._builder.shutdown(wait=False)
         self._shutdown_llm()
+
+
+def _discard(llm: Any) -> None:
+    """Shut down an AsyncLLM the stage never adopted, and free its EngineCore's shared memory."""
+    segments = _engine_core_segments(llm)
+    llm.shutdown(timeout=_SHUTDOWN_TIMEOUT_S)
+    for name in segments:
+        _unlink_segment(name)
+
+
+def _discard_built(built: Future) -> None:
+    if not built.cancelled() and built.exception() is None:
+        _discard(built.result())
 
 
 def _engine_core_segments(llm) -> set[str]:

@@ -36,6 +36,9 @@ class DiffusionPipelineEntry:
     """The most prompt tokens its text encoder reads (longer prompts are refused before queuing)."""
     prompt_tokenizer: str = "tokenizer"
     """The checkpoint subfolder of the tokenizer those tokens are counted with."""
+    shape_rule: str | None = None
+    """"module:fn" taking the checkpoint directory and returning its `ShapeRule` (models/shapes.py) from the
+    config files alone: which sizes the pipeline makes, checked in the API process before queuing."""
 
 
 @dataclass(frozen=True)

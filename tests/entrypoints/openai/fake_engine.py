@@ -56,12 +56,14 @@ class FakeOmni:
     aborted: list[str] = field(default_factory=list)
     running: set[str] = field(default_factory=set)
     calls: list[tuple[str, dict]] = field(default_factory=list)
+    shape_rules: tuple[Any, ...] = ()
 
     @property
     def capabilities(self) -> ModelCapabilities:
         return ModelCapabilities(stage_kinds=tuple(StageKind(t) for t in self.stage_types),
                                  input_modalities=frozenset(self.input_modalities),
-                                 output_modalities=frozenset(self.output_modalities))
+                                 output_modalities=frozenset(self.output_modalities),
+                                 shape_rules=self.shape_rules)
 
     @property
     def default_sampling_params_list(self) -> list[Any]:

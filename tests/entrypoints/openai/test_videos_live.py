@@ -59,6 +59,22 @@ def test_sync_route_returns_decodable_mp4(server):
     assert bad.status_code == 400 and "width" in bad.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("body,param", [({**FAST, "size": "65x65"}, "size"), ({**FAST, "seed": 2**64}, "seed"),
+                                        ({"num_inference_steps": 2, "seconds": 1e300}, "seconds")])
+def test_invalid_job_refused_before_queuing(server, body, param):
+    """D18 (issue 13): each was 200 `queued`, then `failed`; now a 400 naming the field and no job, on the
+    async route, /sync and the WebSocket alike (Wan's size rule is read from the checkpoint's configs)."""
+    jobs = httpx.get(f"{server.url}/v1/videos", params={"limit": 100}, timeout=30).json()["data"]
+    for path in ("/v1/videos", "/v1/videos/sync"):
+        resp = httpx.post(f"{server.url}{path}", json={"prompt": "x", **body}, timeout=30)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    assert httpx.get(f"{server.url}/v1/videos", params={"limit": 100}, timeout=30).json()["data"] == jobs
+    with connect(server.url.replace("http", "ws") + "/v1/realtime/video", open_timeout=30) as ws:
+        ws.send(json.dumps({"type": "session.start", "prompt": "x", "sampling_params": body}))
+        msg = json.loads(ws.recv(timeout=30))
+    assert (msg["type"], msg["param"]) == ("error", param), msg
+
+
 def test_websocket_streams_chunks_while_the_clip_decodes(server):
     """17 frames = 5 latent frames = 5 decoded chunks; the first fragment must reach the client before the
     engine's final output (the whole decoded clip) reached the server, i.e. before the full decode finished."""

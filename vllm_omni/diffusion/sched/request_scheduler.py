@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_omni.diffusion.request import OmniDiffusionRequest
@@ -50,8 +51,11 @@ class RequestScheduler:
         self._waiting.clear()
         return requests
 
-    def schedule(self, now: float | None = None) -> tuple[list[OmniDiffusionRequest], float | None]:
-        """Pop the next batch, or return ([], seconds to wait before the pending batch is due)."""
+    def schedule(self, now: float | None = None, fits: Callable[[list[OmniDiffusionRequest]], bool] | None = None
+                 ) -> tuple[list[OmniDiffusionRequest], float | None]:
+        """Pop the next batch, or return ([], seconds to wait before the pending batch is due). `fits` (memory
+        admission) trims the batch to what fits; when not even the oldest request fits, nothing is popped and
+        the caller waits for running requests to finish (the oldest keeps its place: no starvation)."""
         if not self._waiting:
             return [], None
         now = time.monotonic() if now is None else now
@@ -60,6 +64,8 @@ class RequestScheduler:
         due = head.arrival + self.max_wait_s
         if len(batch) < self.max_num_seqs and now < due:
             return [], due - now
+        while batch and fits is not None and not fits([w.request for w in batch]):
+            batch.pop()
         for w in batch:
             del self._waiting[w.request.request_id]
         return [w.request for w in batch], None

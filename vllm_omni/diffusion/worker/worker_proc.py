@@ -140,6 +140,10 @@ class WorkerProc:
 
             self.steps = StepExecutor(self.worker.model_runner, self._send_outputs, self.aborted)
         info = {**self.worker.ping(), "pipeline_class": self.worker.model_runner.pipeline_class_name}
+        if self.worker.device.type == "cuda":  # what requests may use: the engine's memory admission budget
+            import torch
+
+            info["free_memory_bytes"] = torch.cuda.mem_get_info(self.worker.device)[0]
         self._send(WorkerReady(rank=self.rank, info=info))
         return True
 

@@ -20,6 +20,7 @@ or a built-in tiny default such as tiny/qwen-image or tiny/qwen2).
 
 Routes: /v1/chat/completions (+ /batch), /v1/images/generations, /v1/images/edits, /v1/audio/speech,
 /v1/models, /health, /metrics, /v1/omni/sleep, /v1/omni/wakeup.
+`--pipeline-config FILE.yaml` serves a multi-stage YAML pipeline instead of MODEL's own topology.
 Use `--help=<group>` (e.g. --help=OmniConfig, --help=Frontend) or `--help=all` for every flag.
 """
 

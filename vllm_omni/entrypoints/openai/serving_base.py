@@ -127,7 +127,7 @@ class OmniServingBase:
                 params.append(first_llm_params(default))
                 seen_llm = True
             elif kind is StageKind.DIFFUSION:
-                params.append(self.diffusion_params(default, diffusion_fields))
+                params.append(self.diffusion_params(default, diffusion_fields, stage_id))
             else:
                 params.append(default)
         return params
@@ -148,7 +148,7 @@ class OmniServingBase:
             if not isinstance(entry, dict):
                 raise OmniClientError(f"{param} must be an object", param=param)
             if kind is StageKind.DIFFUSION:
-                params.append(self._checked_diffusion_params(entry, param))
+                params.append(self._checked_diffusion_params(entry, param, stage_id))
                 continue
             try:
                 sp = SamplingParams(**entry)
@@ -161,12 +161,14 @@ class OmniServingBase:
             params.append(sp)
         return params
 
-    def _checked_diffusion_params(self, entry: dict[str, Any], param: str) -> OmniDiffusionSamplingParams:
+    def _checked_diffusion_params(self, entry: dict[str, Any], param: str, stage_id: int
+                                  ) -> OmniDiffusionSamplingParams:
         sp = OmniDiffusionSamplingParams.from_dict(entry)
-        self.check_diffusion_limits(sp, f"{param}.")
+        self.check_diffusion_limits(sp, stage_id, f"{param}.")
         return sp
 
-    def diffusion_params(self, default: Any, fields: DiffusionFields | None) -> OmniDiffusionSamplingParams:
+    def diffusion_params(self, default: Any, fields: DiffusionFields | None, stage_id: int
+                         ) -> OmniDiffusionSamplingParams:
         base = default if isinstance(default, OmniDiffusionSamplingParams) else OmniDiffusionSamplingParams()
         if fields is None:
             return base.clone()
@@ -176,12 +178,18 @@ class OmniServingBase:
             updates.setdefault("width", width)
             updates.setdefault("height", height)
         sp = dataclasses.replace(base.clone(), **updates)
-        self.check_diffusion_limits(sp)
+        self.check_diffusion_limits(sp, stage_id, size_field="size" if fields.size else None)
         return sp
 
-    def check_diffusion_limits(self, sp: OmniDiffusionSamplingParams, prefix: str = "") -> None:
+    def check_diffusion_limits(self, sp: OmniDiffusionSamplingParams, stage_id: int, prefix: str = "",
+                               size_field: str | None = None) -> None:
+        """The server's bounds, then the sizes the stage's pipeline makes (its `ShapeRule`): everything that
+        would fail in the worker fails here, before a request or job exists."""
         self.check_num_outputs(sp.num_outputs_per_prompt, f"{prefix}num_outputs_per_prompt")
         sp.check_limits(self.limits.diffusion, prefix)
+        rule = self.capabilities.shape_rule(stage_id)
+        if rule is not None:
+            rule.check(sp, prefix, size_field)
 
     def check_num_outputs(self, n: int, param: str) -> None:
         if n > self.limits.max_request_outputs:

@@ -84,7 +84,7 @@ class OmniOpenAIServingVideo(OmniServingBase):
         params = []
         for stage_id, kind in enumerate(self.capabilities.stage_kinds):
             default = self.default_params(stage_id)
-            params.append(self.video_params(default, request) if kind is StageKind.DIFFUSION else default)
+            params.append(self.video_params(default, request, stage_id) if kind is StageKind.DIFFUSION else default)
         prompt: dict[str, Any] = {"prompt": request.prompt}
         if upload is not None or request.input_reference is not None:
             self.check_accepts_images("input_reference")
@@ -93,13 +93,16 @@ class OmniOpenAIServingVideo(OmniServingBase):
             prompt["multi_modal_data"] = {"image": image}
         return prompt, params
 
-    def video_params(self, default: Any, request: VideoGenerationRequest) -> OmniDiffusionSamplingParams:
+    def video_params(self, default: Any, request: VideoGenerationRequest, stage_id: int
+                     ) -> OmniDiffusionSamplingParams:
         base = default if isinstance(default, OmniDiffusionSamplingParams) else OmniDiffusionSamplingParams()
         updates = {name: getattr(request, name) for name in _PARAM_FIELDS if name in request.model_fields_set}
         width, height = parse_size(request.size)
         if width is not None:
             updates.update(width=width, height=height)
-        if request.seconds is not None and "num_frames" not in updates:
+        if request.seconds is not None and "num_frames" in updates:
+            raise OmniClientError("give seconds or num_frames, not both", param="seconds")
+        if request.seconds is not None:
             fps = updates.get("fps") or base.fps or DEFAULT_FPS
             max_frames = self.limits.diffusion.max_num_frames
             if request.seconds * fps + 1 > max_frames:
@@ -107,7 +110,7 @@ class OmniOpenAIServingVideo(OmniServingBase):
                                       "frames this server allows (see --max-num-frames)", param="seconds")
             updates.update(fps=fps, num_frames=int(round(request.seconds * fps)) + 1)
         sp = dataclasses.replace(base.clone(), **updates)
-        self.check_diffusion_limits(sp)
+        self.check_diffusion_limits(sp, stage_id, size_field="size" if request.size else None)
         return sp
 
     @staticmethod

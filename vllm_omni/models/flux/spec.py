@@ -6,6 +6,7 @@ SPEC = ModelSpec(
     family="flux",
     description="black-forest-labs/FLUX.1-dev (native pipeline, matches diffusers)",
     diffusion_pipelines={"FluxPipeline": DiffusionPipelineEntry(
-        "vllm_omni.models.flux.pipeline:FluxPipeline", "image", max_prompt_tokens=512, prompt_tokenizer="tokenizer_2")},
+        "vllm_omni.models.flux.pipeline:FluxPipeline", "image", max_prompt_tokens=512, prompt_tokenizer="tokenizer_2",
+        shape_rule="vllm_omni.models.flux.shapes:shape_rule")},
     tiny={"flux": "vllm_omni.models.flux.tiny:build_flux"},
 )

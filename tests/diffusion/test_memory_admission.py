@@ -1,0 +1,108 @@
+"""Memory admission of diffusion requests by their estimated cost at their shape (issue 13).
+
+Why it matters: one request at a huge shape (or many outputs) could take the worker's whole memory, and
+requests that fit only one at a time ran together. What it pins: the estimate grows with what a request asks
+for and is of the right order for a real model; a request that can never fit the stage's budget is a 400
+naming the field that makes it too big (in `submit`, before queuing); one that fits only once a running
+request finishes waits in the scheduler (oldest first) and then runs — on real tiny Qwen-Image workers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+
+from vllm_omni.diffusion.data import OmniDiffusionConfig
+from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.sched.request_scheduler import RequestScheduler
+from vllm_omni.errors import OmniClientError
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
+from vllm_omni.models.shapes import ShapeRule
+
+QWEN_IMAGE = ShapeRule(size_multiple=16, min_size=16, hidden_size=3072, latent_channels=16, vae_channels=96,
+                       text_tokens=1024, step_table_width=12 * 60, dtype_bytes=2)
+"""Qwen/Qwen-Image's numbers (24 heads x 128, 60 blocks, VAE base_dim 96) in bf16."""
+WAN = ShapeRule(size_multiple=16, frame_stride=4, hidden_size=1536, vae_channels=96, default_size=(480, 832),
+                default_frames=81, dtype_bytes=2)
+
+
+def test_estimate_follows_the_request_shape():
+    one = QWEN_IMAGE.estimate_bytes(SP(height=1024, width=1024, num_inference_steps=50))
+    assert 2 * 2**30 < one < 3 * 2**30  # 1.0 GiB activations + 0.4 GiB step tables + 0.8 GiB VAE decode
+    assert QWEN_IMAGE.estimate_bytes(SP(height=1024, width=1024, num_inference_steps=50,
+                                        num_outputs_per_prompt=3)) == 3 * one
+    assert QWEN_IMAGE.estimate_bytes(SP(height=2048, width=2048, num_inference_steps=50)) > 3 * one
+    assert QWEN_IMAGE.estimate_bytes(SP(height=1024, width=1024, num_inference_steps=500)) > one
+    assert QWEN_IMAGE.estimate_bytes(SP()) == one  # defaults: 1024², 50 steps
+    clip = WAN.estimate_bytes(SP(num_frames=81))
+    assert WAN.estimate_bytes(SP()) == clip and WAN.estimate_bytes(SP(num_frames=161)) > 1.5 * clip
+    assert ShapeRule().estimate_bytes(SP()) == 0  # no facts: no estimate
+
+
+@pytest.mark.parametrize("params,param", [
+    ({"num_outputs_per_prompt": 8}, "num_outputs_per_prompt"),
+    ({"num_frames": 1001}, "num_frames"),
+    ({"num_inference_steps": 100_000}, "num_inference_steps"),
+    ({"height": 2048, "width": 2048}, "size"),
+])
+def test_never_fits_names_the_field(params, param):
+    budget = int(1.2 * WAN.estimate_bytes(SP(height=480, width=832, num_frames=81, num_inference_steps=50)))
+    rule = dataclasses.replace(WAN, memory_budget_bytes=budget, step_table_width=64)
+    sp = SP(height=480, width=832, num_frames=81, num_inference_steps=50)
+    rule.check(sp, size_field="size")
+    with pytest.raises(OmniClientError) as err:
+        rule.check(dataclasses.replace(sp, **params), "sampling_params_list[0].", size_field="size")
+    assert err.value.param == f"sampling_params_list[0].{param}" and "GiB" in err.value.message
+
+
+def test_scheduler_trims_the_batch_to_what_fits():
+    scheduler = RequestScheduler(max_num_seqs=4)
+    for i in range(3):
+        scheduler.add_request(OmniDiffusionRequest("x", SP(), f"r{i}"), now=0.0)
+    assert scheduler.schedule(now=1.0, fits=lambda rs: False) == ([], None)  # the oldest keeps its place
+    batch, _ = scheduler.schedule(now=1.0, fits=lambda rs: len(rs) <= 2)
+    assert [r.request_id for r in batch] == ["r0", "r1"] and scheduler.num_waiting == 1
+
+
+BUDGET_GB = 16 / 1024
+"""Tiny Qwen-Image at 32², one output: ~8.5 MB + 12 KB per step. A 60-step and a 2-step request (9.2 + 8.6
+MB) do not fit 16 MB together; each fits alone; 4 outputs (~34 MB) never fit."""
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = DiffusionEngine(OmniDiffusionConfig(model="tiny/qwen-image", step_execution=True, max_num_seqs=4,
+                                                 diffusion_memory_budget_gb=BUDGET_GB))
+    yield engine
+    engine.close()
+
+
+def make(rid: str, steps: int, **kwargs) -> OmniDiffusionRequest:
+    return OmniDiffusionRequest("a cat", SP(height=32, width=32, num_inference_steps=steps, seed=0,
+                                            output_type="np", **kwargs), rid)
+
+
+def test_budget_from_the_flag(engine):
+    assert engine.shape_rule.memory_budget_bytes == 16 * 2**20 and engine.shape_rule.dtype_bytes == 4
+
+
+def test_never_fitting_request_refused_at_submit(engine):
+    with pytest.raises(OmniClientError) as err:
+        engine.submit(make("big", 2, num_outputs_per_prompt=4))
+    assert err.value.param == "num_outputs_per_prompt"
+    assert engine.stats()["num_waiting"] == 0
+
+
+def test_request_that_fits_later_waits_then_runs(engine):
+    first_step = threading.Event()
+    long = engine.submit(make("long", 60), on_partial=lambda p: first_step.set())
+    assert first_step.wait(120)
+    short = engine.submit(make("short", 2))
+    # Without the budget, step mode admits it at the next step and it finishes while the long one runs.
+    short_out = short.result(300)
+    assert long.done(), "the short request ran beside the long one although both do not fit the budget"
+    assert long.result().error is None and short_out.error is None
+    assert short_out.stage_durations["queue"] > 0.0

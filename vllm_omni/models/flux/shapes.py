@@ -1,0 +1,17 @@
+"""FLUX's output shapes and memory facts from its configs: like diffusers, the pipeline rounds height and width
+down to the 2 x 2-patch latent grid (VAE factor 2 ** (len(block_out_channels) - 1)), so any size of one patch or
+more works; the denoise loop precomputes every block's adaLN rows for all steps."""
+
+from pathlib import Path
+
+from vllm_omni.models.shapes import ShapeRule, read_config
+
+
+def shape_rule(model_dir: Path) -> ShapeRule:
+    vae, transformer = read_config(model_dir, "vae"), read_config(model_dir, "transformer")
+    factor = 2 ** (len(vae["block_out_channels"]) - 1)
+    return ShapeRule(size_multiple=1, min_size=factor * 2, token_stride=factor * 2, vae_spatial=factor,
+                     hidden_size=transformer["num_attention_heads"] * transformer["attention_head_dim"],
+                     latent_channels=vae["latent_channels"], vae_channels=vae["block_out_channels"][0],
+                     text_tokens=512, default_size=(1024, 1024), default_steps=28,
+                     step_table_width=12 * transformer["num_layers"] + 3 * transformer["num_single_layers"] + 2)
