@@ -184,6 +184,8 @@ class NativeDiffusionPipeline(nn.Module):
         rows; each state then takes its own guidance and scheduler step. Returns each state's error (None: it
         advanced). A state whose inputs or guidance raise fails alone; when the shared forward raises, whose
         fault it is cannot be told, so each state retries the step with a forward of its own."""
+        if len(states) == 1:
+            return [_attempt(lambda: self.denoise_step(states[0], ctxs[0]))]
         errors: list[Exception | None] = [None] * len(states)
         inputs: dict[int, Any] = {}
         for i, (state, ctx) in enumerate(zip(states, ctxs, strict=True)):

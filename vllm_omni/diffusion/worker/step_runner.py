@@ -162,7 +162,7 @@ class StepExecutor:
                                                           pipeline.step_tokens(job.state)))
             if planned is not None:
                 key, tokens = planned
-                keyed.setdefault(id(job) if key is None else key, []).append((job, tokens))
+                keyed.setdefault((None, id(job)) if key is None else key, []).append((job, tokens))
         return [chunk for members in keyed.values() for chunk in split_by_tokens(members, self.max_tokens)]
 
     def _prepare(self, job: _Job) -> DenoiseState:
