@@ -3,12 +3,15 @@
     .venv/bin/python examples/offline_inference/diffusion_request_batching.py
     .venv/bin/python examples/offline_inference/diffusion_request_batching.py --diffusers-adapter
     .venv/bin/python examples/offline_inference/diffusion_request_batching.py --step-execution
+    python examples/offline_inference/diffusion_request_batching.py --step-execution --max-tokens-per-forward 1
     python examples/offline_inference/diffusion_request_batching.py --model Qwen/Qwen-Image --size 1024 --steps 50
 
 Requests with the same sampling-params key (size, steps, CFG, quality, ...) but different prompts and seeds
 share a forward, up to --max-num-seqs, waiting at most --batch-wait-ms for the batch to fill. With
 --step-execution the worker instead admits each request at the next denoise-step boundary (up to
---max-num-seqs resident, one forward per request per step; see "Execution modes" in docs/diffusion_runtime.md).
+--max-num-seqs resident); resident requests of the same size share one transformer forward per step, up to
+--max-tokens-per-forward tokens (1 = one forward per request; see "Execution modes" in
+docs/diffusion_runtime.md).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ def main() -> None:
                         help="run the model with plain diffusers inside the runtime (one request per forward)")
     parser.add_argument("--step-execution", action="store_true",
                         help="admit and retire requests at every denoise step instead of batching whole requests")
+    parser.add_argument("--max-tokens-per-forward", type=int, default=16384,
+                        help="step mode: most tokens in one co-batched transformer forward (1 = one per request)")
     args = parser.parse_args()
 
     params = OmniDiffusionSamplingParams(height=args.size, width=args.size, num_inference_steps=args.steps,
@@ -41,6 +46,7 @@ def main() -> None:
         request_batch_max_wait_ms=args.batch_wait_ms,
         use_diffusers_adapter=args.diffusers_adapter,
         step_execution=args.step_execution,
+        diffusion_max_tokens_per_forward=args.max_tokens_per_forward,
     )
     try:
         outputs = omni.generate(PROMPTS, params)  # all prompts are queued at once, so they can share a forward

@@ -1,18 +1,22 @@
-"""Native pipelines with an injected fault, for the step-execution tests (importable by worker processes).
+"""Native pipelines with injected faults, for the step-execution tests (importable by worker processes).
 
-A request whose prompt contains `FAIL` raises inside `predict_noise` at its second step; every other request
-runs the real pipeline unchanged.
+At its second step a request whose prompt contains `FAIL` raises while its transformer inputs are built (its
+own fault); one whose prompt contains `CRASH` makes the transformer forward that holds its rows raise (a
+fault of the shared forward, as an OOM or a kernel error would be). Every other request runs the real
+pipeline unchanged.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
 from vllm_omni.diffusion.pipeline_base import DenoiseState
 from vllm_omni.models.flux.pipeline import FluxPipeline
 from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
+from vllm_omni.models.wan.pipeline import WanPipeline
 
 FAIL_MARK = "FAIL"
+CRASH_MARK = "CRASH"
 FAIL_STEP = 1
 
 
@@ -21,10 +25,19 @@ class InjectedFault(RuntimeError):
 
 
 class _FaultInjection:
-    def predict_noise(self, state: DenoiseState) -> torch.Tensor:
-        if state.step_index == FAIL_STEP and any(FAIL_MARK in r.prompt_text for r in state.requests):
-            raise InjectedFault(f"injected fault at step {FAIL_STEP}")
-        return super().predict_noise(state)
+    def step_inputs(self, state: DenoiseState) -> Any:
+        inputs = super().step_inputs(state)
+        if state.step_index == FAIL_STEP:
+            if any(FAIL_MARK in r.prompt_text for r in state.requests):
+                raise InjectedFault(f"injected fault at step {FAIL_STEP}")
+            if any(CRASH_MARK in r.prompt_text for r in state.requests):
+                inputs.crash = True
+        return inputs
+
+    def forward_step_inputs(self, inputs: list[Any], states: list[Any]) -> list[Any]:
+        if any(getattr(inp, "crash", False) for inp in inputs):
+            raise InjectedFault(f"injected forward fault at step {FAIL_STEP}")
+        return super().forward_step_inputs(inputs, states)
 
 
 class FaultyQwenImagePipeline(_FaultInjection, QwenImagePipeline):
@@ -32,4 +45,8 @@ class FaultyQwenImagePipeline(_FaultInjection, QwenImagePipeline):
 
 
 class FaultyFluxPipeline(_FaultInjection, FluxPipeline):
+    pass
+
+
+class FaultyWanPipeline(_FaultInjection, WanPipeline):
     pass

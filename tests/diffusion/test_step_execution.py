@@ -2,10 +2,10 @@
 
 Pins: a request that arrives while another runs is admitted at the next step boundary and finishes long before
 the long one; requests with different step counts, seeds and CFG on/off share rounds, joining and leaving
-mid-flight, and each ends with exactly (bitwise) the output it gets alone in request mode, because every
-resident state has a forward of its own; at most `max_num_seqs` states are resident; an abort leaves at the
-next step boundary and frees its state; a request that raises inside a step (injected fault) or fails
-validation is retired alone with its error while the others are bitwise unaffected.
+mid-flight (co-batched into one transformer forward per step where their shapes agree), and each ends with
+exactly (bitwise, on CPU fp32) the output it gets alone in request mode; at most `max_num_seqs` states are
+resident; an abort leaves at the next step boundary and frees its state; a request that raises inside a step
+(injected fault) or fails validation is retired alone with its error while the others are bitwise unaffected.
 """
 
 from __future__ import annotations
@@ -13,72 +13,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from step_harness import Harness
 from step_pipelines import FaultyFluxPipeline, FaultyQwenImagePipeline
 
-from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
-from vllm_omni.diffusion.worker.step_runner import StepExecutor
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
 from vllm_omni.models.tiny import build_tiny
 
 CPU = torch.device("cpu")
 PIPELINES = {"qwen-image": FaultyQwenImagePipeline, "flux": FaultyFluxPipeline}
-
-
-class Runner:
-    """What the executor reads of a `DiffusionModelRunner`: the loaded pipeline and its config."""
-
-    def __init__(self, pipeline, max_num_seqs: int) -> None:
-        self.pipeline = pipeline
-        self.od_config = OmniDiffusionConfig(model="tiny", max_num_seqs=max_num_seqs)
-
-    def peak_memory_mb(self) -> float:
-        return 0.0
-
-
-class Aborts:
-    def __init__(self) -> None:
-        self.pairs: set[tuple[int, str]] = set()
-
-    def contains(self, batch_id: int, request_id: str) -> bool:
-        return (batch_id, request_id) in self.pairs
-
-    def forget_through(self, batch_id: int) -> None:
-        self.pairs = {p for p in self.pairs if p[0] > batch_id}
-
-
-class Harness:
-    """A `StepExecutor` with one request per batch (batch id = submission order), outputs by request id."""
-
-    def __init__(self, pipeline, max_num_seqs: int = 4) -> None:
-        self.aborts = Aborts()
-        self.outputs: dict[str, DiffusionOutput] = {}
-        self.finished_at: dict[str, int] = {}
-        self.rounds = 0
-        self.ids: dict[str, int] = {}
-        self.executor = StepExecutor(Runner(pipeline, max_num_seqs), self._send, self.aborts)
-
-    def _send(self, batch_id: int, outputs: list[DiffusionOutput]) -> None:
-        rid = next(r for r, b in self.ids.items() if b == batch_id)
-        self.outputs[rid] = outputs[0]
-        self.finished_at[rid] = self.rounds
-
-    def add(self, request: OmniDiffusionRequest) -> None:
-        self.ids[request.request_id] = len(self.ids)
-        self.executor.add(self.ids[request.request_id], [request], None)
-
-    def abort(self, request_id: str) -> None:
-        self.aborts.pairs.add((self.ids[request_id], request_id))
-
-    def round(self) -> None:
-        self.rounds += 1
-        self.executor.run_round()
-
-    def drain(self, max_rounds: int = 100) -> None:
-        while self.executor.has_work:
-            assert self.rounds < max_rounds
-            self.round()
 
 
 @pytest.fixture(scope="module")

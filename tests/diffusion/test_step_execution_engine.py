@@ -2,10 +2,11 @@
 
 Pins: with `step_execution=True` a request submitted while a long one runs is admitted at the next step and
 its result arrives while the long one is still running; every output equals (bitwise) the same request's
-output from a request-mode engine; an abort frees the worker's state within a step or two; a request that
-raises inside a step fails alone (500, with its error) and its neighbour is unaffected; a pipeline that
-cannot step serves in request mode; `--step-execution --max-num-seqs N` and `Omni(...)`-style kwargs reach
-the stage's `OmniDiffusionConfig`.
+output from a request-mode engine, also when concurrent requests share the worker's co-batched forwards; an
+abort frees the worker's state within a step or two; a request that raises inside a step fails alone (500,
+with its error) and its neighbour is unaffected; a pipeline that cannot step serves in request mode;
+`--step-execution --max-num-seqs N`, `--diffusion-max-tokens-per-forward N` and `Omni(...)`-style kwargs
+reach the stage's `OmniDiffusionConfig`.
 """
 
 from __future__ import annotations
@@ -122,3 +123,25 @@ def test_step_execution_knobs_reach_the_stage_config():
         assert od.step_execution and od.max_num_seqs == 4
     with pytest.raises(ValueError, match="one rank"):
         OmniDiffusionConfig.from_kwargs(model="m", step_execution=True, tensor_parallel_size=2)
+
+
+def test_concurrent_requests_cobatched_in_the_worker_match_request_mode(step_engine, request_engine):
+    """Same size, different prompts, seeds, step counts and CFG on/off: resident together in the worker, they
+    share its transformer forwards (default token cap) and each still equals its request-mode output."""
+    requests = [make("co-a", 4, 11, cfg=True), make("co-b", 2, 12, "a red car"),
+                make("co-c", 3, 13, "mountains and a lake at dawn, oil painting", cfg=True)]
+    futures = [step_engine.submit(request) for request in requests]
+    for request, future in zip(requests, futures, strict=True):
+        assert_same_as_request_mode(request_engine, request, future.result(120))
+
+
+def test_token_cap_knob_reaches_the_stage_config():
+    parser = docs.serve_parser()
+    args = parser.parse_args(["tiny/qwen-image", "--omni", "--step-execution",
+                              "--diffusion-max-tokens-per-forward", "1"])
+    kwargs = OmniEngineArgs.omni_kwargs_from_cli(args, parser.parse_args([]))
+    (stage,) = StageConfigFactory.create_from_model("tiny/qwen-image", **kwargs).stages
+    assert stage.make_od_config().diffusion_max_tokens_per_forward == 1
+    assert OmniDiffusionConfig(model="m").diffusion_max_tokens_per_forward == 16384
+    with pytest.raises(ValueError, match="diffusion_max_tokens_per_forward must be >= 1"):
+        OmniDiffusionConfig(model="m", diffusion_max_tokens_per_forward=0)

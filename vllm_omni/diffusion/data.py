@@ -128,10 +128,16 @@ class OmniDiffusionConfig:
     request_batch_max_wait_ms: float = 0.0
     """Milliseconds the scheduler waits for compatible requests to fill a batch."""
     step_execution: bool = False
-    """Admit and retire requests at every denoise-step boundary (up to max_num_seqs resident, one transformer
-    forward per request per step): a new request starts at the next step instead of behind a whole request,
-    and an abort or a failure inside a step ends only its own request. Pipelines that cannot step (the
-    diffusers adapter) serve in request mode. One rank only for now."""
+    """Admit and retire requests at every denoise-step boundary (up to max_num_seqs resident; compatible
+    resident states share one transformer forward per step): a new request starts at the next step instead of
+    behind a whole request, and an abort or a failure inside a step ends only its own request. Pipelines that
+    cannot step (the diffusers adapter) serve in request mode. One rank only for now."""
+    diffusion_max_tokens_per_forward: int | None = 16384
+    """Step mode: most tokens (transformer rows incl. CFG x image + text tokens) in one co-batched forward;
+    a larger group of compatible states is split into several forwards, a state larger than the cap runs
+    alone. The default co-batches small sizes, where batching pays, and not 1024^2 CFG states (a forward
+    there is compute-bound; co-batching would only add activation memory). 1 = one forward per state (the
+    request-mode arithmetic exactly); None = no cap beyond max_num_seqs."""
     cache_backend: Literal["cache_dit", "tea_cache", "none"] | None = None
     """Cache acceleration of the native DiTs (docs/cache.md): tea_cache (ours, per-request state, any mode) or
     cache_dit (the cache-dit library, request mode only). It serves requests naming no quality with
@@ -178,6 +184,9 @@ class OmniDiffusionConfig:
         check_cache_args({"cache_backend": self.cache_backend, "cache_config": self.cache_config,
                           "step_execution": self.step_execution})
         check_attention_backend(self.diffusion_attention_backend)
+        if self.diffusion_max_tokens_per_forward is not None and self.diffusion_max_tokens_per_forward < 1:
+            raise ValueError("diffusion_max_tokens_per_forward must be >= 1 (1 = one forward per state), got "
+                             f"{self.diffusion_max_tokens_per_forward}")
         if self.step_execution and self.parallel_config.world_size > 1:
             raise ValueError("step_execution supports one rank only for now (tensor_parallel_size=1)")
         if self.diffusion_memory_budget_gb is not None and not self.diffusion_memory_budget_gb > 0:

@@ -10,14 +10,21 @@ group as
     finish(state, ctx)                  # decode -> one output per request
 
 A family overrides named hooks (`group_key`, `check_inputs`, `encode_prompt`, `prepare_latents`,
-`make_scheduler`, `prepare_step_tables`, `predict_noise`, `scheduler_step`, `decode`), never the loop. All
-per-request state lives in a `DenoiseState`, none on the pipeline, so that the worker's step executor
-(`vllm_omni/diffusion/worker/step_runner.py`) can advance many states one step at a time.
+`make_scheduler`, `prepare_step_tables`, `step_inputs`, `forward_step_inputs`, `guide`, `step_group_key`,
+`step_tokens`, `scheduler_step`, `decode`), never the loop. All per-request state lives in a `DenoiseState`,
+none on the pipeline, so that the worker's step executor (`vllm_omni/diffusion/worker/step_runner.py`) can
+advance many states one step at a time.
+
+A step's prediction is `guide(state, forward_step_inputs([step_inputs(state)])[0])`: the state's transformer
+rows at its own step, one transformer forward, its own guidance. The step executor runs states with equal
+`step_group_key`s through `denoise_step_batch`, which concatenates their rows into ONE forward and splits the
+prediction back, so co-batched and solo steps share every line of arithmetic but the batching.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, Self
 
@@ -176,8 +183,42 @@ class NativeDiffusionPipeline(nn.Module):
 
     def denoise_step(self, state: DenoiseState, ctx: StepContext) -> None:
         """One step over every row of `state`: transformer forward with CFG, scheduler step, progress."""
-        ctx.step_index, ctx.timestep = state.step_index, state.normalized_timesteps[state.step_index]
-        noise_pred = self.predict_noise(state)
+        _enter_step(state, ctx)
+        self.advance(state, ctx, self.predict_noise(state))
+
+    def denoise_step_batch(self, states: list[DenoiseState], ctxs: list[StepContext]) -> list[Exception | None]:
+        """One step of each of `states` (equal `step_group_key`s) with ONE transformer forward over all their
+        rows; each state then takes its own guidance and scheduler step. Returns each state's error (None: it
+        advanced). A state whose inputs or guidance raise fails alone; when the shared forward raises, whose
+        fault it is cannot be told, so each state retries the step with a forward of its own."""
+        if len(states) == 1:
+            return [_attempt(lambda: self.denoise_step(states[0], ctxs[0]))]
+        errors: list[Exception | None] = [None] * len(states)
+        inputs: dict[int, Any] = {}
+        for i, (state, ctx) in enumerate(zip(states, ctxs, strict=True)):
+            _enter_step(state, ctx)
+            try:
+                inputs[i] = self.step_inputs(state)
+            except Exception as exc:
+                errors[i] = exc
+        live = list(inputs)
+        if not live:
+            return errors
+        try:
+            preds = self.forward_step_inputs([inputs[i] for i in live], [states[i] for i in live])
+        except Exception as exc:
+            if len(live) == 1:
+                errors[live[0]] = exc
+            else:
+                for i in live:
+                    errors[i] = _attempt(lambda i=i: self.denoise_step(states[i], ctxs[i]))
+            return errors
+        for i, pred in zip(live, preds, strict=True):
+            errors[i] = _attempt(lambda i=i, pred=pred: self.advance(states[i], ctxs[i], self.guide(states[i], pred)))
+        return errors
+
+    def advance(self, state: DenoiseState, ctx: StepContext, noise_pred: torch.Tensor) -> None:
+        """The scheduler step of `state` with its guided prediction, then progress."""
         state.latents = self.scheduler_step(state, noise_pred)
         state.step_index += 1
         ctx.report_progress(state.step_index, len(state.timesteps), state.request_ids)
@@ -242,7 +283,38 @@ class NativeDiffusionPipeline(nn.Module):
 
     def predict_noise(self, state: DenoiseState) -> torch.Tensor:
         """The guided prediction for `state.latents` at `state.step_index` (one transformer forward with CFG)."""
+        return self.guide(state, self.forward_step_inputs([self.step_inputs(state)], [state])[0])
+
+    def forward_group_key(self, state: DenoiseState) -> Hashable | None:
+        """What the step executor groups by: the family's `step_group_key`, and None (alone) while the state's
+        cache does any work at this step, since cache decisions and residuals are per state."""
+        if state.cache.step_signature(state.step_index) is not None:
+            return None
+        return self.step_group_key(state)
+
+    def step_group_key(self, state: DenoiseState) -> Hashable | None:
+        """States with equal keys may share this step's transformer forward (`denoise_step_batch`): same token
+        shapes, same transformer, same dtype. None: this state's step always runs alone."""
+        return None
+
+    def step_tokens(self, state: DenoiseState) -> int:
+        """Tokens this state's step adds to a forward: transformer rows (CFG included) x sequence length."""
+        return state.latents.shape[0]
+
+    def step_inputs(self, state: DenoiseState) -> Any:
+        """The transformer inputs of this state's rows (CFG rows included) at its own step (its timestep, its
+        row of the step tables)."""
         raise NotImplementedError
+
+    def forward_step_inputs(self, inputs: list[Any], states: list[DenoiseState]) -> list[torch.Tensor]:
+        """ONE transformer forward over the rows of all `inputs` (text padded to the longest where the
+        transformer takes per-row text lengths); the raw prediction rows of each input, in order. `states` are
+        the inputs' states, for their caches (`call_transformer_rows`)."""
+        raise NotImplementedError
+
+    def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
+        """This state's guided prediction from its raw prediction rows (CFG combination, its own scale)."""
+        return pred
 
     def scheduler_step(self, state: DenoiseState, noise_pred: torch.Tensor) -> torch.Tensor:
         t = state.timesteps[state.step_index]
@@ -251,6 +323,18 @@ class NativeDiffusionPipeline(nn.Module):
     def decode(self, state: DenoiseState) -> Any:
         """Final latents -> a sequence with one item per latent row (images, arrays, or latents)."""
         raise NotImplementedError
+
+
+def _enter_step(state: DenoiseState, ctx: StepContext) -> None:
+    ctx.step_index, ctx.timestep = state.step_index, state.normalized_timesteps[state.step_index]
+
+
+def _attempt(fn: Callable[[], object]) -> Exception | None:
+    try:
+        fn()
+    except Exception as exc:
+        return exc
+    return None
 
 
 def _aborted_output() -> DiffusionOutput:

@@ -100,6 +100,7 @@ class OmniEngineArgs(EngineArgs):
     diffusion_attention_backend: str | None = None
     request_batch_max_wait_ms: float = 0.0
     step_execution: bool = False
+    diffusion_max_tokens_per_forward: int | None = 16384
     fa_deterministic: bool = False
     diffusers_load_kwargs: dict[str, Any] | None = None
     use_diffusers_adapter: bool = False

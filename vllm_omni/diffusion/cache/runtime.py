@@ -22,6 +22,7 @@ from vllm_omni.errors import OmniClientError
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.data import OmniDiffusionConfig
+    from vllm_omni.diffusion.pipeline_base import DenoiseState
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 
@@ -80,6 +81,21 @@ def call_transformer(model: nn.Module, cache: CacheState, step: int, slot: str, 
     if slot not in cache.block_counts:
         cache.block_counts[slot] = num_blocks(model)
     cache.count(True, cache.block_counts[slot])
+    if cachedit.is_enabled(model):
+        return type(model).forward(model, *args, **kwargs)
+    return model(*args, **kwargs)
+
+
+def call_transformer_rows(model: nn.Module, states: list[DenoiseState], slot: str, *args: Any, **kwargs: Any) -> Any:
+    """One forward of `model` over the rows of `states` at their own steps. One state: its cache decides the
+    forward (`call_transformer`). Co-batched states cache nothing at this step (the executor only groups states
+    whose `step_signature` is None), so each counts its blocks as computed and the forward is the plain one."""
+    if len(states) == 1:
+        return call_transformer(model, states[0].cache, states[0].step_index, slot, *args, **kwargs)
+    if slot not in states[0].cache.block_counts:
+        states[0].cache.block_counts[slot] = num_blocks(model)
+    for state in states:
+        state.cache.count(True, states[0].cache.block_counts[slot])
     if cachedit.is_enabled(model):
         return type(model).forward(model, *args, **kwargs)
     return model(*args, **kwargs)

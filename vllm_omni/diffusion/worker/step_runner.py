@@ -6,12 +6,14 @@ scheduler and timesteps) and runs rounds:
 
     retire   aborted requests leave (their memory is freed); finished states are decoded, output sent at once
     admit    waiting requests join up to `max_num_seqs` resident states (encode, initial latents)
-    advance  every resident state takes one denoise step (one transformer forward per state)
+    advance  every resident state takes one denoise step: states with equal `step_group_key` share ONE
+             transformer forward (`denoise_step_batch`), at most `diffusion_max_tokens_per_forward` tokens each
     retire   as above, so an output leaves right after its last step
 
-The worker polls its input between rounds, so a new request starts at the next step boundary. Each state has
-its own forward: a request's arithmetic is the one it has alone (bitwise), whatever else is resident, and a
-request that raises inside a step is retired with its error while the others go on unaffected.
+The worker polls its input between rounds, so a new request starts at the next step boundary. Each state keeps
+its own timesteps, guidance and scheduler inside a shared forward, so a request's output is the one it has
+alone (bitwise with a cap of 1, one forward per state); a request that raises inside a step is retired with its
+error while the others go on unaffected.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class StepExecutor:
     def __init__(self, runner: DiffusionModelRunner, send: SendOutputs, aborted: AbortSet) -> None:
         self.runner = runner
         self.max_resident = runner.od_config.max_num_seqs
+        self.max_tokens = runner.od_config.diffusion_max_tokens_per_forward
         self.send = send
         self.aborted = aborted
         self.waiting: deque[_Job] = deque()
@@ -105,8 +108,7 @@ class StepExecutor:
         """Retire, admit, advance every resident state by one step, retire."""
         self._retire()
         self._admit()
-        for job in list(self.resident):  # a job that fails leaves the list
-            self._guarded(job, lambda job=job: self._pipeline().denoise_step(job.state, job.ctx))
+        self._advance()
         self._retire()
 
     # ---- round phases ---------------------------------------------------------------------------------------
@@ -137,6 +139,32 @@ class StepExecutor:
             job.state = self._guarded(job, lambda job=job: self._prepare(job))
             job.denoise_start = time.perf_counter()
 
+    def _advance(self) -> None:
+        """Every resident state takes one step: one transformer forward per group of compatible states (equal
+        `step_group_key`), split where a group's tokens exceed `diffusion_max_tokens_per_forward`."""
+        if self.runner.pipeline is None:
+            for job in list(self.resident):
+                self._guarded(job, self._pipeline)
+            return
+        pipeline = self.runner.pipeline
+        for group in self._forward_groups(pipeline):
+            errors = pipeline.denoise_step_batch([job.state for job in group], [job.ctx for job in group])
+            for job, error in zip(group, errors, strict=True):
+                if error is not None:
+                    self._fail(job, error)
+
+    def _forward_groups(self, pipeline) -> list[list[_Job]]:
+        """Resident states grouped by `forward_group_key` (None: alone), in residence order, each group cut into
+        forwards of at most `max_tokens` tokens (a state larger than that runs alone)."""
+        keyed: dict[object, list[tuple[_Job, int]]] = {}
+        for job in list(self.resident):
+            planned = self._guarded(job, lambda job=job: (pipeline.forward_group_key(job.state),
+                                                          pipeline.step_tokens(job.state)))
+            if planned is not None:
+                key, tokens = planned
+                keyed.setdefault((None, id(job)) if key is None else key, []).append((job, tokens))
+        return [chunk for members in keyed.values() for chunk in split_by_tokens(members, self.max_tokens)]
+
     def _prepare(self, job: _Job) -> DenoiseState:
         pipeline = self._pipeline()
         pipeline.group_key(job.request)  # validates the request alone (OmniClientError naming the field)
@@ -156,9 +184,12 @@ class StepExecutor:
         try:
             return fn()
         except Exception as exc:
-            logger.info("[diffusion step] request %s failed: %s", job.request.request_id, exc)
-            self._finish(job, DiffusionOutput.from_exception(exc))
+            self._fail(job, exc)
             return None
+
+    def _fail(self, job: _Job, exc: Exception) -> None:
+        logger.info("[diffusion step] request %s failed: %s", job.request.request_id, exc)
+        self._finish(job, DiffusionOutput.from_exception(exc))
 
     def _finish(self, job: _Job, output: DiffusionOutput) -> None:
         """Free the job's state and send its batch's result once the batch is complete."""
@@ -176,3 +207,16 @@ class StepExecutor:
         self.send(batch.batch_id, batch.outputs)
         # Aborts are kept for every batch still here (an abort may also arrive after its batch ended).
         self.aborted.forget_through(min(self._batches, default=batch.batch_id + 1) - 1)
+
+
+def split_by_tokens(members: list[tuple[_Job, int]], max_tokens: int | None) -> list[list[_Job]]:
+    """Consecutive forwards of (job, tokens) members, each within `max_tokens` (None: one forward)."""
+    chunks: list[list[_Job]] = []
+    used = 0
+    for job, tokens in members:
+        if not chunks or (max_tokens is not None and used + tokens > max_tokens):
+            chunks.append([])
+            used = 0
+        chunks[-1].append(job)
+        used += tokens
+    return chunks

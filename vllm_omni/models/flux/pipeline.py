@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
-from vllm_omni.diffusion.cache.runtime import call_transformer
+from vllm_omni.diffusion.cache.runtime import call_transformer_rows
 from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
 from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
@@ -98,6 +98,20 @@ class FluxConditioning:
                        step_timesteps=self.step_timesteps.index_select(1, text_rows),
                        modulation=(double.index_select(3, text_rows), single.index_select(2, text_rows),
                                    final.index_select(1, text_rows)))
+
+
+@dataclass
+class FluxStepInput:
+    """One state's transformer rows at its step (`FluxPipeline.step_inputs`): one entry per row each."""
+
+    x: torch.Tensor
+    embeds: torch.Tensor
+    pooled: torch.Tensor
+    timestep: torch.Tensor
+    guidance: torch.Tensor | None
+    rotary_emb: Any
+    modulation: Any
+    """This step's adaLN parameters per row (`FluxTransformer2DModel.step_slice`)."""
 
 
 class FluxPipeline(NativeDiffusionPipeline):
@@ -208,17 +222,46 @@ class FluxPipeline(NativeDiffusionPipeline):
         cond.modulation = self.transformer.step_modulation(cond.step_timesteps, cond.guidance, cond.pooled,
                                                            self.dtype)
 
-    def predict_noise(self, state: DenoiseState) -> torch.Tensor:
-        """Positive rows and the negatives of the CFG requests in one transformer forward."""
+    def step_group_key(self, state: DenoiseState) -> Any:
+        """Same latent grid, text length (`max_sequence_length`) and dtype; CFG, scales and steps may differ."""
+        cond = state.conditioning
+        return cond.lh, cond.lw, cond.embeds.shape[1], state.latents.dtype
+
+    def step_tokens(self, state: DenoiseState) -> int:
+        cond = state.conditioning
+        return cond.embeds.shape[0] * (state.latents.shape[1] + cond.embeds.shape[1])
+
+    def step_inputs(self, state: DenoiseState) -> FluxStepInput:
+        """Positive rows, then the negatives of the true-CFG rows; this step's timesteps and adaLN rows."""
         cond, latents, i = state.conditioning, state.latents, state.step_index
-        has_cfg = len(cond.neg_rows) > 0
-        model_in = torch.cat([latents, latents.index_select(0, cond.neg_rows)]) if has_cfg else latents
-        pred = call_transformer(self.transformer, state.cache, i, "transformer", model_in, cond.embeds, cond.pooled,
-                                cond.step_timesteps[i], guidance=cond.guidance, rotary_emb=cond.rotary_emb,
-                                modulation=self.transformer.step_slice(cond.modulation, i))
-        if not has_cfg:
+        x = torch.cat([latents, latents.index_select(0, cond.neg_rows)]) if len(cond.neg_rows) else latents
+        return FluxStepInput(x, cond.embeds, cond.pooled, cond.step_timesteps[i], cond.guidance, cond.rotary_emb,
+                             self.transformer.step_slice(cond.modulation, i))
+
+    def forward_step_inputs(self, inputs: list[FluxStepInput], states: list[DenoiseState]) -> list[torch.Tensor]:
+        """All rows in one forward (equal text lengths: T5 pads to `max_sequence_length`), each row with its own
+        step's modulation; the rotary table is the same for all (same grid and text length)."""
+        if len(inputs) == 1:
+            inp = inputs[0]
+        else:
+            def cat(name: str, dim: int = 0) -> torch.Tensor | None:
+                values = [getattr(inp, name) for inp in inputs]
+                return None if values[0] is None else torch.cat(values, dim=dim)
+
+            doubles, singles, finals = zip(*(inp.modulation for inp in inputs), strict=True)
+            modulation = torch.cat(doubles, dim=2), torch.cat(singles, dim=1), torch.cat(finals)
+            inp = FluxStepInput(cat("x"), cat("embeds"), cat("pooled"), cat("timestep"), cat("guidance"),
+                                inputs[0].rotary_emb, modulation)
+        pred = call_transformer_rows(self.transformer, states, "transformer", inp.x, inp.embeds, inp.pooled,
+                                     inp.timestep, guidance=inp.guidance, rotary_emb=inp.rotary_emb,
+                                     modulation=inp.modulation)
+        return list(pred.split([inp.x.shape[0] for inp in inputs]))
+
+    def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
+        cond, rows = state.conditioning, state.latents.shape[0]
+        if not len(cond.neg_rows):
             return pred
-        pred, neg = pred[: latents.shape[0]], pred[latents.shape[0]:]
+        pred, neg = pred[:rows], pred[rows:]
         pos = pred.index_select(0, cond.neg_rows)
         return pred.index_copy(0, cond.neg_rows, neg + cond.true_cfg * (pos - neg))
 

@@ -17,9 +17,10 @@ from typing import Any, ClassVar, Self
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from vllm_omni.diffusion.cache.runtime import call_transformer
+from vllm_omni.diffusion.cache.runtime import call_transformer_rows
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
 from vllm_omni.diffusion.request import OmniDiffusionRequest
@@ -72,6 +73,21 @@ class QwenConditioning:
         embeds = self.prompt.embeds.index_select(0, text_rows)[:, :max(lengths)]
         image_latents = None if self.image_latents is None else self.image_latents.index_select(0, rows)
         return replace(self, prompt=PromptEmbeds(embeds, lengths), image_latents=image_latents)
+
+
+@dataclass
+class QwenStepInput:
+    """One state's transformer rows at its step (`QwenImagePipeline.step_inputs`)."""
+
+    x: torch.Tensor
+    prompt: PromptEmbeds
+    timestep: torch.Tensor
+    """(rows,) in [0, 1]."""
+    modulation: torch.Tensor
+    """This step's adaLN parameters (num_layers, 2, 1, 6 * dim), the same for the state's rows."""
+    img_shapes: list[tuple[int, int, int]]
+    img_len: int
+    """Generated-image tokens per row (condition tokens follow them)."""
 
 
 class QwenImagePipeline(NativeDiffusionPipeline):
@@ -186,18 +202,49 @@ class QwenImagePipeline(NativeDiffusionPipeline):
         dtype = state.latents.dtype
         state.conditioning.modulation = self.transformer.step_modulation(state.timesteps.to(dtype) / 1000, dtype)
 
-    def predict_noise(self, state: DenoiseState) -> torch.Tensor:
-        """Positive and negative rows in one transformer forward; condition tokens (Edit) appended to each row."""
+    def step_group_key(self, state: DenoiseState) -> Any:
+        """Same image (and condition image) grid and dtype; prompt lengths, CFG, scales and steps may differ."""
+        return tuple(state.conditioning.geometry.img_shapes), state.latents.dtype
+
+    def step_tokens(self, state: DenoiseState) -> int:
+        cond = state.conditioning
+        rows = state.latents.shape[0] * (2 if cond.do_cfg else 1)
+        image_tokens = sum(f * h * w for f, h, w in cond.geometry.img_shapes)
+        return rows * (image_tokens + cond.prompt.embeds.shape[1])
+
+    def step_inputs(self, state: DenoiseState) -> QwenStepInput:
+        """Positive then negative rows; condition tokens (Edit) appended to each row; this step's timestep and
+        adaLN row."""
         cond, latents, i = state.conditioning, state.latents, state.step_index
-        rows, img_len = latents.shape[:2]
         x = torch.cat([latents, latents]) if cond.do_cfg else latents
         if cond.image_latents is not None:
             image = torch.cat([cond.image_latents, cond.image_latents]) if cond.do_cfg else cond.image_latents
             x = torch.cat([x, image], dim=1)
         timestep = state.timesteps[i].expand(x.shape[0]).to(latents.dtype) / 1000
-        pred = call_transformer(self.transformer, state.cache, i, "transformer", x, cond.prompt.embeds, None, timestep,
-                                cond.geometry.img_shapes, cond.modulation[:, :, i : i + 1],
-                                cond.prompt.lengths)[:, :img_len]
+        return QwenStepInput(x, cond.prompt, timestep, cond.modulation[:, :, i : i + 1], cond.geometry.img_shapes,
+                             latents.shape[1])
+
+    def forward_step_inputs(self, inputs: list[QwenStepInput], states: list[DenoiseState]) -> list[torch.Tensor]:
+        """All rows in one forward: text zero-padded to the longest, each row attending over its real tokens
+        (`txt_lengths`), each row with its own step's modulation."""
+        first = inputs[0]
+        if len(inputs) == 1:
+            x, embeds, lengths, timestep, modulation = (first.x, first.prompt.embeds, first.prompt.lengths,
+                                                        first.timestep, first.modulation)
+        else:
+            seq = max(inp.prompt.embeds.shape[1] for inp in inputs)
+            x = torch.cat([inp.x for inp in inputs])
+            embeds = torch.cat([F.pad(inp.prompt.embeds, (0, 0, 0, seq - inp.prompt.embeds.shape[1]))
+                                for inp in inputs])
+            lengths = tuple(n for inp in inputs for n in inp.prompt.lengths)
+            timestep = torch.cat([inp.timestep for inp in inputs])
+            modulation = torch.cat([inp.modulation.expand(-1, -1, inp.x.shape[0], -1) for inp in inputs], dim=2)
+        pred = call_transformer_rows(self.transformer, states, "transformer", x, embeds, None, timestep,
+                                     first.img_shapes, modulation, lengths)[:, :first.img_len]
+        return list(pred.split([inp.x.shape[0] for inp in inputs]))
+
+    def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
+        cond, rows = state.conditioning, state.latents.shape[0]
         return _true_cfg(pred[:rows], pred[rows:], cond.cfg_scale) if cond.do_cfg else pred
 
     def decode(self, state: DenoiseState) -> Any:

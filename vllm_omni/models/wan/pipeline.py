@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 import torch
 from torch import nn
 
-from vllm_omni.diffusion.cache.runtime import call_transformer
+from vllm_omni.diffusion.cache.runtime import call_transformer_rows
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
 from vllm_omni.diffusion.timing import elapsed_since
@@ -83,6 +83,8 @@ class WanConditioning:
     first_frame_mask: torch.Tensor | None = None
     """Wan2.2 TI2V: (1, 1, T, h, w), 0 on the given first frame (whose latents are `latents`), 1 elsewhere; the
     DiT sees the first frame's latents there and a timestep of 0 on its tokens."""
+    high_noise_steps: list[bool] | None = None
+    """Per step: whether `transformer` (True) or `transformer_2` denoises it (host copy, read without a sync)."""
 
     def select(self, rows: torch.Tensor) -> WanConditioning:
         """The conditioning of latent rows `rows` only (and of their negatives)."""
@@ -91,6 +93,18 @@ class WanConditioning:
         return replace(self, embeds=self.embeds.index_select(0, text_rows),
                        latents=None if self.latents is None else self.latents.index_select(0, rows),
                        image_embeds=None if self.image_embeds is None else self.image_embeds.index_select(0, rows))
+
+
+@dataclass
+class WanStepInput:
+    """One state's DiT rows at its step (`WanPipeline.step_inputs`)."""
+
+    x: torch.Tensor
+    timestep: torch.Tensor
+    """(rows,), or (rows, tokens) for Wan2.2 TI2V."""
+    embeds: torch.Tensor
+    image_embeds: torch.Tensor | None
+    high_noise: bool
 
 
 class WanPipeline(NativeDiffusionPipeline):
@@ -213,25 +227,60 @@ class WanPipeline(NativeDiffusionPipeline):
         scheduler.set_begin_index(0)
         return scheduler
 
-    def predict_noise(self, state: DenoiseState) -> torch.Tensor:
-        """Positive and negative rows in one forward of the expert that owns this step's timestep."""
-        cond, latents = state.conditioning, state.latents
+    def prepare_step_tables(self, state: DenoiseState) -> None:
+        cond = state.conditioning
+        steps = len(state.timesteps)
+        cond.high_noise_steps = [True] * steps if cond.boundary is None else (state.timesteps >= cond.boundary).tolist()
+
+    @staticmethod
+    def high_noise(state: DenoiseState) -> bool:
+        """Whether this state's step belongs to `transformer` (else Wan2.2 A14B's low-noise `transformer_2`)."""
+        return state.conditioning.high_noise_steps[state.step_index]
+
+    def step_group_key(self, state: DenoiseState) -> Any:
+        """Same DiT input shape, text length, image branch, expert at this step and dtype; prompts, seeds,
+        guidance, CFG on/off and step counts may differ."""
+        cond = state.conditioning
+        return (tuple(self.model_input(state.latents, cond).shape[1:]), cond.embeds.shape[1],
+                cond.image_embeds is not None, self.high_noise(state), state.latents.dtype)
+
+    def step_tokens(self, state: DenoiseState) -> int:
+        cond = state.conditioning
+        frames, height, width = state.latents.shape[2:]
+        p_t, p_h, p_w = self.transformer.config.patch_size
+        image = 0 if cond.image_embeds is None else cond.image_embeds.shape[1]
+        rows = state.latents.shape[0] * (2 if cond.do_cfg else 1)
+        return rows * ((frames // p_t) * (height // p_h) * (width // p_w) + cond.embeds.shape[1] + image)
+
+    def step_inputs(self, state: DenoiseState) -> WanStepInput:
+        """Positive then negative rows for the expert that owns this state's timestep."""
+        cond = state.conditioning
         t = state.timesteps[state.step_index]
-        high_noise = cond.boundary is None or t >= cond.boundary
-        model = self.transformer if high_noise else self.transformer_2
-        x = self.model_input(latents, cond)
+        x = self.model_input(state.latents, cond)
         image_embeds = cond.image_embeds
         if cond.do_cfg:
             x = torch.cat([x, x])
             image_embeds = None if image_embeds is None else torch.cat([image_embeds, image_embeds])
-        slot = "transformer" if high_noise else "transformer_2"
-        pred = call_transformer(model, state.cache, state.step_index, slot, x.to(self.dtype),
-                                self.model_timestep(t, x, cond), cond.embeds, image_embeds)
+        return WanStepInput(x.to(self.dtype), self.model_timestep(t, x, cond), cond.embeds, image_embeds,
+                            self.high_noise(state))
+
+    def forward_step_inputs(self, inputs: list[WanStepInput], states: list[DenoiseState]) -> list[torch.Tensor]:
+        """All rows in one forward of their (common) expert, each row with its own timestep(s)."""
+        high_noise = inputs[0].high_noise
+        model, slot = (self.transformer, "transformer") if high_noise else (self.transformer_2, "transformer_2")
+        image_embeds = None if inputs[0].image_embeds is None else torch.cat([inp.image_embeds for inp in inputs])
+        pred = call_transformer_rows(model, states, slot, torch.cat([inp.x for inp in inputs]),
+                                     torch.cat([inp.timestep for inp in inputs]),
+                                     torch.cat([inp.embeds for inp in inputs]), image_embeds)
+        return list(pred.split([inp.x.shape[0] for inp in inputs]))
+
+    def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
+        cond = state.conditioning
         if not cond.do_cfg:
             return pred
-        rows = latents.shape[0]
+        rows = state.latents.shape[0]
         positive, negative = pred[:rows], pred[rows:]
-        return negative + (cond.guidance if high_noise else cond.guidance_2) * (positive - negative)
+        return negative + (cond.guidance if self.high_noise(state) else cond.guidance_2) * (positive - negative)
 
     def finish(self, state: DenoiseState, ctx: StepContext) -> list[DiffusionOutput]:
         """Decode chunk by chunk; a streamed request's final output carries no frames (they went as chunks)."""
