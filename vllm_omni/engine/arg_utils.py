@@ -97,6 +97,8 @@ class OmniEngineArgs(EngineArgs):
     diffusion_attention_backend: str | None = None
     request_batch_max_wait_ms: float = 0.0
     step_execution: bool = False
+    diffusion_scheduler_policy: Literal["fcfs", "priority", "slo"] = "fcfs"
+    default_deadline_ms: float = 60000.0
     fa_deterministic: bool = False
     diffusers_load_kwargs: dict[str, Any] | None = None
     use_diffusers_adapter: bool = False
