@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.data import StepStats
 
 
 @dataclass
@@ -27,6 +30,8 @@ class OmniRequestOutput:
     multimodal_output: dict[str, Any] = field(default_factory=dict)
     stage_durations: dict[str, float] = field(default_factory=dict)
     peak_memory_mb: float = 0.0
+    step_stats: StepStats | None = None
+    """How a step-mode diffusion stage scheduled the request (feeds the server's metrics)."""
     error: str | None = None
     error_status_code: int | None = None
 

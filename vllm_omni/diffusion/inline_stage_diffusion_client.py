@@ -135,7 +135,8 @@ class InlineStageDiffusionClient(StageClientBase):
     def _to_output(self, request_id: str, result: Any, elapsed: float) -> OmniRequestOutput:
         modality = self.output_modality
         out = OmniRequestOutput(request_id=request_id, finished=True, stage_id=self.stage_id,
-                                final_output_type=modality, peak_memory_mb=result.peak_memory_mb)
+                                final_output_type=modality, peak_memory_mb=result.peak_memory_mb,
+                                step_stats=result.step_stats)
         if isinstance(result.output, dict):
             out.multimodal_output = dict(result.output)
         elif modality == "image":

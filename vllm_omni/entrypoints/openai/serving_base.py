@@ -207,6 +207,7 @@ class OmniServingBase:
                                                      error_type=None)
                 if output.finished:
                     self.metrics.observe_stages(output.stage_durations)
+                    self.metrics.diffusion_steps.observe(output.step_stats)
                 yield output
             completed = True
             outcome = "finished"
