@@ -26,6 +26,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.previews import emit_previews
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.timing import elapsed_since
@@ -170,10 +171,11 @@ class NativeDiffusionPipeline(nn.Module):
     def denoise_step(self, state: DenoiseState, ctx: StepContext) -> None:
         """One step over every row of `state`: transformer forward with CFG, scheduler step, progress."""
         ctx.step_index, ctx.timestep = state.step_index, state.normalized_timesteps[state.step_index]
-        noise_pred = self.predict_noise(state)
+        noise_pred, latents_before = self.predict_noise(state), state.latents
         state.latents = self.scheduler_step(state, noise_pred)
         state.step_index += 1
         ctx.report_progress(state.step_index, len(state.timesteps), state.request_ids)
+        emit_previews(self, state, ctx, latents_before, noise_pred)
 
     def finish(self, state: DenoiseState, ctx: StepContext) -> list[DiffusionOutput]:
         """Decode and split: one output per remaining request, `outputs_per_request` items each.
