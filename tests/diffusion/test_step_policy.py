@@ -3,7 +3,7 @@
 Pins: fcfs never pauses a resident state; under priority and slo a more urgent arrival takes a step slot at the
 next boundary and the paused state resumes later with exactly (bitwise) its solo output, because it kept its
 latents and scheduler; slo serves the earliest deadline first and puts a request that can no longer make its
-deadline behind those that can; at most `max_num_seqs` states are paused; per-shape step costs are learned;
+deadline behind those that can; at most `max_paused_states` states are paused; per-shape step costs are learned;
 request mode orders its queue by the same policy; the knobs are validated.
 """
 
@@ -109,8 +109,8 @@ def test_slo_serves_the_earliest_deadline_first_and_counts_misses(pipe):
     assert h.outputs["relaxed"].step_stats.preemptions == 1
 
 
-def test_paused_states_are_bounded_by_max_num_seqs(pipe):
-    h = harness(pipe, "priority")
+def test_paused_states_are_bounded_by_max_paused_states(pipe):
+    h = harness(pipe, "priority", max_paused_states=1)
     for i, prio in enumerate((3, 2, 1)):  # each arrival is more urgent than everything before
         h.add(request(f"r{i}", 6, i, priority=prio))
         h.round()

@@ -132,6 +132,9 @@ class OmniDiffusionConfig:
     latents and resumes later). In request mode they order the queue of whole requests."""
     default_deadline_ms: float = 60000.0
     """Deadline of a request that sets no `deadline_ms` (slo policy), in milliseconds after its arrival."""
+    max_paused_states: int = 4
+    """Most states a step-mode worker keeps paused by preemption (each holds its latents and prompt embeddings);
+    when that many are paused, an urgent request waits for a free step slot instead of pausing one more."""
     cache_backend: Literal["cache_dit", "none"] | None = None
     """Not implemented yet (diffusion cache acceleration): refused unless none."""
     cache_config: dict[str, Any] = field(default_factory=dict)
@@ -171,6 +174,8 @@ class OmniDiffusionConfig:
         if not 0 < self.default_deadline_ms <= MAX_DEADLINE_MS:
             raise ValueError(f"default_deadline_ms must be in (0, {MAX_DEADLINE_MS:.0f}], got "
                              f"{self.default_deadline_ms}")
+        if self.max_paused_states < 0:
+            raise ValueError(f"max_paused_states must be >= 0, got {self.max_paused_states}")
         if self.max_stage_restarts < 0:
             raise ValueError(f"max_stage_restarts must be >= 0, got {self.max_stage_restarts}")
         if self.load_format not in DIFFUSION_LOAD_FORMATS:

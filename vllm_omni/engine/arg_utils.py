@@ -99,6 +99,7 @@ class OmniEngineArgs(EngineArgs):
     step_execution: bool = False
     diffusion_scheduler_policy: Literal["fcfs", "priority", "slo"] = "fcfs"
     default_deadline_ms: float = 60000.0
+    max_paused_states: int = 4
     fa_deterministic: bool = False
     diffusers_load_kwargs: dict[str, Any] | None = None
     use_diffusers_adapter: bool = False

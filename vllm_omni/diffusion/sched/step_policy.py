@@ -9,7 +9,7 @@ the `max_num_seqs` step slots of the next round:
               deadline goes behind every job that can still make its own
 
 A resident state left out of the slots is paused (preempted) with its latents and scheduler and resumes where it
-stopped; at most `max_num_seqs` states are paused at a time, so a worker holds at most twice that many states.
+stopped; at most `max_paused_states` states are paused at a time, which bounds the states a worker holds.
 Remaining cost = remaining steps x the measured seconds per step of the request's shape (`StepCostModel`).
 """
 
@@ -102,10 +102,10 @@ class StepPolicy:
             return not self.can_make_deadline(job, now), job.deadline, job.arrival
         return (job.arrival,)
 
-    def choose(self, running: list, paused: list, waiting: list, slots: int, now: float) -> list:
+    def choose(self, running: list, paused: list, waiting: list, slots: int, max_paused: int, now: float) -> list:
         """The jobs that hold the step slots next round, most urgent first. Under fcfs the running jobs keep
-        theirs; otherwise a running job may lose its slot to a more urgent one, unless `slots` jobs are paused
-        already (then the most urgent waiting jobs give way to running ones)."""
+        theirs; otherwise a running job may lose its slot to a more urgent one, unless that would leave more than
+        `max_paused` jobs paused (then the least urgent newcomers give way to the most urgent paused ones)."""
         if self.policy == "fcfs":
             return running + waiting[:max(slots - len(running), 0)]
         ranked = sorted(running + paused + waiting, key=lambda job: self.urgency(job, now))
@@ -113,7 +113,7 @@ class StepPolicy:
         chosen_ids = {id(job) for job in chosen}
         holders = [job for job in ranked if id(job) not in chosen_ids and not any(job is w for w in waiting)]
         fresh = [job for job in chosen if any(job is w for w in waiting)]
-        while len(holders) > slots and fresh:
+        while len(holders) > max_paused and fresh:
             chosen.remove(fresh.pop())  # the least urgent newcomer gives way to the most urgent state
             chosen.append(holders.pop(0))
         return sorted(chosen, key=lambda job: self.urgency(job, now))

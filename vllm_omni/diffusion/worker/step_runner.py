@@ -159,7 +159,7 @@ class StepExecutor:
             self.waiting.remove(job)
             self._finish(job, DiffusionOutput.from_exception(RequestAbortedError()))
         chosen = self.policy.choose(self.resident, self.paused, self.waiting, self.max_resident,
-                                    time.perf_counter())
+                                    self.runner.od_config.max_paused_states, time.perf_counter())
         chosen_ids = {id(job) for job in chosen}
         for job in self.resident:
             if id(job) not in chosen_ids:
