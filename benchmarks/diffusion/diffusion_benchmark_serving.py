@@ -238,6 +238,8 @@ async def compare_modes(args: argparse.Namespace) -> dict[str, Any]:
                               "modes": {}}
     plan: list[tuple[float, int]] = []
     deadlines: list[float] = []
+    out = args.out or args.results_dir / f"diffusion_serving_modes-{stamp}.json"
+    signal.signal(signal.SIGTERM, _interrupt)  # so that `finally` stops the running server
     for mode, flags in MODES.items():
         step_flags = ["--max-num-seqs", str(args.step_max_num_seqs)] if mode.startswith("step") else []
         server = Server(args.compare_modes, _free_port(), [*flags, *step_flags, *shlex.split(args.server_args)],
@@ -258,9 +260,8 @@ async def compare_modes(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             server.close()
         report["modes"][mode] = mode_summary(results, plan, deadlines, duration)
+        out.write_text(json.dumps(report, indent=1))  # after every mode: a run cut short keeps what it measured
     print_table(report)
-    out = args.out or args.results_dir / f"diffusion_serving_modes-{stamp}.json"
-    out.write_text(json.dumps(report, indent=1))
     plot_cdf(report, out.with_suffix(".png"))
     print(f"wrote {out}")
     return report
@@ -300,6 +301,10 @@ def plot_cdf(report: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _free_port() -> int:
