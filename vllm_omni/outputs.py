@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_omni.diffusion.data import StepStats
 
 
 @dataclass
@@ -30,6 +33,8 @@ class OmniRequestOutput:
     """What a diffusion stage's cache ran for this request (quality, backend, computed / reused block-steps;
     docs/cache.md); None for other stages."""
     peak_memory_mb: float = 0.0
+    step_stats: StepStats | None = None
+    """How a step-mode diffusion stage scheduled the request (feeds the server's metrics)."""
     error: str | None = None
     error_status_code: int | None = None
 

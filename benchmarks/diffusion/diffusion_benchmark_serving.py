@@ -9,15 +9,31 @@ and the server's per-stage durations. Start the server first, e.g.
       --num-prompts 32 --max-concurrency 4 --size 1024x1024 --num-inference-steps 28 --out serve.json
 
 `--offline-images-per-s` (from bench_pipeline.py on the same machine) adds the serving/offline ratio.
+
+`--compare-modes MODEL` instead starts `vllm serve MODEL --omni` itself, once per execution mode (request-mode
+FCFS, step-mode FCFS, step-mode SLO; same build, same flags otherwise), and replays one Poisson schedule of a
+mix of sizes and step counts against each, at `--load` x the capacity measured from solo requests. Each
+request's deadline is 2x its class's solo latency (sent as `deadline_ms`); the table gives mean/p50/p95/p99
+latency, throughput and deadline attainment per mode, the JSON and a latency-CDF PNG go to `--results-dir`:
+
+  python benchmarks/diffusion/diffusion_benchmark_serving.py --compare-modes /path/to/checkpoint \
+      --num-prompts 40 --mix 128x128:8,128x128:24,256x256:12
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import random
+import shlex
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +132,187 @@ def summarize(args: argparse.Namespace, results: list[RequestResult], duration: 
     return summary
 
 
+# ---- --compare-modes -------------------------------------------------------------------------------------------
+
+MODES = {
+    "request-fcfs": ["--max-num-seqs", "1"],
+    "step-fcfs": ["--step-execution", "--diffusion-scheduler-policy", "fcfs"],
+    "step-slo": ["--step-execution", "--diffusion-scheduler-policy", "slo"],
+}
+STARTUP_TIMEOUT_S = 900.0
+
+
+def parse_mix(text: str) -> list[tuple[str, int]]:
+    """"128x128:8,256x256:20" -> [("128x128", 8), ("256x256", 20)]."""
+    return [(size, int(steps)) for size, steps in (item.split(":") for item in text.split(","))]
+
+
+class Server:
+    """`vllm serve MODEL --omni` in its own process group, ready once /health answers 200."""
+
+    def __init__(self, model: str, port: int, flags: list[str], log: Path) -> None:
+        vllm = Path(sys.executable).with_name("vllm")
+        cmd = [str(vllm), "serve", model, "--omni", "--host", "127.0.0.1", "--port", str(port), *flags]
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(1.0)
+        raise TimeoutError(f"server not ready in {STARTUP_TIMEOUT_S} s; see {self.log.name}")
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.log.close()
+
+
+def body(args: argparse.Namespace, i: int, size: str, steps: int, deadline_s: float | None) -> dict[str, Any]:
+    out = {"prompt": PROMPTS[i % len(PROMPTS)], "seed": args.seed + i, "size": size, "num_inference_steps": steps,
+           **args.extra}
+    if deadline_s is not None:
+        out["deadline_ms"] = round(deadline_s * 1000.0, 3)
+    return out
+
+
+async def solo_latencies(client: httpx.AsyncClient, args: argparse.Namespace, mix: list[tuple[str, int]],
+                         reps: int) -> list[float]:
+    """Median latency of each class sent alone on an idle server, after one warm-up request per class (reps=0:
+    the warm-up only)."""
+    out = []
+    for size, steps in mix:
+        times = []
+        for rep in range(reps + 1):
+            result = await send_one(client, body(args, rep, size, steps, None), args.timeout)
+            if not result.ok:
+                raise RuntimeError(f"calibration request failed: {result.error}")
+            times.append(result.latency_s)
+        out.append(float(np.median(times[1:] or times)))
+    return out
+
+
+async def replay(client: httpx.AsyncClient, args: argparse.Namespace, plan: list[tuple[float, int]],
+                 mix: list[tuple[str, int]], deadlines: list[float]) -> tuple[list[RequestResult], float]:
+    async def one(i: int, cls: int) -> RequestResult:
+        return await send_one(client, body(args, i, *mix[cls], deadlines[cls]), args.timeout)
+
+    tasks = []
+    start = time.perf_counter()
+    for i, (gap, cls) in enumerate(plan):
+        await asyncio.sleep(gap)
+        tasks.append(asyncio.create_task(one(i, cls)))
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+def mode_summary(results: list[RequestResult], plan: list[tuple[float, int]], deadlines: list[float],
+                 duration: float) -> dict[str, Any]:
+    ok = [(r, cls) for r, (_, cls) in zip(results, plan, strict=True) if r.ok]
+    lat = np.array([r.latency_s for r, _ in ok]) if ok else np.array([float("nan")])
+    made = sum(r.latency_s <= deadlines[cls] for r, cls in ok)
+    return {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+            "throughput_rps": len(ok) / duration, "latency_mean_s": float(lat.mean()),
+            **{f"latency_p{q}_s": float(np.percentile(lat, q)) for q in (50, 95, 99)},
+            "deadline_attainment": made / len(results), "latencies_s": lat.tolist(),
+            "errors": sorted({r.error for r in results if not r.ok})[:5]}
+
+
+async def compare_modes(args: argparse.Namespace) -> dict[str, Any]:
+    mix = parse_mix(args.mix)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {"command": " ".join(sys.argv), "args": {k: str(v) for k, v in vars(args).items()},
+                              "modes": {}}
+    plan: list[tuple[float, int]] = []
+    deadlines: list[float] = []
+    out = args.out or args.results_dir / f"diffusion_serving_modes-{stamp}.json"
+    signal.signal(signal.SIGTERM, _interrupt)  # so that `finally` stops the running server
+    for mode, flags in MODES.items():
+        step_flags = ["--max-num-seqs", str(args.step_max_num_seqs)] if mode.startswith("step") else []
+        server = Server(args.compare_modes, _free_port(), [*flags, *step_flags, *shlex.split(args.server_args)],
+                        Path(tempfile.gettempdir()) / f"serving_modes-{stamp}-{mode}.log")
+        try:
+            server.wait_ready()
+            async with httpx.AsyncClient(base_url=server.url, limits=httpx.Limits(max_connections=None)) as client:
+                if not plan:  # the first mode (request-mode FCFS) measures the capacity the load is set from
+                    solo = await solo_latencies(client, args, mix, args.calibration_reps)
+                    rate = args.load / float(np.mean(solo))
+                    rng = random.Random(args.seed)
+                    plan = [(rng.expovariate(rate), rng.randrange(len(mix))) for _ in range(args.num_prompts)]
+                    deadlines = [2.0 * s for s in solo]
+                    report.update(solo_latency_s=dict(zip(map(str, mix), solo, strict=True)), request_rate=rate)
+                else:
+                    await solo_latencies(client, args, mix, 0)  # the same warm-up as the first mode had
+                results, duration = await replay(client, args, plan, mix, deadlines)
+        finally:
+            server.close()
+        report["modes"][mode] = mode_summary(results, plan, deadlines, duration)
+        out.write_text(json.dumps(report, indent=1))  # after every mode: a run cut short keeps what it measured
+    print_table(report)
+    plot_cdf(report, out.with_suffix(".png"))
+    print(f"wrote {out}")
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    base = report["modes"]["request-fcfs"]
+    print(f"solo latency per class (s): {json.dumps(report['solo_latency_s'])}; rate {report['request_rate']:.3f}/s")
+    print(f"{'mode':<14}{'ok':>4}{'mean s':>9}{'p50 s':>8}{'p95 s':>8}{'p99 s':>8}{'req/s':>8}{'attain':>8}"
+          f"{'mean/req':>10}{'p95/req':>9}{'tput/req':>10}")
+    for mode, m in report["modes"].items():
+        print(f"{mode:<14}{m['completed']:>4}{m['latency_mean_s']:>9.3f}{m['latency_p50_s']:>8.3f}"
+              f"{m['latency_p95_s']:>8.3f}{m['latency_p99_s']:>8.3f}{m['throughput_rps']:>8.3f}"
+              f"{m['deadline_attainment']:>8.1%}{m['latency_mean_s'] / base['latency_mean_s']:>10.2f}"
+              f"{m['latency_p95_s'] / base['latency_p95_s']:>9.2f}"
+              f"{m['throughput_rps'] / base['throughput_rps']:>10.2f}")
+
+
+def plot_cdf(report: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no latency CDF plot (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, m in report["modes"].items():
+        lat = np.sort(m["latencies_s"])
+        ax.step(lat, np.arange(1, len(lat) + 1) / len(lat), where="post", label=mode)
+    ax.set_xlabel("latency (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("Diffusion serving: latency CDF per execution mode")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8091")
@@ -133,11 +330,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     parser.add_argument("--offline-images-per-s", type=float, default=None)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--compare-modes", metavar="MODEL", default=None,
+                        help="start a server per execution mode on MODEL and compare them")
+    parser.add_argument("--mix", default="128x128:8,128x128:24,256x256:12",
+                        help="compare-modes: request classes SIZE:STEPS, drawn uniformly")
+    parser.add_argument("--load", type=float, default=0.8, help="compare-modes: offered load / measured capacity")
+    parser.add_argument("--step-max-num-seqs", type=int, default=2, help="compare-modes: resident states")
+    parser.add_argument("--server-args", default="", help="compare-modes: more `vllm serve` flags, e.g. "
+                        "'--load-format dummy --no-enforce-eager'")
+    parser.add_argument("--calibration-reps", type=int, default=2)
+    parser.add_argument("--results-dir", type=Path, default=Path("benchmarks/results"))
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.compare_modes:
+        return asyncio.run(compare_modes(args))
     summary = asyncio.run(run(args))
     result = {"command": " ".join(sys.argv), "args": {k: str(v) for k, v in vars(args).items()}, "summary": summary}
     print(f"{'completed':>10}{'failed':>8}{'req/s':>8}{'img/s':>8}{'mean s':>9}{'p50 s':>8}{'p90 s':>8}{'p99 s':>8}")

@@ -36,3 +36,18 @@ def test_poisson_rate_with_concurrency_limit(server, tmp_path):
     stages = set(summary["stage_durations_mean_s"])
     assert {"diffusion.text_encoder", "diffusion.denoise", "diffusion.vae_decode"} <= stages
     assert out.exists() and summary["serving_over_offline"] > 0
+
+
+def test_compare_modes_summary():
+    """--compare-modes' pure parts (its servers are started by the benchmark run itself, not in CI)."""
+    import diffusion_benchmark_serving as bench
+
+    assert bench.parse_mix("64x64:4,128x128:8") == [("64x64", 4), ("128x128", 8)]
+    assert set(bench.MODES) == {"request-fcfs", "step-fcfs", "step-slo"}
+    plan = [(0.0, 0), (0.1, 1), (0.2, 1), (0.3, 0)]
+    results = [bench.RequestResult(True, 1.0), bench.RequestResult(True, 5.0), bench.RequestResult(True, 3.0),
+               bench.RequestResult(False, 0.5, error="HTTP 500")]
+    summary = bench.mode_summary(results, plan, deadlines=[2.0, 4.0], duration=10.0)
+    assert summary["completed"] == 3 and summary["failed"] == 1 and summary["throughput_rps"] == 0.3
+    assert summary["deadline_attainment"] == 0.5  # 1.0 <= 2 and 3.0 <= 4 made it; 5.0 > 4 and the failure did not
+    assert summary["latency_mean_s"] == pytest.approx(3.0) and summary["latency_p50_s"] == 3.0

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from vllm_omni import envs
 from vllm_omni.errors import OmniClientError, OmniError, RequestAbortedError
+from vllm_omni.inputs.data import MAX_DEADLINE_MS
 
 if TYPE_CHECKING:
     from vllm.config.logging import LoggingConfig
@@ -138,6 +139,17 @@ class OmniDiffusionConfig:
     alone. The default co-batches small sizes, where batching pays, and not 1024^2 CFG states (a forward
     there is compute-bound; co-batching would only add activation memory). 1 = one forward per state (the
     request-mode arithmetic exactly); None = no cap beyond max_num_seqs."""
+    diffusion_scheduler_policy: Literal["fcfs", "priority", "slo"] = "fcfs"
+    """Which waiting requests run first. fcfs: arrival order. priority: vLLM's priority scheduling (lower
+    `priority` first, then arrival). slo: earliest deadline first (`deadline_ms`, else --default-deadline-ms),
+    requests that can no longer make theirs last. In step mode priority and slo also pick which resident states
+    take the step slots: a more urgent arrival pauses a less urgent state at a step boundary (it keeps its
+    latents and resumes later). In request mode they order the queue of whole requests."""
+    default_deadline_ms: float = 60000.0
+    """Deadline of a request that sets no `deadline_ms` (slo policy), in milliseconds after its arrival."""
+    max_paused_states: int = 4
+    """Most states a step-mode worker keeps paused by preemption (each holds its latents and prompt embeddings);
+    when that many are paused, an urgent request waits for a free step slot instead of pausing one more."""
     cache_backend: Literal["cache_dit", "tea_cache", "none"] | None = None
     """Cache acceleration of the native DiTs (docs/cache.md): tea_cache (ours, per-request state, any mode) or
     cache_dit (the cache-dit library, request mode only). It serves requests naming no quality with
@@ -191,6 +203,11 @@ class OmniDiffusionConfig:
             raise ValueError("step_execution supports one rank only for now (tensor_parallel_size=1)")
         if self.diffusion_memory_budget_gb is not None and not self.diffusion_memory_budget_gb > 0:
             raise ValueError(f"diffusion_memory_budget_gb must be > 0, got {self.diffusion_memory_budget_gb}")
+        if not 0 < self.default_deadline_ms <= MAX_DEADLINE_MS:
+            raise ValueError(f"default_deadline_ms must be in (0, {MAX_DEADLINE_MS:.0f}], got "
+                             f"{self.default_deadline_ms}")
+        if self.max_paused_states < 0:
+            raise ValueError(f"max_paused_states must be >= 0, got {self.max_paused_states}")
         if self.max_stage_restarts < 0:
             raise ValueError(f"max_stage_restarts must be >= 0, got {self.max_stage_restarts}")
         if self.load_format not in DIFFUSION_LOAD_FORMATS:
@@ -216,6 +233,23 @@ class OmniDiffusionConfig:
 
 
 @dataclass
+class StepStats:
+    """How a step-mode request was scheduled; travels with its output to the server's Prometheus metrics."""
+
+    shape: str
+    """`shape_label` of the request (e.g. "512x512+cfg")."""
+    step_seconds: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    """Times the request was paused at a step boundary for a more urgent one."""
+    deadline_missed: bool = False
+    """Finished after its deadline (requests with a `deadline_ms`, or any request under the slo policy)."""
+    waiting: int = 0
+    """Requests waiting (queued or paused) in the worker when this one left."""
+    running: int = 0
+    """Resident states stepping in the worker when this one left."""
+
+
+@dataclass
 class DiffusionOutput:
     """One request's result from a pipeline (or its error, when it failed alone)."""
 
@@ -227,6 +261,8 @@ class DiffusionOutput:
     stage_durations: dict[str, float] = field(default_factory=dict)
     peak_memory_mb: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    step_stats: StepStats | None = None
+    """Step mode only."""
 
     @classmethod
     def from_exception(cls, exc: BaseException) -> DiffusionOutput:

@@ -77,7 +77,8 @@ class DiffusionEngine:
             )
         # Step mode: every request goes to the worker as it arrives, which admits it at a step boundary.
         self.scheduler = (RequestScheduler() if self.step_execution
-                          else RequestScheduler(od_config.max_num_seqs, od_config.request_batch_max_wait_ms))
+                          else RequestScheduler(od_config.max_num_seqs, od_config.request_batch_max_wait_ms,
+                                                od_config.diffusion_scheduler_policy, od_config.default_deadline_ms))
         self._cond = threading.Condition()
         self._waiting: dict[str, tuple[Future[DiffusionOutput], float]] = {}
         self._running: dict[str, Future[DiffusionOutput]] = {}

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from vllm_omni.diffusion.cache.runtime import cache_group, cache_state_for, request_policy
 from vllm_omni.diffusion.cache.state import CacheState
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.previews import emit_previews
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.timing import elapsed_since
@@ -218,10 +219,12 @@ class NativeDiffusionPipeline(nn.Module):
         return errors
 
     def advance(self, state: DenoiseState, ctx: StepContext, noise_pred: torch.Tensor) -> None:
-        """The scheduler step of `state` with its guided prediction, then progress."""
+        """The scheduler step of `state` with its guided prediction, then progress and any asked-for preview."""
+        latents_before = state.latents
         state.latents = self.scheduler_step(state, noise_pred)
         state.step_index += 1
         ctx.report_progress(state.step_index, len(state.timesteps), state.request_ids)
+        emit_previews(self, state, ctx, latents_before, noise_pred)
 
     def finish(self, state: DenoiseState, ctx: StepContext) -> list[DiffusionOutput]:
         """Decode and split: one output per remaining request, `outputs_per_request` items each.

@@ -101,6 +101,9 @@ class OmniEngineArgs(EngineArgs):
     request_batch_max_wait_ms: float = 0.0
     step_execution: bool = False
     diffusion_max_tokens_per_forward: int | None = 16384
+    diffusion_scheduler_policy: Literal["fcfs", "priority", "slo"] = "fcfs"
+    default_deadline_ms: float = 60000.0
+    max_paused_states: int = 4
     fa_deterministic: bool = False
     diffusers_load_kwargs: dict[str, Any] | None = None
     use_diffusers_adapter: bool = False

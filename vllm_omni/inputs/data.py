@@ -29,6 +29,10 @@ MAX_OUTPUTS_PER_PROMPT = 16
 MAX_IMAGE_SIDE = 8192
 SEED_RANGE = (-(2**63), 2**64 - 1)
 """What `torch.Generator.manual_seed` and msgspec both accept."""
+PRIORITY_RANGE = (-(2**63), 2**63 - 1)
+"""vLLM's bounds of `priority`."""
+MAX_DEADLINE_MS = 24 * 3600 * 1000.0
+"""A day: a longer deadline is no deadline at all, and the bound keeps the arithmetic finite."""
 
 
 def knob(default: Any = None, *, http: bool = True, batch_key: bool = True, minimum: float | None = None,
@@ -83,6 +87,15 @@ class OmniDiffusionSamplingParams:
     flow_shift: float | None = knob(minimum=0, pipeline_kwarg=True)
     max_sequence_length: int | None = knob(http=False, minimum=1, maximum=65536, pipeline_kwarg=True)
     lora: dict[str, Any] | None = knob(http=False, pipeline_kwarg=True)
+    priority: int = knob(0, batch_key=False, minimum=PRIORITY_RANGE[0], maximum=PRIORITY_RANGE[1])
+    """vLLM's priority semantics: lower values are served first, ties by arrival (`--diffusion-scheduler-policy
+    priority`; the other policies ignore it)."""
+    deadline_ms: float | None = knob(batch_key=False, minimum=1, maximum=MAX_DEADLINE_MS)
+    """Milliseconds after arrival by which the request should be done; the `slo` policy serves earliest
+    deadlines first (None = the server's `--default-deadline-ms`)."""
+    partial_images: int = knob(0, http=False, batch_key=False, minimum=0, maximum=3)
+    """Decoded previews sent before the final image, at evenly spaced steps (`/v1/images/generations` with
+    `stream=true`)."""
     stream_partial_outputs: bool = knob(False, http=False, batch_key=False)
     """Stream denoise progress and decoded video chunks as unfinished outputs before the final one (AsyncOmni).
     Not part of the batching key: streaming and non-streaming requests share forwards."""

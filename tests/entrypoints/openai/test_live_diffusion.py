@@ -43,6 +43,12 @@ def test_images_generate(client):
     assert again.data[0].b64_json == res.data[0].b64_json  # same seed, same image
 
 
+def test_images_stream_in_request_mode(client):
+    events = list(client.images.generate(model=MODEL, prompt="a red cube", size="32x32", stream=True,
+                                         partial_images=1, extra_body={**FAST, "num_inference_steps": 4}))
+    assert [e.type for e in events] == ["image_generation.partial_image", "image_generation.completed"]
+
+
 def test_chat_returns_images(client):
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a cube"}],
                                          extra_body={**FAST, "size": "32x32"})

@@ -5,8 +5,10 @@ for all of it. In step mode the worker keeps one resident `DenoiseState` per req
 scheduler and timesteps) and runs rounds:
 
     retire   aborted requests leave (their memory is freed); finished states are decoded, output sent at once
-    admit    waiting requests join up to `max_num_seqs` resident states (encode, initial latents)
-    advance  every resident state takes one denoise step: states with equal `step_group_key` share ONE
+    admit    the scheduling policy (`diffusion/sched/step_policy.py`) picks the `max_num_seqs` jobs that step
+             next: waiting requests join (encode, initial latents), paused states resume, and a resident state
+             that lost its slot to a more urgent request is paused (it keeps its latents; no recompute)
+    advance  every resident state takes one denoise step: states with equal `forward_group_key` share ONE
              transformer forward (`denoise_step_batch`), at most `diffusion_max_tokens_per_forward` tokens each
     retire   as above, so an output leaves right after its last step
 
@@ -19,15 +21,15 @@ error while the others go on unaffected.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from vllm_omni.diffusion.data import DiffusionOutput
+from vllm_omni.diffusion.data import DiffusionOutput, StepStats
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.sched.step_policy import DEFAULT_STEPS, StepPolicy, shape_key, shape_label
 from vllm_omni.diffusion.step_context import PartialSink, StepContext
 from vllm_omni.errors import RequestAbortedError
 from vllm_omni.logger import init_logger
@@ -62,7 +64,7 @@ class _Batch:
         return all(out is not None for out in self.outputs)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     """One request from admission to its output."""
 
@@ -70,9 +72,24 @@ class _Job:
     index: int
     request: OmniDiffusionRequest
     ctx: StepContext
+    deadline_ms: float
     arrival: float = field(default_factory=time.perf_counter)
     state: DenoiseState | None = None
     denoise_start: float = 0.0
+    stats: StepStats = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stats = StepStats(shape_label(shape_key(self.request)))
+
+    @property
+    def deadline(self) -> float:
+        return self.arrival + self.deadline_ms / 1000.0
+
+    @property
+    def remaining_steps(self) -> int:
+        if self.state is None:
+            return self.request.sampling_params.num_inference_steps or DEFAULT_STEPS
+        return len(self.state.timesteps) - self.state.step_index
 
 
 class StepExecutor:
@@ -84,13 +101,18 @@ class StepExecutor:
         self.max_tokens = runner.od_config.diffusion_max_tokens_per_forward
         self.send = send
         self.aborted = aborted
-        self.waiting: deque[_Job] = deque()
+        self.policy = StepPolicy(runner.od_config.diffusion_scheduler_policy)
+        self.waiting: list[_Job] = []
+        """Not admitted yet, in arrival order."""
+        self.paused: list[_Job] = []
+        """Preempted: prepared states that wait for a step slot again."""
         self.resident: list[_Job] = []
+        """The states that take a step this round, most urgent first."""
         self._batches: dict[int, _Batch] = {}
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.resident)
+        return bool(self.waiting or self.paused or self.resident)
 
     def add(self, batch_id: int, requests: list[OmniDiffusionRequest], partial_sink: PartialSink | None) -> None:
         """Queue a batch's requests; each is admitted on its own at a step boundary."""
@@ -99,7 +121,8 @@ class StepExecutor:
         for index, request in enumerate(requests):
             ctx = StepContext(self.runner.od_config, request_ids=[request.request_id], partial_sink=partial_sink,
                               abort_requested=lambda rid, b=batch_id: self.aborted.contains(b, rid))
-            self.waiting.append(_Job(batch, index, request, ctx))
+            deadline_ms = request.sampling_params.deadline_ms or self.runner.od_config.default_deadline_ms
+            self.waiting.append(_Job(batch, index, request, ctx, deadline_ms))
         if not requests:
             self._complete(batch)
 
@@ -115,6 +138,8 @@ class StepExecutor:
 
     def _retire(self) -> None:
         """Aborted requests leave with `RequestAbortedError`; finished states are decoded and sent."""
+        for job in [job for job in self.paused if job.ctx.aborted([job.request.request_id])]:
+            self._finish(job, DiffusionOutput.from_exception(RequestAbortedError()))
         for job in list(self.resident):
             state = job.state
             state.drop(set(job.ctx.aborted(state.request_ids)))
@@ -128,16 +153,26 @@ class StepExecutor:
                     self._finish(job, outputs[0])
 
     def _admit(self) -> None:
-        """Aborted waiting requests leave; the others join in arrival order while fewer than `max_num_seqs`
-        states are resident."""
+        """Aborted waiting requests leave; the policy's choice of `max_num_seqs` jobs becomes the resident set:
+        resident jobs it left out are paused, paused ones it chose resume, waiting ones it chose are prepared."""
         for job in [job for job in self.waiting if job.ctx.aborted([job.request.request_id])]:
             self.waiting.remove(job)
             self._finish(job, DiffusionOutput.from_exception(RequestAbortedError()))
-        while self.waiting and len(self.resident) < self.max_resident:
-            job = self.waiting.popleft()
-            self.resident.append(job)
-            job.state = self._guarded(job, lambda job=job: self._prepare(job))
-            job.denoise_start = time.perf_counter()
+        chosen = self.policy.choose(self.resident, self.paused, self.waiting, self.max_resident,
+                                    self.runner.od_config.max_paused_states, time.perf_counter())
+        chosen_ids = {id(job) for job in chosen}
+        for job in self.resident:
+            if id(job) not in chosen_ids:
+                job.stats.preemptions += 1
+                logger.debug("[diffusion step] request %s paused at step %d", job.request.request_id,
+                             job.state.step_index)
+        self.paused = [job for job in self.paused + self.resident if id(job) not in chosen_ids]
+        self.waiting = [job for job in self.waiting if id(job) not in chosen_ids]
+        self.resident = list(chosen)
+        for job in chosen:
+            if job.state is None:
+                job.state = self._guarded(job, lambda job=job: self._prepare(job))
+                job.denoise_start = time.perf_counter()
 
     def _advance(self) -> None:
         """Every resident state takes one step: one transformer forward per group of compatible states (equal
@@ -148,10 +183,14 @@ class StepExecutor:
             return
         pipeline = self.runner.pipeline
         for group in self._forward_groups(pipeline):
+            start = time.perf_counter()
             errors = pipeline.denoise_step_batch([job.state for job in group], [job.ctx for job in group])
+            seconds = time.perf_counter() - start  # each state of a shared forward waited for all of it
             for job, error in zip(group, errors, strict=True):
                 if error is not None:
                     self._fail(job, error)
+                else:
+                    self._observe_step(job, seconds)
 
     def _forward_groups(self, pipeline) -> list[list[_Job]]:
         """Resident states grouped by `forward_group_key` (None: alone), in residence order, each group cut into
@@ -191,12 +230,23 @@ class StepExecutor:
         logger.info("[diffusion step] request %s failed: %s", job.request.request_id, exc)
         self._finish(job, DiffusionOutput.from_exception(exc))
 
+    def _observe_step(self, job: _Job, seconds: float) -> None:
+        if job.state is not None:  # the step did not fail
+            job.stats.step_seconds.append(seconds)
+            self.policy.cost.observe(shape_key(job.request), seconds)
+
     def _finish(self, job: _Job, output: DiffusionOutput) -> None:
         """Free the job's state and send its batch's result once the batch is complete."""
-        if job in self.resident:
-            self.resident.remove(job)
+        for jobs in (self.resident, self.paused, self.waiting):
+            if job in jobs:
+                jobs.remove(job)
         job.state = None
-        output.stage_durations.setdefault("forward", time.perf_counter() - job.arrival)
+        now = time.perf_counter()
+        output.stage_durations.setdefault("forward", now - job.arrival)
+        job.stats.deadline_missed = output.error is None and now > job.deadline and (
+            job.request.sampling_params.deadline_ms is not None or self.policy.policy == "slo")
+        job.stats.waiting, job.stats.running = len(self.waiting) + len(self.paused), len(self.resident)
+        output.step_stats = job.stats
         output.peak_memory_mb = self.runner.peak_memory_mb()
         job.batch.outputs[job.index] = output
         if job.batch.complete:

@@ -83,7 +83,9 @@ async def create_batch_chat_completion(request: OmniBatchChatCompletionRequest, 
 
 @router.post("/v1/images/generations", dependencies=[JsonBody])
 @with_cancellation
-async def create_images(request: ImageGenerationRequest, raw_request: Request) -> JSONResponse:
+async def create_images(request: ImageGenerationRequest, raw_request: Request) -> Response:
+    if request.stream:
+        return await _state(raw_request).serving_images.stream_images(request)
     response = await _state(raw_request).serving_images.generate_images(request)
     return JSONResponse(response.model_dump(exclude_none=True))
 

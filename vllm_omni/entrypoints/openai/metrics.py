@@ -11,6 +11,8 @@ import time
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from vllm_omni.entrypoints.openai.diffusion_metrics import DiffusionStepMetrics
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -43,6 +45,7 @@ class OmniMetrics:
             "vllm_omni:requests_running", "Requests currently inside the engine.", ["model_name"],
             registry=self.registry,
         )
+        self.diffusion_steps = DiffusionStepMetrics(self.registry, model_name)
 
         self.replica_dispatched = Gauge(
             "vllm_omni:stage_replica_dispatched_requests", "Requests given to each stage replica since start.",

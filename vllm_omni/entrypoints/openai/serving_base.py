@@ -221,6 +221,7 @@ class OmniServingBase:
                 if output.finished:
                     self.metrics.observe_stages(output.stage_durations)
                     self.metrics.observe_cache(output.cache)
+                    self.metrics.diffusion_steps.observe(output.step_stats)
                 yield output
             completed = True
             outcome = "finished"

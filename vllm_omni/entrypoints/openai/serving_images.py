@@ -3,24 +3,81 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
+from fastapi.responses import StreamingResponse
 from vllm.utils import random_uuid
 
+from vllm_omni.entrypoints.openai.errors import exception_to_response
 from vllm_omni.entrypoints.openai.media import decode_image_async, encode_image_b64, probe_image
-from vllm_omni.entrypoints.openai.protocol.images import ImageData, ImageGenerationRequest, ImagesResponse
-from vllm_omni.entrypoints.openai.serving_base import OmniServingBase
+from vllm_omni.entrypoints.openai.protocol.images import (
+    ImageData,
+    ImageGenerationRequest,
+    ImageGenStreamEvent,
+    ImagesResponse,
+)
+from vllm_omni.entrypoints.openai.serving_base import OmniServingBase, fail_fast
 from vllm_omni.errors import OmniClientError
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+_NO_USAGE = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+             "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}}
 
 
 class OmniOpenAIServingImages(OmniServingBase):
     async def generate_images(self, request: ImageGenerationRequest) -> ImagesResponse:
+        if request.partial_images:
+            raise OmniClientError("partial_images needs stream=true", param="partial_images")
         return await self._run(request, self._params(request), images=[])
+
+    async def stream_images(self, request: ImageGenerationRequest) -> StreamingResponse:
+        """OpenAI's image streaming: `partial_images` previews, then the final image, as SSE events. What fails
+        before the first event is the HTTP status; a later failure is an `error` event."""
+        if request.n != 1:
+            raise OmniClientError("stream=true generates one image (n=1)", param="n")
+        params = [dataclasses.replace(p, stream_partial_outputs=True, partial_images=request.partial_images or 0)
+                  if isinstance(p, OmniDiffusionSamplingParams) else p for p in self._params(request)]
+        events = self._events(request, {"prompt": request.prompt, **self._negative(request)}, params)
+        return StreamingResponse(await fail_fast(events), media_type="text/event-stream")
+
+    async def _events(self, request: ImageGenerationRequest, prompt: dict[str, Any], params: list[Any]
+                      ) -> AsyncIterator[str]:
+        sent_any = False
+        try:
+            async for output in self.generate(prompt, f"img-{random_uuid()}", params):
+                partial = None if output.finished else output.multimodal_output.get("partial_image")
+                images = output.images if output.finished else (partial or {}).get("images", [])
+                for image in images:
+                    event = await asyncio.to_thread(self._event, image, request, partial)
+                    sent_any = True
+                    yield f"event: {event.type}\ndata: {event.model_dump_json(exclude_none=True)}\n\n"
+        except Exception as exc:
+            if not sent_any:
+                raise
+            yield f"event: error\ndata: {exception_to_response(exc).body.decode()}\n\n"
+
+    @staticmethod
+    def _event(image: Any, request: ImageGenerationRequest, partial: dict[str, Any] | None) -> ImageGenStreamEvent:
+        kind = "image_generation.completed" if partial is None else "image_generation.partial_image"
+        return ImageGenStreamEvent(
+            type=kind, b64_json=encode_image_b64(image, request.output_format), created_at=int(time.time()),
+            output_format=request.output_format, size=f"{image.width}x{image.height}",
+            partial_image_index=None if partial is None else partial["index"],
+            usage=_NO_USAGE if partial is None else None)
+
+    @staticmethod
+    def _negative(request: ImageGenerationRequest) -> dict[str, Any]:
+        return {} if request.negative_prompt is None else {"negative_prompt": request.negative_prompt}
 
     async def edit_images(self, request: ImageGenerationRequest, uploads: list[tuple[str, bytes]]
                           ) -> ImagesResponse:
         if not uploads:
             raise OmniClientError("image is required (one or more image files)", param="image")
+        if request.stream or request.partial_images:
+            raise OmniClientError("streaming is available on /v1/images/generations only", param="stream")
         for name, data in uploads:
             if len(data) > self.limits.max_upload_bytes:
                 raise OmniClientError(
@@ -38,9 +95,7 @@ class OmniOpenAIServingImages(OmniServingBase):
         return await self._run(request, params, images)
 
     async def _run(self, request: ImageGenerationRequest, params: list[Any], images: list[Any]) -> ImagesResponse:
-        prompt: dict[str, Any] = {"prompt": request.prompt}
-        if request.negative_prompt is not None:
-            prompt["negative_prompt"] = request.negative_prompt
+        prompt: dict[str, Any] = {"prompt": request.prompt, **self._negative(request)}
         if images:
             prompt["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
         finals = await self.generate_final(prompt, f"img-{random_uuid()}", params)

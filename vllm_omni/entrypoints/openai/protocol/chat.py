@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import (
     BatchChatCompletionRequest,
@@ -14,6 +14,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
 
 from vllm_omni.entrypoints.openai.protocol.common import DiffusionFields, reject_unknown_fields
 from vllm_omni.errors import OmniClientError
+from vllm_omni.inputs.data import PRIORITY_RANGE
 
 Modality = Literal["text", "audio", "image", "video"]
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -49,6 +50,8 @@ class OmniChatFields(DiffusionFields):
     """OpenAI audio output params: {"voice": ..., "format": "wav" | "pcm16"}."""
     sampling_params_list: list[dict[str, Any]] | None = None
     """Per-stage sampling params (one dict per stage, in stage order); overrides the other fields."""
+    priority: int = Field(default=0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])
+    """vLLM's chat field (its default, not the diffusion knobs' None), also the diffusion stages' priority."""
 
 
 class OmniChatCompletionRequest(OmniChatFields, ChatCompletionRequest):

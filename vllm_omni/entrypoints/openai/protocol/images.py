@@ -22,6 +22,12 @@ class ImageGenerationRequest(DiffusionFields):
     """`url` returns a `data:` URL (the server keeps no files)."""
     output_format: Literal["png", "jpeg", "webp"] = "png"
     user: str | None = None
+    stream: bool = False
+    """Server-sent events: `image_generation.partial_image` previews, then `image_generation.completed`
+    (generations only, n=1)."""
+    partial_images: int | None = Field(default=None, ge=0, le=3)
+    """Previews decoded at evenly spaced denoise steps before the final image (stream=true only); fewer come
+    when the request has too few steps."""
     # Accepted for OpenAI compatibility; diffusion pipelines have no equivalent knob.
     style: str | None = None
     background: str | None = None
@@ -42,3 +48,21 @@ class ImagesResponse(BaseModel):
     """vllm-omni extension: seconds per stage/phase of the request."""
     cache: dict[str, Any] | None = None
     """vllm-omni extension: what the diffusion cache ran (quality, backend, computed / reused block-steps)."""
+
+
+class ImageGenStreamEvent(BaseModel):
+    """One SSE event of a streamed generation, as OpenAI's `ImageGenPartialImageEvent` /
+    `ImageGenCompletedEvent`."""
+
+    type: Literal["image_generation.partial_image", "image_generation.completed"]
+    b64_json: str
+    created_at: int
+    output_format: str
+    size: str
+    """"WIDTHxHEIGHT" of this image."""
+    background: str = "auto"
+    quality: str = "auto"
+    partial_image_index: int | None = None
+    """Partial images only: 0-based."""
+    usage: dict[str, Any] | None = None
+    """Completed event only: token counts are a GPT image model notion; diffusion pipelines report zeros."""
