@@ -55,10 +55,10 @@ class ForwardLog:
         self.experts: list[bool | None] = []
         self._forward = pipe.forward_step_inputs
 
-    def __call__(self, inputs):
+    def __call__(self, inputs, states):
         self.sizes.append(len(inputs))
         self.experts.append(getattr(inputs[0], "high_noise", None))
-        return self._forward(inputs)
+        return self._forward(inputs, states)
 
 
 @pytest.fixture(scope="module")
