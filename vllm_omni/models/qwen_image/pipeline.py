@@ -10,7 +10,6 @@ request gives the same image alone, in a batch, or in diffusers.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Self
@@ -20,6 +19,8 @@ import torch
 from torch import nn
 
 from vllm_omni.diffusion.data import OmniDiffusionConfig
+from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
+from vllm_omni.diffusion.distributed.sequence import cfg_branch_rows, cfg_gather_rows
 from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.errors import OmniClientError
@@ -158,7 +159,7 @@ class QwenImagePipeline(NativeDiffusionPipeline):
         noise = []
         for request in requests:
             sp = request.sampling_params
-            seed = _shared_random_seed() if sp.seed is None else sp.seed
+            seed = shared_random_seed() if sp.seed is None else sp.seed
             generator = torch.Generator(device="cpu").manual_seed(seed)
             shape = (sp.num_outputs_per_prompt, 1, channels, 2 * h, 2 * w)  # diffusers' draw shape
             draw = torch.randn(shape, generator=generator, dtype=self.dtype)
@@ -193,9 +194,11 @@ class QwenImagePipeline(NativeDiffusionPipeline):
         if cond.image_latents is not None:
             image = torch.cat([cond.image_latents, cond.image_latents]) if cond.do_cfg else cond.image_latents
             x = torch.cat([x, image], dim=1)
-        timestep = state.timesteps[i].expand(x.shape[0]).to(latents.dtype) / 1000
-        pred = self.transformer(x, cond.prompt.embeds, None, timestep, cond.geometry.img_shapes,
-                                cond.modulation[:, :, i : i + 1], cond.prompt.lengths)[:, :img_len]
+        branch = cfg_branch_rows(rows, x.shape[0])  # CFG parallel: this rank's branch; else every row
+        timestep = state.timesteps[i].expand(x[branch].shape[0]).to(latents.dtype) / 1000
+        pred = self.transformer(x[branch], cond.prompt.embeds[branch], None, timestep, cond.geometry.img_shapes,
+                                cond.modulation[:, :, i : i + 1], cond.prompt.lengths[branch])[:, :img_len]
+        pred = cfg_gather_rows(pred, rows, x.shape[0])
         return _true_cfg(pred[:rows], pred[rows:], cond.cfg_scale) if cond.do_cfg else pred
 
     def decode(self, state: DenoiseState) -> Any:
@@ -261,16 +264,6 @@ class QwenImagePipeline(NativeDiffusionPipeline):
         mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         return latents / (1.0 / std) + mean if inverse else (latents - mean) / std
-
-
-def _shared_random_seed() -> int:
-    """A random seed every tensor-parallel rank agrees on (ranks must draw the same noise)."""
-    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
-
-    seed = random.getrandbits(63)
-    if get_tensor_model_parallel_world_size() > 1:
-        seed = get_tp_group().broadcast_object(seed, src=0)
-    return seed
 
 
 def resolve_true_cfg_scale(sp: OmniDiffusionSamplingParams) -> float:

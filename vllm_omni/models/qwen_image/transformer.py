@@ -25,6 +25,7 @@ from vllm.model_executor.layers.linear import (
 
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
+from vllm_omni.diffusion.distributed.sequence import gather_sequence, shard_sequence
 from vllm_omni.diffusion.layers.gelu_linear import linear_gelu_tanh
 from vllm_omni.diffusion.layers.qk_norm_rope import qk_norm_rope
 from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
@@ -201,13 +202,14 @@ class QwenJointAttention(nn.Module):
         )
         img_len = img.shape[1]
         if txt_lengths is None:
-            out = self.attn(q, k, v, attn_mask=None)
+            out = self.attn(q, k, v, attn_mask=None, joint_len=txt.shape[1])
         else:
             # Padded positions (past a row's prefix) get zeros; nothing real attends to them.
             out = torch.cat([
-                F.pad(self.attn(q[b : b + 1, :end], k[b : b + 1, :end], v[b : b + 1, :end], attn_mask=None),
-                      (0, 0, 0, 0, 0, q.shape[1] - end))
-                for b, end in enumerate(img_len + n for n in txt_lengths)
+                F.pad(self.attn(q[b : b + 1, :img_len + n], k[b : b + 1, :img_len + n],
+                                v[b : b + 1, :img_len + n], attn_mask=None, joint_len=n),
+                      (0, 0, 0, 0, 0, q.shape[1] - img_len - n))
+                for b, n in enumerate(txt_lengths)
             ])
         out = out.flatten(2)
         return self.to_out[0](out[:, :img_len]), self.to_add_out(out[:, img_len:])
@@ -359,9 +361,11 @@ class QwenImageTransformer2DModel(nn.Module):
             txt_lengths = padding_lengths(encoder_hidden_states_mask)
         if txt_lengths is not None and all(n == txt.shape[1] for n in txt_lengths):
             txt_lengths = None
+        # Sequence parallel: this rank's slice of the image tokens (and of their RoPE); text stays whole.
+        img, rope = shard_sequence(img), ((shard_sequence(rope[0][0], 0), shard_sequence(rope[0][1], 0)), rope[1])
         for block, block_modulation in zip(self.transformer_blocks, modulation, strict=True):
             img, txt = block(img, txt, block_modulation, txt_lengths, rope)
-        return self.proj_out(self.norm_out(img, temb))
+        return gather_sequence(self.proj_out(self.norm_out(img, temb)))
 
     def block_modulation(self, temb: torch.Tensor) -> torch.Tensor:
         """Every block's image and text adaLN parameters, (num_layers, 2, *temb.shape[:-1], 6 * dim).
