@@ -9,7 +9,6 @@ positive rows and the negatives of the requests that have one go through the tra
 from __future__ import annotations
 
 import functools
-import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -17,6 +16,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
+from vllm_omni.diffusion.distributed.sequence import cfg_branch_rows, cfg_gather_rows
 from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
 from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
@@ -173,7 +174,7 @@ class FluxPipeline(NativeDiffusionPipeline):
         noise = []
         for request in requests:
             seed = request.sampling_params.seed
-            generator = torch.Generator(device="cpu").manual_seed(random.getrandbits(63) if seed is None else seed)
+            generator = torch.Generator(device="cpu").manual_seed(shared_random_seed() if seed is None else seed)
             noise.append(torch.randn((n, self.latent_channels, lh, lw), generator=generator, dtype=self.dtype))
         return pack_latents(torch.cat(noise).to(self.device))
 
@@ -212,8 +213,13 @@ class FluxPipeline(NativeDiffusionPipeline):
         cond, latents, i = state.conditioning, state.latents, state.step_index
         has_cfg = len(cond.neg_rows) > 0
         model_in = torch.cat([latents, latents.index_select(0, cond.neg_rows)]) if has_cfg else latents
-        pred = self.transformer(model_in, cond.embeds, cond.pooled, cond.step_timesteps[i], guidance=cond.guidance,
-                                rotary_emb=cond.rotary_emb, modulation=self.transformer.step_slice(cond.modulation, i))
+        rows = cfg_branch_rows(latents.shape[0], model_in.shape[0])  # CFG parallel: this rank's branch
+        double, single, final = self.transformer.step_slice(cond.modulation, i)
+        pred = self.transformer(model_in[rows], cond.embeds[rows], cond.pooled[rows], cond.step_timesteps[i][rows],
+                                guidance=None if cond.guidance is None else cond.guidance[rows],
+                                rotary_emb=cond.rotary_emb,
+                                modulation=(double[:, :, rows], single[:, rows], final[rows]))
+        pred = cfg_gather_rows(pred, latents.shape[0], model_in.shape[0])
         if not has_cfg:
             return pred
         pred, neg = pred[: latents.shape[0]], pred[latents.shape[0]:]

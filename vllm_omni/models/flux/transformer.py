@@ -22,6 +22,7 @@ from vllm.model_executor.layers.linear import (
 
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
+from vllm_omni.diffusion.distributed.sequence import gather_sequence, shard_sequence
 from vllm_omni.diffusion.layers.embeddings import MLPEmbedder, timestep_sinusoid
 from vllm_omni.diffusion.layers.gelu_linear import linear_gelu_tanh
 from vllm_omni.diffusion.layers.modulation import AdaLNModulation, gated_residual, layer_norm_modulate
@@ -91,7 +92,7 @@ class FluxJointAttention(nn.Module):
             txt_qkv=self.add_qkv(ctx)[0], txt_norms=(self.norm_added_q.weight, self.norm_added_k.weight),
             txt_rope=(cos[:txt_len], sin[:txt_len]), num_heads=self.local_dim // self.head_dim, eps=self.norm_q.eps,
         )
-        out = self.attn(q, k, v).flatten(2)
+        out = self.attn(q, k, v, joint_len=txt_len, joint_front=True).flatten(2)
         ctx_out, x_out = out.split([txt_len, x.shape[1]], dim=1)
         return self.to_out(x_out.contiguous())[0], self.to_add_out(ctx_out.contiguous())[0]
 
@@ -150,14 +151,16 @@ class FluxSingleTransformerBlock(nn.Module):
         self.attn = FluxSingleAttention(num_heads // tp, head_dim, prefix=f"{prefix}.attn", attn_config=attn_config)
         self.proj_out = RowParallelLinear(inner + self.mlp_dim, dim, bias=True, prefix=f"{prefix}.proj_out")
 
-    def forward(self, x: torch.Tensor, modulation: torch.Tensor, rope: RotaryEmb) -> torch.Tensor:
-        """`modulation` (batch, 3 * dim): this block's adaLN parameters."""
+    def forward(self, x: torch.Tensor, modulation: torch.Tensor, rope: RotaryEmb, text_len: int = 0
+                ) -> torch.Tensor:
+        """`modulation` (batch, 3 * dim): this block's adaLN parameters; `x` starts with `text_len` text tokens
+        (replicated on every sequence-parallel rank)."""
         shift, scale, gate = modulation.chunk(3, dim=-1)
         qkv_mlp = self.to_qkv_mlp(layer_norm_modulate(x, shift, scale))[0]
         q, k, v = qk_norm_rope(qkv_mlp, (self.attn.norm_q.weight, self.attn.norm_k.weight), rope,
                                num_heads=self.local_sizes[0] // self.head_dim, eps=self.attn.norm_q.eps)
         mlp = qkv_mlp[..., 3 * self.local_sizes[0]:]
-        out = self.attn.attn(q, k, v).flatten(2)
+        out = self.attn.attn(q, k, v, joint_len=text_len, joint_front=True).flatten(2)
         out = self.proj_out(torch.cat([out, F.gelu(mlp, approximate="tanh")], dim=-1))[0]
         return gated_residual(x, gate, out)
 
@@ -237,14 +240,17 @@ class FluxTransformer2DModel(nn.Module):
         double, single, final = modulation
         ctx = self.context_embedder(encoder_hidden_states)
         rope = rotary_emb if rotary_emb is not None else self.rotary_emb(txt_ids, img_ids)
+        text_len = ctx.shape[1]
+        # Sequence parallel: this rank's slice of the image tokens (and of their RoPE); text stays whole.
+        x = shard_sequence(x)
+        rope = tuple(torch.cat([r[:text_len], shard_sequence(r[text_len:], 0)]) for r in rope)
         for block, block_modulation in zip(self.transformer_blocks, double, strict=True):
             x, ctx = block(x, ctx, block_modulation, rope)
-        text_len = ctx.shape[1]
         joined = torch.cat([ctx, x], dim=1)
         for block, block_modulation in zip(self.single_transformer_blocks, single, strict=True):
-            joined = block(joined, block_modulation, rope)
+            joined = block(joined, block_modulation, rope, text_len)
         scale, shift = final.chunk(2, dim=1)
-        return self.proj_out(layer_norm_modulate(joined[:, text_len:], shift, scale))
+        return gather_sequence(self.proj_out(layer_norm_modulate(joined[:, text_len:], shift, scale)))
 
     def temb(self, timestep: torch.Tensor, guidance: torch.Tensor | None, pooled: torch.Tensor,
              dtype: torch.dtype) -> torch.Tensor:

@@ -15,7 +15,6 @@ Requests whose sampling-params keys agree (the scheduler guarantees it) share ev
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,6 +24,8 @@ import torch
 from torch import nn
 
 from vllm_omni.diffusion.data import DiffusionOutput
+from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
+from vllm_omni.diffusion.distributed.sequence import cfg_branch_rows, cfg_gather_rows
 from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
 from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, to_uint8_frames
@@ -197,7 +198,7 @@ class WanPipeline(NativeDiffusionPipeline):
         noise = []
         for request in requests:
             seed = request.sampling_params.seed
-            generator = torch.Generator(device="cpu").manual_seed(random.getrandbits(63) if seed is None else seed)
+            generator = torch.Generator(device="cpu").manual_seed(shared_random_seed() if seed is None else seed)
             noise.append(torch.randn(shape, generator=generator, dtype=torch.float32))
         return torch.cat(noise).to(self.device)
 
@@ -223,7 +224,11 @@ class WanPipeline(NativeDiffusionPipeline):
         if cond.do_cfg:
             x = torch.cat([x, x])
             image_embeds = None if image_embeds is None else torch.cat([image_embeds, image_embeds])
-        pred = model(x.to(self.dtype), self.model_timestep(t, x, cond), cond.embeds, image_embeds)
+        rows = cfg_branch_rows(latents.shape[0], x.shape[0])  # CFG parallel: this rank's branch
+        timestep = self.model_timestep(t, x, cond)[rows]
+        pred = model(x[rows].to(self.dtype), timestep, cond.embeds[rows],
+                     None if image_embeds is None else image_embeds[rows])
+        pred = cfg_gather_rows(pred, latents.shape[0], x.shape[0])
         if not cond.do_cfg:
             return pred
         rows = latents.shape[0]
