@@ -14,6 +14,7 @@ As vLLM's own `_TP`, they live in this module for the life of the worker process
 from __future__ import annotations
 
 import math
+import os
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -86,6 +87,10 @@ def init_diffusion_distributed(
             raise ValueError("distributed_init_method is required for more than one rank")
         distributed_init_method = f"tcp://127.0.0.1:{get_open_port()}"
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cpu":  # names the shared-memory TP communicator of vLLM CPU, as vLLM's CPU worker does
+        os.environ["VLLM_DIST_IDENT"] = (os.path.basename(distributed_init_method.removeprefix("file://"))
+                                         if distributed_init_method.startswith("file://")
+                                         else distributed_init_method.rsplit(":", 1)[-1])
     local_rank = (device.index or 0) if device.type == "cuda" else rank
     vllm_config = make_vllm_config(parallel_config)
     with set_current_vllm_config(vllm_config):

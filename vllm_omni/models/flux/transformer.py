@@ -22,6 +22,7 @@ from vllm.model_executor.layers.linear import (
 
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
+from vllm_omni.diffusion.distributed.parallel_state import sequence_parallel_size
 from vllm_omni.diffusion.distributed.sequence import gather_sequence, shard_sequence
 from vllm_omni.diffusion.layers.embeddings import MLPEmbedder, timestep_sinusoid
 from vllm_omni.diffusion.layers.gelu_linear import linear_gelu_tanh
@@ -242,8 +243,9 @@ class FluxTransformer2DModel(nn.Module):
         rope = rotary_emb if rotary_emb is not None else self.rotary_emb(txt_ids, img_ids)
         text_len = ctx.shape[1]
         # Sequence parallel: this rank's slice of the image tokens (and of their RoPE); text stays whole.
-        x = shard_sequence(x)
-        rope = tuple(torch.cat([r[:text_len], shard_sequence(r[text_len:], 0)]) for r in rope)
+        if sequence_parallel_size() > 1:
+            x = shard_sequence(x)
+            rope = tuple(torch.cat([r[:text_len], shard_sequence(r[text_len:], 0)]) for r in rope)
         for block, block_modulation in zip(self.transformer_blocks, double, strict=True):
             x, ctx = block(x, ctx, block_modulation, rope)
         joined = torch.cat([ctx, x], dim=1)
