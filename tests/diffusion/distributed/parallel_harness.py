@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-TIMEOUT_S = 600
+TIMEOUT_S = 1200
 Job = tuple[dict, Callable, tuple]
 
 
-def _run_job(rank: int, port: int, job: Job) -> Any:
+def _run_job(rank: int, init_file: str, job: Job) -> Any:
     from vllm.config import set_current_vllm_config
 
     from vllm_omni.diffusion.data import DiffusionParallelConfig
@@ -35,7 +36,7 @@ def _run_job(rank: int, port: int, job: Job) -> Any:
         return None
     config = init_diffusion_distributed(rank=rank, world_size=parallel_config.world_size,
                                         device=torch.device("cpu"), parallel_config=parallel_config,
-                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
+                                        distributed_init_method=f"file://{init_file}")
     try:
         with set_current_vllm_config(config):
             return fn(*args)
@@ -43,10 +44,10 @@ def _run_job(rank: int, port: int, job: Job) -> Any:
         destroy_diffusion_distributed()
 
 
-def _rank_main(rank: int, ports: list[int], jobs: list[Job], queue: Any) -> None:
+def _rank_main(rank: int, workdir: str, jobs: list[Job], queue: Any) -> None:
     torch.set_num_threads(1)
     try:
-        results = [_run_job(rank, port, job) for port, job in zip(ports, jobs, strict=True)]
+        results = [_run_job(rank, f"{workdir}/{Path(workdir).name}-job{i}", job) for i, job in enumerate(jobs)]
         queue.put((rank, None, results if rank == 0 else None))
     except BaseException:
         queue.put((rank, traceback.format_exc(), None))
@@ -54,24 +55,26 @@ def _rank_main(rank: int, ports: list[int], jobs: list[Job], queue: Any) -> None
 
 def run_jobs(jobs: list[Job]) -> list[Any]:
     """Rank 0's result of every job, in order."""
-    from vllm.utils.network_utils import get_open_ports_list
+    import tempfile
 
     from vllm_omni.diffusion.data import DiffusionParallelConfig
 
     nprocs = max(DiffusionParallelConfig(**parallel).world_size for parallel, _, _ in jobs)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    ports = get_open_ports_list(len(jobs))
-    procs = [ctx.Process(target=_rank_main, args=(r, ports, jobs, queue), daemon=True) for r in range(nprocs)]
-    for p in procs:
-        p.start()
-    try:
-        results = [queue.get(timeout=TIMEOUT_S) for _ in procs]
-    finally:
+    with tempfile.TemporaryDirectory(prefix="omni-ranks-") as workdir:  # file:// rendezvous: no port races
+        procs = [ctx.Process(target=_rank_main, args=(r, workdir, jobs, queue), daemon=True) for r in range(nprocs)]
         for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+            p.start()
+        results = []
+        try:
+            while len(results) < nprocs and not any(err for _, err, _ in results):  # one failure ends the run
+                results.append(queue.get(timeout=TIMEOUT_S))
+        finally:
+            for p in procs:
+                p.join(timeout=0 if any(err for _, err, _ in results) else 30)
+                if p.is_alive():
+                    p.kill()
     errors = [f"rank {r}:\n{err}" for r, err, _ in results if err]
     assert not errors, "\n".join(errors)
     return next(res for r, _, res in results if r == 0)
