@@ -18,10 +18,6 @@ DIFFUSION_LOAD_FORMATS = ("auto", "dummy")
 
 NOT_IMPLEMENTED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "num_gpus": ("placement by --num-gpus (use --tensor-parallel-size and the deploy config's devices)", (1,)),
-    "sequence_parallel_size": ("sequence parallelism", (1,)),
-    "ulysses_degree": ("sequence parallelism (Ulysses)", (1,)),
-    "ring_degree": ("sequence parallelism (ring attention)", (1,)),
-    "cfg_parallel_size": ("CFG parallelism", (1,)),
 }
 """Knobs the schema reserves for features that are not built yet: feature name and the values that mean "off".
 
@@ -67,7 +63,10 @@ def check_cache_args(values: dict[str, Any]) -> None:
 def check_diffusion_args(engine_args: dict[str, Any]) -> None:
     """The checks of `OmniDiffusionConfig` that need no engine process, run when the stage is resolved."""
     parallel = engine_args.get("parallel_config")  # a DiffusionParallelConfig object checked itself
-    refuse_unimplemented({**engine_args, **(parallel if isinstance(parallel, dict) else {})})
+    parallel = {**{k: v for k, v in engine_args.items() if k in _PARALLEL_FIELDS and v is not None},
+                **(parallel if isinstance(parallel, dict) else {})}
+    refuse_unimplemented({**engine_args, **parallel})
+    DiffusionParallelConfig(**parallel)
     check_cache_args(engine_args)
     if engine_args.get("diffusion_attention_backend") is not None:
         check_attention_backend(engine_args["diffusion_attention_backend"])
@@ -77,18 +76,22 @@ def check_diffusion_args(engine_args: dict[str, Any]) -> None:
 
 @dataclass
 class DiffusionParallelConfig:
-    """How one diffusion stage splits its work over devices; only tensor parallelism is implemented."""
+    """How one diffusion stage splits its work over devices: world = TP x Ulysses x ring x CFG ranks, one worker
+    process per rank (see docs/parallelism.md)."""
 
     tensor_parallel_size: int = 1
     """Shards every transformer layer over this many devices (one worker process per rank)."""
-    sequence_parallel_size: int = 1
-    """Not implemented yet: refused unless 1."""
+    sequence_parallel_size: int | None = None
+    """Ranks that each hold a slice of the image/video tokens: ulysses_degree x ring_degree. None = that
+    product; set alone it is the Ulysses degree."""
     ulysses_degree: int = 1
-    """Not implemented yet (Ulysses sequence parallelism): refused unless 1."""
+    """Ulysses sequence parallelism: all-to-all that trades a sequence shard for a head shard around each
+    attention; must divide the attention heads left after tensor parallelism."""
     ring_degree: int = 1
-    """Not implemented yet (ring-attention sequence parallelism): refused unless 1."""
+    """Ring-attention sequence parallelism: K/V blocks passed around the ring, partial results merged by
+    log-sum-exp; no head constraint, more communication than Ulysses."""
     cfg_parallel_size: int = 1
-    """Not implemented yet (conditional and unconditional branches on different devices): refused unless 1."""
+    """2 = the positive and the negative (true CFG) branch run on different ranks, joined by an all-gather."""
     data_parallel_size: int = 1
     """Replicas of the diffusion stage, each a full engine (all its ranks) on its own devices; requests go to
     the least loaded live replica. Resolved into the stage's `num_replicas` (the deploy config's name for it),
@@ -96,11 +99,34 @@ class DiffusionParallelConfig:
 
     def __post_init__(self) -> None:
         refuse_unimplemented(asdict(self))
+        for name in ("tensor_parallel_size", "ulysses_degree", "ring_degree", "cfg_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise OmniClientError(f"{name}={value!r} ({_flag(name)}) must be a positive integer", param=name)
+        if self.cfg_parallel_size > 2:
+            raise OmniClientError(f"cfg_parallel_size={self.cfg_parallel_size} (--cfg-parallel-size) must be 1 or "
+                                  "2 (one rank per CFG branch)", param="cfg_parallel_size")
+        product = self.ulysses_degree * self.ring_degree
+        if self.sequence_parallel_size is None:
+            self.sequence_parallel_size = product
+        elif product == 1 and self.sequence_parallel_size > 1:
+            self.ulysses_degree = self.sequence_parallel_size
+        elif self.sequence_parallel_size != product:
+            raise OmniClientError(
+                f"sequence_parallel_size={self.sequence_parallel_size} (--sequence-parallel-size) must equal "
+                f"ulysses_degree x ring_degree = {product}", param="sequence_parallel_size")
 
     @property
     def world_size(self) -> int:
         tp, sp = self.tensor_parallel_size, self.sequence_parallel_size
         return tp * sp * self.cfg_parallel_size * self.data_parallel_size
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+_PARALLEL_FIELDS = frozenset(f.name for f in fields(DiffusionParallelConfig))
 
 
 @dataclass
@@ -200,7 +226,8 @@ class OmniDiffusionConfig:
             raise ValueError("diffusion_max_tokens_per_forward must be >= 1 (1 = one forward per state), got "
                              f"{self.diffusion_max_tokens_per_forward}")
         if self.step_execution and self.parallel_config.world_size > 1:
-            raise ValueError("step_execution supports one rank only for now (tensor_parallel_size=1)")
+            raise ValueError("step_execution supports one rank only for now (no tensor, sequence or CFG "
+                             "parallelism)")
         if self.diffusion_memory_budget_gb is not None and not self.diffusion_memory_budget_gb > 0:
             raise ValueError(f"diffusion_memory_budget_gb must be > 0, got {self.diffusion_memory_budget_gb}")
         if not 0 < self.default_deadline_ms <= MAX_DEADLINE_MS:

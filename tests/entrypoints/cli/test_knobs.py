@@ -53,7 +53,7 @@ def test_every_omni_flag_has_help_from_a_docstring(parser):
 
 @pytest.mark.parametrize(("flags", "named"), [
     (["--cache-backend", "tea_cache", "--cache-config", '{"bogus": 1}'], "--cache-config"),
-    (["--ulysses-degree", "2"], "--ulysses-degree"),
+    (["--num-gpus", "2"], "--num-gpus"),
     (["--diffusion-attention-backend", "SAGE_ATTN"], "--diffusion-attention-backend"),
 ])
 def test_vllm_serve_refuses_unimplemented_knobs_at_startup(flags, named):
@@ -76,14 +76,14 @@ def test_vllm_serve_refuses_unimplemented_knobs_at_startup(flags, named):
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [
-    ({"ulysses_degree": 2}, "ulysses_degree"),
-    ({"ring_degree": 2}, "ring_degree"),
-    ({"cfg_parallel_size": 2}, "cfg_parallel_size"),
-    ({"sequence_parallel_size": 2}, "sequence_parallel_size"),
+    ({"ulysses_degree": 0}, "ulysses_degree"),
+    ({"ring_degree": -1}, "ring_degree"),
+    ({"cfg_parallel_size": 3}, "cfg_parallel_size"),
+    ({"sequence_parallel_size": 3, "ulysses_degree": 2}, "sequence_parallel_size"),
     ({"num_gpus": 2}, "num_gpus"),
     ({"diffusion_attention_backend": "SAGE_ATTN"}, "diffusion_attention_backend"),
-    ({"stage_overrides": {"0": {"ulysses_degree": 2}}}, "ulysses_degree"),
-    ({"parallel_config": {"ring_degree": 4}}, "ring_degree"),
+    ({"stage_overrides": {"0": {"ulysses_degree": 0}}}, "ulysses_degree"),
+    ({"parallel_config": {"ring_degree": 0}}, "ring_degree"),
 ])
 def test_resolution_refuses_unimplemented_knobs(kwargs, param):
     with pytest.raises(OmniClientError) as info:
@@ -92,13 +92,13 @@ def test_resolution_refuses_unimplemented_knobs(kwargs, param):
     assert param in info.value.message and "--" + param.replace("_", "-") in info.value.message
 
 
-def test_omni_refuses_ulysses_degree_before_starting_workers():
+def test_omni_refuses_a_bad_parallel_degree_before_starting_workers():
     from vllm_omni import Omni
 
     start = time.perf_counter()
-    with pytest.raises(OmniClientError, match="ulysses_degree") as info:
-        Omni(model="tiny/qwen-image", ulysses_degree=2)
-    assert info.value.param == "ulysses_degree"
+    with pytest.raises(OmniClientError, match="cfg_parallel_size") as info:
+        Omni(model="tiny/qwen-image", cfg_parallel_size=3)
+    assert info.value.param == "cfg_parallel_size"
     assert time.perf_counter() - start < 10.0
 
 
@@ -118,7 +118,7 @@ def test_off_values_are_not_refused(parser, flags):
 
 def test_configs_refuse_unimplemented_values_and_keep_the_implemented_ones():
     with pytest.raises(OmniClientError, match="cfg_parallel_size"):
-        DiffusionParallelConfig(cfg_parallel_size=2)
+        DiffusionParallelConfig(cfg_parallel_size=3)
     with pytest.raises(OmniClientError, match="cache_backend"):
         OmniDiffusionConfig(model="m", cache_backend="cache_dit", step_execution=True)
     assert OmniDiffusionConfig(model="m", cache_backend="none", num_gpus=1).parallel_config.world_size == 1

@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vllm_omni.diffusion.attention.parallel import sequence_parallel_attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig, get_attn_backend
+from vllm_omni.diffusion.distributed.parallel_state import get_diffusion_groups
 
 
 class Attention(nn.Module):
@@ -14,6 +16,12 @@ class Attention(nn.Module):
     `attn_mask` is a boolean key-padding mask (batch, seq_kv), True = attend. Grouped-query attention is
     used when `num_kv_heads` < `num_heads`. `attn_config` is the stage's attention config, passed down by the
     model that owns the layer (None: env / platform default, for a layer used on its own).
+
+    Under sequence parallelism (`--ulysses-degree`, `--ring-degree`) a self-attention layer's q/k/v hold this
+    rank's shard of the image/video tokens plus, at the front or rear (`joint_len`, `joint_front`), all the
+    text tokens; the layer runs Ulysses / ring / USP attention over the whole sequence (see
+    `attention/parallel.py`). `cross_attention=True` layers (queries from the sharded sequence, keys from
+    replicated text) need no communication and attend locally.
     """
 
     def __init__(
@@ -26,6 +34,7 @@ class Attention(nn.Module):
         causal: bool = False,
         prefix: str = "",
         attn_config: DiffusionAttentionConfig | None = None,
+        cross_attention: bool = False,
     ) -> None:
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -43,14 +52,37 @@ class Attention(nn.Module):
         self.impl = self.attn_backend.get_impl_cls()(
             num_heads, head_dim, num_kv_heads, self.softmax_scale, causal, deterministic=attn_config.fa_deterministic
         )
+        groups = get_diffusion_groups()
+        self.sp_groups = None if cross_attention or groups is None or groups.sp.world_size == 1 else groups
+        if self.sp_groups is not None:
+            self._check_sequence_parallel()
+
+    def _check_sequence_parallel(self) -> None:
+        """Degrees the heads cannot take fail when the model is built (start-up), naming the flag."""
+        degree = self.sp_groups.ulysses.world_size
+        if self.num_kv_heads % degree:
+            raise ValueError(f"{self.prefix or 'Attention'}: --ulysses-degree {degree} does not divide the "
+                             f"{self.num_kv_heads} attention heads per tensor-parallel rank (query heads "
+                             f"{self.num_heads}); choose a divisor of them or use --ring-degree")
+        if self.causal:
+            raise ValueError(f"{self.prefix}: sequence parallelism does not support causal attention")
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attn_mask: torch.Tensor | None = None, *, joint_len: int = 0, joint_front: bool = False
+                ) -> torch.Tensor:
         if attn_mask is not None and not self.attn_backend.supports_attention_mask():
             raise ValueError(f"{self.prefix}: attention backend {self.attn_backend.get_name()} does not support "
                              "attention masks")
-        return self.impl.forward(query, key, value, attn_mask)
+        if self.sp_groups is None:
+            return self.impl.forward(query, key, value, attn_mask)
+        if attn_mask is not None:
+            raise ValueError(f"{self.prefix}: sequence parallelism does not support attention masks")
+        return sequence_parallel_attention(
+            query, key, value, self.sp_groups, lambda q, k, v: self.impl.forward(q, k, v, None),
+            self.softmax_scale, joint_len, joint_front)
 
     def extra_repr(self) -> str:
+        sp = "" if self.sp_groups is None else (f", ulysses={self.sp_groups.ulysses.world_size}, "
+                                                f"ring={self.sp_groups.ring.world_size}")
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"backend={self.attn_backend.get_name()}")
+                f"backend={self.attn_backend.get_name()}{sp}")

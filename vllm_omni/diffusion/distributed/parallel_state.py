@@ -1,20 +1,48 @@
-"""Set up torch.distributed and vLLM's model-parallel groups for one diffusion worker.
+"""Set up torch.distributed, vLLM's model-parallel groups and the diffusion groups for one diffusion worker.
 
 Every worker gets a process group even when it is alone (gloo on CPU, nccl on CUDA), so a pipeline
 written with vLLM's `ColumnParallelLinear` / `RowParallelLinear` runs unchanged at any tensor-parallel
 size. Tests call `init_diffusion_distributed` in-process with world_size 1.
+
+Rank layout (innermost first): tensor parallel, Ulysses, ring, CFG:
+`rank = ((cfg * ring_degree + ring) * ulysses_degree + ulysses) * tp + tp_rank`. vLLM builds the TP groups
+over consecutive ranks (the rest of the world is its "external data parallel" dimension); we build the
+Ulysses, ring, sequence-parallel (ring x Ulysses) and CFG groups as vLLM `GroupCoordinator`s, once, at start-up.
+As vLLM's own `_TP`, they live in this module for the life of the worker process.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import random
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.parallel_state import GroupCoordinator
 
     from vllm_omni.diffusion.data import DiffusionParallelConfig
+
+
+@dataclass(frozen=True)
+class DiffusionParallelGroups:
+    """The groups a diffusion rank belongs to besides vLLM's TP group."""
+
+    ulysses: GroupCoordinator
+    """Ranks that exchange heads for sequence (all-to-all)."""
+    ring: GroupCoordinator
+    """Ranks that pass K/V blocks around (ring attention)."""
+    sp: GroupCoordinator
+    """ulysses x ring: the ranks that each hold one shard of the image/video sequence (ring-major)."""
+    cfg: GroupCoordinator
+    """Ranks that run the positive (CFG rank 0) and the negative (CFG rank 1) branch."""
+
+
+_GROUPS: DiffusionParallelGroups | None = None
 
 
 def make_vllm_config(parallel_config: DiffusionParallelConfig) -> VllmConfig:
@@ -22,6 +50,19 @@ def make_vllm_config(parallel_config: DiffusionParallelConfig) -> VllmConfig:
     from vllm.config import ParallelConfig, VllmConfig
 
     return VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=parallel_config.tensor_parallel_size))
+
+
+def group_ranks(parallel_config: DiffusionParallelConfig) -> dict[str, list[list[int]]]:
+    """Global ranks of every Ulysses / ring / sp / CFG group, from the rank layout in the module doc."""
+    pc = parallel_config
+    grid = torch.arange(pc.world_size).reshape(pc.cfg_parallel_size, pc.ring_degree, pc.ulysses_degree,
+                                               pc.tensor_parallel_size)
+
+    def along(*dims: int) -> list[list[int]]:
+        rest = [d for d in range(4) if d not in dims]
+        return grid.permute(*rest, *dims).reshape(-1, math.prod(grid.shape[d] for d in dims)).tolist()
+
+    return {"ulysses": along(2), "ring": along(1), "sp": along(1, 2), "cfg": along(0)}
 
 
 def init_diffusion_distributed(
@@ -32,9 +73,11 @@ def init_diffusion_distributed(
     device: torch.device,
     distributed_init_method: str | None = None,
 ) -> VllmConfig:
-    """Initialize the world group and vLLM's TP/PP groups; returns the VllmConfig to keep current."""
+    """Initialize the world group, vLLM's TP/PP groups and ours; returns the VllmConfig to keep current."""
+    global _GROUPS
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import get_world_group, init_model_parallel_group
     from vllm.utils.network_utils import get_open_port
 
     if parallel_config.world_size != world_size:
@@ -44,6 +87,10 @@ def init_diffusion_distributed(
             raise ValueError("distributed_init_method is required for more than one rank")
         distributed_init_method = f"tcp://127.0.0.1:{get_open_port()}"
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cpu":  # names the shared-memory TP communicator of vLLM CPU, as vLLM's CPU worker does
+        os.environ["VLLM_DIST_IDENT"] = (os.path.basename(distributed_init_method.removeprefix("file://"))
+                                         if distributed_init_method.startswith("file://")
+                                         else distributed_init_method.rsplit(":", 1)[-1])
     local_rank = (device.index or 0) if device.type == "cuda" else rank
     vllm_config = make_vllm_config(parallel_config)
     with set_current_vllm_config(vllm_config):
@@ -55,11 +102,40 @@ def init_diffusion_distributed(
             backend=backend,
         )
         initialize_model_parallel(tensor_model_parallel_size=parallel_config.tensor_parallel_size)
+        local = get_world_group().local_rank
+        _GROUPS = DiffusionParallelGroups(**{
+            name: init_model_parallel_group(ranks, local, backend, group_name=f"diffusion_{name}")
+            for name, ranks in group_ranks(parallel_config).items()
+        })
     return vllm_config
 
 
+def get_diffusion_groups() -> DiffusionParallelGroups | None:
+    """This worker's groups; None when `init_diffusion_distributed` has not run (a model used standalone)."""
+    return _GROUPS
+
+
+def sequence_parallel_size() -> int:
+    return 1 if _GROUPS is None else _GROUPS.sp.world_size
+
+
+def shared_random_seed() -> int:
+    """A random seed every rank agrees on (all ranks of a stage must draw the same noise)."""
+    from vllm.distributed.parallel_state import get_world_group, model_parallel_is_initialized
+
+    seed = random.getrandbits(63)
+    if model_parallel_is_initialized() and get_world_group().world_size > 1:
+        seed = get_world_group().broadcast_object(seed, src=0)
+    return seed
+
+
 def destroy_diffusion_distributed() -> None:
+    global _GROUPS
     from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
 
+    if _GROUPS is not None:
+        for group in {id(g): g for g in vars(_GROUPS).values()}.values():
+            group.destroy()
+        _GROUPS = None
     destroy_model_parallel()
     destroy_distributed_environment()

@@ -9,7 +9,6 @@ positive rows and the negatives of the requests that have one go through the tra
 from __future__ import annotations
 
 import functools
-import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -18,6 +17,8 @@ import numpy as np
 import torch
 
 from vllm_omni.diffusion.cache.runtime import call_transformer_rows
+from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
+from vllm_omni.diffusion.distributed.sequence import cfg_branch_rows, cfg_gather_rows
 from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
 from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
@@ -188,7 +189,7 @@ class FluxPipeline(NativeDiffusionPipeline):
         noise = []
         for request in requests:
             seed = request.sampling_params.seed
-            generator = torch.Generator(device="cpu").manual_seed(random.getrandbits(63) if seed is None else seed)
+            generator = torch.Generator(device="cpu").manual_seed(shared_random_seed() if seed is None else seed)
             noise.append(torch.randn((n, self.latent_channels, lh, lw), generator=generator, dtype=self.dtype))
         return pack_latents(torch.cat(noise).to(self.device))
 
@@ -241,8 +242,15 @@ class FluxPipeline(NativeDiffusionPipeline):
     def forward_step_inputs(self, inputs: list[FluxStepInput], states: list[DenoiseState]) -> list[torch.Tensor]:
         """All rows in one forward (equal text lengths: T5 pads to `max_sequence_length`), each row with its own
         step's modulation; the rotary table is the same for all (same grid and text length)."""
-        if len(inputs) == 1:
-            inp = inputs[0]
+        if len(inputs) == 1:  # CFG parallel (one state per forward): this rank's branch only
+            inp, num_positive = inputs[0], states[0].latents.shape[0]
+            rows = cfg_branch_rows(num_positive, inp.x.shape[0])
+            double, single, final = inp.modulation
+            pred = call_transformer_rows(
+                self.transformer, states, "transformer", inp.x[rows], inp.embeds[rows], inp.pooled[rows],
+                inp.timestep[rows], guidance=None if inp.guidance is None else inp.guidance[rows],
+                rotary_emb=inp.rotary_emb, modulation=(double[:, :, rows], single[:, rows], final[rows]))
+            return [cfg_gather_rows(pred, num_positive, inp.x.shape[0])]
         else:
             def cat(name: str, dim: int = 0) -> torch.Tensor | None:
                 values = [getattr(inp, name) for inp in inputs]

@@ -24,6 +24,8 @@ from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.cache.cachedit import IndexedBlock, JoinedBlock
 from vllm_omni.diffusion.cache.state import BlockCache
+from vllm_omni.diffusion.distributed.parallel_state import sequence_parallel_size
+from vllm_omni.diffusion.distributed.sequence import gather_sequence, shard_sequence
 from vllm_omni.diffusion.layers.embeddings import MLPEmbedder, timestep_sinusoid
 from vllm_omni.diffusion.layers.gelu_linear import linear_gelu_tanh
 from vllm_omni.diffusion.layers.modulation import AdaLNModulation, gated_residual, layer_norm_modulate
@@ -93,7 +95,7 @@ class FluxJointAttention(nn.Module):
             txt_qkv=self.add_qkv(ctx)[0], txt_norms=(self.norm_added_q.weight, self.norm_added_k.weight),
             txt_rope=(cos[:txt_len], sin[:txt_len]), num_heads=self.local_dim // self.head_dim, eps=self.norm_q.eps,
         )
-        out = self.attn(q, k, v).flatten(2)
+        out = self.attn(q, k, v, joint_len=txt_len, joint_front=True).flatten(2)
         ctx_out, x_out = out.split([txt_len, x.shape[1]], dim=1)
         return self.to_out(x_out.contiguous())[0], self.to_add_out(ctx_out.contiguous())[0]
 
@@ -152,14 +154,16 @@ class FluxSingleTransformerBlock(nn.Module):
         self.attn = FluxSingleAttention(num_heads // tp, head_dim, prefix=f"{prefix}.attn", attn_config=attn_config)
         self.proj_out = RowParallelLinear(inner + self.mlp_dim, dim, bias=True, prefix=f"{prefix}.proj_out")
 
-    def forward(self, x: torch.Tensor, modulation: torch.Tensor, rope: RotaryEmb) -> torch.Tensor:
-        """`modulation` (batch, 3 * dim): this block's adaLN parameters."""
+    def forward(self, x: torch.Tensor, modulation: torch.Tensor, rope: RotaryEmb, text_len: int = 0
+                ) -> torch.Tensor:
+        """`modulation` (batch, 3 * dim): this block's adaLN parameters; `x` starts with `text_len` text tokens
+        (replicated on every sequence-parallel rank)."""
         shift, scale, gate = modulation.chunk(3, dim=-1)
         qkv_mlp = self.to_qkv_mlp(layer_norm_modulate(x, shift, scale))[0]
         q, k, v = qk_norm_rope(qkv_mlp, (self.attn.norm_q.weight, self.attn.norm_k.weight), rope,
                                num_heads=self.local_sizes[0] // self.head_dim, eps=self.attn.norm_q.eps)
         mlp = qkv_mlp[..., 3 * self.local_sizes[0]:]
-        out = self.attn.attn(q, k, v).flatten(2)
+        out = self.attn.attn(q, k, v, joint_len=text_len, joint_front=True).flatten(2)
         out = self.proj_out(torch.cat([out, F.gelu(mlp, approximate="tanh")], dim=-1))[0]
         return gated_residual(x, gate, out)
 
@@ -243,6 +247,12 @@ class FluxTransformer2DModel(nn.Module):
         ctx = self.context_embedder(encoder_hidden_states)
         rope = rotary_emb if rotary_emb is not None else self.rotary_emb(txt_ids, img_ids)
 
+        text_len = ctx.shape[1]
+        # Sequence parallel: this rank's slice of the image tokens (and of their RoPE); text stays whole.
+        if sequence_parallel_size() > 1:
+            x = shard_sequence(x)
+            rope = tuple(torch.cat([r[:text_len], shard_sequence(r[text_len:], 0)]) for r in rope)
+
         def blocks() -> torch.Tensor:
             img, txt = x, ctx
             if "cache_dit_double" in self._modules:  # the cache-dit backend: inside its forward, its cached blocks
@@ -254,8 +264,8 @@ class FluxTransformer2DModel(nn.Module):
                 img, txt = block(img, txt, block_modulation, rope)
             joined = torch.cat([txt, img], dim=1)
             for block, block_modulation in zip(self.single_transformer_blocks, single, strict=True):
-                joined = block(joined, block_modulation, rope)
-            return joined[:, txt.shape[1]:]
+                joined = block(joined, block_modulation, rope, text_len)
+            return joined[:, text_len:]
 
         if cache is None:
             out = blocks()
@@ -264,7 +274,7 @@ class FluxTransformer2DModel(nn.Module):
             shift0, scale0 = double[0][0].chunk(6, dim=-1)[:2]
             out = cache.run(x, blocks, lambda: layer_norm_modulate(x, shift0, scale0), num_blocks)
         scale, shift = final.chunk(2, dim=1)
-        return self.proj_out(layer_norm_modulate(out, shift, scale))
+        return gather_sequence(self.proj_out(layer_norm_modulate(out, shift, scale)))
 
     def cache_dit_block_lists(self) -> dict[str, tuple[nn.ModuleList, int]]:
         """What the cache-dit backend caches: {attribute: (blocks, cache-dit forward pattern)}."""

@@ -10,7 +10,6 @@ request gives the same image alone, in a batch, or in diffusers.
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Self
@@ -22,6 +21,8 @@ from torch import nn
 
 from vllm_omni.diffusion.cache.runtime import call_transformer_rows
 from vllm_omni.diffusion.data import OmniDiffusionConfig
+from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
+from vllm_omni.diffusion.distributed.sequence import cfg_branch_rows, cfg_gather_rows
 from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.errors import OmniClientError
@@ -175,7 +176,7 @@ class QwenImagePipeline(NativeDiffusionPipeline):
         noise = []
         for request in requests:
             sp = request.sampling_params
-            seed = _shared_random_seed() if sp.seed is None else sp.seed
+            seed = shared_random_seed() if sp.seed is None else sp.seed
             generator = torch.Generator(device="cpu").manual_seed(seed)
             shape = (sp.num_outputs_per_prompt, 1, channels, 2 * h, 2 * w)  # diffusers' draw shape
             draw = torch.randn(shape, generator=generator, dtype=self.dtype)
@@ -228,9 +229,13 @@ class QwenImagePipeline(NativeDiffusionPipeline):
         """All rows in one forward: text zero-padded to the longest, each row attending over its real tokens
         (`txt_lengths`), each row with its own step's modulation."""
         first = inputs[0]
-        if len(inputs) == 1:
-            x, embeds, lengths, timestep, modulation = (first.x, first.prompt.embeds, first.prompt.lengths,
-                                                        first.timestep, first.modulation)
+        if len(inputs) == 1:  # CFG parallel (one state per forward): this rank's branch only
+            num_positive, num_rows = states[0].latents.shape[0], first.x.shape[0]
+            rows = cfg_branch_rows(num_positive, num_rows)
+            pred = call_transformer_rows(self.transformer, states, "transformer", first.x[rows],
+                                         first.prompt.embeds[rows], None, first.timestep[rows], first.img_shapes,
+                                         first.modulation, first.prompt.lengths[rows])[:, :first.img_len]
+            return [cfg_gather_rows(pred, num_positive, num_rows)]
         else:
             seq = max(inp.prompt.embeds.shape[1] for inp in inputs)
             x = torch.cat([inp.x for inp in inputs])
@@ -310,16 +315,6 @@ class QwenImagePipeline(NativeDiffusionPipeline):
         mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         return latents / (1.0 / std) + mean if inverse else (latents - mean) / std
-
-
-def _shared_random_seed() -> int:
-    """A random seed every tensor-parallel rank agrees on (ranks must draw the same noise)."""
-    from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
-
-    seed = random.getrandbits(63)
-    if get_tensor_model_parallel_world_size() > 1:
-        seed = get_tp_group().broadcast_object(seed, src=0)
-    return seed
 
 
 def resolve_true_cfg_scale(sp: OmniDiffusionSamplingParams) -> float:

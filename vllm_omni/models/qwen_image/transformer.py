@@ -27,6 +27,7 @@ from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.cache.cachedit import IndexedBlock
 from vllm_omni.diffusion.cache.state import BlockCache
+from vllm_omni.diffusion.distributed.sequence import gather_sequence, shard_sequence
 from vllm_omni.diffusion.layers.gelu_linear import linear_gelu_tanh
 from vllm_omni.diffusion.layers.qk_norm_rope import qk_norm_rope
 from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
@@ -203,13 +204,14 @@ class QwenJointAttention(nn.Module):
         )
         img_len = img.shape[1]
         if txt_lengths is None:
-            out = self.attn(q, k, v, attn_mask=None)
+            out = self.attn(q, k, v, attn_mask=None, joint_len=txt.shape[1])
         else:
             # Padded positions (past a row's prefix) get zeros; nothing real attends to them.
             out = torch.cat([
-                F.pad(self.attn(q[b : b + 1, :end], k[b : b + 1, :end], v[b : b + 1, :end], attn_mask=None),
-                      (0, 0, 0, 0, 0, q.shape[1] - end))
-                for b, end in enumerate(img_len + n for n in txt_lengths)
+                F.pad(self.attn(q[b : b + 1, :img_len + n], k[b : b + 1, :img_len + n],
+                                v[b : b + 1, :img_len + n], attn_mask=None, joint_len=n),
+                      (0, 0, 0, 0, 0, q.shape[1] - img_len - n))
+                for b, n in enumerate(txt_lengths)
             ])
         out = out.flatten(2)
         return self.to_out[0](out[:, :img_len]), self.to_add_out(out[:, img_len:])
@@ -364,6 +366,9 @@ class QwenImageTransformer2DModel(nn.Module):
             txt_lengths = padding_lengths(encoder_hidden_states_mask)
         if txt_lengths is not None and all(n == txt.shape[1] for n in txt_lengths):
             txt_lengths = None
+        # Sequence parallel: this rank's slice of the image tokens (and of their RoPE); text stays whole.
+        img, rope = shard_sequence(img), ((shard_sequence(rope[0][0], 0), shard_sequence(rope[0][1], 0)), rope[1])
+
         def blocks() -> torch.Tensor:
             out, stream = img, txt
             wrapped = self._modules.get("cache_dit_blocks")
@@ -379,7 +384,7 @@ class QwenImageTransformer2DModel(nn.Module):
             img = blocks()
         else:
             img = cache.run(img, blocks, lambda: self._probe(img, modulation[0][0]), len(self.transformer_blocks))
-        return self.proj_out(self.norm_out(img, temb))
+        return gather_sequence(self.proj_out(self.norm_out(img, temb)))
 
     @staticmethod
     def _probe(img: torch.Tensor, img_modulation: torch.Tensor) -> torch.Tensor:

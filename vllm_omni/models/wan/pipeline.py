@@ -15,7 +15,6 @@ Requests whose sampling-params keys agree (the scheduler guarantees it) share ev
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,6 +25,8 @@ from torch import nn
 
 from vllm_omni.diffusion.cache.runtime import call_transformer_rows
 from vllm_omni.diffusion.data import DiffusionOutput
+from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
+from vllm_omni.diffusion.distributed.sequence import cfg_branch_rows, cfg_gather_rows
 from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
 from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, to_uint8_frames
@@ -212,7 +213,7 @@ class WanPipeline(NativeDiffusionPipeline):
         noise = []
         for request in requests:
             seed = request.sampling_params.seed
-            generator = torch.Generator(device="cpu").manual_seed(random.getrandbits(63) if seed is None else seed)
+            generator = torch.Generator(device="cpu").manual_seed(shared_random_seed() if seed is None else seed)
             noise.append(torch.randn(shape, generator=generator, dtype=torch.float32))
         return torch.cat(noise).to(self.device)
 
@@ -268,6 +269,12 @@ class WanPipeline(NativeDiffusionPipeline):
         """All rows in one forward of their (common) expert, each row with its own timestep(s)."""
         high_noise = inputs[0].high_noise
         model, slot = (self.transformer, "transformer") if high_noise else (self.transformer_2, "transformer_2")
+        if len(inputs) == 1:  # CFG parallel (one state per forward): this rank's branch only
+            inp, num_positive = inputs[0], states[0].latents.shape[0]
+            rows = cfg_branch_rows(num_positive, inp.x.shape[0])
+            pred = call_transformer_rows(model, states, slot, inp.x[rows], inp.timestep[rows], inp.embeds[rows],
+                                         None if inp.image_embeds is None else inp.image_embeds[rows])
+            return [cfg_gather_rows(pred, num_positive, inp.x.shape[0])]
         image_embeds = None if inputs[0].image_embeds is None else torch.cat([inp.image_embeds for inp in inputs])
         pred = call_transformer_rows(model, states, slot, torch.cat([inp.x for inp in inputs]),
                                      torch.cat([inp.timestep for inp in inputs]),

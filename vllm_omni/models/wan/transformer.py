@@ -34,6 +34,7 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelL
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.cache.state import BlockCache
+from vllm_omni.diffusion.distributed.sequence import gather_sequence, shard_sequence
 from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
 
 # diffusers name -> ours (substring replacements; diffusers keeps Dropout/activation slots in its ModuleLists).
@@ -117,7 +118,8 @@ class WanAttention(nn.Module):
     """Self- or cross-attention; `added_kv_proj_dim` adds the I2V image-token branch."""
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, eps: float, *, added_kv_proj_dim: int | None = None,
-                 prefix: str = "", attn_config: DiffusionAttentionConfig | None = None) -> None:
+                 prefix: str = "", attn_config: DiffusionAttentionConfig | None = None,
+                 cross_attention: bool = False) -> None:
         super().__init__()
         inner = num_heads * head_dim
         self.head_dim = head_dim
@@ -128,7 +130,8 @@ class WanAttention(nn.Module):
         self.norm_q = _HeadShardedRMSNorm(inner, eps)
         self.norm_k = _HeadShardedRMSNorm(inner, eps)
         self.num_local_heads = num_heads // get_tensor_model_parallel_world_size()
-        self.attn = Attention(self.num_local_heads, head_dim, prefix=f"{prefix}.attn", attn_config=attn_config)
+        self.attn = Attention(self.num_local_heads, head_dim, prefix=f"{prefix}.attn", attn_config=attn_config,
+                              cross_attention=cross_attention)
         self.add_k_proj = self.add_v_proj = self.norm_added_k = None
         if added_kv_proj_dim is not None:
             self.add_k_proj = ColumnParallelLinear(added_kv_proj_dim, inner, bias=True, gather_output=False,
@@ -215,7 +218,7 @@ class WanTransformerBlock(nn.Module):
         self.norm1 = FP32LayerNorm(dim, eps, elementwise_affine=False)
         self.attn1 = WanAttention(dim, heads, head_dim, eps, prefix=f"{prefix}.attn1", attn_config=attn_config)
         self.attn2 = WanAttention(dim, heads, head_dim, eps, added_kv_proj_dim=config.added_kv_proj_dim,
-                                  prefix=f"{prefix}.attn2", attn_config=attn_config)
+                                  prefix=f"{prefix}.attn2", attn_config=attn_config, cross_attention=True)
         self.norm2 = FP32LayerNorm(dim, eps, elementwise_affine=True) if config.cross_attn_norm else nn.Identity()
         self.ffn = WanFeedForward(dim, config.ffn_dim, prefix=f"{prefix}.ffn")
         self.norm3 = FP32LayerNorm(dim, eps, elementwise_affine=False)
@@ -307,6 +310,10 @@ class WanTransformer3DModel(nn.Module):
         x = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
         temb, timestep_proj, context, image_context = self.condition_embedder(
             timestep, encoder_hidden_states, encoder_hidden_states_image)
+        # Sequence parallel: this rank's slice of the video tokens, of their RoPE and per-token timesteps.
+        x, rotary_emb = shard_sequence(x), tuple(shard_sequence(r, 0) for r in rotary_emb)
+        if temb.ndim == 3:
+            temb, timestep_proj = shard_sequence(temb), shard_sequence(timestep_proj)
 
         def blocks() -> torch.Tensor:
             out = x
@@ -319,7 +326,7 @@ class WanTransformer3DModel(nn.Module):
             shift, scale = (s.squeeze(2) for s in (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, 2))
         else:
             shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
-        x = self.proj_out((self.norm_out(x.float()) * (1 + scale) + shift).type_as(x))
+        x = gather_sequence(self.proj_out((self.norm_out(x.float()) * (1 + scale) + shift).type_as(x)))
         x = x.reshape(batch, frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1)
         return x.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
 

@@ -1,0 +1,80 @@
+"""Run functions on in-process gloo ranks (torch.multiprocessing spawn) under diffusion parallel configs.
+
+One spawn serves a list of jobs: for each `(parallel kwargs, fn, args)` the first `world_size` ranks
+initialize `init_diffusion_distributed` exactly as diffusion workers do, run `fn(*args)` with the VllmConfig
+current, and tear the groups down; the other ranks sit the job out. Rank 0's return values come back in job
+order (a rank that raises fails the run with its traceback). Spawning costs seconds of imports per process, so
+tests share one spawn.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+TIMEOUT_S = 1200
+Job = tuple[dict, Callable, tuple]
+
+
+def _run_job(rank: int, init_file: str, job: Job) -> Any:
+    from vllm.config import set_current_vllm_config
+
+    from vllm_omni.diffusion.data import DiffusionParallelConfig
+    from vllm_omni.diffusion.distributed.parallel_state import (
+        destroy_diffusion_distributed,
+        init_diffusion_distributed,
+    )
+
+    parallel, fn, args = job
+    parallel_config = DiffusionParallelConfig(**parallel)
+    if rank >= parallel_config.world_size:
+        return None
+    config = init_diffusion_distributed(rank=rank, world_size=parallel_config.world_size,
+                                        device=torch.device("cpu"), parallel_config=parallel_config,
+                                        distributed_init_method=f"file://{init_file}")
+    try:
+        with set_current_vllm_config(config):
+            return fn(*args)
+    finally:
+        destroy_diffusion_distributed()
+
+
+def _rank_main(rank: int, workdir: str, jobs: list[Job], queue: Any) -> None:
+    torch.set_num_threads(1)
+    try:
+        results = [_run_job(rank, f"{workdir}/{Path(workdir).name}-job{i}", job) for i, job in enumerate(jobs)]
+        queue.put((rank, None, results if rank == 0 else None))
+    except BaseException:
+        queue.put((rank, traceback.format_exc(), None))
+
+
+def run_jobs(jobs: list[Job]) -> list[Any]:
+    """Rank 0's result of every job, in order."""
+    import tempfile
+
+    from vllm_omni.diffusion.data import DiffusionParallelConfig
+
+    nprocs = max(DiffusionParallelConfig(**parallel).world_size for parallel, _, _ in jobs)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="omni-ranks-") as workdir:  # file:// rendezvous: no port races
+        procs = [ctx.Process(target=_rank_main, args=(r, workdir, jobs, queue), daemon=True) for r in range(nprocs)]
+        for p in procs:
+            p.start()
+        results = []
+        try:
+            while len(results) < nprocs and not any(err for _, err, _ in results):  # one failure ends the run
+                results.append(queue.get(timeout=TIMEOUT_S))
+        finally:
+            for p in procs:
+                p.join(timeout=0 if any(err for _, err, _ in results) else 30)
+                if p.is_alive():
+                    p.kill()
+    errors = [f"rank {r}:\n{err}" for r, err, _ in results if err]
+    assert not errors, "\n".join(errors)
+    return next(res for r, _, res in results if r == 0)
