@@ -31,8 +31,8 @@ class EdgeStreamConfig:
     stream: bool = True
     chunk_tokens: Annotated[int, Field(ge=1)] = 1
     """Upstream output tokens per hand-off (the upstream is an AR stage; the Qwen3-Omni talker's tokens are
-    codec frames). The edge's input processor also cuts its input with it (Qwen3-Omni: vocoder chunk size),
-    streamed or not, so turning `stream` off changes when the stage runs, never what it computes."""
+    codec frames). How the downstream input is cut (e.g. into vocoder chunks) is its input processor's, the same
+    streamed or not, so turning `stream` off changes when a stage runs, not what it computes."""
 
 
 @dataclass(config=FORBID)

@@ -11,7 +11,11 @@ import pytest
 from vllm_omni.config.pipeline_config import EdgeStreamConfig
 from vllm_omni.connectors.base import StagePayload
 from vllm_omni.engine.stage_input_processors import StageInputContext
-from vllm_omni.models.qwen3_omni.pipeline import CODE2WAV_LEFT_CONTEXT, talker_to_code2wav_chunks
+from vllm_omni.models.qwen3_omni.pipeline import (
+    CODE2WAV_CHUNK_FRAMES,
+    CODE2WAV_LEFT_CONTEXT,
+    talker_to_code2wav_chunks,
+)
 from vllm_omni.models.qwen3_omni.stage_input_processors import talker_to_code2wav
 
 
@@ -19,10 +23,10 @@ def payload(frames):
     return [StagePayload(metadata={"stage_data": {"codec_frames": frames}})]
 
 
-@pytest.mark.parametrize(("total", "size", "every"), [(14, 4, 4), (30, 25, 1), (8, 4, 4), (3, 25, 2)])
-def test_streamed_chunks_equal_store_and_forward(total, size, every):
+@pytest.mark.parametrize(("total", "every"), [(80, 5), (60, 1), (50, 25), (3, 2)])
+def test_streamed_chunks_equal_store_and_forward(total, every):
     frames = [[t, t + 1, t + 2] for t in range(total)]
-    edge = EdgeStreamConfig(chunk_tokens=size)
+    edge = EdgeStreamConfig(chunk_tokens=every)
     context = StageInputContext(request_id="r", stage=SimpleNamespace(), sampling_params=None, edge=edge,
                                 final=False)
     streamed = []
@@ -33,9 +37,9 @@ def test_streamed_chunks_equal_store_and_forward(total, size, every):
     assert last, "the final call always ends the stream with a chunk"
     streamed += last
     whole = talker_to_code2wav_chunks(payload(frames), None, StageInputContext(
-        request_id="s", stage=SimpleNamespace(), sampling_params=None, edge=EdgeStreamConfig(stream=False,
-                                                                                            chunk_tokens=size)))
-    assert streamed == whole == talker_to_code2wav(frames, chunk_size=size, left_context=CODE2WAV_LEFT_CONTEXT)
+        request_id="s", stage=SimpleNamespace(), sampling_params=None, edge=EdgeStreamConfig(stream=False)))
+    assert streamed == whole == talker_to_code2wav(frames, chunk_size=CODE2WAV_CHUNK_FRAMES,
+                                                   left_context=CODE2WAV_LEFT_CONTEXT)
     assert [c.last for c in streamed] == [False] * (len(streamed) - 1) + [True]
 
 

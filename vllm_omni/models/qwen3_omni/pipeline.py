@@ -43,15 +43,17 @@ THINKER_CHUNK_TOKENS = 4
 CODE2WAV_CHUNK_FRAMES = 25
 """Codec frames per vocoder chunk (2 s of audio at 12.5 frames/s): the first audio needs this many frames."""
 CODE2WAV_LEFT_CONTEXT = 25
+TALKER_CHUNK_TOKENS = 5
+"""Talker tokens between looks at its frames (a `collective_rpc`): a vocoder chunk is handed on at most this many
+frames after it is complete."""
 """Frames of left context per chunk: transformers' `Qwen3OmniMoeCode2Wav.chunked_decode` default."""
 FRAMES_TIMEOUT_S = 10.0
 """How long the collector waits for the talker worker to file a finished request's frames (one engine step)."""
 
 
-def qwen3_omni_pipeline(stream: bool = True, chunk_frames: int = CODE2WAV_CHUNK_FRAMES,
-                        chunk_tokens: int = THINKER_CHUNK_TOKENS) -> PipelineConfig:
+def qwen3_omni_pipeline(stream: bool = True, chunk_tokens: int = THINKER_CHUNK_TOKENS) -> PipelineConfig:
     """`stream`: the talker starts after the thinker's first `chunk_tokens` tokens and code2wav decodes each
-    chunk of `chunk_frames` while the talker runs (False: each stage once its upstream finished)."""
+    vocoder chunk while the talker runs (False: each stage once its upstream finished)."""
     from vllm_omni.models.qwen3_omni.vllm_talker import talker_engine_kwargs
 
     ar, generation = StageExecutionType.AR, StageExecutionType.GENERATION
@@ -64,7 +66,7 @@ def qwen3_omni_pipeline(stream: bool = True, chunk_frames: int = CODE2WAV_CHUNK_
                             output_collector="qwen3_omni_talker_frames", engine_args=talker_engine_kwargs(),
                             default_sampling_params=TALKER_DEFAULT_SAMPLING),
         PipelineStageConfig(stage_id=2, execution_type=generation, inputs=[1],
-                            stream_inputs={1: EdgeStreamConfig(stream=stream, chunk_tokens=chunk_frames)},
+                            stream_inputs={1: EdgeStreamConfig(stream=stream, chunk_tokens=TALKER_CHUNK_TOKENS)},
                             input_processor="qwen3_omni_talker_to_code2wav", final_output=True,
                             final_output_type="audio",
                             engine_args={"model_class": "vllm_omni.models.qwen3_omni.code2wav:"
@@ -133,7 +135,12 @@ def _talker_input_chunk(upstream: list[StagePayload], original_prompt: Any,
         if not context.final and len(thinker["token_ids"]) < max(context.edge.chunk_tokens, 3):
             return None
         state["config"], state["ids"], state["voice"], state["sampling"] = _talker_setup(original_prompt, context)
-        state["budget"] = state["sampling"].max_new_tokens
+        prompt = _talker_prompt(thinker, state["ids"], state["voice"])
+        # vLLM stops a plain request at max_model_len, but a streaming-input chunk past it kills the EngineCore
+        # ("Sampled token IDs exceed the max model length"): the budget stays inside it.
+        max_len = (context.stage.engine_args.get("max_model_len")
+                   or state["config"].talker_config.text_config.max_position_embeddings)
+        state["budget"] = min(state["sampling"].max_new_tokens, max_len - len(prompt.thinker_ids))
     elif not context.idle:
         return None  # the talker is decoding its last chunk
     config, generated = state["config"], context.output_token_ids
@@ -196,10 +203,9 @@ def talker_to_code2wav_chunks(upstream: list[StagePayload], original_prompt: Any
     frames = upstream[0].metadata["stage_data"].get("codec_frames") or []
     if context.final and not frames:
         raise RuntimeError("the talker produced no codec frames")
-    size = context.edge.chunk_tokens if context.edge is not None else CODE2WAV_CHUNK_FRAMES
     start = context.state.get("next_frame", 0)
     ready = frames if context.final else frames[:-1]
-    chunks = talker_to_code2wav(ready, chunk_size=size, left_context=CODE2WAV_LEFT_CONTEXT, start_frame=start,
-                                final=context.final)
+    chunks = talker_to_code2wav(ready, chunk_size=CODE2WAV_CHUNK_FRAMES, left_context=CODE2WAV_LEFT_CONTEXT,
+                                start_frame=start, final=context.final)
     context.state["next_frame"] = start + sum(len(c.codes[0]) - c.context for c in chunks)
     return chunks or None
