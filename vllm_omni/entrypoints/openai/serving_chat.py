@@ -464,6 +464,7 @@ class OmniOpenAIServingChat(OmniServingBase):
         sent: dict[tuple[int, int], int] = {}
         latest: dict[int, Completion] = {}  # per choice: its completion as last seen
         audio = AudioDeltas((request.audio or {}).get("format", "wav"), AUDIO_TTL_S)
+        spoken = ""
         text_out: OmniRequestOutput | None = None
         try:
             async for output in prepend(first, outputs):
@@ -473,20 +474,21 @@ class OmniOpenAIServingChat(OmniServingBase):
                         key = (output.stage_id, completion.index)
                         delta, sent[key] = completion.text[sent.get(key, 0):], len(completion.text)
                         latest[completion.index] = completion
+                        if completion.index == 0:
+                            spoken += delta  # what the transcript adds up to: the text as it was streamed
                         if delta and "text" in modalities and parser is None:
                             yield chunk(OmniDeltaMessage(content=delta), index=completion.index)
                 if output.finished and output.images and "image" in modalities:
                     yield chunk(OmniDeltaMessage(content=self.content(None, output.images)))
                 samples = audio_chunk(output)
                 if samples is not None and "audio" in modalities:
-                    transcript = output_text(text_out) if text_out is not None else ""
-                    yield chunk(OmniDeltaMessage(audio=audio.delta(output, samples, transcript)))
+                    yield chunk(OmniDeltaMessage(audio=audio.delta(output, samples, spoken)))
         except Exception as exc:
             response = exception_to_response(exc)
             yield f"data: {response.body.decode()}\n\n"
             yield "data: [DONE]\n\n"
             return
-        if "audio" in modalities and (rest := audio.rest(output_text(text_out) if text_out else "")) is not None:
+        if "audio" in modalities and (rest := audio.rest(spoken)) is not None:
             yield chunk(OmniDeltaMessage(audio=rest))
         finish_reasons = {i: (latest[i].finish_reason or "stop") if i in latest else "stop"
                           for i in range(request.n or 1)}
