@@ -99,6 +99,7 @@ class VllmOmniConfig:
                 stage_id=spec.stage_id,
                 model=_stage_model(model_path, spec.model, spec.model_subfolder),
                 inputs=list(spec.inputs),
+                stream_inputs=dict(spec.stream_inputs),
                 input_processor=spec.input_processor,
                 output_collector=spec.output_collector,
                 final_output=spec.final_output,

@@ -24,6 +24,18 @@ StageExecutionType = StageKind
 
 
 @dataclass(config=FORBID)
+class EdgeStreamConfig:
+    """How one upstream stage's output reaches a stage: chunk by chunk while the upstream still runs
+    (`stream: true`), or once the upstream finished (store-and-forward)."""
+
+    stream: bool = True
+    chunk_tokens: Annotated[int, Field(ge=1)] = 1
+    """Upstream output tokens per hand-off (the upstream is an AR stage; the Qwen3-Omni talker's tokens are
+    codec frames). How the downstream input is cut (e.g. into vocoder chunks) is its input processor's, the same
+    streamed or not, so turning `stream` off changes when a stage runs, not what it computes."""
+
+
+@dataclass(config=FORBID)
 class PipelineStageConfig:
     stage_id: Annotated[int, Field(ge=0)]
     execution_type: StageKind
@@ -32,6 +44,10 @@ class PipelineStageConfig:
     model_subfolder: str | None = None
     inputs: list[int] = Field(default_factory=list)
     """Upstream stage ids whose outputs feed this stage; empty = the user's prompt."""
+    stream_inputs: dict[int, EdgeStreamConfig] = Field(default_factory=dict)
+    """Upstream stage id -> how that edge streams; edges not named are store-and-forward. Streaming needs an
+    AR upstream and that one input: a GENERATION stage runs each chunk as one segment of the request, an AR stage
+    runs the request as a vLLM streaming-input request whose input chunks its input processor makes."""
     input_processor: str | None = None
     """Name of the stage-input processor (engine/stage_input_processors.py) building this stage's input."""
     output_collector: str | None = None
@@ -71,6 +87,23 @@ class PipelineConfig:
                 raise ValueError(
                     f"pipeline {self.name!r}: stage {stage.stage_id} has inputs but no input_processor"
                 )
+            self._validate_streams(stage)
+
+    def _validate_streams(self, stage: PipelineStageConfig) -> None:
+        where = f"pipeline {self.name!r}: stage {stage.stage_id} stream_inputs"
+        for src, edge in stage.stream_inputs.items():
+            if src not in stage.inputs:
+                raise ValueError(f"{where}: {src} is not one of its inputs {stage.inputs}")
+            if not edge.stream:
+                continue
+            if len(stage.inputs) != 1:
+                raise ValueError(f"{where}: a streamed edge must be the stage's only input")
+            if self.stages[src].execution_type is not StageKind.AR:
+                raise ValueError(f"{where}: stage {src} is {self.stages[src].execution_type.value}; only AR "
+                                 f"stages stream their output")
+            if stage.execution_type is StageKind.DIFFUSION:
+                raise ValueError(f"{where}: streamed input into a diffusion stage is not supported (AR and "
+                                 f"GENERATION stages consume chunks)")
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> PipelineConfig:

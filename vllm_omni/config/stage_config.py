@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
-from vllm_omni.config.pipeline_config import FORBID, OutputModality
+from vllm_omni.config.pipeline_config import FORBID, EdgeStreamConfig, OutputModality
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.errors import OmniClientError
 
@@ -29,6 +29,7 @@ class BaseVllmOmniStageConfig:
     model: str
     """Local path or hub id of this stage's model (tiny/ names already resolved)."""
     inputs: list[int] = Field(default_factory=list)
+    stream_inputs: dict[int, EdgeStreamConfig] = Field(default_factory=dict)
     input_processor: str | None = None
     output_collector: str | None = None
     final_output: bool = False
@@ -49,6 +50,10 @@ class BaseVllmOmniStageConfig:
     @property
     def name(self) -> str:
         return f"stage-{self.stage_id}-{self.stage_type}"
+
+    def streamed_input(self) -> int | None:
+        """The upstream stage whose output streams into this one, if any."""
+        return next((src for src, edge in self.stream_inputs.items() if edge.stream), None)
 
     @staticmethod
     def check_args(engine_args: dict[str, Any]) -> None:

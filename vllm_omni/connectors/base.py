@@ -41,7 +41,8 @@ class OmniConnector(abc.ABC):
 
     @abc.abstractmethod
     def put(self, request_id: str, src_stage: int, dst_stage: int, payload: StagePayload,
-            num_readers: int = 1) -> PayloadHandle: ...
+            num_readers: int = 1, chunk: int | None = None) -> PayloadHandle:
+        """`chunk`: the index of this payload on a streamed edge, where several are in flight at once."""
 
     @abc.abstractmethod
     def get(self, handle: PayloadHandle) -> StagePayload: ...
@@ -53,8 +54,9 @@ class OmniConnector(abc.ABC):
     def close(self) -> None: ...
 
     @staticmethod
-    def make_key(request_id: str, src_stage: int, dst_stage: int) -> str:
-        return f"{request_id}:{src_stage}->{dst_stage}"
+    def make_key(request_id: str, src_stage: int, dst_stage: int, chunk: int | None = None) -> str:
+        key = f"{request_id}:{src_stage}->{dst_stage}"
+        return key if chunk is None else f"{key}#{chunk}"
 
 
 def make_connector(config: ConnectorConfig) -> OmniConnector:

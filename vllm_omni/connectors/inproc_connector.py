@@ -14,8 +14,8 @@ class InProcConnector(OmniConnector):
         self._lock = threading.Lock()
 
     def put(self, request_id: str, src_stage: int, dst_stage: int, payload: StagePayload,
-            num_readers: int = 1) -> PayloadHandle:
-        key = self.make_key(request_id, src_stage, dst_stage)
+            num_readers: int = 1, chunk: int | None = None) -> PayloadHandle:
+        key = self.make_key(request_id, src_stage, dst_stage, chunk)
         with self._lock:
             self._entries[key] = (payload, num_readers)
             self._keys_by_request.setdefault(request_id, set()).add(key)

@@ -41,8 +41,8 @@ class SharedMemoryConnector(OmniConnector):
         self._lock = threading.Lock()
 
     def put(self, request_id: str, src_stage: int, dst_stage: int, payload: StagePayload,
-            num_readers: int = 1) -> PayloadHandle:
-        key = self.make_key(request_id, src_stage, dst_stage)
+            num_readers: int = 1, chunk: int | None = None) -> PayloadHandle:
+        key = self.make_key(request_id, src_stage, dst_stage, chunk)
         inline: dict[str, torch.Tensor] = {}
         specs: list[tuple[str, str, str, tuple[int, ...]]] = []
         segments: list[shared_memory.SharedMemory] = []

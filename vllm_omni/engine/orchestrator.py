@@ -6,11 +6,16 @@ Runs on the AsyncOmniEngine's background event loop. It never picks models or pl
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from vllm_omni.config.omni_config import VllmOmniConfig
+from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.connectors.base import OmniConnector, PayloadHandle, StagePayload, make_connector
 from vllm_omni.engine.messages import (
     AbortRequestMessage,
@@ -38,6 +43,8 @@ class OrchestratorRequestState:
     task: asyncio.Task | None = None
     current_stage: int = 0
     handles: dict[tuple[int, int], PayloadHandle] = field(default_factory=dict)
+    chunks_sent: dict[tuple[int, int], int] = field(default_factory=dict)
+    """Streamed edge (src, dst) -> chunks put on it so far (their connector keys)."""
     stage_durations: dict[str, float] = field(default_factory=dict)
     peak_memory_mb: float = 0.0
     arrival_time: float = 0.0
@@ -110,18 +117,14 @@ class Orchestrator:
         rid = state.request_id
         try:
             last_stage = self._last_stage(msg.output_modalities)
-            for stage_id, pool in enumerate(self.stage_pools[: last_stage + 1]):
-                state.current_stage = stage_id
-                prompt, params = self._stage_input(state, stage_id, msg.prompt, msg.sampling_params_list[stage_id])
-                last = None
-                async for out in pool.generate(rid, prompt, params):
-                    last = out
-                    if self._is_final(stage_id):
-                        self._emit_output(state, stage_id, out, last_stage)
-                if last is None:
-                    raise RuntimeError(f"stage {stage_id} finished request {rid} without an output")
-                self._record_stage(state, last)
-                self._hand_off(state, stage_id, last, last_stage)
+            if any(self._streamed_source(i) is not None for i in range(last_stage + 1)):
+                await self._run_streamed(state, msg, last_stage)
+            else:
+                for stage_id in range(last_stage + 1):
+                    state.current_stage = stage_id
+                    prompt, params = self._stage_input(state, stage_id, msg.prompt,
+                                                       msg.sampling_params_list[stage_id])
+                    await self._run_segment(state, stage_id, prompt, params, last_stage, {})
         except asyncio.CancelledError:
             raise
         except EngineDeadError as e:
@@ -134,6 +137,199 @@ class Orchestrator:
             self._drop_payloads(rid)
             if self.request_states.get(rid) is state:
                 del self.request_states[rid]
+
+    async def _run_streamed(self, state: OrchestratorRequestState, msg: AddRequestMessage, last_stage: int) -> None:
+        """Every stage of the request runs as its own task: a streamed edge's chunks go through its connector
+        and a queue while the upstream runs; other edges wait for the upstream to finish. The first failure
+        cancels every stage (cancelling vLLM's `generate` aborts the request in its EngineCore)."""
+        edges = {(src, dst): asyncio.Queue() for dst in range(last_stage + 1)
+                 if (src := self._streamed_source(dst)) is not None}
+        done = [asyncio.Event() for _ in range(last_stage + 1)]
+        tasks = [asyncio.create_task(self._stage_task(state, msg, i, last_stage, edges, done))
+                 for i in range(last_stage + 1)]
+        try:
+            finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in finished:
+                if task.exception() is not None:
+                    raise task.exception()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _stage_task(self, state: OrchestratorRequestState, msg: AddRequestMessage, stage_id: int,
+                          last_stage: int, edges: dict[tuple[int, int], asyncio.Queue],
+                          done: list[asyncio.Event]) -> None:
+        try:
+            stage = self.stages[stage_id]
+            src = self._streamed_source(stage_id)
+            for upstream in stage.inputs:
+                if upstream != src:
+                    await done[upstream].wait()
+            params = msg.sampling_params_list[stage_id]
+            if src is None:
+                prompt, params = self._stage_input(state, stage_id, msg.prompt, params)
+                await self._run_segment(state, stage_id, prompt, params, last_stage, edges)
+            elif stage.kind is StageKind.AR:
+                await self._run_input_stream(state, stage_id, src, msg.prompt, params, last_stage, edges)
+            else:
+                await self._run_chunks(state, stage_id, src, msg.prompt, params, last_stage, edges)
+            done[stage_id].set()
+        except Exception:
+            state.current_stage = stage_id
+            raise
+
+    async def _run_chunks(self, state: OrchestratorRequestState, stage_id: int, src: int, original_prompt: Any,
+                          params: Any, last_stage: int, edges: dict[tuple[int, int], asyncio.Queue]) -> None:
+        """A streamed stage: each upstream chunk goes through the input processor; what it returns runs as one
+        segment of the request, in order; the segment made from the final chunk ends the stage."""
+        stage = self.stages[stage_id]
+        context = StageInputContext(request_id=state.request_id, stage=stage, sampling_params=params,
+                                    edge=stage.stream_inputs[src])
+        process = get_stage_input_processor(stage.input_processor)
+        connector = self.connectors[(src, stage_id)]
+        segments: list[OmniRequestOutput] = []
+        while True:
+            handle, context.final = await edges[(src, stage_id)].get()
+            result = process([connector.get(handle)], original_prompt, context)
+            if result is None:
+                if context.final:
+                    raise RuntimeError(f"stage {stage_id}: the input processor made nothing of the final chunk")
+                continue
+            context.sampling_params = result.sampling_params
+            await self._run_segment(state, stage_id, result.prompt, result.sampling_params, last_stage, edges,
+                                    segments=segments, final_segment=context.final)
+            if context.final:
+                return
+
+    async def _run_segment(self, state: OrchestratorRequestState, stage_id: int, prompt: Any, params: Any,
+                           last_stage: int, edges: dict[tuple[int, int], asyncio.Queue],
+                           segments: list[OmniRequestOutput] | None = None, final_segment: bool = True,
+                           observe: Callable[[OmniRequestOutput], None] | None = None) -> None:
+        """Run the request (or one segment of it) on the stage; emit its final outputs; feed its downstream
+        edges: streamed ones every `chunk_tokens` tokens and at the end, the others once it finished.
+        `observe` sees each output first (a stream-fed stage: makes its token ids cumulative)."""
+        pool = self.stage_pools[stage_id]
+        streamed = {dst: self.stages[dst].stream_inputs[stage_id] for (src, dst) in edges if src == stage_id}
+        finals_only = False
+        if streamed and pool.kind is StageKind.AR and params is not None and observe is None:
+            from vllm.sampling_params import RequestOutputKind  # chunks need vLLM's incremental outputs
+
+            finals_only = params.output_kind == RequestOutputKind.FINAL_ONLY  # what the caller asked for
+            params = copy.copy(params)
+            params.output_kind = RequestOutputKind.CUMULATIVE
+        sent = dict.fromkeys(streamed, 0)
+        last = None
+        async for out in pool.generate(state.request_id, prompt, params):
+            if observe is not None:
+                observe(out)
+            last = out
+            for dst, edge in streamed.items():
+                if not out.finished and len(out.token_ids) - sent[dst] >= edge.chunk_tokens:
+                    sent[dst] = len(out.token_ids)
+                    out.multimodal_output["stage_data"] = await pool.partial_stage_data(state.request_id, out)
+                    self._put_chunk(state, stage_id, dst, out, edges, final=False)
+            if self._is_final(stage_id) and (out.finished or not finals_only):
+                self._emit_output(state, stage_id, self._segment_output(out, segments, final_segment), last_stage)
+        if last is None:
+            raise RuntimeError(f"stage {stage_id} finished request {state.request_id} without an output")
+        self._record_stage(state, last)
+        if not final_segment:
+            return
+        for dst in streamed:
+            self._put_chunk(state, stage_id, dst, last, edges, final=True)
+        self._hand_off(state, stage_id, last, last_stage, skip=set(streamed))
+
+    async def _run_input_stream(self, state: OrchestratorRequestState, stage_id: int, src: int,
+                                original_prompt: Any, params: Any, last_stage: int,
+                                edges: dict[tuple[int, int], asyncio.Queue]) -> None:
+        """An AR stage fed while its upstream runs, as one vLLM streaming-input request: each time an upstream
+        chunk arrives or the stage has consumed its last input (it waits), the input processor may make the
+        next input chunk from the upstream output so far and the stage's own output so far (None: not yet); a
+        `StageInput` with no prompt closes the input, and vLLM then finishes the request."""
+        from vllm.engine.protocol import StreamingInput
+        from vllm.sampling_params import RequestOutputKind
+
+        stage = self.stages[stage_id]
+        context = StageInputContext(request_id=state.request_id, stage=stage, sampling_params=params,
+                                    edge=stage.stream_inputs[src], final=False)
+        process = get_stage_input_processor(stage.input_processor)
+        chunks: asyncio.Queue = asyncio.Queue()
+        idle = asyncio.Event()
+
+        async def feed() -> None:
+            upstream = edges[(src, stage_id)]
+            payload, arrival = None, asyncio.ensure_future(upstream.get())
+            try:
+                while True:
+                    waiting = asyncio.ensure_future(idle.wait())
+                    await asyncio.wait({arrival, waiting}, return_when=asyncio.FIRST_COMPLETED)
+                    waiting.cancel()
+                    if arrival.done():
+                        handle, context.final = arrival.result()
+                        payload = self.connectors[(src, stage_id)].get(handle)
+                        arrival = (asyncio.get_running_loop().create_future() if context.final
+                                   else asyncio.ensure_future(upstream.get()))
+                    idle.clear()
+                    result = process([payload], original_prompt, context)
+                    if result is None:
+                        continue
+                    context.idle = False
+                    if result.prompt is None:
+                        chunks.put_nowait(None)
+                        return
+                    sampling = copy.copy(result.sampling_params)
+                    sampling.output_kind = RequestOutputKind.DELTA
+                    chunks.put_nowait(StreamingInput(result.prompt, sampling))
+            except Exception as e:  # fails the vLLM request through its input stream
+                chunks.put_nowait(e)
+            finally:
+                arrival.cancel()
+
+        async def inputs():
+            while (item := await chunks.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+
+        def observe(out: OmniRequestOutput) -> None:
+            context.output_token_ids += out.token_ids
+            out.token_ids = list(context.output_token_ids)
+            completion = out.request_output.outputs[0] if out.request_output and out.request_output.outputs else None
+            if not out.finished and completion is not None and completion.finish_reason is not None:
+                context.idle = True
+                idle.set()
+
+        feeder = asyncio.create_task(feed())
+        try:
+            stream = inputs()
+            first = await anext(stream)
+            await self._run_segment(state, stage_id, _prepend(first, stream), first.sampling_params, last_stage,
+                                    edges, observe=observe)
+        finally:
+            feeder.cancel()
+
+    @staticmethod
+    def _segment_output(out: OmniRequestOutput, segments: list[OmniRequestOutput] | None,
+                        final_segment: bool) -> OmniRequestOutput:
+        """A streamed stage's segment outputs are partial outputs carrying their own audio as `audio_chunk`; the
+        last one also carries the whole waveform as `audio` (what non-streaming callers read)."""
+        media = out.multimodal_output
+        if segments is None or "audio" not in media:
+            if "audio" in media:
+                media.setdefault("audio_chunk", media["audio"])
+            return out
+        media["audio_chunk"] = media["audio"]
+        if segments:  # the stage's time so far: its segments' times added up
+            previous = segments[-1].stage_durations
+            out.stage_durations = {k: v + previous.get(k, 0.0) for k, v in out.stage_durations.items()}
+        segments.append(out)
+        if final_segment:
+            media["audio"] = np.concatenate([s.multimodal_output["audio_chunk"] for s in segments])
+        else:
+            del media["audio"]
+            out.finished = False
+        return out
 
     def _is_final(self, stage_id: int) -> bool:
         if self.stages is None:
@@ -160,22 +356,28 @@ class Orchestrator:
         stage = self.stages[stage_id]
         payloads = [self.connectors[(src, stage_id)].get(state.handles.pop((src, stage_id)))
                     for src in stage.inputs]
-        context = StageInputContext(request_id=state.request_id, stage=stage, sampling_params=params)
+        edge = stage.stream_inputs.get(stage.inputs[0]) if len(stage.inputs) == 1 else None
+        context = StageInputContext(request_id=state.request_id, stage=stage, sampling_params=params, edge=edge)
         result = get_stage_input_processor(stage.input_processor)(payloads, original_prompt, context)
         return result.prompt, result.sampling_params
 
     def _hand_off(self, state: OrchestratorRequestState, stage_id: int, out: OmniRequestOutput,
-                  last_stage: int) -> None:
+                  last_stage: int, skip: set[int] = frozenset()) -> None:
         for dst in self._downstream.get(stage_id, ()):
-            if dst > last_stage:
+            if dst > last_stage or dst in skip:
                 continue
-            prompt_ids = getattr(out.request_output, "prompt_token_ids", None)
-            payload = StagePayload(metadata={"text": out.text, "token_ids": list(out.token_ids),
-                                             "prompt_token_ids": list(prompt_ids or []),
-                                             "stage_data": out.multimodal_output.get("stage_data", {})},
-                                   tensors=dict(out.multimodal_output.get("tensors", {})))
             state.handles[(stage_id, dst)] = self.connectors[(stage_id, dst)].put(state.request_id, stage_id, dst,
-                                                                                   payload)
+                                                                                   _payload(out))
+
+    def _put_chunk(self, state: OrchestratorRequestState, src: int, dst: int, out: OmniRequestOutput,
+                   edges: dict[tuple[int, int], asyncio.Queue], final: bool) -> None:
+        chunk = state.chunks_sent.get((src, dst), 0)
+        state.chunks_sent[(src, dst)] = chunk + 1
+        handle = self.connectors[(src, dst)].put(state.request_id, src, dst, _payload(out), chunk=chunk)
+        edges[(src, dst)].put_nowait((handle, final))
+
+    def _streamed_source(self, stage_id: int) -> int | None:
+        return self.stages[stage_id].streamed_input() if self.stages is not None else None
 
     def _record_stage(self, state: OrchestratorRequestState, out: OmniRequestOutput) -> None:
         state.stage_durations.update(out.stage_durations)
@@ -266,3 +468,18 @@ class Orchestrator:
         self._emit_error(None, EngineDeadError(reason), fatal=True)
         self.rpc_queue.put_nowait(ErrorMessage(error=reason, fatal=True, status_code=503,
                                                error_type="EngineDeadError"))
+
+
+def _payload(out: OmniRequestOutput) -> StagePayload:
+    """What a stage hands on: its text and tokens (with the prompt's), collected stage data and tensors."""
+    prompt_ids = getattr(out.request_output, "prompt_token_ids", None)
+    return StagePayload(metadata={"text": out.text, "token_ids": list(out.token_ids),
+                                  "prompt_token_ids": list(prompt_ids or []),
+                                  "stage_data": out.multimodal_output.get("stage_data", {})},
+                        tensors=dict(out.multimodal_output.get("tensors", {})))
+
+
+async def _prepend(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item

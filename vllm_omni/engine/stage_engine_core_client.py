@@ -127,6 +127,7 @@ class StageEngineCoreClient(StageClientBase):
         if self.is_restarting:
             raise StageRestartingError(f"{self.name}: the EngineCore died and is being re-created")
         start = time.perf_counter()
+        result, finished = None, False
         try:
             async for out in self.llm.generate(prompt, sampling_params, request_id):
                 completion = out.outputs[0] if out.outputs else None
@@ -143,12 +144,15 @@ class StageEngineCoreClient(StageClientBase):
                 if aborted and not self.final_output:  # a truncated intermediate result must not feed on
                     raise EngineGenerateError(f"{self.name}: request {request_id} was aborted by the engine")
                 if out.finished:
-                    if self.config.output_collector is not None:
-                        collect = get_output_collector(self.config.output_collector)
-                        result.multimodal_output["stage_data"] = await collect(self, request_id, result)
-                    elapsed = time.perf_counter() - start
-                    # By type (as one-stage pipelines report it) and by stage (pipelines with several AR stages).
-                    result.stage_durations[self.config.stage_type] = result.stage_durations[self.config.name] = elapsed
+                    await self._finish(request_id, result, start)
+                finished = out.finished  # (the receiver may change `result`)
+                yield result
+            if result is not None and not finished:
+                # A streaming-input request whose input closed while it waited ends without a finished output.
+                result = OmniRequestOutput(request_id=request_id, finished=True, stage_id=self.stage_id,
+                                           final_output_type=self.output_modality, text=result.text,
+                                           request_output=result.request_output)
+                await self._finish(request_id, result, start)
                 yield result
         except VllmEngineDeadError as e:
             raise self._engine_died() from e
@@ -156,6 +160,14 @@ class StageEngineCoreClient(StageClientBase):
             if self.llm.errored:
                 raise self._engine_died() from e
             raise OmniClientError(f"stage {self.stage_id}: {e}", param=getattr(e, "parameter", None)) from e
+
+    async def _finish(self, request_id: str, result: OmniRequestOutput, start: float) -> None:
+        if self.config.output_collector is not None:
+            collect = get_output_collector(self.config.output_collector)
+            result.multimodal_output["stage_data"] = await collect(self, request_id, result)
+        elapsed = time.perf_counter() - start
+        # By type (as one-stage pipelines report it) and by stage (pipelines with several AR stages).
+        result.stage_durations[self.config.stage_type] = result.stage_durations[self.config.name] = elapsed
 
     def _engine_died(self) -> Exception:
         """The error for requests the dead EngineCore ran; starts the restart when the budget allows."""

@@ -5,14 +5,22 @@ A pipeline names one per stage edge (`input_processor:` in its YAML): a name a m
 Each is called as `fn(upstream, original_prompt, context)`: the payloads of the stage's upstream stages (in
 `inputs` order), the user's original prompt and a `StageInputContext` (the fed stage's resolved config and the
 caller's sampling params for it); it returns the prompt, or a `StageInput` to set the sampling params too.
+
+On a streamed edge (`stream_inputs`) it is called once per chunk with the upstream output so far
+(`context.final` on the last), keeps what it already handed on in `context.state`, and returns the next segment's
+input, or None while a chunk brings too little for one. Into an AR stage the request is one vLLM streaming-input
+request: the processor is also called when that stage has consumed its input (`context.idle`, its own output
+in `context.output_token_ids`) and returns the next input chunk, None to wait, or `StageInput(None, None)` to
+close the input.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_omni.config.pipeline_config import EdgeStreamConfig
 from vllm_omni.connectors.base import StagePayload
 
 StageInputProcessor = Callable[..., Any]
@@ -25,6 +33,16 @@ class StageInputContext:
     """The resolved config of the stage being fed (`VllmOmni*StageConfig`: model path, engine args, ...)."""
     sampling_params: Any
     """The caller's sampling params for that stage."""
+    edge: EdgeStreamConfig | None = None
+    """The edge's stream config (its `chunk_tokens` sizes what the processor cuts), None when not configured."""
+    final: bool = True
+    """False while the upstream stage is still running (streamed edge)."""
+    state: dict[str, Any] = field(default_factory=dict)
+    """Kept across the calls of one request on a streamed edge (e.g. how far the input was handed on)."""
+    output_token_ids: list[int] = field(default_factory=list)
+    """A stream-fed AR stage's own output so far (all its input chunks)."""
+    idle: bool = False
+    """A stream-fed AR stage has consumed its last input chunk and waits for the next one."""
 
 
 @dataclass
@@ -35,14 +53,16 @@ class StageInput:
     sampling_params: Any
 
 
-def get_stage_input_processor(name: str) -> Callable[[list[StagePayload], Any, StageInputContext], StageInput]:
+def get_stage_input_processor(name: str) -> Callable[[list[StagePayload], Any, StageInputContext], StageInput | None]:
     """The processor as `fn(upstream, original_prompt, context) -> StageInput`."""
     from vllm_omni.models.registry import MODEL_REGISTRY
 
     fn = MODEL_REGISTRY.stage_input_processor(name)
 
-    def run(upstream: list[StagePayload], original_prompt: Any, context: StageInputContext) -> StageInput:
+    def run(upstream: list[StagePayload], original_prompt: Any, context: StageInputContext) -> StageInput | None:
         result = fn(upstream, original_prompt, context)
-        return result if isinstance(result, StageInput) else StageInput(result, context.sampling_params)
+        if result is None or isinstance(result, StageInput):
+            return result
+        return StageInput(result, context.sampling_params)
 
     return run

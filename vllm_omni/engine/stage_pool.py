@@ -12,6 +12,7 @@ from typing import Any
 
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.messages import StageRpcError
+from vllm_omni.engine.output_collectors import get_output_collector
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.errors import EngineDeadError
 from vllm_omni.logger import init_logger
@@ -87,6 +88,15 @@ class StagePool:
         finally:
             self._load[replica] -= 1
             self._inflight.pop(request_id, None)
+
+    async def partial_stage_data(self, request_id: str, output: OmniRequestOutput) -> dict[str, Any]:
+        """What a running request has produced so far besides tokens (its stage's output collector), for a
+        streamed edge; {} for stages without one."""
+        client = self.clients[self._inflight[request_id]]
+        name = client.config.output_collector
+        if name is None:
+            return {}
+        return await get_output_collector(name)(client, request_id, output)
 
     async def abort(self, request_ids: list[str]) -> None:
         by_replica: dict[int, list[str]] = {}

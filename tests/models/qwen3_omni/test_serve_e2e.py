@@ -5,17 +5,24 @@ text and a base64 WAV equal to transformers' greedy `generate(return_audio=True)
 the stream, a text-only chat never runs the talker or the vocoder, and `audio.speech.create` returns a WAV.
 Media content parts (`input_audio` WAV + `image_url`) reach vLLM's thinker: the text equals transformers' on the
 same decoded inputs; bad or oversized media is a 400 naming the field, with a request in flight untouched.
+16-bit quantization), streamed text equals the plain answer, a text-only chat never runs the talker or the
+vocoder, and `audio.speech.create` returns a WAV. Streamed audio (both stage edges stream): a long answer's audio
+chunks share one id, their transcripts add up to the text and their PCM to the non-streamed reply's (and to
+transformers' `chunked_decode` of the same frames); `/v1/audio/speech` streams raw bytes
+(`with_streaming_response`) and SSE events.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 import wave
 
 import numpy as np
 import openai
 import pytest
+import torch
 
 from tests.entrypoints.openai.live_server import LiveServer
 
@@ -258,3 +265,60 @@ def test_bad_media_is_400_naming_the_field_and_spares_requests_in_flight(server,
     thread.join(timeout=300)
     assert streamed and streamed[0].startswith(reference[0])
     assert _open_fds(server.proc.pid) <= before
+
+
+LONG_THINKER, LONG_TALKER = 200, 40
+LONG_PARAMS = [{"temperature": 0.0, "max_tokens": LONG_THINKER, "ignore_eos": True},
+               {"max_tokens": LONG_TALKER, "temperature": 0.0}, {}]
+
+
+def test_streamed_audio_chunks_come_while_the_answer_is_written(client, hf_model, tiny_path):
+    from vllm_omni.models.qwen3_omni.pipeline import CODE2WAV_CHUNK_FRAMES, CODE2WAV_LEFT_CONTEXT
+
+    kwargs = {"model": MODEL, "messages": MESSAGES, "modalities": ["text", "audio"],
+              "audio": {"voice": "ethan", "format": "pcm16"}, "extra_body": {"sampling_params_list": LONG_PARAMS}}
+    events = []
+    for c in client.chat.completions.create(stream=True, **kwargs):
+        delta = c.choices[0].delta if c.choices else None
+        if delta is not None and delta.content:
+            events.append(("text", delta.content))
+        if delta is not None and delta.audio is not None:
+            events.append(("audio", delta.audio if isinstance(delta.audio, dict) else delta.audio.model_dump()))
+    # Whether the first audio chunk comes before the last text token depends on the machine's load (the tiny
+    # thinker writes 200 tokens in about the time the talker and vocoder need for the first 25-frame chunk), so it
+    # is not asserted here; benchmarks/qwen3_omni/bench_stream_cpu.py measures the time to first audio.
+    audio = [value for kind, value in events if kind == "audio"]
+    text = "".join(value for kind, value in events if kind == "text")
+    # The talker stops at its 40 frames while the thinker writes on: the rest of the transcript comes last.
+    assert "".join(a["transcript"] or "" for a in audio) == text and len({a["id"] for a in audio}) == 1
+    data = [a for a in audio if a.get("data")]
+    assert data and data[-1]["expires_at"] is not None and all(a.get("expires_at") is None for a in data[:-1])
+    streamed = b"".join(base64.b64decode(a["data"]) for a in data)
+
+    whole = client.chat.completions.create(**kwargs).choices[0].message
+    assert base64.b64decode(whole.audio.data) == streamed
+    _, frames, _ = hf_generate(hf_model, chat_prompt_ids(tiny_path, USER_TEXT), LONG_THINKER, LONG_TALKER)
+    with torch.inference_mode():
+        ref = hf_model.code2wav.chunked_decode(torch.tensor(frames).T[None], chunk_size=CODE2WAV_CHUNK_FRAMES,
+                                               left_context_size=CODE2WAV_LEFT_CONTEXT)[0, 0].numpy()
+    pcm = np.frombuffer(streamed, dtype="<i2").astype(np.float32) / 32767.0
+    np.testing.assert_allclose(pcm, np.clip(ref, -1, 1), atol=2e-4)
+
+
+def test_speech_streams_bytes_and_sse_events(server, client):
+    import httpx
+
+    with client.audio.speech.with_streaming_response.create(model=MODEL, voice="ethan", input=USER_TEXT,
+                                                            response_format="pcm") as response:
+        assert response.headers["content-type"].startswith("audio/pcm")
+        pcm = b"".join(response.iter_bytes())
+    assert len(pcm) > 0 and len(pcm) % 2 == 0
+    with httpx.stream("POST", f"{server.url}/v1/audio/speech", timeout=300, json={
+            "model": MODEL, "voice": "ethan", "input": USER_TEXT, "response_format": "pcm",
+            "stream_format": "sse"}) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events][-1] == "speech.audio.done" and events[-1]["usage"]["input_tokens"] > 0
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    sse_pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)  # (the default talker samples: other audio)
+    assert len(deltas) >= 2 and len(sse_pcm) > 0 and len(sse_pcm) % 2 == 0

@@ -100,7 +100,7 @@ def test_streaming_chunks_batched_equal_transformers_chunked_decode(reference, h
         chunks += talker_to_code2wav(frames[:arrived], chunk_size=3, left_context=2, start_frame=done,
                                      final=arrived == len(frames))
     assert [c.index for c in chunks] == list(range(len(chunks))) and chunks[-1].last
-    wav = np.concatenate(code2wav(chunks))  # equal-length chunks share one forward
+    wav = np.concatenate(code2wav(chunks))  # one call, each chunk decoded on its own
     with torch.inference_mode():
         ref = hf_model.code2wav.chunked_decode(torch.tensor(frames).T[None], chunk_size=3, left_context_size=2)
     # Batched convolutions round differently from one-by-one ones (~2e-5 here on samples of magnitude ~0.5).

@@ -35,6 +35,7 @@ from vllm.utils.async_utils import make_async
 
 from openai.types.chat.chat_completion_audio import ChatCompletionAudio
 from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.entrypoints.openai.audio_stream import AudioDeltas, audio_chunk
 from vllm_omni.entrypoints.openai.chat_media import (
     MediaLimits,
     check_media_parts,
@@ -492,6 +493,8 @@ class OmniOpenAIServingChat(OmniServingBase):
             yield chunk(OmniDeltaMessage(role="assistant", content=""), index=index)
         sent: dict[tuple[int, int], int] = {}
         latest: dict[int, Completion] = {}  # per choice: its completion as last seen
+        audio = AudioDeltas((request.audio or {}).get("format", "wav"), AUDIO_TTL_S)
+        spoken = ""
         text_out: OmniRequestOutput | None = None
         try:
             async for output in prepend(first, outputs):
@@ -501,18 +504,22 @@ class OmniOpenAIServingChat(OmniServingBase):
                         key = (output.stage_id, completion.index)
                         delta, sent[key] = completion.text[sent.get(key, 0):], len(completion.text)
                         latest[completion.index] = completion
+                        if completion.index == 0:
+                            spoken += delta  # what the transcript adds up to: the text as it was streamed
                         if delta and "text" in modalities and parser is None:
                             yield chunk(OmniDeltaMessage(content=delta), index=completion.index)
                 if output.finished and output.images and "image" in modalities:
                     yield chunk(OmniDeltaMessage(content=self.content(None, output.images)))
-                if output.finished and "audio" in output.multimodal_output and "audio" in modalities:
-                    transcript = output_text(text_out) if text_out is not None else ""
-                    yield chunk(OmniDeltaMessage(audio=self.audio_payload(request, output, transcript)))
+                samples = audio_chunk(output)
+                if samples is not None and "audio" in modalities:
+                    yield chunk(OmniDeltaMessage(audio=audio.delta(output, samples, spoken)))
         except Exception as exc:
             response = exception_to_response(exc)
             yield f"data: {response.body.decode()}\n\n"
             yield "data: [DONE]\n\n"
             return
+        if "audio" in modalities and (rest := audio.rest(spoken)) is not None:
+            yield chunk(OmniDeltaMessage(audio=rest))
         finish_reasons = {i: (latest[i].finish_reason or "stop") if i in latest else "stop"
                           for i in range(request.n or 1)}
         completion_tokens = sum(len(c.token_ids) for c in latest.values())

@@ -1,16 +1,30 @@
-"""`/v1/audio/speech` on pipelines whose final stage produces audio (OpenAI Audio API)."""
+"""`/v1/audio/speech` on pipelines whose final stage produces audio (OpenAI Audio API).
+
+The audio streams as the pipeline makes it (`stream_format`): "audio" (the default, as OpenAI's) sends the file's
+bytes by chunked transfer (a WAV starts with a header of unknown length unless the first chunk is the whole
+audio), "sse" sends `speech.audio.delta` events (base64 bytes of the same file) and one `speech.audio.done`.
+Nothing is sent before the first audio chunk exists, so a failed request is still an HTTP error status.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
+from collections.abc import AsyncIterator
 
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from vllm.utils import random_uuid
 
-from vllm_omni.entrypoints.openai.media import audio_to_pcm16, encode_wav
+from vllm_omni.entrypoints.openai.audio_stream import AudioStreamEncoder, audio_chunk, sample_rate
+from vllm_omni.entrypoints.openai.errors import exception_to_response
 from vllm_omni.entrypoints.openai.protocol.audio import SpeechRequest
-from vllm_omni.entrypoints.openai.serving_base import OmniServingBase, maybe_await
+from vllm_omni.entrypoints.openai.serving_base import OmniServingBase, fail_fast, maybe_await
 from vllm_omni.errors import OmniClientError
+from vllm_omni.logger import init_logger
+from vllm_omni.outputs import OmniRequestOutput
+
+logger = init_logger(__name__)
 
 _MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
 
@@ -26,14 +40,59 @@ class OmniOpenAIServingSpeech(OmniServingBase):
             prompt["instructions"] = request.instructions
         if request.voice is not None:
             prompt["voice"] = request.voice
-        finals = await self.generate_final(prompt, f"speech-{random_uuid()}", self.build_sampling_params_list())
-        output = next((o for o in finals if "audio" in o.multimodal_output), None)
-        if output is None:
+        outputs = self.generate(prompt, f"speech-{random_uuid()}", self.build_sampling_params_list())
+        if request.stream_format == "sse":
+            return StreamingResponse(await fail_fast(self.sse_events(request, outputs)),
+                                     media_type="text/event-stream")
+        return StreamingResponse(await fail_fast(self.raw_audio(request, outputs)),
+                                 media_type=_MEDIA_TYPES[request.response_format])
+
+    async def raw_audio(self, request: SpeechRequest, outputs: AsyncIterator[OmniRequestOutput]
+                        ) -> AsyncIterator[bytes]:
+        sent = False
+        try:
+            async for data in self.audio_bytes(request, outputs):
+                sent = True
+                yield data
+        except Exception:
+            if not sent:
+                raise
+            # The status line is gone: the body ends short (the client sees a truncated file).
+            logger.warning("speech stream failed after its first chunk", exc_info=True)
+
+    async def audio_bytes(self, request: SpeechRequest, outputs: AsyncIterator[OmniRequestOutput],
+                          usage: dict[str, int] | None = None) -> AsyncIterator[bytes]:
+        """The audio file's bytes, a chunk at a time; `usage` gets the text stage's token counts."""
+        encoder = AudioStreamEncoder(request.response_format)
+        async for output in outputs:
+            samples = audio_chunk(output)
+            if samples is None:
+                if usage is not None and output.request_output is not None:
+                    usage["input_tokens"] = len(output.request_output.prompt_token_ids or [])
+                    usage["output_tokens"] = len(output.token_ids)
+                continue
+            yield encoder.encode(samples, sample_rate(output), last=output.finished)
+        if not encoder.started:
             raise OmniClientError(f"`{self.model_name}` returned no audio for this request", status_code=422)
-        audio = output.multimodal_output["audio"]
-        rate = int(output.multimodal_output.get("sample_rate", 24000))
-        body = encode_wav(audio, rate) if request.response_format == "wav" else audio_to_pcm16(audio)
-        return Response(body, media_type=_MEDIA_TYPES[request.response_format])
+
+    async def sse_events(self, request: SpeechRequest, outputs: AsyncIterator[OmniRequestOutput]
+                         ) -> AsyncIterator[str]:
+        """`speech.audio.done` reports the text stage's tokens: the prompt's as input, the spoken answer's as
+        output."""
+        usage = {"input_tokens": 0, "output_tokens": 0}
+        sent = False
+        try:
+            async for data in self.audio_bytes(request, outputs, usage):
+                sent = True
+                event = {"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")}
+                yield f"data: {json.dumps(event)}\n\n"
+        except Exception as exc:
+            if not sent:
+                raise
+            yield f"data: {exception_to_response(exc).body.decode()}\n\n"  # the status is sent: an event
+            return
+        usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
+        yield f"data: {json.dumps({'type': 'speech.audio.done', 'usage': usage})}\n\n"
 
     async def speech_prompt(self, request: SpeechRequest) -> str:
         """A pipeline that starts with a chat model (e.g. Qwen3-Omni's thinker) speaks its answer to `input`,

@@ -1,16 +1,16 @@
-"""Qwen3-Omni Code2Wav as a GENERATION-stage model: codec chunks in, waveform chunks out, batched.
+"""Qwen3-Omni Code2Wav as a GENERATION-stage model: codec chunks in, waveform chunks out.
 
 The vocoder (a sliding-window transformer, transposed-conv upsamplers and a ConvNet decoder) is transformers'
 `Qwen3OmniMoeCode2Wav`, built from the checkpoint's `code2wav_config` and loaded from its `code2wav.*` tensors.
-It is not causal at frame granularity (each upsampler looks one frame ahead), so padding chunks of different
-lengths into one batch would change their last frame's audio: chunks are batched only with chunks of the same
-length, which in streaming is nearly all of them.
+It is not causal at frame granularity (each upsampler looks one frame ahead), so chunks cannot be padded into
+one batch; and on CPU a batch of equal-length chunks gives samples ~3e-5 (one 16-bit step) off the same chunks
+decoded alone, so a request's audio would depend on what else is in flight and a streamed reply (decoded chunk
+by chunk) would differ from the same reply decoded at once. Each chunk is therefore decoded on its own.
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -50,16 +50,11 @@ class Qwen3OmniCode2Wav(nn.Module):
         """One float32 waveform per chunk (its own frames' samples, context dropped), in input order."""
         start = time.perf_counter()
         device = self.vocoder.code_embedding.weight.device
-        groups: dict[int, list[int]] = defaultdict(list)
-        for i, chunk in enumerate(chunks):
+        out = []
+        for chunk in chunks:
             self._validate(chunk)
-            groups[len(chunk.codes[0])].append(i)
-        out: list[np.ndarray | None] = [None] * len(chunks)
-        for indices in groups.values():
-            codes = torch.tensor([chunks[i].codes for i in indices], dtype=torch.long, device=device)
-            wavs = self.vocoder(codes)[:, 0].float().cpu().numpy()
-            for row, i in enumerate(indices):
-                out[i] = wavs[row, chunks[i].context * self.samples_per_frame:]
+            codes = torch.tensor([chunk.codes], dtype=torch.long, device=device)
+            out.append(self.vocoder(codes)[0, 0].float().cpu().numpy()[chunk.context * self.samples_per_frame:])
         self.stage_durations = {"code2wav": time.perf_counter() - start}
         return out
 

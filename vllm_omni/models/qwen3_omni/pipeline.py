@@ -2,8 +2,10 @@
 
 The thinker answers in text (a final output); its prompt and answer token ids become the talker's
 conditioning, set per request through the talker's SamplingParams (`extra_args`); the talker's codec frames,
-kept in its worker, are collected once the request finishes and cut into vocoder chunks for code2wav, whose
-waveform is the audio output.
+kept in its worker, are cut into vocoder chunks of `CODE2WAV_CHUNK_FRAMES` (with the model's left context) for
+code2wav, whose waveform is the audio output. Both edges stream: the talker starts after the thinker's first
+tokens and gets the rest as they come; a vocoder chunk is decoded as soon as the talker has made its frames
+(`stream=False`: each stage once its upstream finished; the same frames and audio, greedy).
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ import functools
 import time
 from typing import TYPE_CHECKING, Any
 
-from vllm_omni.config.pipeline_config import PipelineConfig, PipelineStageConfig, StageExecutionType
+from vllm_omni.config.pipeline_config import (
+    EdgeStreamConfig,
+    PipelineConfig,
+    PipelineStageConfig,
+    StageExecutionType,
+)
 from vllm_omni.connectors.base import StagePayload
 from vllm_omni.engine.stage_input_processors import StageInput, StageInputContext
 from vllm_omni.errors import OmniClientError
@@ -33,11 +40,22 @@ TALKER_DEFAULT_SAMPLING = {"max_tokens": 4096, "temperature": 0.9, "top_k": 50, 
                            "repetition_penalty": 1.05}
 """The talker's decoding when a request names none: transformers' `Qwen3OmniMoeForConditionalGeneration.generate`
 defaults (greedy talkers tend to loop)."""
+THINKER_CHUNK_TOKENS = 4
+"""Thinker tokens before the talker starts, and between the thinker's updates to it."""
+CODE2WAV_CHUNK_FRAMES = 25
+"""Codec frames per vocoder chunk (2 s of audio at 12.5 frames/s): the first audio needs this many frames."""
+CODE2WAV_LEFT_CONTEXT = 25
+TALKER_CHUNK_TOKENS = 5
+"""Talker tokens between looks at its frames (a `collective_rpc`): a vocoder chunk is handed on at most this many
+frames after it is complete."""
+"""Frames of left context per chunk: transformers' `Qwen3OmniMoeCode2Wav.chunked_decode` default."""
 FRAMES_TIMEOUT_S = 10.0
 """How long the collector waits for the talker worker to file a finished request's frames (one engine step)."""
 
 
-def qwen3_omni_pipeline() -> PipelineConfig:
+def qwen3_omni_pipeline(stream: bool = True, chunk_tokens: int = THINKER_CHUNK_TOKENS) -> PipelineConfig:
+    """`stream`: the talker starts after the thinker's first `chunk_tokens` tokens and code2wav decodes each
+    vocoder chunk while the talker runs (False: each stage once its upstream finished)."""
     from vllm_omni.models.qwen3_omni.vllm_talker import talker_engine_kwargs
 
     ar, generation = StageExecutionType.AR, StageExecutionType.GENERATION
@@ -46,9 +64,11 @@ def qwen3_omni_pipeline() -> PipelineConfig:
         PipelineStageConfig(stage_id=0, execution_type=ar, final_output=True, final_output_type="text",
                             engine_args={"hf_overrides": {"architectures": [THINKER_ARCHITECTURE]}}),
         PipelineStageConfig(stage_id=1, execution_type=ar, inputs=[0], input_processor="qwen3_omni_thinker_to_talker",
+                            stream_inputs={0: EdgeStreamConfig(stream=stream, chunk_tokens=chunk_tokens)},
                             output_collector="qwen3_omni_talker_frames", engine_args=talker_engine_kwargs(),
                             default_sampling_params=TALKER_DEFAULT_SAMPLING),
         PipelineStageConfig(stage_id=2, execution_type=generation, inputs=[1],
+                            stream_inputs={1: EdgeStreamConfig(stream=stream, chunk_tokens=TALKER_CHUNK_TOKENS)},
                             input_processor="qwen3_omni_talker_to_code2wav", final_output=True,
                             final_output_type="audio",
                             engine_args={"model_class": "vllm_omni.models.qwen3_omni.code2wav:"
@@ -64,35 +84,86 @@ def _hf_config(model_path: str):
 
 
 def thinker_to_talker_request(upstream: list[StagePayload], original_prompt: Any,
-                              context: StageInputContext) -> StageInput:
+                              context: StageInputContext) -> StageInput | None:
     """The talker's placeholder prompt and params carrying its conditioning; `voice` picks the speaker.
 
     Of the caller's talker `SamplingParams`: `max_tokens` (codec frames) and `temperature` / `top_k` / `top_p` /
-    `repetition_penalty` / `seed` (temperature 0 = greedy)."""
+    `repetition_penalty` / `seed` (temperature 0 = greedy). On a streamed edge: the talker's next input chunk."""
     from vllm.sampling_params import RequestOutputKind
 
     from vllm_omni.models.qwen3_omni.vllm_talker import talker_request
 
+    if context.edge is not None and context.edge.stream:
+        return _talker_input_chunk(upstream, original_prompt, context)
+    config, ids, voice, sampling = _talker_setup(original_prompt, context)
+    thinker = upstream[0].metadata
+    prompt = _talker_prompt(thinker, ids, voice)
+    vllm_prompt, params = talker_request(prompt, context.request_id, config.talker_config,
+                                         max_new_tokens=sampling.max_new_tokens, sampling=sampling)
+    params.output_kind = RequestOutputKind.FINAL_ONLY  # only the finished frames feed on
+    return StageInput(vllm_prompt, params)
+
+
+def _talker_setup(original_prompt: Any, context: StageInputContext) -> tuple[Any, Qwen3OmniTokenIds, str, Any]:
     config = _hf_config(context.stage.model)
     voice = original_prompt.get("voice") if isinstance(original_prompt, dict) else None
     ids = Qwen3OmniTokenIds.from_config(config)
     if voice is not None and str(voice).lower() not in ids.speakers:
         raise OmniClientError(f"voice {voice!r} is not one of this model's voices {sorted(ids.speakers)}",
                               param="voice")
-    sampling = _talker_sampling(context.sampling_params)
-    thinker = upstream[0].metadata
+    return config, ids, voice or DEFAULT_SPEAKER, _talker_sampling(context.sampling_params)
+
+
+def _talker_prompt(thinker: dict[str, Any], ids: Qwen3OmniTokenIds, voice: str):
     try:
-        prompt = thinker_to_talker(thinker["prompt_token_ids"], thinker["token_ids"], ids,
-                                   speaker=voice or DEFAULT_SPEAKER)
+        prompt = thinker_to_talker(thinker["prompt_token_ids"], thinker["token_ids"], ids, speaker=voice)
     except ValueError as e:
         raise OmniClientError(f"talker input: {e}", param="prompt") from e
     if prompt.multimodal_positions:
         raise OmniClientError("speech for audio / image / video input is not supported yet (the talker would need "
                               "the thinker's hidden states); ask for text only (output_modalities=['text'])",
                               param="output_modalities")
-    vllm_prompt, params = talker_request(prompt, context.request_id, config.talker_config,
-                                         max_new_tokens=sampling.max_new_tokens, sampling=sampling)
-    params.output_kind = RequestOutputKind.FINAL_ONLY  # only the finished frames feed on
+    return prompt
+
+
+def _talker_input_chunk(upstream: list[StagePayload], original_prompt: Any,
+                        context: StageInputContext) -> StageInput | None:
+    """The talker's next input chunk while the thinker answers (a vLLM streaming-input request).
+
+    Decode step k conditions on trailing thinker token k, so the talker may sample one frame more than the
+    trailing tokens known (the thinker's newest token is not known to be trailing until the next one, or the
+    end, comes). vLLM ends each chunk at its `max_tokens` and drops its last sampled token, so the next chunk
+    is that token again (as prompt) plus the longer trailing list, which the talker model reads from
+    `extra_args`. The frames equal the store-and-forward run's (greedy)."""
+    from vllm_omni.models.qwen3_omni.vllm_talker import talker_request
+
+    state, thinker = context.state, upstream[0].metadata
+    if "budget" not in state:
+        if not context.final and len(thinker["token_ids"]) < max(context.edge.chunk_tokens, 3):
+            return None
+        state["config"], state["ids"], state["voice"], state["sampling"] = _talker_setup(original_prompt, context)
+        prompt = _talker_prompt(thinker, state["ids"], state["voice"])
+        # vLLM stops a plain request at max_model_len, but a streaming-input chunk past it kills the EngineCore
+        # ("Sampled token IDs exceed the max model length"): the budget stays inside it.
+        max_len = (context.stage.engine_args.get("max_model_len")
+                   or state["config"].talker_config.text_config.max_position_embeddings)
+        state["budget"] = min(state["sampling"].max_new_tokens, max_len - len(prompt.thinker_ids))
+    elif not context.idle:
+        return None  # the talker is decoding its last chunk
+    config, generated = state["config"], context.output_token_ids
+    if generated and (generated[-1] == config.talker_config.codec_eos_token_id or len(generated) >= state["budget"]):
+        return StageInput(None, None)
+    prompt = _talker_prompt(thinker, state["ids"], state["voice"])
+    if not context.final:
+        prompt.trailing_thinker_ids = prompt.trailing_thinker_ids[:-1]  # the end marker is not known yet
+    room = state["budget"] - len(generated)
+    frames = room if context.final else min(len(prompt.trailing_thinker_ids) - len(generated) + 1, room)
+    if frames < (1 if context.final else 2):
+        return None
+    vllm_prompt, params = talker_request(prompt, context.request_id, config.talker_config, max_new_tokens=frames,
+                                         sampling=state["sampling"])
+    if generated:
+        vllm_prompt = {"prompt_token_ids": [generated[-1]]}
     return StageInput(vllm_prompt, params)
 
 
@@ -113,8 +184,13 @@ def _talker_sampling(params: Any) -> TalkerSamplingParams:
 
 
 async def collect_talker_frames(client: Any, request_id: str, output: Any) -> dict[str, Any]:
-    """The finished request's codec frames from the talker worker. The worker files them on the engine step
-    after the last token, which may run just after vLLM returned the output: poll briefly."""
+    """The request's codec frames from the talker worker: those complete so far while it runs (a streamed
+    edge), all of them once it finished. The worker files them on the engine step after the last token, which
+    may run just after vLLM returned the output: poll briefly."""
+    if not output.finished:
+        (peeked,) = await client.collective_rpc_async("peek_talker_frames", timeout=FRAMES_TIMEOUT_S,
+                                                      args=([request_id],))
+        return {"codec_frames": peeked[request_id]}
     deadline = time.monotonic() + FRAMES_TIMEOUT_S
     while True:
         (taken,) = await client.collective_rpc_async("take_talker_frames", timeout=FRAMES_TIMEOUT_S,
@@ -127,8 +203,16 @@ async def collect_talker_frames(client: Any, request_id: str, output: Any) -> di
         await asyncio.sleep(0.01)
 
 
-def talker_to_code2wav_chunks(upstream: list[StagePayload], original_prompt: Any, context: StageInputContext) -> list:
+def talker_to_code2wav_chunks(upstream: list[StagePayload], original_prompt: Any,
+                              context: StageInputContext) -> list | None:
+    """The vocoder chunks not handed on yet; while the talker runs only full chunks, and never its newest frame,
+    so the final call always has one chunk to end the stream with (None: no full chunk yet)."""
     frames = upstream[0].metadata["stage_data"].get("codec_frames") or []
-    if not frames:
+    if context.final and not frames:
         raise RuntimeError("the talker produced no codec frames")
-    return talker_to_code2wav(frames)
+    start = context.state.get("next_frame", 0)
+    ready = frames if context.final else frames[:-1]
+    chunks = talker_to_code2wav(ready, chunk_size=CODE2WAV_CHUNK_FRAMES, left_context=CODE2WAV_LEFT_CONTEXT,
+                                start_frame=start, final=context.final)
+    context.state["next_frame"] = start + sum(len(c.codes[0]) - c.context for c in chunks)
+    return chunks or None

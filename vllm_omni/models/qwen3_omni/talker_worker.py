@@ -46,3 +46,6 @@ class TalkerCPUWorker(CPUWorker):
 
     def take_talker_frames(self, keys: list[str]) -> dict[str, list[list[int]] | None]:
         return self.model_runner.model.take_frames(keys)
+
+    def peek_talker_frames(self, keys: list[str]) -> dict[str, list[list[int]]]:
+        return self.model_runner.model.peek_frames(keys)

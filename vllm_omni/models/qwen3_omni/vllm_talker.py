@@ -125,6 +125,16 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
             raise RuntimeError("talker request(s) failed: " + "; ".join(errors))
         return taken
 
+    def peek_frames(self, keys: list[str]) -> dict[str, list[list[int]]]:
+        """Frames of running (or finished, not yet taken) requests so far, for a streamed edge: frame k is
+        complete once the step after it ran (its residual codes are predicted there)."""
+        running = {state.key: state for state in self._requests.values()}
+        peeked = {}
+        for key in keys:
+            found = running[key].frames if key in running else self._finished.get(key)
+            peeked[key] = list(found) if isinstance(found, list) else []
+        return peeked
+
     # ---- vLLM model interface --------------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
@@ -160,6 +170,11 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
                 sampler = CodecSampler(TalkerSamplingParams(**spec["code_sampling"]), allowed=None)
                 state.pick_code = lambda logits: sampler(logits, None)
             self._requests[row.req_id] = state
+        elif state is not None and row.extra_args and EXTRA_ARGS_KEY in row.extra_args:
+            # A streamed request's later input chunks carry the thinker's answer as far as it is known.
+            trailing = row.extra_args[EXTRA_ARGS_KEY]["trailing_thinker_ids"]
+            if len(trailing) > len(state.trailing_ids):
+                state.trailing_ids = list(trailing)
         return state
 
     def _project(self, thinker_ids: torch.Tensor) -> torch.Tensor:

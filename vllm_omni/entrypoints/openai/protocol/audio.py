@@ -19,4 +19,6 @@ class SpeechRequest(CheckedBody):
     response_format: Literal["wav", "pcm"] = "wav"
     """wav (16-bit PCM in a RIFF container) or raw 16-bit little-endian pcm."""
     speed: float = Field(default=1.0, ge=0.25, le=4.0)
-    stream_format: Literal["audio"] | None = None
+    stream_format: Literal["audio", "sse"] | None = None
+    """How the audio streams as it is made: "audio" (the default) the file's bytes by chunked transfer, "sse"
+    `speech.audio.delta` / `speech.audio.done` events."""
