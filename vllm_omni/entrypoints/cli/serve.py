@@ -43,6 +43,10 @@ class OmniFrontendArgs:
     """Most output pixels (width x height) per image or video frame."""
     max_input_image_pixels: int = 4096 * 4096
     """Most pixels of an input image, read from its header before it is decoded."""
+    strict_request_fields: bool = False
+    """Refuse (400, naming them) request fields a vllm-omni route does not know. Off: they are ignored with a
+    warning, as vLLM does (the OpenAI SDK and frameworks send fields such as `store` and `metadata`). vLLM's own
+    routes (/v1/completions, /v1/responses, ...) keep vLLM's policy either way."""
 
 
 def add_omni_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

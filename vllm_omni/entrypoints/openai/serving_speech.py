@@ -7,12 +7,10 @@ import asyncio
 from fastapi.responses import Response
 from vllm.utils import random_uuid
 
-from vllm_omni.entrypoints.openai.media import audio_to_pcm16, encode_wav
+from vllm_omni.entrypoints.openai.media import AUDIO_FORMATS, encode_audio
 from vllm_omni.entrypoints.openai.protocol.audio import SpeechRequest
 from vllm_omni.entrypoints.openai.serving_base import OmniServingBase, maybe_await
 from vllm_omni.errors import OmniClientError
-
-_MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
 
 
 class OmniOpenAIServingSpeech(OmniServingBase):
@@ -32,8 +30,8 @@ class OmniOpenAIServingSpeech(OmniServingBase):
             raise OmniClientError(f"`{self.model_name}` returned no audio for this request", status_code=422)
         audio = output.multimodal_output["audio"]
         rate = int(output.multimodal_output.get("sample_rate", 24000))
-        body = encode_wav(audio, rate) if request.response_format == "wav" else audio_to_pcm16(audio)
-        return Response(body, media_type=_MEDIA_TYPES[request.response_format])
+        body = await asyncio.to_thread(encode_audio, audio, rate, request.response_format)
+        return Response(body, media_type=AUDIO_FORMATS[request.response_format][2])
 
     async def speech_prompt(self, request: SpeechRequest) -> str:
         """A pipeline that starts with a chat model (e.g. Qwen3-Omni's thinker) speaks its answer to `input`,

@@ -69,19 +69,18 @@ def thinker_to_talker_request(upstream: list[StagePayload], original_prompt: Any
     `repetition_penalty` / `seed` (temperature 0 = greedy)."""
     from vllm.sampling_params import RequestOutputKind
 
+    from vllm_omni.inputs.voices import resolve_voice
     from vllm_omni.models.qwen3_omni.vllm_talker import talker_request
 
     config = _hf_config(context.stage.model)
     voice = original_prompt.get("voice") if isinstance(original_prompt, dict) else None
     ids = Qwen3OmniTokenIds.from_config(config)
-    if voice is not None and str(voice).lower() not in ids.speakers:
-        raise OmniClientError(f"voice {voice!r} is not one of this model's voices {sorted(ids.speakers)}",
-                              param="voice")
+    speaker = resolve_voice(voice, ids.speakers)
     sampling = _talker_sampling(context.sampling_params)
     thinker = upstream[0].metadata
     try:
         prompt = thinker_to_talker(thinker["prompt_token_ids"], thinker["token_ids"], ids,
-                                   speaker=voice or DEFAULT_SPEAKER)
+                                   speaker=speaker or DEFAULT_SPEAKER)
     except ValueError as e:
         raise OmniClientError(f"talker input: {e}", param="prompt") from e
     vllm_prompt, params = talker_request(prompt, context.request_id, config.talker_config,

@@ -16,7 +16,8 @@ class SpeechRequest(CheckedBody):
     model: str | None = None
     voice: str | dict[str, Any] | None = None
     instructions: str | None = Field(default=None, max_length=4096)
-    response_format: Literal["wav", "pcm"] = "wav"
-    """wav (16-bit PCM in a RIFF container) or raw 16-bit little-endian pcm."""
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "wav"
+    """OpenAI's formats: wav (16-bit PCM in RIFF), raw 16-bit little-endian pcm, or mp3 / opus (in Ogg) / aac
+    (ADTS) / flac encoded with PyAV. The default stays wav (OpenAI's is mp3): no encoder runs unless asked."""
     speed: float = Field(default=1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio"] | None = None
