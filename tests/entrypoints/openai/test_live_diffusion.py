@@ -43,6 +43,12 @@ def test_images_generate(client):
     assert again.data[0].b64_json == res.data[0].b64_json  # same seed, same image
 
 
+def test_images_generate_openai_quality(client):
+    """OpenAI's quality values map to our presets ("standard": the server's default)."""
+    res = client.images.generate(model=MODEL, prompt="a red cube", size="32x32", quality="standard", extra_body=FAST)
+    assert [decode(d.b64_json).size for d in res.data] == [(32, 32)]
+
+
 def test_chat_returns_images(client):
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a cube"}],
                                          extra_body={**FAST, "size": "32x32"})

@@ -281,6 +281,16 @@ def test_unknown_fields_ignored_with_a_warning_or_refused_when_strict(parser, re
     assert_error(make_client(parser, engine, "--strict-request-fields").post(path, json=body), 400, field)
 
 
+def test_every_4xx_is_logged_with_its_reason(dit, caplog):
+    _, client = dit
+    with caplog.at_level("INFO", logger="vllm_omni.entrypoints.openai.middleware"):
+        client.post("/v1/images/generations", json={"prompt": "x", "size": "big"})
+        client.post("/v1/nope", json={})
+    lines = [r.getMessage() for r in caplog.records if r.name.endswith("middleware")]
+    assert any("POST /v1/images/generations -> 400:" in line and "[param=size]" in line for line in lines)
+    assert any("POST /v1/nope -> 404: Not Found" in line for line in lines)
+
+
 def test_openai_image_values(dit):
     """OpenAI's quality values map to our presets, num_outputs_per_prompt alone sets the count, and
     output_compression reaches the jpeg encoder."""
