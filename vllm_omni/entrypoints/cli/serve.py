@@ -19,7 +19,9 @@ DESCRIPTION = """Launch the vllm-omni OpenAI-compatible server for MODEL (a Hugg
 or a built-in tiny default such as tiny/qwen-image or tiny/qwen2).
 
 Routes: /v1/chat/completions (+ /batch), /v1/images/generations, /v1/images/edits, /v1/audio/speech,
-/v1/models, /health, /metrics, /v1/omni/sleep, /v1/omni/wakeup.
+/v1/videos, /v1/models, /health, /ping, /version, /metrics, /v1/omni/sleep, /v1/omni/wakeup; a pipeline whose
+first stage is an AR model also gets vLLM's own routes (/v1/completions, /v1/responses, /tokenize,
+/detokenize, ...).
 Use `--help=<group>` (e.g. --help=OmniConfig, --help=Frontend) or `--help=all` for every flag.
 """
 
