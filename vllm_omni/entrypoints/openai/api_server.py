@@ -10,7 +10,6 @@ stage (its routers and serving classes: /v1/completions, /v1/responses, /tokeniz
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any
 
 from fastapi import FastAPI
@@ -164,11 +163,6 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 _GRACEFUL_SHUTDOWN_S = 3.0
-GIL_SWITCH_INTERVAL_S = 0.0005
-"""The server process runs two busy Python threads: the HTTP loop and the orchestrator's loop, which consumes
-the AR stages' outputs. At CPython's default 5 ms switch interval the orchestrator waits for the GIL for up to a
-whole interval, so tokens pile up in vLLM's per-request output collector and reach a streaming client merged
-(`benchmarks/serving/bench_vllm_serve_itl.py`: mean ITL 5x plain `vllm serve`'s); 0.5 ms hands over in time."""
 
 
 def build_engine(args: argparse.Namespace) -> Any:
@@ -185,7 +179,6 @@ async def run_server(args: argparse.Namespace, **uvicorn_kwargs: Any) -> None:
     On SIGTERM, requests still running after `_GRACEFUL_SHUTDOWN_S` are cancelled (which aborts them in the
     engine) rather than awaited: a busy diffusion worker must not hold the server past 15 s."""
     uvicorn_kwargs.setdefault("timeout_graceful_shutdown", _GRACEFUL_SHUTDOWN_S)
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     sock = create_server_socket((args.host or "", args.port), reuse_port=False)
     listen_address = f"http://{args.host or '0.0.0.0'}:{args.port}"
     engine = build_engine(args)

@@ -491,6 +491,7 @@ class OmniOpenAIServingChat(OmniServingBase):
         for index in range(request.n or 1):
             yield chunk(OmniDeltaMessage(role="assistant", content=""), index=index)
         sent: dict[tuple[int, int], int] = {}
+        tokens: dict[tuple[int, int], int] = {}
         latest: dict[int, Completion] = {}  # per choice: its completion as last seen
         text_out: OmniRequestOutput | None = None
         try:
@@ -500,8 +501,12 @@ class OmniOpenAIServingChat(OmniServingBase):
                     for completion in completions(output):
                         key = (output.stage_id, completion.index)
                         delta, sent[key] = completion.text[sent.get(key, 0):], len(completion.text)
+                        new_tokens = len(completion.token_ids) > tokens.get(key, 0)
+                        tokens[key] = len(completion.token_ids)
                         latest[completion.index] = completion
-                        if delta and "text" in modalities and parser is None:
+                        # A chunk per engine output with new tokens, as vLLM streams: also when the tokens add no
+                        # text yet (the detokenizer holds back an incomplete UTF-8 sequence).
+                        if (delta or new_tokens) and "text" in modalities and parser is None:
                             yield chunk(OmniDeltaMessage(content=delta), index=completion.index)
                 if output.finished and output.images and "image" in modalities:
                     yield chunk(OmniDeltaMessage(content=self.content(None, output.images)))
