@@ -373,3 +373,24 @@ async def test_leaving_early_aborts_in_engine(dit):
     assert "gone-1" in engine.aborted
     assert serving.metrics.running.labels("fake-model")._value.get() == 0
     assert json.loads(json.dumps(engine.aborted))
+
+
+def test_openai_voices_and_audio_formats(ar):
+    """OpenAI's voice names select the model's default voice (None), the model's own pass, others are a 400;
+    the speech route encodes every OpenAI response_format (PyAV for the compressed ones)."""
+    import av
+
+    from vllm_omni.inputs.voices import resolve_voice
+
+    assert (resolve_voice("alloy", {"ethan"}), resolve_voice("Ethan", {"ethan"}), resolve_voice(None, {})) == \
+        (None, "ethan", None)
+    with pytest.raises(ValueError, match="voice"):
+        resolve_voice("nobody", {"ethan"})
+    _, client = ar
+    for fmt, codec in (("mp3", "mp3"), ("opus", "opus"), ("aac", "aac"), ("flac", "flac")):
+        resp = client.post("/v1/audio/speech", json={"input": "hi", "voice": "alloy", "response_format": fmt})
+        assert resp.status_code == 200, resp.text
+        with av.open(io.BytesIO(resp.content)) as container:
+            stream = container.streams.audio[0]
+            assert stream.codec_context.name.startswith(codec)
+            assert sum(frame.samples for frame in container.decode(stream)) > 0
