@@ -20,6 +20,7 @@ from vllm.engine.protocol import EngineClient
 from vllm_omni.errors import OmniClientError, client_error_from_metadata
 
 LOOP_CALL_TIMEOUT_S = 30.0
+SERVED_TASKS = ("generate",)
 
 _REFUSED_DEFAULTS = {"lora_request": None, "priority": 0, "data_parallel_rank": None, "session_id": None,
                      "kv_hints": None, "reasoning_ended": None, "reasoning_parser_kwargs": None}
@@ -85,7 +86,10 @@ class OmniStageEngineClient(EngineClient):
         return False
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
-        return await self._on_engine_loop(self._llm.get_supported_tasks())
+        """vLLM's tasks for the stage that this path carries: text generation. Transcription / realtime (audio
+        input) and pooling are not routed through the pipeline, so vLLM's routes for them are not mounted."""
+        tasks = await self._on_engine_loop(self._llm.get_supported_tasks())
+        return tuple(task for task in tasks if task in SERVED_TASKS)
 
     # Requests ---------------------------------------------------------------------------------------
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str, *, prompt_text: str | None = None,
