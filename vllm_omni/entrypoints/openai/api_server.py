@@ -82,8 +82,8 @@ def build_app(args: argparse.Namespace, engine: Any, supported_tasks: tuple[str,
         from vllm.entrypoints.launchers.api_server.routers import register_api_routers
 
         register_api_routers(args, app, supported_tasks)
-        add_unavailable_routes(app, VLLM_ROUTES, f"`{served_model_name(args)}` does not serve {{path}} (vLLM "
-                               f"supports these tasks for it: {list(supported_tasks)})")
+        add_unavailable_routes(app, VLLM_ROUTES, f"`{served_model_name(args)}` does not serve {{path}} (the tasks "
+                               f"served for it through vLLM: {list(supported_tasks)})")
     else:
         from vllm.entrypoints.serve.instrumentator.basic import router as vllm_basic_router
 
