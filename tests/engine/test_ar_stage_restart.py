@@ -101,7 +101,7 @@ class SlowBuildClient(StageEngineCoreClient):
     built: list[StandInLLM]
 
     @classmethod
-    def _build_llm(cls, async_llm_cls, vllm_config, engine_args):
+    def _build_llm(cls, async_llm_cls, vllm_config, engine_args, registry):
         if cls.built:
             time.sleep(1.0)
         llm = StandInLLM()

@@ -156,6 +156,7 @@ class NativeDiffusionPipeline(nn.Module):
 
     def prepare(self, requests: list[OmniDiffusionRequest], ctx: StepContext) -> DenoiseState:
         """Everything before the first step: prompt embeddings, initial latents, scheduler, per-step tables."""
+        refuse_pipeline_kwargs(requests)
         self.check_inputs(requests)
         start = time.perf_counter()
         conditioning = self.encode_prompt(requests)
@@ -338,6 +339,18 @@ def _attempt(fn: Callable[[], object]) -> Exception | None:
     except Exception as exc:
         return exc
     return None
+
+
+def refuse_pipeline_kwargs(requests: list[OmniDiffusionRequest]) -> None:
+    """`lora` and `extra_args` (e.g. {"sigmas": [...]}) are diffusers `__call__` arguments that only the generic
+    diffusers adapter passes on; a native pipeline refuses them rather than run without them."""
+    for request in requests:
+        sp = request.sampling_params
+        for name in ("lora", "extra_args"):
+            if getattr(sp, name):
+                raise OmniClientError(f"{name}={getattr(sp, name)!r} is not supported by vllm-omni's native "
+                                      "pipelines (the generic diffusers adapter passes it to the diffusers "
+                                      "pipeline)", param=name)
 
 
 def _aborted_output() -> DiffusionOutput:

@@ -160,6 +160,14 @@ class AsyncOmniEngine:
             return self.orchestrator.dead_error
         return None if self._thread.is_alive() else "the engine's orchestrator thread stopped"
 
+    def run_in_loop(self, coro: Any) -> concurrent.futures.Future:
+        """Run `coro` on the orchestrator's loop, where the stage clients live (vLLM's AsyncLLM is bound to
+        the loop it started on)."""
+        if self._loop is None or self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("the engine's loop is not running")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
     def add_request(self, request_id: str, prompt: Any, sampling_params_list: list[Any],
                     output_modalities: list[str] | None = None) -> None:
         self.request_queue.sync_q.put(AddRequestMessage(request_id=request_id, prompt=prompt,

@@ -54,12 +54,18 @@ class StageEngineCoreClient(StageClientBase):
         self._building: Future | None = None
         """An AsyncLLM being constructed (its EngineCore starting); `shutdown` takes it over so that a
         shutdown during a restart never leaves a half-built engine running."""
+        self.metrics_registry = None
+        """This stage's vLLM `vllm:*` Prometheus series (a fresh registry per AsyncLLM; see stage_metrics)."""
+        self._stats_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self._start_llm()
         self._watch_task = asyncio.create_task(self._watch(), name=f"{self.name}-watch")
+        if not self.config.make_engine_args().disable_log_stats:
+            self._stats_task = asyncio.create_task(self._log_stats(), name=f"{self.name}-stats")
 
     async def _start_llm(self) -> None:
+        from prometheus_client import CollectorRegistry
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -69,7 +75,8 @@ class StageEngineCoreClient(StageClientBase):
         configured = time.perf_counter()
         # AsyncLLM's constructor blocks until EngineCore is ready; keep the loop free meanwhile. It cannot be
         # interrupted: if we stop waiting (timeout, cancel) whatever it builds is shut down once built.
-        built = self._builder.submit(self._build_llm, AsyncLLM, vllm_config, engine_args)
+        registry = CollectorRegistry()
+        built = self._builder.submit(self._build_llm, AsyncLLM, vllm_config, engine_args, registry)
         self._building = built
         try:
             llm = await asyncio.wait_for(asyncio.wrap_future(built), timeout=self.config.stage_init_timeout)
@@ -85,10 +92,23 @@ class StageEngineCoreClient(StageClientBase):
         logger.info("[%s] vLLM config in %.1f s, EngineCore ready in %.1f s", self.name, configured - start,
                     time.perf_counter() - configured)
         self._core_segments = _engine_core_segments(self.llm)
+        self.metrics_registry = registry
+
+    async def _log_stats(self) -> None:
+        """vLLM's periodic throughput / KV-cache log line, which `vllm serve` drives from its API server."""
+        from vllm import envs
+
+        while not self._dead:
+            await asyncio.sleep(envs.VLLM_LOG_STATS_INTERVAL)
+            if self.llm is not None and not self.is_restarting:
+                await self.llm.do_log_stats()
 
     @staticmethod
-    def _build_llm(async_llm_cls: Any, vllm_config: Any, engine_args: Any) -> Any:
-        return async_llm_cls.from_vllm_config(vllm_config, disable_log_stats=engine_args.disable_log_stats)
+    def _build_llm(async_llm_cls: Any, vllm_config: Any, engine_args: Any, registry: Any) -> Any:
+        from vllm_omni.engine.stage_metrics import stage_prometheus_logger
+
+        return async_llm_cls.from_vllm_config(vllm_config, disable_log_stats=engine_args.disable_log_stats,
+                                              stat_loggers=[stage_prometheus_logger(registry)])
 
     @property
     def vllm_config(self):
@@ -253,7 +273,7 @@ class StageEngineCoreClient(StageClientBase):
 
     def shutdown(self) -> None:
         self._dead = True
-        for task in (self._watch_task, self._restart_task):
+        for task in (self._watch_task, self._restart_task, self._stats_task):
             if task is not None:
                 task.cancel()
         building, self._building = self._building, None

@@ -210,7 +210,6 @@ def test_models_health_metrics_sleep(dit):
         ("/v1/chat/completions", "{not json", 400, "not valid JSON"),
         ("/v1/chat/completions", {"messages": CHAT, "max_tokens": "many"}, 400, "max_tokens"),
         ("/v1/chat/completions", {"model": "fake-model"}, 400, "missing required field 'messages'"),
-        ("/v1/chat/completions", {"messages": CHAT, "bogus": 1}, 400, "bogus"),
         ("/v1/chat/completions", {"messages": CHAT, "model": "other"}, 404, "other"),
         ("/v1/chat/completions", {"messages": CHAT, "modalities": ["image"]}, 400, "modalities"),
         ("/v1/chat/completions", {"messages": CHAT, "sampling_params_list": [{}]}, 400, "one entry per stage"),
@@ -229,7 +228,7 @@ def test_models_health_metrics_sleep(dit):
         ("/v1/chat/completions/batch", {"messages": [CHAT], "n": 2}, 400, "n"),
         ("/v1/chat/completions/batch", {"messages": []}, 400, "messages"),
         ("/v1/images/generations", {"prompt": "x"}, 400, "outputs image"),
-        ("/v1/audio/speech", {"input": "hi", "response_format": "mp3"}, 400, "response_format"),
+        ("/v1/audio/speech", {"input": "hi", "response_format": "mp4"}, 400, "response_format"),
         ("/v1/omni/sleep", {"level": 3}, 400, "level"),
     ],
 )
@@ -249,10 +248,12 @@ def test_bad_requests_ar(ar, path, body, status, needle):
         ("/v1/images/generations", {"prompt": "x", "n": 99}, 400, "max-request-outputs"),
         ("/v1/images/generations", {"prompt": "x", "n": 0}, 400, "n"),
         ("/v1/images/generations", {"prompt": ""}, 400, "prompt"),
-        ("/v1/images/generations", {"prompt": "x", "quality": "medium"}, 400, "quality"),
+        ("/v1/images/generations", {"prompt": "x", "quality": "ultra"}, 400, "quality"),
+        ("/v1/images/generations", {"prompt": "x", "background": "transparent"}, 400, "background"),
+        ("/v1/images/generations", {"prompt": "x", "output_compression": 50}, 400, "png is lossless"),
+        ("/v1/images/generations", {"prompt": "x", "n": 2, "num_outputs_per_prompt": 3}, 400, "disagree"),
         ("/v1/images/generations", {"prompt": "x", "num_inference_steps": 0}, 400, "num_inference_steps"),
         ("/v1/images/generations", {"prompt": "x", "guidance_scale": "hi"}, 400, "guidance_scale"),
-        ("/v1/images/generations", {"prompt": "x", "styel": "vivid"}, 400, "styel"),
         ("/v1/images/generations", {"prompt": "x", "size": "13x16"}, 400, "multiple of 16"),  # pipeline error
         ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}]}, 400, "user message"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
@@ -265,6 +266,44 @@ def test_bad_requests_ar(ar, path, body, status, needle):
 def test_bad_requests_diffusion(dit, path, body, status, needle):
     _, client = dit
     assert_error(client.post(path, json=body), status, needle)
+
+
+@pytest.mark.parametrize("fixture,path,body,field", [
+    ("ar", "/v1/chat/completions", {"messages": CHAT, "store": True, "metadata": {"k": "v"}}, "metadata"),
+    ("dit", "/v1/images/generations", {"prompt": "x", "styel": "vivid"}, "styel"),
+])
+def test_unknown_fields_ignored_with_a_warning_or_refused_when_strict(parser, request, caplog, fixture, path, body,
+                                                                       field):
+    """vLLM's policy: an unknown field is ignored and logged; --strict-request-fields refuses it, named."""
+    engine, client = request.getfixturevalue(fixture)
+    assert client.post(path, json=body).status_code == 200
+    assert any(field in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+    assert_error(make_client(parser, engine, "--strict-request-fields").post(path, json=body), 400, field)
+
+
+def test_every_4xx_is_logged_with_its_reason(dit, caplog):
+    _, client = dit
+    with caplog.at_level("INFO", logger="vllm_omni.entrypoints.openai.middleware"):
+        client.post("/v1/images/generations", json={"prompt": "x", "size": "big"})
+        client.post("/v1/nope", json={})
+    lines = [r.getMessage() for r in caplog.records if r.name.endswith("middleware")]
+    assert any("POST /v1/images/generations -> 400:" in line and "[param=size]" in line for line in lines)
+    assert any("POST /v1/nope -> 404: Not Found" in line for line in lines)
+
+
+def test_openai_image_values(dit):
+    """OpenAI's quality values map to our presets, num_outputs_per_prompt alone sets the count, and
+    output_compression reaches the jpeg encoder."""
+    engine, client = dit
+    for quality, preset in (("standard", None), ("hd", "lossless"), ("medium", "high"), ("auto", None)):
+        assert client.post("/v1/images/generations", json={"prompt": "x", "quality": quality}).status_code == 200
+        assert engine.seen[-1][2][0].quality == preset
+    resp = client.post("/v1/images/generations", json={"prompt": "x", "num_outputs_per_prompt": 2})
+    assert resp.status_code == 200 and len(resp.json()["data"]) == 2
+    sizes = [len(client.post("/v1/images/generations", json={
+        "prompt": "x", "output_format": "jpeg", "output_compression": c, "background": "opaque"}).json()["data"][0][
+        "b64_json"]) for c in (0, 95)]
+    assert sizes[0] > sizes[1]
 
 
 def test_bad_edits(dit):
@@ -342,3 +381,24 @@ def test_playground_page_is_served_unless_disabled(parser):
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert 'id="image-send"' in page.text and "/v1/images/generations" in page.text
     assert make_client(parser, engine, "--disable-playground").get("/playground").status_code == 404
+
+
+def test_openai_voices_and_audio_formats(ar):
+    """OpenAI's voice names select the model's default voice (None), the model's own pass, others are a 400;
+    the speech route encodes every OpenAI response_format (PyAV for the compressed ones)."""
+    import av
+
+    from vllm_omni.inputs.voices import resolve_voice
+
+    assert (resolve_voice("alloy", {"ethan"}), resolve_voice("Ethan", {"ethan"}), resolve_voice(None, {})) == \
+        (None, "ethan", None)
+    with pytest.raises(ValueError, match="voice"):
+        resolve_voice("nobody", {"ethan"})
+    _, client = ar
+    for fmt, codec in (("mp3", "mp3"), ("opus", "opus"), ("aac", "aac"), ("flac", "flac")):
+        resp = client.post("/v1/audio/speech", json={"input": "hi", "voice": "alloy", "response_format": fmt})
+        assert resp.status_code == 200, resp.text
+        with av.open(io.BytesIO(resp.content)) as container:
+            stream = container.streams.audio[0]
+            assert stream.codec_context.name.startswith(codec)
+            assert sum(frame.samples for frame in container.decode(stream)) > 0

@@ -119,6 +119,18 @@ def test_speech(client):
     assert rate == 24000 and len(audio) > 0 and audio.std() > 1e-3
 
 
+def test_speech_with_openai_voice_and_mp3(client):
+    """OpenAI's defaults: voice "alloy" (not a Qwen3-Omni speaker) speaks in the model's default voice, and
+    response_format "mp3" is encoded with PyAV."""
+    import av
+
+    response = client.audio.speech.create(model=MODEL, voice="alloy", input=USER_TEXT, response_format="mp3")
+    with av.open(io.BytesIO(response.content)) as container:
+        stream = container.streams.audio[0]
+        samples = sum(frame.samples for frame in container.decode(stream))
+    assert stream.codec_context.name.startswith("mp3") and stream.rate == 24000 and samples > 0
+
+
 def test_unknown_voice_is_a_client_error(client):
     with pytest.raises(openai.BadRequestError, match="voice"):
         client.audio.speech.create(model=MODEL, voice="nobody", input=USER_TEXT)

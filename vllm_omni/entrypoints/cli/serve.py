@@ -19,7 +19,9 @@ DESCRIPTION = """Launch the vllm-omni OpenAI-compatible server for MODEL (a Hugg
 or a built-in tiny default such as tiny/qwen-image or tiny/qwen2).
 
 Routes: /v1/chat/completions (+ /batch), /v1/images/generations, /v1/images/edits, /v1/audio/speech,
-/v1/models, /health, /metrics, /v1/omni/sleep, /v1/omni/wakeup.
+/v1/videos, /v1/models, /health, /ping, /version, /metrics, /v1/omni/sleep, /v1/omni/wakeup; a pipeline whose
+first stage is an AR model also gets vLLM's own routes (/v1/completions, /v1/responses, /tokenize,
+/detokenize, ...).
 `--pipeline-config FILE.yaml` serves a multi-stage YAML pipeline instead of MODEL's own topology.
 Use `--help=<group>` (e.g. --help=OmniConfig, --help=Frontend) or `--help=all` for every flag.
 """
@@ -53,6 +55,10 @@ class OmniFrontendArgs:
     '{"video": {"num_frames": N}}'` sets how many it samples)."""
     disable_playground: bool = False
     """Do not serve the browser playground page at /playground."""
+    strict_request_fields: bool = False
+    """Refuse (400, naming them) request fields a vllm-omni route does not know. Off: they are ignored with a
+    warning, as vLLM does (the OpenAI SDK and frameworks send fields such as `store` and `metadata`). vLLM's own
+    routes (/v1/completions, /v1/responses, ...) keep vLLM's policy either way."""
 
 
 def add_omni_frontend_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

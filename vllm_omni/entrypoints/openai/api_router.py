@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
@@ -18,7 +19,9 @@ from vllm_omni.entrypoints.openai.protocol.images import ImageGenerationRequest
 from vllm_omni.entrypoints.openai.protocol.omni import ControlResponse, SleepRequest, WakeupRequest
 from vllm_omni.entrypoints.openai.serving_base import maybe_await
 from vllm_omni.errors import OmniClientError
+from vllm_omni.logger import init_logger
 
+logger = init_logger(__name__)
 router = APIRouter()
 HEALTH_TIMEOUT_S = 5.0
 JsonBody = Depends(validate_json_request)
@@ -27,6 +30,20 @@ IMAGE_FILE_FIELDS = ("image", "image[]")
 
 def _state(request: Request):
     return request.app.state
+
+
+def check_ignored_fields(raw_request: Request, body: Any) -> None:
+    """vLLM's field policy for the body's unknown fields: ignored with a warning (clients such as the OpenAI
+    SDK send `store`, `metadata`, `service_tier`, ...), or a 400 naming them under --strict-request-fields."""
+    ignored = body.ignored_fields
+    if not ignored:
+        return
+    path = raw_request.url.path
+    if getattr(_state(raw_request).args, "strict_request_fields", False):
+        raise OmniClientError(f"unknown field(s) in request body: {ignored} (this server runs with "
+                              "--strict-request-fields)", param=ignored[0])
+    logger.warning("%s: ignoring unknown request field(s) %s (--strict-request-fields refuses them)", path,
+                   ignored)
 
 
 @router.get("/health")
@@ -65,6 +82,9 @@ async def metrics(raw_request: Request) -> Response:
 @router.get("/v1/models")
 async def show_models(raw_request: Request) -> JSONResponse:
     state = _state(raw_request)
+    vllm_models = getattr(state, "openai_serving_models", None)
+    if vllm_models is not None:  # an AR-first pipeline: vLLM's card (max_model_len, LoRA modules)
+        return JSONResponse((await vllm_models.show_available_models()).model_dump())
     card = ModelCard(id=state.model_name, root=state.model_path, owned_by="vllm-omni")
     return JSONResponse(ModelList(data=[card]).model_dump())
 
@@ -72,18 +92,26 @@ async def show_models(raw_request: Request) -> JSONResponse:
 @router.post("/v1/chat/completions", dependencies=[JsonBody])
 @with_cancellation
 async def create_chat_completion(request: OmniChatCompletionRequest, raw_request: Request):
-    return await _state(raw_request).serving_chat.create_chat_completion(request, raw_request)
+    check_ignored_fields(raw_request, request)
+    state = _state(raw_request)
+    if getattr(state, "openai_serving_chat", None) is not None and state.serving_chat.wants_vllm_chat(request):
+        from vllm.entrypoints.openai.chat_completion.api_router import create_chat_completion as vllm_chat
+
+        return await vllm_chat(request, raw_request)
+    return await state.serving_chat.create_chat_completion(request, raw_request)
 
 
 @router.post("/v1/chat/completions/batch", dependencies=[JsonBody])
 @with_cancellation
 async def create_batch_chat_completion(request: OmniBatchChatCompletionRequest, raw_request: Request):
+    check_ignored_fields(raw_request, request)
     return await _state(raw_request).serving_chat_batch.create_batch_chat_completion(request, raw_request)
 
 
 @router.post("/v1/images/generations", dependencies=[JsonBody])
 @with_cancellation
 async def create_images(request: ImageGenerationRequest, raw_request: Request) -> Response:
+    check_ignored_fields(raw_request, request)
     if request.stream:
         return await _state(raw_request).serving_images.stream_images(request)
     response = await _state(raw_request).serving_images.generate_images(request)
@@ -107,6 +135,7 @@ async def edit_images(raw_request: Request) -> JSONResponse:
         else:
             fields[key] = value
     request = ImageGenerationRequest.model_validate(coerce_form(fields, ImageGenerationRequest))
+    check_ignored_fields(raw_request, request)
     response = await state.serving_images.edit_images(request, uploads)
     return JSONResponse(response.model_dump(exclude_none=True))
 
@@ -114,6 +143,7 @@ async def edit_images(raw_request: Request) -> JSONResponse:
 @router.post("/v1/audio/speech", dependencies=[JsonBody])
 @with_cancellation
 async def create_speech(request: SpeechRequest, raw_request: Request) -> Response:
+    check_ignored_fields(raw_request, request)
     return await _state(raw_request).serving_speech.create_speech(request)
 
 
@@ -133,6 +163,27 @@ async def wakeup(raw_request: Request, request: WakeupRequest | None = None) -> 
     if request.resume:
         await maybe_await(engine.resume_generation(stage_ids=request.stage_ids))
     return JSONResponse(ControlResponse(acks=_acks(acks)).model_dump())
+
+
+def add_unavailable_routes(app: FastAPI, paths: tuple[str, ...], reason: str) -> None:
+    """A 404 naming `reason` (formatted with the path) for each of `paths` the app does not serve."""
+    served = {getattr(route, "path", None) for route in app.routes}
+
+    def answer(path: str):
+        async def unavailable() -> JSONResponse:
+            return error_json(reason.format(path=path), 404)
+
+        return unavailable
+
+    for path in paths:
+        if path not in served:
+            app.add_api_route(path, answer(path), methods=["GET", "POST"], include_in_schema=False)
+
+
+@router.api_route("/ping", methods=["GET", "POST"])
+async def ping(raw_request: Request) -> Response:
+    """vLLM's (SageMaker's) liveness route: the same answer as /health."""
+    return await health(raw_request)
 
 
 def _acks(acks: object) -> list[dict]:

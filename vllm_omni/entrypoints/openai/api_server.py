@@ -1,7 +1,10 @@
 """Build and run the vllm-omni OpenAI-compatible server on an `AsyncOmni` engine.
 
 vLLM's pieces are reused where they fit (socket setup, uvicorn runner, CORS / API-key / request-id
-middleware, protocol models); the routes are ours because they talk to a stage graph, not one EngineCore.
+middleware, protocol models). A pipeline that starts with an AR stage also gets vLLM's own OpenAI app on that
+stage (its routers and serving classes: /v1/completions, /v1/responses, /tokenize, /detokenize, /version,
+/ping, ...) through `OmniStageEngineClient`; our routes come first, so only those that need omni behaviour
+(chat with audio/image outputs, images, speech, videos, /v1/models, /health, /metrics) are ours.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from vllm.entrypoints.serve.middleware.register import init_entrypoints_middlewa
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from vllm_omni.engine.arg_utils import OmniEngineArgs
-from vllm_omni.entrypoints.openai.api_router import router
+from vllm_omni.entrypoints.openai.api_router import add_unavailable_routes, router
 from vllm_omni.entrypoints.openai.batch_serving import OmniOpenAIServingChatBatch
+from vllm_omni.entrypoints.openai.engine_client import OmniStageEngineClient
 from vllm_omni.entrypoints.openai.errors import register_exception_handlers
 from vllm_omni.entrypoints.openai.metrics import OmniMetrics
 from vllm_omni.entrypoints.openai.middleware import add_omni_middleware
@@ -51,22 +55,69 @@ def load_chat_template(path_or_text: str | None) -> str | None:
     return path.read_text() if path.is_file() else path_or_text
 
 
-def build_app(args: argparse.Namespace, engine: Any) -> FastAPI:
-    """The FastAPI app for `engine`; every handler finds what it needs on `app.state`."""
+VLLM_ROUTES = ("/v1/completions", "/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize")
+"""vLLM routes that only an AR-first pipeline can serve; elsewhere they answer 404 saying why."""
+
+
+def vllm_engine_client(engine: Any) -> OmniStageEngineClient | None:
+    """vLLM's EngineClient on stage 0 when that stage is an AR stage on vLLM's AsyncLLM, else None."""
+    capabilities = getattr(engine, "capabilities", None)
+    stage_clients = getattr(getattr(engine, "engine", None), "stage_clients", None) or []
+    if capabilities is None or not capabilities.starts_with_ar or not hasattr(stage_clients[0], "llm"):
+        return None
+    return OmniStageEngineClient(engine, stage_id=0)
+
+
+def build_app(args: argparse.Namespace, engine: Any, supported_tasks: tuple[str, ...] | None = None) -> FastAPI:
+    """The FastAPI app for `engine`; every handler finds what it needs on `app.state`. With `supported_tasks`
+    (an AR-first pipeline, see `build_app_async`) vLLM's routers follow ours."""
     if args.disable_fastapi_docs:
         app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     else:
         app = FastAPI(title="vllm-omni")
     app.root_path = args.root_path
+    app.state.args = args
     app.include_router(router)
     app.include_router(video_router)
+    if supported_tasks is not None:
+        from vllm.entrypoints.launchers.api_server.routers import register_api_routers
+
+        register_api_routers(args, app, supported_tasks)
+        add_unavailable_routes(app, VLLM_ROUTES, f"`{served_model_name(args)}` does not serve {{path}} (the tasks "
+                               f"served for it through vLLM: {list(supported_tasks)})")
+    else:
+        from vllm.entrypoints.serve.instrumentator.basic import router as vllm_basic_router
+
+        app.include_router(vllm_basic_router)  # /version, /load
+        add_unavailable_routes(app, VLLM_ROUTES, f"{{path}} needs a pipeline whose first stage is a text (AR) "
+                               f"model; `{served_model_name(args)}` starts with a "
+                               f"{_first_stage_type(engine)} stage")
     if not args.disable_playground:
         app.include_router(playground_router)
     register_exception_handlers(app)
-    init_entrypoints_middleware(args, app, supported_tasks=())
+    init_entrypoints_middleware(args, app, supported_tasks=supported_tasks or ())
     add_omni_middleware(app, args)
     init_app_state(app, args, engine)
     app.state.metrics.install(app)
+    return app
+
+
+def _first_stage_type(engine: Any) -> str:
+    types = list(getattr(engine, "stage_types", None) or ["non-text"])
+    return types[0]
+
+
+async def build_app_async(args: argparse.Namespace, engine: Any) -> FastAPI:
+    """`build_app`, plus vLLM's OpenAI app state on stage 0 for an AR-first pipeline."""
+    client = vllm_engine_client(engine)
+    if client is None:
+        return build_app(args, engine)
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state as init_vllm_app_state
+
+    supported_tasks = tuple(await client.get_supported_tasks())
+    app = build_app(args, engine, supported_tasks)
+    await init_vllm_app_state(client, app.state, args, supported_tasks)
+    app.state.log_stats = False  # each AR stage logs its own stats (vllm_omni/engine/stage_metrics.py)
     return app
 
 
@@ -75,10 +126,16 @@ def init_app_state(app: FastAPI, args: argparse.Namespace, engine: Any) -> None:
     state = app.state
     state.args = args
     state.engine = engine
-    state.engine_client = None  # vLLM's watchdog expects an EngineCore client; /health covers ours
+    state.engine_client = None  # vLLM's EngineClient, set by vLLM's init_app_state for AR-first pipelines
+    state.enable_server_load_tracking = False
+    state.server_load_metrics = 0
     state.model_name = model_name
     state.model_path = args.model
     state.metrics = OmniMetrics(model_name)
+    stage_clients = list(getattr(getattr(engine, "engine", None), "stage_clients", None) or [])
+    state.metrics.add_stage_registries(lambda: [
+        (c.stage_id, c.stage_type, c.metrics_registry) for c in stage_clients
+        if getattr(c, "metrics_registry", None) is not None])
     limits = ServerLimits(max_upload_bytes=int(args.max_upload_mb * 2**20),
                           max_request_outputs=args.max_request_outputs,
                           max_input_image_pixels=args.max_input_image_pixels,
@@ -131,8 +188,8 @@ async def run_server(args: argparse.Namespace, **uvicorn_kwargs: Any) -> None:
     listen_address = f"http://{args.host or '0.0.0.0'}:{args.port}"
     engine = build_engine(args)
     try:
-        app = build_app(args, engine)
-        logger.info("vllm-omni server for %s listening on %s", args.model, listen_address)
+        app = await build_app_async(args, engine)
+        log_startup_summary(app, engine, listen_address)
         shutdown = await serve_http(
             app,
             sock=sock,
@@ -151,3 +208,15 @@ async def run_server(args: argparse.Namespace, **uvicorn_kwargs: Any) -> None:
     finally:
         await maybe_await(engine.close())
         sock.close()
+
+
+def log_startup_summary(app: FastAPI, engine: Any, listen_address: str) -> None:
+    """One block at start-up: what is served, on which devices, where, and which routes."""
+    for meta, config in zip(getattr(engine.engine, "stage_metadata", []), getattr(engine.config, "stages", []),
+                            strict=False):
+        logger.info("stage %s: %s (%s) on devices %s", meta["stage_id"], meta["stage_type"], config.name,
+                    config.devices or "default")
+    routes = sorted({path for route in app.routes if (path := getattr(route, "path", None))
+                     and not path.startswith(("/docs", "/redoc", "/openapi"))})
+    logger.info("vllm-omni server for %s (%s) listening on %s; routes: %s", app.state.model_path,
+                ", ".join(engine.stage_types), listen_address, " ".join(routes))

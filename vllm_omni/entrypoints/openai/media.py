@@ -16,9 +16,10 @@ from vllm_omni.errors import OmniClientError
 _PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 
 
-def encode_image_b64(image: Any, fmt: str = "png") -> str:
+def encode_image_b64(image: Any, fmt: str = "png", quality: int | None = None) -> str:
+    """`quality` (0-100, jpeg / webp): the encoder's quality; None: PIL's default."""
     buf = io.BytesIO()
-    image.save(buf, format=_PIL_FORMATS[fmt])
+    image.save(buf, format=_PIL_FORMATS[fmt], **({} if quality is None else {"quality": quality}))
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -107,4 +108,42 @@ def encode_wav(audio: Any, sample_rate: int) -> bytes:
         wav.setsampwidth(2)
         wav.setframerate(int(sample_rate))
         wav.writeframes(audio_to_pcm16(audio))
+    return buf.getvalue()
+
+
+AUDIO_FORMATS: dict[str, tuple[str, str | None, str]] = {
+    "wav": ("wav", None, "audio/wav"),
+    "pcm": ("pcm", None, "audio/pcm"),
+    "mp3": ("mp3", "libmp3lame", "audio/mpeg"),
+    "opus": ("ogg", "libopus", "audio/ogg"),
+    "aac": ("adts", "aac", "audio/aac"),
+    "flac": ("flac", "flac", "audio/flac"),
+}
+"""OpenAI speech `response_format` -> (container, PyAV encoder, media type); wav / pcm need no encoder."""
+
+
+def encode_audio(audio: Any, sample_rate: int, fmt: str) -> bytes:
+    """A float waveform as `fmt` (see AUDIO_FORMATS). CPU-bound: call it off the event loop."""
+    if fmt == "wav":
+        return encode_wav(audio, sample_rate)
+    if fmt == "pcm":
+        return audio_to_pcm16(audio)
+    import av
+
+    container, encoder, _ = AUDIO_FORMATS[fmt]
+    channels = num_channels(audio)
+    layout = "mono" if channels == 1 else "stereo"
+    pcm = np.frombuffer(audio_to_pcm16(audio), dtype="<i2").reshape(1, -1)  # packed s16, channels interleaved
+    rates = av.codec.Codec(encoder, "w").audio_rates
+    rate = int(sample_rate) if not rates or int(sample_rate) in rates else 48000
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=container) as out:
+        stream = out.add_stream(encoder, rate=rate, layout=layout)
+        frame = av.AudioFrame.from_ndarray(pcm, format="s16", layout=layout)
+        frame.sample_rate = int(sample_rate)
+        resampler = av.AudioResampler(format=stream.codec_context.format, layout=layout, rate=rate,
+                                      frame_size=stream.codec_context.frame_size or None)
+        for chunk in [*resampler.resample(frame), *resampler.resample(None)]:
+            out.mux(stream.encode(chunk))
+        out.mux(stream.encode(None))
     return buf.getvalue()

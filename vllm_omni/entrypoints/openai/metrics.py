@@ -2,14 +2,29 @@
 
 `vllm_omni:requests_running` counts requests inside the engine right now; a client that disconnects
 mid-request must bring it back down (the request is aborted in the engine).
+
+`/metrics` also renders vLLM's own `vllm:*` series of every AR stage (each stage keeps them in a registry of
+its own, `engine/stage_metrics.py`), labelled `stage_id` and `stage_type`, and the process-wide registry
+(vLLM's HTTP instrumentator on AR-first servers, process and Python collectors).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.metrics_core import Metric
 
 from vllm_omni.entrypoints.openai.diffusion_metrics import DiffusionStepMetrics
 
@@ -88,8 +103,34 @@ class OmniMetrics:
     def install(self, app: FastAPI) -> None:
         app.add_middleware(_HttpMetricsMiddleware, metrics=self)
 
+    def add_stage_registries(self, stages: Callable[[], list[tuple[int, str, CollectorRegistry]]]) -> None:
+        """Render the `vllm:*` series of the AR stages that `stages()` lists (read at every scrape: a
+        restarted stage has a new registry)."""
+        self.registry.register(StageSeriesCollector(stages))
+
     def render(self) -> Response:
-        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+        body = generate_latest(self.registry) + generate_latest(REGISTRY)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+class StageSeriesCollector:
+    """Every stage registry's series, one family per name, each sample labelled with its stage."""
+
+    def __init__(self, stages: Callable[[], list[tuple[int, str, CollectorRegistry]]]) -> None:
+        self.stages = stages
+
+    def describe(self) -> list[Any]:
+        return []  # collected lazily: the stage series appear only once the stages run
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for stage_id, stage_type, registry in self.stages():
+            labels = {"stage_id": str(stage_id), "stage_type": stage_type}
+            for family in registry.collect():
+                merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type,
+                                                                 family.unit))
+                merged.samples += [s._replace(labels={**s.labels, **labels}) for s in family.samples]
+        yield from families.values()
 
 
 class _HttpMetricsMiddleware:

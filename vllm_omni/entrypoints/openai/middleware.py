@@ -1,4 +1,4 @@
-"""ASGI middleware of the omni server: a request-body size limit and a cross-origin guard.
+"""ASGI middleware of the omni server: a request-body size limit, a cross-origin guard and a log line per 4xx.
 
 Both are plain ASGI (no `BaseHTTPMiddleware`), so streaming responses and WebSockets pass through untouched.
 """
@@ -11,6 +11,10 @@ from urllib.parse import urlsplit
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from vllm_omni.logger import init_logger
+
+logger = init_logger(__name__)
 
 MULTIPART_TYPES = (b"multipart/form-data", b"application/x-www-form-urlencoded")
 STATE_CHANGING = ("POST", "PUT", "PATCH", "DELETE")
@@ -95,7 +99,49 @@ class OriginGuardMiddleware:
         await _send_error(send, 403, reason, "origin")
 
 
+_LOGGED_BODY_BYTES = 4096
+
+
+class ClientErrorLogMiddleware:
+    """One INFO line per 4xx answer, with the reason from its error body, whichever route or middleware
+    produced it (ours, vLLM's, a 413 before the body was read)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 0
+        body = b""
+
+        async def send_and_log(message: Message) -> None:
+            nonlocal status, body
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and 400 <= status < 500:
+                body = (body + message.get("body", b""))[:_LOGGED_BODY_BYTES]
+                if not message.get("more_body", False):
+                    logger.info("%s %s -> %d: %s", scope["method"], scope["path"], status, _reason(body))
+            await send(message)
+
+        await self.app(scope, receive, send_and_log)
+
+
+def _reason(body: bytes) -> str:
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return body.decode("utf-8", "replace")[:200] or "(no body)"
+    if isinstance(error, dict):
+        param = f" [param={error['param']}]" if error.get("param") else ""
+        return f"{error.get('message')}{param}"
+    return str(error)[:200]
+
+
 def add_omni_middleware(app: Any, args: Any) -> None:
     app.add_middleware(OriginGuardMiddleware, allowed_origins=args.allowed_origins or [])
     app.add_middleware(RequestBodyLimitMiddleware, max_bytes=int(args.max_request_body_mb * 2**20),
                        max_upload_bytes=int(args.max_upload_mb * 2**20) + 2**20)
+    app.add_middleware(ClientErrorLogMiddleware)  # outermost: sees the limits' and the guard's 4xx too

@@ -94,6 +94,13 @@ DIFFUSION_CHAT_FIELDS = frozenset(OmniChatFields.model_fields) | {
     "messages", "model", "seed", "stream", "stream_options", "user", "tools", "tool_choice", "request_id"}
 """The chat fields that mean something to a pipeline without an AR stage (tools get their own error)."""
 
+VLLM_CHAT_FIELDS = frozenset({"logprobs", "top_logprobs", "prompt_logprobs", "return_token_ids",
+                              "return_tokens_as_token_ids"})
+"""Fields whose answer only vLLM's own chat serving builds (on AR-first pipelines it answers them)."""
+
+OMNI_CHAT_FIELDS = (frozenset(OmniChatFields.model_fields) - {"modalities"})
+"""Fields only our chat serving understands (per-stage params, audio output, diffusion knobs)."""
+
 
 def _part_value(part: dict[str, Any], kind: str, param: str) -> str:
     """The text of a text part, the URL of an image_url part ({"url": ...} or the URL itself)."""
@@ -160,10 +167,33 @@ class OmniOpenAIServingChat(OmniServingBase):
         header = raw_request.headers.get("X-Request-Id") if raw_request is not None else None
         return header or random_uuid()
 
+    # vLLM's own chat ----------------------------------------------------------------------------
+
+    def wants_vllm_chat(self, request: OmniChatCompletionRequest) -> bool:
+        """Whether vLLM's chat serving answers `request`: it asks for what only vLLM's chat reports (token
+        logprobs, token ids) and the answer is text from AR stage 0. Such a request on an answer with other
+        modalities is refused naming the field, never answered without what it asked for."""
+        asked = sorted(name for name in VLLM_CHAT_FIELDS & request.model_fields_set if getattr(request, name))
+        if not asked:
+            return False
+        omni = sorted(OMNI_CHAT_FIELDS & request.model_fields_set)
+        text_only = self.starts_with_ar and self.resolve_modalities(request) == {"text"} and not omni
+        if not text_only:
+            reason = f"the omni fields {omni}" if omni else "a text-only answer: pass modalities=['text']"
+            raise OmniClientError(f"{asked[0]} needs {reason} (this model outputs "
+                                  f"{sorted(self.output_modalities)}; token details exist for AR stage 0's "
+                                  "text only)", param=asked[0])
+        return True
+
     # Validation ----------------------------------------------------------------------------------
 
     def check_text_generation_fields(self, request: OmniChatFields) -> None:
-        """Without an AR stage, text-generation fields would be ignored: they are refused, named."""
+        """Without an AR stage, text-generation fields would be ignored: they are refused, named. So are the
+        token details only vLLM's chat reports, when the request reaches this serving instead."""
+        asked = sorted(name for name in VLLM_CHAT_FIELDS & request.model_fields_set if getattr(request, name))
+        if asked and self.has_ar_stage:
+            raise OmniClientError(f"{asked[0]} is answered by vLLM's chat serving for a text-only answer from AR "
+                                  "stage 0 of a single conversation", param=asked[0])
         if self.has_ar_stage:
             return
         set_fields = request.model_fields_set - DIFFUSION_CHAT_FIELDS
@@ -492,6 +522,7 @@ class OmniOpenAIServingChat(OmniServingBase):
         for index in range(request.n or 1):
             yield chunk(OmniDeltaMessage(role="assistant", content=""), index=index)
         sent: dict[tuple[int, int], int] = {}
+        tokens: dict[tuple[int, int], int] = {}
         latest: dict[int, Completion] = {}  # per choice: its completion as last seen
         audio = AudioDeltas((request.audio or {}).get("format", "wav"), AUDIO_TTL_S)
         spoken = ""
@@ -503,10 +534,14 @@ class OmniOpenAIServingChat(OmniServingBase):
                     for completion in completions(output):
                         key = (output.stage_id, completion.index)
                         delta, sent[key] = completion.text[sent.get(key, 0):], len(completion.text)
+                        new_tokens = len(completion.token_ids) > tokens.get(key, 0)
+                        tokens[key] = len(completion.token_ids)
                         latest[completion.index] = completion
                         if completion.index == 0:
                             spoken += delta  # what the transcript adds up to: the text as it was streamed
-                        if delta and "text" in modalities and parser is None:
+                        # A chunk per engine output with new tokens, as vLLM streams: also when the tokens add no
+                        # text yet (the detokenizer holds back an incomplete UTF-8 sequence).
+                        if (delta or new_tokens) and "text" in modalities and parser is None:
                             yield chunk(OmniDeltaMessage(content=delta), index=completion.index)
                 if output.finished and output.images and "image" in modalities:
                     yield chunk(OmniDeltaMessage(content=self.content(None, output.images)))

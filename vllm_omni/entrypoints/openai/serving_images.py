@@ -110,15 +110,15 @@ class OmniOpenAIServingImages(OmniServingBase):
     def _params(self, request: ImageGenerationRequest) -> list[Any]:
         self.check_model(request.model)
         self.require_output("image", "the images API")
-        if request.num_outputs_per_prompt is not None and request.num_outputs_per_prompt != request.n:
-            raise OmniClientError("give n or num_outputs_per_prompt, not both", param="num_outputs_per_prompt")
-        self.check_num_outputs(request.n, "n")
-        request.num_outputs_per_prompt = request.n
+        n = request.num_images
+        self.check_num_outputs(n, "n" if request.n is not None else "num_outputs_per_prompt")
+        request.num_outputs_per_prompt = n
         return self.build_sampling_params_list(diffusion_fields=request)
 
     @staticmethod
     def _image_data(image: Any, request: ImageGenerationRequest) -> ImageData:
-        b64 = encode_image_b64(image, request.output_format)
+        quality = None if request.output_compression is None else 100 - request.output_compression
+        b64 = encode_image_b64(image, request.output_format, quality=quality)
         if request.response_format == "url":
             return ImageData(url=f"data:image/{request.output_format};base64,{b64}")
         return ImageData(b64_json=b64)

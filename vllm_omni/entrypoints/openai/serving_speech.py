@@ -3,7 +3,8 @@
 The audio streams as the pipeline makes it (`stream_format`): "audio" (the default, as OpenAI's) sends the file's
 bytes by chunked transfer (a WAV starts with a header of unknown length unless the first chunk is the whole
 audio), "sse" sends `speech.audio.delta` events (base64 bytes of the same file) and one `speech.audio.done`.
-Nothing is sent before the first audio chunk exists, so a failed request is still an HTTP error status.
+Nothing is sent before the first audio chunk exists, so a failed request is still an HTTP error status. WAV and
+raw PCM stream chunk by chunk; mp3 / opus / aac / flac (PyAV) are encoded once the waveform is complete.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from vllm.utils import random_uuid
 
 from vllm_omni.entrypoints.openai.audio_stream import AudioStreamEncoder, audio_chunk, sample_rate
 from vllm_omni.entrypoints.openai.errors import exception_to_response
+from vllm_omni.entrypoints.openai.media import AUDIO_FORMATS, encode_audio
 from vllm_omni.entrypoints.openai.protocol.audio import SpeechRequest
 from vllm_omni.entrypoints.openai.serving_base import OmniServingBase, fail_fast, maybe_await
 from vllm_omni.errors import OmniClientError
@@ -26,7 +28,8 @@ from vllm_omni.outputs import OmniRequestOutput
 
 logger = init_logger(__name__)
 
-_MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+STREAMED_FORMATS = frozenset({"wav", "pcm"})
+"""Response formats sent chunk by chunk as the audio is made; the others need the whole waveform."""
 
 
 class OmniOpenAIServingSpeech(OmniServingBase):
@@ -45,7 +48,7 @@ class OmniOpenAIServingSpeech(OmniServingBase):
             return StreamingResponse(await fail_fast(self.sse_events(request, outputs)),
                                      media_type="text/event-stream")
         return StreamingResponse(await fail_fast(self.raw_audio(request, outputs)),
-                                 media_type=_MEDIA_TYPES[request.response_format])
+                                 media_type=AUDIO_FORMATS[request.response_format][2])
 
     async def raw_audio(self, request: SpeechRequest, outputs: AsyncIterator[OmniRequestOutput]
                         ) -> AsyncIterator[bytes]:
@@ -62,7 +65,9 @@ class OmniOpenAIServingSpeech(OmniServingBase):
 
     async def audio_bytes(self, request: SpeechRequest, outputs: AsyncIterator[OmniRequestOutput],
                           usage: dict[str, int] | None = None) -> AsyncIterator[bytes]:
-        """The audio file's bytes, a chunk at a time; `usage` gets the text stage's token counts."""
+        """The audio file's bytes, a chunk at a time; `usage` gets the text stage's token counts. WAV and PCM
+        stream chunk by chunk; the compressed formats (mp3, opus, aac, flac: PyAV) are encoded once the whole
+        waveform exists, and come as one chunk."""
         encoder = AudioStreamEncoder(request.response_format)
         async for output in outputs:
             samples = audio_chunk(output)
@@ -71,7 +76,12 @@ class OmniOpenAIServingSpeech(OmniServingBase):
                     usage["input_tokens"] = len(output.request_output.prompt_token_ids or [])
                     usage["output_tokens"] = len(output.token_ids)
                 continue
-            yield encoder.encode(samples, sample_rate(output), last=output.finished)
+            if request.response_format in STREAMED_FORMATS:
+                yield encoder.encode(samples, sample_rate(output), last=output.finished)
+            elif output.finished:
+                encoder.started = True
+                yield await asyncio.to_thread(encode_audio, output.multimodal_output["audio"], sample_rate(output),
+                                              request.response_format)
         if not encoder.started:
             raise OmniClientError(f"`{self.model_name}` returned no audio for this request", status_code=422)
 

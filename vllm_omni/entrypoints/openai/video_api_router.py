@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
+from vllm_omni.entrypoints.openai.api_router import check_ignored_fields
 from vllm_omni.entrypoints.openai.protocol.common import coerce_form
 from vllm_omni.entrypoints.openai.protocol.videos import VideoGenerationRequest
 from vllm_omni.errors import OmniClientError
@@ -34,7 +35,9 @@ async def _parse(raw: Request, serving: Any) -> tuple[VideoGenerationRequest, by
         except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than the parser's stack
             raise OmniClientError(f"request body is not valid JSON: {type(exc).__name__}: {str(exc)[:200]}",
                                   param="body") from exc
-        return VideoGenerationRequest.model_validate(body), None
+        request = VideoGenerationRequest.model_validate(body)
+        check_ignored_fields(raw, request)
+        return request, None
     limit = serving.limits.max_upload_bytes
     if int(raw.headers.get("content-length") or 0) > limit + 2**20:
         raise OmniClientError(f"request body is over the {limit} byte upload limit (see --max-upload-mb)",
@@ -50,7 +53,9 @@ async def _parse(raw: Request, serving: Any) -> tuple[VideoGenerationRequest, by
             serving.check_upload_size(upload)
         else:
             fields[key] = value
-    return VideoGenerationRequest.model_validate(coerce_form(fields, VideoGenerationRequest)), upload
+    request = VideoGenerationRequest.model_validate(coerce_form(fields, VideoGenerationRequest))
+    check_ignored_fields(raw, request)
+    return request, upload
 
 
 @router.post("/v1/videos")

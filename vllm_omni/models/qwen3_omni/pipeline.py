@@ -24,6 +24,7 @@ from vllm_omni.config.pipeline_config import (
 from vllm_omni.connectors.base import StagePayload
 from vllm_omni.engine.stage_input_processors import StageInput, StageInputContext
 from vllm_omni.errors import OmniClientError
+from vllm_omni.inputs.voices import resolve_voice
 from vllm_omni.models.qwen3_omni.stage_input_processors import (
     Qwen3OmniTokenIds,
     talker_to_code2wav,
@@ -108,10 +109,8 @@ def _talker_setup(original_prompt: Any, context: StageInputContext) -> tuple[Any
     config = _hf_config(context.stage.model)
     voice = original_prompt.get("voice") if isinstance(original_prompt, dict) else None
     ids = Qwen3OmniTokenIds.from_config(config)
-    if voice is not None and str(voice).lower() not in ids.speakers:
-        raise OmniClientError(f"voice {voice!r} is not one of this model's voices {sorted(ids.speakers)}",
-                              param="voice")
-    return config, ids, voice or DEFAULT_SPEAKER, _talker_sampling(context.sampling_params)
+    speaker = resolve_voice(voice, ids.speakers)  # OpenAI's voice names: the default speaker
+    return config, ids, speaker or DEFAULT_SPEAKER, _talker_sampling(context.sampling_params)
 
 
 def _talker_prompt(thinker: dict[str, Any], ids: Qwen3OmniTokenIds, voice: str):

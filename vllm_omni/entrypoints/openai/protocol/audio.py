@@ -16,8 +16,9 @@ class SpeechRequest(CheckedBody):
     model: str | None = None
     voice: str | dict[str, Any] | None = None
     instructions: str | None = Field(default=None, max_length=4096)
-    response_format: Literal["wav", "pcm"] = "wav"
-    """wav (16-bit PCM in a RIFF container) or raw 16-bit little-endian pcm."""
+    response_format: Literal["mp3", "opus", "aac", "flac", "wav", "pcm"] = "wav"
+    """OpenAI's formats: wav (16-bit PCM in RIFF), raw 16-bit little-endian pcm, or mp3 / opus (in Ogg) / aac
+    (ADTS) / flac encoded with PyAV. The default stays wav (OpenAI's is mp3): no encoder runs unless asked."""
     speed: float = Field(default=1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] | None = None
     """How the audio streams as it is made: "audio" (the default) the file's bytes by chunked transfer, "sse"

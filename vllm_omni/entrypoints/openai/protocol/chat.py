@@ -12,7 +12,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatMessage,
 )
 
-from vllm_omni.entrypoints.openai.protocol.common import DiffusionFields, reject_unknown_fields
+from vllm_omni.entrypoints.openai.protocol.common import DiffusionFields
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import PRIORITY_RANGE
 
@@ -57,8 +57,7 @@ class OmniChatFields(DiffusionFields):
 class OmniChatCompletionRequest(OmniChatFields, ChatCompletionRequest):
     @model_validator(mode="before")
     @classmethod
-    def _no_unknown_fields(cls, data: Any) -> Any:
-        reject_unknown_fields(data, cls)
+    def _check_messages(cls, data: Any) -> Any:
         if isinstance(data, dict) and "messages" in data:
             check_messages(data["messages"])
         return data
@@ -70,11 +69,11 @@ class OmniBatchChatCompletionRequest(OmniChatFields, BatchChatCompletionRequest)
     stream: bool | None = False
     """Accepted for symmetry with chat; batch responses are never streamed."""
 
+    known_models = (OmniChatCompletionRequest,)  # every single-chat field applies to each conversation
+
     @model_validator(mode="before")
     @classmethod
-    def _no_unknown_fields(cls, data: Any) -> Any:
-        # Every field of a single chat request is accepted too: it applies to each conversation.
-        reject_unknown_fields(data, cls, OmniChatCompletionRequest)
+    def _check_conversations(cls, data: Any) -> Any:
         if isinstance(data, dict) and "messages" in data:
             conversations = data["messages"]
             if not isinstance(conversations, list):

@@ -1,4 +1,4 @@
-"""Pieces every omni request model shares: strict unknown-field checks, the protocol-layer value checks and the
+"""Pieces every omni request model shares: unknown fields set aside, the protocol-layer value checks and the
 diffusion extra-body fields (derived from `OmniDiffusionSamplingParams`, the one schema of diffusion knobs)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 import re
 import typing
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, create_model, model_validator
 
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import SEED_RANGE, OmniDiffusionSamplingParams, knob_names, knob_range
@@ -19,10 +19,10 @@ MAX_JSON_DEPTH = 64
 _SIZE = re.compile(r"([0-9]{1,6})x([0-9]{1,6})", re.ASCII)
 
 
-def reject_unknown_fields(data: Any, *model_classes: type[BaseModel]) -> None:
-    """OpenAI-style models accept extra keys silently; ours name the first key none of `model_classes` knows."""
+def split_unknown_fields(data: Any, *model_classes: type[BaseModel]) -> tuple[Any, list[str]]:
+    """(`data` without the keys none of `model_classes` knows, those keys sorted)."""
     if not isinstance(data, dict):
-        return
+        return data, []
     known: set[str] = set()
     for model_cls in model_classes:
         for name, info in model_cls.model_fields.items():
@@ -30,8 +30,7 @@ def reject_unknown_fields(data: Any, *model_classes: type[BaseModel]) -> None:
             if info.alias:
                 known.add(info.alias)
     unknown = sorted(set(data) - known)
-    if unknown:
-        raise OmniClientError(f"unknown field(s) in request body: {unknown}", param=unknown[0])
+    return ({k: v for k, v in data.items() if k in known} if unknown else data), unknown
 
 
 def check_json_values(data: Any) -> None:
@@ -67,13 +66,27 @@ def _check_text(text: str, path: str) -> None:
 
 
 class CheckedBody(BaseModel):
-    """Base of every omni request model: the protocol-layer value checks run before field validation."""
+    """Base of every omni request model: the protocol-layer value checks run before field validation, and
+    fields no model of the route knows are set aside (vLLM's policy: the route ignores them with a warning,
+    or refuses them under --strict-request-fields; see `api_router.check_ignored_fields`)."""
 
-    @model_validator(mode="before")
+    _ignored_fields: list[str] = PrivateAttr(default_factory=list)
+    known_models: ClassVar[tuple[type[BaseModel], ...]] = ()
+    """Models whose fields this one also accepts (a batch chat takes every single-chat field)."""
+
+    @model_validator(mode="wrap")
     @classmethod
-    def _check_json_values(cls, data: Any) -> Any:
+    def _set_aside_unknown_fields(cls, data: Any, handler: Any) -> Any:
         check_json_values(data)
-        return data
+        data, unknown = split_unknown_fields(data, cls, *cls.known_models)
+        model = handler(data)
+        model._ignored_fields = unknown
+        return model
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """The body's fields that no model of the route knows (not validated, not used)."""
+        return list(self._ignored_fields)
 
 
 def diffusion_knob_fields(exclude: tuple[str, ...] = ()) -> dict[str, Any]:
