@@ -141,4 +141,6 @@ def _replica_state(client: StageClientBase | None) -> str:
         return "not_attached"
     if client.is_dead:
         return "dead"
-    return "restarting" if client.is_restarting else "serving"
+    # `is_restarting` is StageClientBase's (False unless a stage restarts its workers); duck-typed clients may
+    # leave it out.
+    return "restarting" if getattr(client, "is_restarting", False) else "serving"
