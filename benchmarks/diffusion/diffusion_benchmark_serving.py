@@ -148,11 +148,12 @@ def parse_mix(text: str) -> list[tuple[str, int]]:
 
 
 class Server:
-    """`vllm serve MODEL --omni` in its own process group, ready once /health answers 200."""
+    """`vllm serve MODEL --omni` in its own process group, ready once /health answers 200 (started as the module
+    that command runs, so that it works where vLLM's `vllm` script is not installed, e.g. the GPU image)."""
 
     def __init__(self, model: str, port: int, flags: list[str], log: Path) -> None:
-        vllm = Path(sys.executable).with_name("vllm")
-        cmd = [str(vllm), "serve", model, "--omni", "--host", "127.0.0.1", "--port", str(port), *flags]
+        cmd = [sys.executable, "-m", "vllm_omni.entrypoints.cli.main", "serve", model, "--omni", "--host",
+               "127.0.0.1", "--port", str(port), *flags]
         self.url = f"http://127.0.0.1:{port}"
         self.log = log.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
