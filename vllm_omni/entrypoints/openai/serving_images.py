@@ -36,7 +36,7 @@ class OmniOpenAIServingImages(OmniServingBase):
     async def stream_images(self, request: ImageGenerationRequest) -> StreamingResponse:
         """OpenAI's image streaming: `partial_images` previews, then the final image, as SSE events. What fails
         before the first event is the HTTP status; a later failure is an `error` event."""
-        if request.n != 1:
+        if request.num_images != 1:
             raise OmniClientError("stream=true generates one image (n=1)", param="n")
         params = [dataclasses.replace(p, stream_partial_outputs=True, partial_images=request.partial_images or 0)
                   if isinstance(p, OmniDiffusionSamplingParams) else p for p in self._params(request)]

@@ -11,9 +11,9 @@ from vllm_omni.entrypoints.openai.protocol.common import DiffusionFields
 from vllm_omni.errors import OmniClientError
 
 OPENAI_IMAGE_QUALITY: dict[str, str | None] = {
-    "auto": None, "standard": None, "medium": "high", "hd": "lossless", "high": "lossless", "low": "fast"}
+    "auto": None, "standard": None, "medium": "high", "hd": "lossless", "low": "fast"}
 """OpenAI's image `quality` values -> our quality presets (None: the server's default). Our own preset names
-are accepted as they are."""
+(`lossless`, `high`, `fast`) are accepted as they are: OpenAI's `high` is our `high` preset."""
 
 
 class ImageGenerationRequest(DiffusionFields):
