@@ -27,7 +27,8 @@ FAST = {"num_inference_steps": 6, "seed": 3}
 
 @pytest.fixture(scope="module")
 def server():
-    srv = LiveServer(MODEL, "--step-execution", "--max-num-seqs", "1", "--diffusion-scheduler-policy", "priority")
+    srv = LiveServer(MODEL, "--step-execution", "--max-num-seqs", "1", "--diffusion-scheduler-policy", "priority",
+                     "--max-inference-steps", "100000")
     yield srv
     assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
 
@@ -53,9 +54,9 @@ def test_an_urgent_request_preempts_a_running_one(client, server):
     halfway = threading.Event()
     done: dict[str, float] = {}
 
-    def run_low() -> None:  # its preview at step 10 says it is resident and stepping
+    def run_low() -> None:  # its preview halfway says it is resident and stepping; the other half takes seconds
         for _event in client.images.generate(model=MODEL, prompt="low", size="32x32", stream=True, partial_images=1,
-                                            extra_body={"num_inference_steps": 20, "seed": 1, "priority": 5}):
+                                            extra_body={"num_inference_steps": 4000, "seed": 1, "priority": 5}):
             halfway.set()
         done["low"] = time.monotonic()
 
