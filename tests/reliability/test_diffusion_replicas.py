@@ -67,7 +67,10 @@ def test_kill9_of_one_replica_leaves_the_other_serving(replicated):
     killed_at = time.monotonic()
     victim.kill()
 
-    health = httpx.get(srv.url + "/health", timeout=10)
+    deadline = killed_at + 5  # the engine notices the death through the worker's sentinel
+    while not (health := httpx.get(srv.url + "/health", timeout=10)).content:
+        assert time.monotonic() < deadline, "/health never said degraded"
+        time.sleep(0.05)
     assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
     (stage,) = health.json()["stages"]
     assert sorted(stage["replicas"]) == ["restarting", "serving"]
