@@ -142,6 +142,10 @@ def test_images_cache_quality_says_what_ran(server):
         ("high", "tea_cache", 3, 1)
     assert server.metric("vllm_omni:diffusion_cache_block_steps_total", quality="high", outcome="reused") == \
         cache["reused_block_steps"] > 0
+    chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "a red cube"}], **{k: v for k, v in body.items() if k != "prompt"}})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["cache"] == cache  # the same request through chat: the same cache work
     for extra, param in (({"cache_config": {"bogus": 1}}, "cache_config.bogus"),
                          ({"cache_config": {"force_refresh_step_hint": 9}}, "cache_config.force_refresh_step_hint"),
                          ({"quality": "lossless", "cache_config": {"interval": 2}}, "cache_config"),

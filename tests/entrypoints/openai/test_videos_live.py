@@ -45,6 +45,7 @@ def test_openai_client_create_poll_download(client):
         time.sleep(0.5)
         job = client.videos.retrieve(job.id)
     assert job.status == "completed", job.error
+    assert job.model_extra["cache"]["quality"] == "lossless"  # vllm-omni extension: what the cache ran
     frames = decode_mp4(client.videos.download_content(job.id).read())
     assert frames.shape == (9, 32, 48, 3)
     assert job.id in [v.id for v in client.videos.list(limit=5).data]
@@ -98,6 +99,7 @@ def test_websocket_streams_chunks_while_the_clip_decodes(server):
         logger.info("first binary chunk at %.3f s (client clock); chunks at %s; final output reached the server "
                     "at %.3f s; timing %s", arrivals[0], [f"{a:.3f}" for a in arrivals], timing["final_output_s"],
                     timing)
+    assert msg["cache"]["quality"] == "lossless" and msg["cache"]["reused_steps"] == 0  # no quality: uncached
     assert len(chunks) == 5 and all(isinstance(c, bytes) for c in chunks)
     assert [(m["frame_start"], m["frame_end"]) for m in metas] == [(0, 1), (1, 5), (5, 9), (9, 13), (13, 17)]
     # The client's clock started before the server's, so this is the stricter comparison.

@@ -160,7 +160,10 @@ class OmniOpenAIServingChat(OmniServingBase):
                           total_tokens=num_prompt_tokens + completion_tokens)
         response = ChatCompletionResponse(id=request_id, model=self.model_name, choices=[c for c, _ in built],
                                           usage=usage)
-        return JSONResponse(response.model_dump(exclude_none=True))
+        body = response.model_dump(exclude_none=True)
+        if (cache := next((o.cache for o in finals if o.cache is not None), None)) is not None:
+            body["cache"] = cache  # vllm-omni extension, as on the images routes: what the diffusion cache ran
+        return JSONResponse(body)
 
     @staticmethod
     def base_request_id(raw_request: Request | None) -> str:

@@ -152,9 +152,9 @@ class OmniOpenAIServingVideo(OmniServingBase):
 
     async def generate_videos(self, prompt: dict, request_id: str, params: list[Any],
                               on_progress: Callable[[int, int], None] | None = None
-                              ) -> tuple[list[GeneratedVideo], dict[str, float]]:
-        """The request's videos and stage durations; `on_progress(step, total)` follows the denoise loop of
-        pipelines that report it."""
+                              ) -> tuple[list[GeneratedVideo], dict[str, float], dict[str, Any] | None]:
+        """The request's videos, stage durations and cache summary; `on_progress(step, total)` follows the denoise
+        loop of pipelines that report it."""
         if on_progress is None:
             finals = await self.generate_final(prompt, request_id, params)
         else:
@@ -171,7 +171,7 @@ class OmniOpenAIServingVideo(OmniServingBase):
             videos.extend(GeneratedVideo(f, fps) for f in (frames if frames.ndim == 5 else frames[None]))
         if not videos:
             raise OmniClientError(f"`{self.model_name}` returned no video for this request", status_code=422)
-        return videos, durations
+        return videos, durations, next((out.cache for out in finals if out.cache is not None), None)
 
     async def _generate_with_progress(self, prompt: dict, request_id: str, params: list[Any],
                                       on_progress: Callable[[int, int], None]) -> list[Any]:
@@ -188,7 +188,7 @@ class OmniOpenAIServingVideo(OmniServingBase):
         """Generate and return the first video as MP4 bytes (the route answers with the body directly)."""
         prompt, params = await self.build_inputs(request, upload)
         try:
-            videos, _ = await asyncio.wait_for(self.generate_videos(prompt, f"video-{random_uuid()}", params),
+            videos, _, _ = await asyncio.wait_for(self.generate_videos(prompt, f"video-{random_uuid()}", params),
                                                SYNC_TIMEOUT_S)
         except TimeoutError as exc:
             raise OmniError(f"video generation took longer than {SYNC_TIMEOUT_S:g} s "
@@ -211,10 +211,10 @@ class OmniOpenAIServingVideo(OmniServingBase):
         response = job.response
         response.status = VideoGenerationStatus.IN_PROGRESS
         try:
-            videos, durations = await self.generate_videos(prompt, response.id, params,
+            videos, durations, cache = await self.generate_videos(prompt, response.id, params,
                                                            on_progress=functools.partial(_set_progress, job))
             job.mp4 = [await asyncio.to_thread(encode_mp4, v.frames, v.fps) for v in videos]
-            response.stage_durations = durations
+            response.stage_durations, response.cache = durations, cache
             response.progress = 100
             response.status = VideoGenerationStatus.COMPLETED
         except asyncio.CancelledError:

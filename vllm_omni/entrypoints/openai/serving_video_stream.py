@@ -128,10 +128,10 @@ class OmniStreamingVideoOutputHandler:
             asked = next((p.num_frames for p in params if isinstance(p, OmniDiffusionSamplingParams)), None)
             sender = _FragmentSender(ws, asked or DEFAULT_NUM_FRAMES, start)
             try:
-                durations = await self._stream(sender, prompt, params, chunk)
+                durations, cache = await self._stream(sender, prompt, params, chunk)
             finally:
                 sender.close()
-            await self._send(ws, {"type": "session.done", "timing": {
+            await self._send(ws, {"type": "session.done", "cache": cache, "timing": {
                 "total_s": time.perf_counter() - start, "first_chunk_s": sender.first_chunk_s,
                 "final_output_s": sender.final_output_s,
                 "num_chunks": sender.index, **durations}})
@@ -148,17 +148,17 @@ class OmniStreamingVideoOutputHandler:
             await self._error(ws, "internal_error", f"{type(exc).__name__}: {exc}")
 
     async def _stream(self, sender: _FragmentSender, prompt: dict, params: list[Any], frames_per_chunk: int
-                      ) -> dict[str, float]:
+                      ) -> tuple[dict[str, float], dict[str, Any] | None]:
         """Feed the engine's video chunks to `sender` as they come; a clip that only arrives whole is cut into
-        `frames_per_chunk` fragments. Returns the request's stage durations."""
+        `frames_per_chunk` fragments. Returns the request's stage durations and cache summary."""
         durations: dict[str, float] = {}
-        final = None
+        final = cache = None
         async for out in self.serving.generate(prompt, f"video-ws-{random_uuid()}", params):
             mm = out.multimodal_output or {}
             if "video_chunk" in mm:
                 await sender.add(_first_video(mm["video_chunk"]), int(mm.get("fps") or DEFAULT_FPS))
             elif out.finished and "video" in mm:
-                final, durations = mm, dict(out.stage_durations)
+                final, durations, cache = mm, dict(out.stage_durations), out.cache
                 sender.final_output_s = time.perf_counter() - sender.started
         if final is None:
             raise OmniClientError(f"`{self.serving.model_name}` returned no video for this request", status_code=422)
@@ -167,7 +167,7 @@ class OmniStreamingVideoOutputHandler:
             for first in range(0, frames.shape[0], frames_per_chunk):
                 await sender.add(frames[first:first + frames_per_chunk], fps)
         await sender.finish()
-        return durations
+        return durations, cache
 
     async def _error(self, ws: WebSocket, code: str, message: str, param: str | None = None) -> None:
         await self._send(ws, {"type": "error", "code": code, "message": message, "param": param})

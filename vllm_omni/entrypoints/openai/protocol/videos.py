@@ -55,7 +55,7 @@ class VideoError(BaseModel):
 
 
 class VideoResponse(BaseModel):
-    """The OpenAI `Video` object (+ `quality` and `stage_durations`, vllm-omni extensions)."""
+    """The OpenAI `Video` object (+ `quality`, `stage_durations` and `cache`, vllm-omni extensions)."""
 
     id: str
     object: Literal["video"] = "video"
@@ -72,6 +72,8 @@ class VideoResponse(BaseModel):
     error: VideoError | None = None
     quality: str = "default"
     stage_durations: dict[str, float] | None = None
+    cache: dict[str, Any] | None = None
+    """Once completed: what the diffusion cache ran (quality, backend, computed / reused block-steps)."""
 
 
 class VideoListResponse(BaseModel):
