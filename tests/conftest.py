@@ -1,5 +1,6 @@
 """Shared test setup: markers, the tiny-checkpoint cache, CPU-friendly vLLM defaults, and the process-group
-fixture `dist_world` of every test that builds a diffusion model (tests/diffusion and tests/models alike)."""
+fixture `dist_world` of every test that builds a diffusion model (tests/diffusion and tests/models alike), and
+`shared_server`, the live `vllm serve` processes that several modules share."""
 
 from __future__ import annotations
 
@@ -61,3 +62,29 @@ def dist_world():
             yield
     finally:
         destroy_diffusion_distributed()
+
+
+@pytest.fixture(scope="session")
+def shared_server():
+    """`shared_server(model, *args)`: one live `vllm serve model --omni *args` per distinct (model, args), shared
+    by every module that asks for it (tests/entrypoints/openai/live_server.py names the shared ones).
+
+    A start costs 10-40 s of CI, so modules that only send requests share a server; modules that kill, restart or
+    sleep theirs keep their own. Each is started on first use (again if an earlier user left it dead) and
+    SIGTERMed at the end of the session, which must leave no process behind, as each module used to check.
+    """
+    from tests.entrypoints.openai.live_server import LiveServer
+
+    servers: dict[tuple[str, ...], LiveServer] = {}
+
+    def get(model: str, *args: str) -> LiveServer:
+        key = (model, *args)
+        if key in servers and servers[key].proc.poll() is not None:
+            servers.pop(key).close()
+        if key not in servers:
+            servers[key] = LiveServer(model, *args)
+        return servers[key]
+
+    yield get
+    unclean = [str(srv.log) for srv in servers.values() if not srv.close()]
+    assert not unclean, f"shared servers did not shut down cleanly on SIGTERM; logs: {unclean}"

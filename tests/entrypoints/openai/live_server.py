@@ -16,6 +16,16 @@ import httpx
 STARTUP_TIMEOUT_S = 300.0
 SHUTDOWN_TIMEOUT_S = 60.0
 
+# The servers that several modules share through tests/conftest.py's `shared_server` (one start per session).
+QWEN2 = ("tiny/qwen2", "--gpu-memory-utilization", "0.15", "--max-model-len", "512", "--max-num-seqs", "8",
+         "--enforce-eager", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+"""tiny/qwen2 for the modules that only send requests: chat with hermes tool calls, vLLM's routes and CLI, bad
+input. Its flags are the union of what those modules needed (max-num-seqs 8 for vLLM's bench at concurrency 8)."""
+QWEN_IMAGE_LONG = ("tiny/qwen-image", "--max-inference-steps", "100000")
+"""tiny/qwen-image allowing requests of minutes, for the abort and soak modules."""
+WAN_T2V_LONG = ("tiny/wan2.1-t2v", "--max-inference-steps", "100000")
+"""tiny/wan2.1-t2v allowing requests of minutes, for the Videos API and abort modules."""
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -47,7 +57,7 @@ class LiveServer:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(1.0)
+            time.sleep(0.25)  # a start takes 10-40 s; polling finer finds it ready sooner
         self.close()
         raise TimeoutError(f"server not ready in {STARTUP_TIMEOUT_S} s:\n{self.log.read_text()[-4000:]}")
 
