@@ -17,7 +17,7 @@ import psutil
 import pytest
 from websockets.sync.client import connect
 
-from tests.entrypoints.openai.live_server import LiveServer
+from tests.entrypoints.openai.live_server import QWEN_IMAGE_LONG, WAN_T2V_LONG, LiveServer
 
 MAX_STEPS = 100_000
 """The servers' configured --max-inference-steps: minutes of work for the tiny models even on an idle machine."""
@@ -44,17 +44,13 @@ def _wait_running(srv: LiveServer, value: float, timeout: float = 30) -> None:
 
 
 @pytest.fixture(scope="module")
-def image_server():
-    srv = LiveServer("tiny/qwen-image", "--max-inference-steps", str(MAX_STEPS))
-    yield srv
-    assert srv.close(), f"server did not shut down cleanly; log: {srv.log}"
+def image_server(shared_server):
+    return shared_server(*QWEN_IMAGE_LONG)
 
 
 @pytest.fixture(scope="module")
-def video_server():
-    srv = LiveServer("tiny/wan2.1-t2v", "--max-inference-steps", str(MAX_STEPS))
-    yield srv
-    assert srv.close(), f"server did not shut down cleanly; log: {srv.log}"
+def video_server(shared_server):
+    return shared_server(*WAN_T2V_LONG)
 
 
 def _quick_image(srv: LiveServer) -> None:

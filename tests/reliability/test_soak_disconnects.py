@@ -16,9 +16,8 @@ import psutil
 import pytest
 
 from tests.entrypoints.leak_checks import orphan_segments, shm_segments
-from tests.entrypoints.openai.live_server import LiveServer
+from tests.entrypoints.openai.live_server import QWEN_IMAGE_LONG
 
-MODEL = "tiny/qwen-image"
 REQUESTS = 200
 CONCURRENCY = 8
 KEPT = {"prompt": "a red cube", "size": "32x32", "num_inference_steps": 2, "seed": 0}
@@ -26,10 +25,8 @@ ABANDONED = {"prompt": "a slow cube", "size": "64x64", "num_inference_steps": 10
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = LiveServer(MODEL, "--max-inference-steps", "100000")
-    yield srv
-    assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
+def server(shared_server):
+    return shared_server(*QWEN_IMAGE_LONG)
 
 
 def _tree(pid: int) -> list[psutil.Process]:

@@ -17,19 +17,17 @@ import openai
 import pytest
 from websockets.sync.client import connect
 
-from tests.entrypoints.openai.live_server import LiveServer
+from tests.entrypoints.openai.live_server import WAN_T2V_LONG
 from vllm_omni.diffusion.video_utils import decode_mp4
 
-MODEL = "tiny/wan2.1-t2v"
+MODEL = WAN_T2V_LONG[0]
 FAST = {"num_frames": 9, "num_inference_steps": 2, "seed": 0}
 logger = logging.getLogger(__name__)
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = LiveServer(MODEL)
-    yield srv
-    assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
+def server(shared_server):
+    return shared_server(*WAN_T2V_LONG)
 
 
 @pytest.fixture(scope="module")
