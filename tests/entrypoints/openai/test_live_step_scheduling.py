@@ -51,18 +51,18 @@ def test_stream_partial_images(client):
 
 def test_an_urgent_request_preempts_a_running_one(client, server):
     preempted_before = server.metric("vllm_omni:diffusion_preemptions_total")
-    halfway = threading.Event()
+    stepping = threading.Event()
     done: dict[str, float] = {}
 
-    def run_low() -> None:  # its preview halfway says it is resident and stepping; the other half takes seconds
-        for _event in client.images.generate(model=MODEL, prompt="low", size="32x32", stream=True, partial_images=1,
-                                            extra_body={"num_inference_steps": 4000, "seed": 1, "priority": 5}):
-            halfway.set()
+    def run_low() -> None:  # its first preview (a quarter in) says it is resident and stepping; 1500 steps are left
+        for _event in client.images.generate(model=MODEL, prompt="low", size="32x32", stream=True, partial_images=3,
+                                            extra_body={"num_inference_steps": 2000, "seed": 1, "priority": 5}):
+            stepping.set()
         done["low"] = time.monotonic()
 
     low = threading.Thread(target=run_low)
     low.start()
-    assert halfway.wait(120)
+    assert stepping.wait(120)
     client.images.generate(model=MODEL, prompt="urgent", size="32x32",
                            extra_body={"num_inference_steps": 2, "seed": 1, "priority": 0})
     done["urgent"] = time.monotonic()
