@@ -1,7 +1,9 @@
 """Leak checks that tolerate other test processes on the same machine.
 
 A leaked shared-memory segment is one that still exists but no live process maps; a leaked process is a
-child of ours other than Python's multiprocessing resource tracker.
+child of ours in our session other than Python's multiprocessing resource tracker. Live servers
+(tests/entrypoints/openai/live_server.py) run in sessions of their own and are checked by their fixtures: one that
+modules share (tests/conftest.py's `shared_server`) is still running while later modules check their engines.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ import psutil
 
 def engine_children() -> list[str]:
     out = []
+    session = os.getsid(0)
     for child in psutil.Process().children(recursive=True):
         try:
             cmdline = " ".join(child.cmdline())
-        except psutil.NoSuchProcess:
+            if os.getsid(child.pid) != session:
+                continue
+        except (psutil.NoSuchProcess, ProcessLookupError):
             continue
         if "resource_tracker" not in cmdline:
             out.append(cmdline)
