@@ -12,18 +12,15 @@ import time
 import httpx
 import pytest
 
-from tests.entrypoints.openai.live_server import LiveServer
+from tests.entrypoints.openai.live_server import QWEN2
 from tests.reliability.conftest import assert_client_error
 
-MODEL = "tiny/qwen2"
 J = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = LiveServer(MODEL, "--gpu-memory-utilization", "0.05", "--max-model-len", "512", "--enforce-eager")
-    yield srv
-    assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
+def server(shared_server):
+    return shared_server(*QWEN2)
 
 
 @pytest.mark.parametrize("body,param", [

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.entrypoints.openai.live_server import LiveServer
+from tests.entrypoints.openai.live_server import QWEN2
 from vllm_omni.models.tiny import resolve_model
 
-MODEL = "tiny/qwen2"
+MODEL = QWEN2[0]
 VLLM = str(Path(sys.executable).with_name("vllm"))
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
@@ -32,11 +32,8 @@ def test_version():
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = LiveServer(MODEL, "--gpu-memory-utilization", "0.15", "--max-model-len", "512", "--max-num-seqs", "4",
-                     "--enforce-eager")
-    yield srv
-    assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
+def server(shared_server):
+    return shared_server(*QWEN2)
 
 
 def test_bench_serve(server, tmp_path):

@@ -18,9 +18,10 @@ SHUTDOWN_TIMEOUT_S = 60.0
 
 # The servers that several modules share through tests/conftest.py's `shared_server` (one start per session).
 QWEN2 = ("tiny/qwen2", "--gpu-memory-utilization", "0.15", "--max-model-len", "512", "--max-num-seqs", "8",
-         "--enforce-eager", "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-"""tiny/qwen2 for the modules that only send requests: chat with hermes tool calls, vLLM's routes and CLI, bad
-input. Its flags are the union of what those modules needed (max-num-seqs 8 for vLLM's bench at concurrency 8)."""
+         "--enforce-eager")
+"""tiny/qwen2 for the modules that only send requests: vLLM's routes and CLI, bad input (max-num-seqs 8 for vLLM's
+bench at concurrency 8). Not test_live_chat.py's: its hermes tool parser sees every streamed delta and may hold some
+back, which test_live_vllm_app.py's one-chunk-per-token check would see."""
 QWEN_IMAGE_LONG = ("tiny/qwen-image", "--max-inference-steps", "100000")
 """tiny/qwen-image allowing requests of minutes, for the abort and soak modules."""
 WAN_T2V_LONG = ("tiny/wan2.1-t2v", "--max-inference-steps", "100000")

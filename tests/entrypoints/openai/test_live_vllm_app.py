@@ -20,20 +20,17 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.openai.live_server import LiveServer
+from tests.entrypoints.openai.live_server import QWEN2
 from vllm_omni.models.tiny import resolve_model
 
-MODEL = "tiny/qwen2"
+MODEL = QWEN2[0]
 MESSAGES = [{"role": "user", "content": "hello"}]
 NO_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = LiveServer(MODEL, "--gpu-memory-utilization", "0.15", "--max-model-len", "512", "--max-num-seqs", "8",
-                     "--enforce-eager")
-    yield srv
-    assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
+def server(shared_server):
+    return shared_server(*QWEN2)
 
 
 @pytest.fixture(scope="module")
