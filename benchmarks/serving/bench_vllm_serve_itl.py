@@ -3,11 +3,14 @@ model, in one run: request throughput, mean ITL and mean TPOT side by side (issu
 >= 0.98x plain vLLM's, mean ITL <= 1.1x).
 
 Workload: openai-chat backend on /v1/chat/completions, random dataset (32-token prompts, 16 output tokens,
-ignore_eos), 200 prompts, concurrency 8. One server at a time (two idle engines on a small machine slow each
-other down). Prints a table and writes benchmarks/results/bench_vllm_serve_itl-<UTC>.json and a PNG bar chart
-next to it.
+ignore_eos), concurrency 8, 200 prompts per server. On a shared, noisy machine one server after the other
+compares two load levels, not two servers: both servers stay up (idle between their turns) and take short
+rounds in turn, ABBA order (plain, omni, omni, plain, ...: a load trend hits both alike), 4 rounds of 50 prompts
+by default, the same prompts for both servers within a round. Reported: each round's omni / plain ratios, their
+median (the verdict) and the 1-minute load average around each run. Prints a table and writes
+benchmarks/results/bench_vllm_serve_itl-<UTC>.json and a PNG chart next to it.
 
-    .venv/bin/python benchmarks/serving/bench_vllm_serve_itl.py [--num-prompts 200] [--concurrency 8]
+    .venv/bin/python benchmarks/serving/bench_vllm_serve_itl.py [--rounds 4] [--num-prompts 200] [--concurrency 8]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,6 +37,8 @@ MODEL = "tiny/qwen2"
 SERVER_FLAGS = ["--gpu-memory-utilization", "0.15", "--max-model-len", "512", "--max-num-seqs", "8",
                 "--enforce-eager"]
 METRICS = ("request_throughput", "mean_itl_ms", "mean_tpot_ms", "mean_ttft_ms")
+TARGETS = {"request_throughput": (">=", 0.98), "mean_itl_ms": ("<=", 1.1)}
+"""Issue 18's acceptance, on the median of the per-round omni / plain ratios."""
 STARTUP_TIMEOUT_S = 600.0
 VLLM = str(Path(sys.executable).with_name("vllm"))
 
@@ -75,51 +81,97 @@ class Server:
         self._log.close()
 
 
-def bench(url: str, tokenizer: str, args: argparse.Namespace, out_dir: Path, name: str) -> dict:
+def bench(url: str, tokenizer: str, args: argparse.Namespace, out_dir: Path, name: str, seed: int) -> dict:
+    """One `vllm bench serve` run of `args.num_prompts // args.rounds` prompts; its metrics and the load
+    average (1 min) before and after it."""
+    num_prompts = args.num_prompts // args.rounds
     cmd = [VLLM, "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
            "--base-url", url, "--model", MODEL, "--tokenizer", tokenizer, "--dataset-name", "random",
            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-           "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency), "--ignore-eos",
-           "--disable-tqdm", "--seed", "0", "--save-result", "--result-dir", str(out_dir),
-           "--result-filename", f"{name}.json"]
+           "--num-prompts", str(num_prompts), "--max-concurrency", str(args.concurrency), "--ignore-eos",
+           "--num-warmups", str(args.concurrency), "--disable-tqdm", "--seed", str(seed), "--save-result",
+           "--result-dir", str(out_dir), "--result-filename", f"{name}.json"]
+    load_before = os.getloadavg()[0]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve failed:\n{(done.stdout + done.stderr)[-4000:]}")
     result = json.loads((out_dir / f"{name}.json").read_text())
-    if result["completed"] != args.num_prompts:
-        raise RuntimeError(f"{name}: {result['completed']} of {args.num_prompts} requests completed")
-    return {key: result[key] for key in METRICS}
+    if result["completed"] != num_prompts:
+        raise RuntimeError(f"{name}: {result['completed']} of {num_prompts} requests completed")
+    return {**{key: result[key] for key in METRICS}, "load_before": load_before, "load_after": os.getloadavg()[0]}
 
 
-def plot(path: Path, results: dict[str, dict]) -> None:
-    """Bars of omni / plain per metric (PIL: the benchmark needs no plotting library)."""
+def run_rounds(servers: dict[str, Server], tokenizer: str, args: argparse.Namespace, out_dir: Path) -> list[dict]:
+    """ABBA rounds: plain first in even rounds, omni first in odd ones."""
+    rounds = []
+    for i in range(args.rounds):
+        order = ("plain", "omni") if i % 2 == 0 else ("omni", "plain")
+        results = {name: bench(servers[name].url, tokenizer, args, out_dir, f"{name}-{i}", seed=i) for name in order}
+        ratios = {key: results["omni"][key] / results["plain"][key] for key in METRICS}
+        rounds.append({"round": i, "order": order, **results, "ratios": ratios})
+        print(f"round {i} ({' -> '.join(order)}): " + ", ".join(f"{k} {v:.3f}x" for k, v in ratios.items())
+              + f"; load {results[order[0]]['load_before']:.1f} -> {results[order[1]]['load_after']:.1f}", flush=True)
+    return rounds
+
+
+def summarize(rounds: list[dict]) -> dict:
+    medians = {key: statistics.median(r["ratios"][key] for r in rounds) for key in METRICS}
+    verdict = {key: (medians[key] >= bound if op == ">=" else medians[key] <= bound)
+               for key, (op, bound) in TARGETS.items()}
+    means = {name: {key: statistics.fmean(r[name][key] for r in rounds) for key in METRICS}
+             for name in ("plain", "omni")}
+    loads = [r[name][when] for r in rounds for name in ("plain", "omni") for when in ("load_before", "load_after")]
+    return {"median_ratios": medians, "met": verdict, "mean_over_rounds": means,
+            "load_avg_1m": {"min": min(loads), "max": max(loads), "median": statistics.median(loads)}}
+
+
+def print_table(rounds: list[dict], summary: dict) -> None:
+    print(f"{'metric':<20}" + "".join(f"{'round ' + str(r['round']):>10}" for r in rounds) + f"{'median':>10}")
+    for key in METRICS:
+        print(f"{key:<20}" + "".join(f"{r['ratios'][key]:>10.3f}" for r in rounds)
+              + f"{summary['median_ratios'][key]:>10.3f}")
+    for key, (op, bound) in TARGETS.items():
+        print(f"target {key} ratio {op} {bound}: {'met' if summary['met'][key] else 'NOT met'}")
+    load = summary["load_avg_1m"]
+    print(f"load average (1 min) during the runs: {load['min']:.1f}-{load['max']:.1f}, median {load['median']:.1f}")
+
+
+def plot(path: Path, rounds: list[dict], summary: dict) -> None:
+    """Per metric: a bar at the median omni / plain ratio and a dot per round (PIL: no plotting library)."""
     from PIL import Image, ImageDraw
 
     width, height, margin = 640, 360, 50
     image = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(image)
-    ratios = {key: results["omni"][key] / results["plain"][key] for key in METRICS}
-    top = max(1.5, *ratios.values())
+    top = max(1.5, *(r["ratios"][key] for r in rounds for key in METRICS)) * 1.05
     base_y = height - margin
+
+    def y(ratio: float) -> float:
+        return base_y - (base_y - margin) * ratio / top
+
     draw.line([(margin, base_y), (width - 20, base_y)], fill="black")
-    one = base_y - (base_y - margin) / top
-    draw.line([(margin, one), (width - 20, one)], fill="gray")
-    draw.text((5, one - 6), "1.0x", fill="gray")
+    draw.line([(margin, y(1.0)), (width - 20, y(1.0))], fill="gray")
+    draw.text((5, y(1.0) - 6), "1.0x", fill="gray")
     slot = (width - margin - 20) / len(METRICS)
-    for i, (key, ratio) in enumerate(ratios.items()):
+    for i, key in enumerate(METRICS):
         x0 = margin + i * slot + slot * 0.2
-        y0 = base_y - (base_y - margin) * ratio / top
-        draw.rectangle([x0, y0, x0 + slot * 0.6, base_y], fill="steelblue")
+        median = summary["median_ratios"][key]
+        draw.rectangle([x0, y(median), x0 + slot * 0.6, base_y], fill="steelblue")
+        for j, r in enumerate(rounds):
+            cx, cy = x0 + slot * 0.6 * (j + 1) / (len(rounds) + 1), y(r["ratios"][key])
+            draw.ellipse([cx - 3, cy - 3, cx + 3, cy + 3], fill="orange", outline="black")
         draw.text((x0, base_y + 5), key.replace("_ms", ""), fill="black")
-        draw.text((x0, y0 - 14), f"{ratio:.3f}x", fill="black")
-    draw.text((margin, 10), "vllm serve --omni / plain vllm serve (vllm bench serve, tiny/qwen2)", fill="black")
+        draw.text((x0, y(median) - 14), f"{median:.3f}x", fill="black")
+    draw.text((margin, 10), f"vllm serve --omni / plain vllm serve, {len(rounds)} interleaved rounds "
+              "(bar: median, dots: rounds)", fill="black")
     image.save(path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--num-prompts", type=int, default=200, help="per server, over all rounds")
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=16)
@@ -128,23 +180,22 @@ def main() -> None:
     from vllm_omni.models.tiny import resolve_model
 
     model_path = resolve_model(MODEL)
-    results: dict[str, dict] = {}
+    servers: dict[str, Server] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, omni in (("plain", False), ("omni", True)):
-            server = Server(model_path, omni, Path(tmp) / f"{name}.log")
-            try:
-                results[name] = bench(server.url, model_path, args, Path(tmp), name)
-            finally:
+        try:
+            for name, omni in (("plain", False), ("omni", True)):
+                servers[name] = Server(model_path, omni, Path(tmp) / f"{name}.log")
+            rounds = run_rounds(servers, model_path, args, Path(tmp))
+        finally:
+            for server in servers.values():
                 server.close()
-    ratios = {key: results["omni"][key] / results["plain"][key] for key in METRICS}
-    print(f"{'metric':<20}{'vllm serve':>12}{'--omni':>12}{'ratio':>8}")
-    for key in METRICS:
-        print(f"{key:<20}{results['plain'][key]:>12.3f}{results['omni'][key]:>12.3f}{ratios[key]:>8.3f}")
+    summary = summarize(rounds)
+    print_table(rounds, summary)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out = ROOT / "benchmarks" / "results" / f"bench_vllm_serve_itl-{stamp}.json"
-    out.write_text(json.dumps({"workload": vars(args), "model": MODEL, "results": results, "ratios": ratios,
+    out.write_text(json.dumps({"workload": vars(args), "model": MODEL, "rounds": rounds, **summary,
                                "machine": platform.platform(), "cpus": os.cpu_count()}, indent=2))
-    plot(out.with_suffix(".png"), results)
+    plot(out.with_suffix(".png"), rounds, summary)
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 

@@ -65,6 +65,8 @@ async def test_params_cloned_per_request_and_output_shape():
     assert p1 is not p2 and p1 is not shared and shared.guidance_scale is None
     assert outs[0].images == ["img"] and outs[0].final_output_type == "image" and outs[0].peak_memory_mb == 12.0
     assert outs[0].stage_durations["diffusion.denoise"] == 0.5 and "diffusion" in outs[0].stage_durations
+    durations = outs[0].stage_durations
+    assert durations["stage-0-diffusion.denoise"] == 0.5 and "stage-0-diffusion" in durations  # kept per stage
     assert len(engine.callbacks) == 1
     assert await client.collective_rpc_async("sleep", args=(1,)) == ["sleep(1,)"]
     client.shutdown()

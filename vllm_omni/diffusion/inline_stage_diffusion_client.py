@@ -148,8 +148,7 @@ class InlineStageDiffusionClient(StageClientBase):
             out.images = list(result.output or [])
         else:
             out.multimodal_output = {modality: result.output}
-        out.stage_durations = {self.config.stage_type: elapsed}
-        out.stage_durations.update({f"{self.config.stage_type}.{k}": v for k, v in result.stage_durations.items()})
+        out.stage_durations = self.stage_durations(elapsed, result.stage_durations)
         return out
 
     async def abort(self, request_ids: list[str]) -> None:

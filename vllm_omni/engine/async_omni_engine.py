@@ -154,6 +154,13 @@ class AsyncOmniEngine:
                  "dispatched": [pool.dispatched.get(i, 0) for i in range(len(pool.clients))]}
                 for pool in self._runtime.pools]
 
+    def stage_metrics_registries(self) -> list[tuple[int, str, int, Any]]:
+        """(stage id, stage type, replica, registry) of every AR stage replica's vLLM `vllm:*` series (read at
+        each scrape: a re-created EngineCore comes with a new registry)."""
+        return [(pool.stage_id, pool.kind.stage_type, replica, registry) for pool in self._runtime.pools
+                for replica, client in enumerate(pool.clients)
+                if (registry := getattr(client, "metrics_registry", None)) is not None]
+
     @property
     def dead_error(self) -> str | None:
         if self.orchestrator is not None and self.orchestrator.dead_error is not None:

@@ -36,6 +36,17 @@ class StageClientBase:
     def name(self) -> str:
         return f"{self.config.name}[{self.replica_id}]"
 
+    def stage_durations(self, elapsed: float, phases: dict[str, float] | None = None) -> dict[str, float]:
+        """This stage's time (and its phases') for `OmniRequestOutput.stage_durations`, under two keys each: by
+        type (`llm`, `diffusion.denoise`: what one-stage pipelines have always reported; with two stages of one
+        type the later one wins) and by stage (`stage-<id>-<type>`, `stage-<id>-<type>.<phase>`: kept per stage,
+        what the server's `vllm_omni:stage_duration_seconds` reads)."""
+        out: dict[str, float] = {}
+        for prefix in (self.config.stage_type, self.config.name):
+            out[prefix] = elapsed
+            out.update({f"{prefix}.{phase}": seconds for phase, seconds in (phases or {}).items()})
+        return out
+
     async def start(self) -> None:
         """Start the stage's engine; return when it can take requests."""
         raise NotImplementedError

@@ -186,8 +186,7 @@ class StageEngineCoreClient(StageClientBase):
             collect = get_output_collector(self.config.output_collector)
             result.multimodal_output["stage_data"] = await collect(self, request_id, result)
         elapsed = time.perf_counter() - start
-        # By type (as one-stage pipelines report it) and by stage (pipelines with several AR stages).
-        result.stage_durations[self.config.stage_type] = result.stage_durations[self.config.name] = elapsed
+        result.stage_durations.update(self.stage_durations(elapsed))
 
     def _engine_died(self) -> Exception:
         """The error for requests the dead EngineCore ran; starts the restart when the budget allows."""

@@ -76,7 +76,7 @@ class StageGenerationClient(StageClientBase):
         out = OmniRequestOutput(request_id=request_id, finished=True, stage_id=self.stage_id,
                                 final_output_type=self.output_modality)
         elapsed = time.perf_counter() - start
-        out.stage_durations = {self.config.stage_type: elapsed, self.config.name: elapsed}
+        out.stage_durations = self.stage_durations(elapsed)
         if self.output_modality == "audio":
             out.multimodal_output = {"audio": np.concatenate(results),
                                      "sample_rate": getattr(self.model, "sample_rate", None)}

@@ -4,7 +4,8 @@ shm_connector` (issue 18): the multi-stage YAML pipeline `Omni` runs offline, se
 Pins: the server runs the YAML's graph (AR tiny Qwen2 -> diffusion tiny Qwen-Image, payloads over shared
 memory), not the model's own one-stage topology; the official `openai` client gets a 64x64 image from
 `images.generate` and, since stage 0 is an AR stage, from `chat.completions` too (an `image_url` part);
-the diffusion stage's size rule applies to the pipeline's second stage.
+the diffusion stage's size rule applies to the pipeline's second stage; `/metrics` keeps each stage's durations
+under its `stage_id` and has vLLM's `vllm:*` series of the AR stage's replica.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ def test_images_generate_through_both_stages(client, server):
     assert image.size == (64, 64)
     assert server.metric("vllm_omni:stage_duration_seconds_count", stage="llm") >= 1
     assert server.metric("vllm_omni:stage_duration_seconds_count", stage="diffusion") >= 1
+    # kept per stage: the rewriter's time is stage 0's, the image stage's phases are stage 1's
+    assert server.metric("vllm_omni:stage_duration_seconds_count", stage="llm", stage_id="0", stage_type="llm") >= 1
+    assert server.metric("vllm_omni:stage_duration_seconds_count", stage="diffusion.denoise", stage_id="1",
+                         stage_type="diffusion") >= 1
+    # vLLM's own series of the AR stage's replica, labelled with it
+    assert server.metric("vllm:request_success_total", stage_id="0", stage_type="llm", replica="0") >= 1
 
 
 def test_chat_answers_with_the_image(client):

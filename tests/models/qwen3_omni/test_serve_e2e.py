@@ -90,13 +90,13 @@ def test_chat_text_and_audio_equal_transformers(client, reference):
 def test_text_only_chat_skips_talker_and_vocoder(server, client, reference):
     """modalities=["text"]: the thinker's answer alone; the talker and the vocoder never see the request."""
     count = "vllm_omni:stage_duration_seconds_count"
-    before = {s: server.metric(count, stage=s) for s in ("stage-0-llm", "stage-1-llm", "stage-2-generation")}
+    before = {s: server.metric(count, stage_id=s) for s in ("0", "1", "2")}
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, modalities=["text"],
                                          extra_body={"sampling_params_list": PARAMS_LIST})
     assert out.choices[0].message.content == reference[0] and out.choices[0].message.audio is None
-    after = {s: server.metric(count, stage=s) for s in before}
-    assert after["stage-0-llm"] == before["stage-0-llm"] + 1
-    assert after["stage-1-llm"] == before["stage-1-llm"] and after["stage-2-generation"] == before["stage-2-generation"]
+    after = {s: server.metric(count, stage_id=s) for s in before}
+    assert after["0"] == before["0"] + 1
+    assert after["1"] == before["1"] and after["2"] == before["2"]
 
 
 def test_stream_text_then_audio(client, reference):

@@ -132,10 +132,7 @@ def init_app_state(app: FastAPI, args: argparse.Namespace, engine: Any) -> None:
     state.model_name = model_name
     state.model_path = args.model
     state.metrics = OmniMetrics(model_name)
-    stage_clients = list(getattr(getattr(engine, "engine", None), "stage_clients", None) or [])
-    state.metrics.add_stage_registries(lambda: [
-        (c.stage_id, c.stage_type, c.metrics_registry) for c in stage_clients
-        if getattr(c, "metrics_registry", None) is not None])
+    state.metrics.add_stage_registries(getattr(getattr(engine, "engine", None), "stage_metrics_registries", list))
     limits = ServerLimits(max_upload_bytes=int(args.max_upload_mb * 2**20),
                           max_request_outputs=args.max_request_outputs,
                           max_input_image_pixels=args.max_input_image_pixels,

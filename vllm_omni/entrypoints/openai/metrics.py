@@ -3,13 +3,17 @@
 `vllm_omni:requests_running` counts requests inside the engine right now; a client that disconnects
 mid-request must bring it back down (the request is aborted in the engine).
 
-`/metrics` also renders vLLM's own `vllm:*` series of every AR stage (each stage keeps them in a registry of
-its own, `engine/stage_metrics.py`), labelled `stage_id` and `stage_type`, and the process-wide registry
-(vLLM's HTTP instrumentator on AR-first servers, process and Python collectors).
+`vllm_omni:stage_duration_seconds` is kept per stage (`stage_id`, `stage_type`), so a pipeline with two stages
+of one type (prompt rewriter -> image, thinker -> talker) keeps both stages' times.
+
+`/metrics` also renders vLLM's own `vllm:*` series of every AR stage replica (each keeps them in a registry of
+its own, `engine/stage_metrics.py`), labelled `stage_id`, `stage_type` and `replica`, and the process-wide
+registry (vLLM's HTTP instrumentator on AR-first servers, process and Python collectors).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,6 +32,8 @@ from prometheus_client.metrics_core import Metric
 
 from vllm_omni.entrypoints.openai.diffusion_metrics import DiffusionStepMetrics
 
+_STAGE_KEY = re.compile(r"stage-(?P<id>\d+)-(?P<name>(?P<type>[a-z]+)(?:\..+)?)")
+"""A per-stage `stage_durations` key (`StageConfig.name`, then `.<phase>`)."""
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -45,7 +51,7 @@ class OmniMetrics:
         )
         self.stage_latency = Histogram(
             "vllm_omni:stage_duration_seconds", "Per-stage (and per-phase) durations reported by the engine.",
-            ["model_name", "stage"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+            ["model_name", "stage", "stage_id", "stage_type"], buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
         self.engine_requests = Counter(
             "vllm_omni:engine_requests", "Engine requests by outcome (finished, error, aborted).",
@@ -80,8 +86,19 @@ class OmniMetrics:
                 self.replica_serving.labels(*labels).set(state == "serving")
 
     def observe_stages(self, stage_durations: dict[str, float]) -> None:
-        for stage, seconds in stage_durations.items():
-            self.stage_latency.labels(self.model_name, stage).observe(seconds)
+        """A finished request's durations, one sample per stage: `stage-<id>-<type>[.<phase>]` keys are observed
+        as `stage="<type>[.<phase>]"` with their `stage_id` / `stage_type`; the by-type twins of those keys (the
+        later stage of a type overwrote the earlier one's) are skipped; other keys (`e2e`) have no stage."""
+        per_stage = {key: match for key in stage_durations if (match := _STAGE_KEY.fullmatch(key))}
+        twins = {match["name"] for match in per_stage.values()}
+        for key, seconds in stage_durations.items():
+            if (match := per_stage.get(key)) is not None:
+                labels = (match["name"], match["id"], match["type"])
+            elif key in twins:
+                continue
+            else:
+                labels = (key, "", "")
+            self.stage_latency.labels(self.model_name, *labels).observe(seconds)
 
     # ---- diffusion cache (docs/cache.md) ---------------------------------------------------------------------
 
@@ -103,9 +120,9 @@ class OmniMetrics:
     def install(self, app: FastAPI) -> None:
         app.add_middleware(_HttpMetricsMiddleware, metrics=self)
 
-    def add_stage_registries(self, stages: Callable[[], list[tuple[int, str, CollectorRegistry]]]) -> None:
-        """Render the `vllm:*` series of the AR stages that `stages()` lists (read at every scrape: a
-        restarted stage has a new registry)."""
+    def add_stage_registries(self, stages: Callable[[], list[tuple[int, str, int, CollectorRegistry]]]) -> None:
+        """Render the `vllm:*` series of the AR stage replicas that `stages()` lists as (stage id, stage type,
+        replica, registry); read at every scrape: a restarted stage has a new registry."""
         self.registry.register(StageSeriesCollector(stages))
 
     def render(self) -> Response:
@@ -114,9 +131,10 @@ class OmniMetrics:
 
 
 class StageSeriesCollector:
-    """Every stage registry's series, one family per name, each sample labelled with its stage."""
+    """Every stage replica registry's series, one family per name, each sample labelled with its stage and
+    replica (vLLM's own `engine` label stays: the data-parallel rank inside that replica's AsyncLLM)."""
 
-    def __init__(self, stages: Callable[[], list[tuple[int, str, CollectorRegistry]]]) -> None:
+    def __init__(self, stages: Callable[[], list[tuple[int, str, int, CollectorRegistry]]]) -> None:
         self.stages = stages
 
     def describe(self) -> list[Any]:
@@ -124,8 +142,8 @@ class StageSeriesCollector:
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, Metric] = {}
-        for stage_id, stage_type, registry in self.stages():
-            labels = {"stage_id": str(stage_id), "stage_type": stage_type}
+        for stage_id, stage_type, replica, registry in self.stages():
+            labels = {"stage_id": str(stage_id), "stage_type": stage_type, "replica": str(replica)}
             for family in registry.collect():
                 merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type,
                                                                  family.unit))
