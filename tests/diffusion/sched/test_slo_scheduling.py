@@ -47,6 +47,10 @@ def slo(costs: dict[tuple[int, int], float] | None = None) -> StepPolicy:
     return policy
 
 
+def test_nothing_to_run():
+    assert slo().choose([], [], [], slots=4, max_paused=4, now=0.0) == []
+
+
 def test_different_shapes_do_not_share_rounds():
     policy = slo({(64, 1): 1.0, (32, 1): 0.25})
     big, small = job("big", 64, 10, deadline=50.0), job("small", 32, 10, deadline=20.0)

@@ -126,7 +126,7 @@ class StepPolicy:
         if self.policy == "fcfs":
             return running + waiting[:max(slots - len(running), 0)]
         ranked = sorted(running + paused + waiting, key=lambda job: self.urgency(job, now))
-        if self.policy == "slo":
+        if self.policy == "slo" and ranked:
             return self._choose_slo(ranked, [*running, *paused], slots, max_paused, now)
         return self._keep_paused_bound(ranked, ranked[:slots], waiting, slots, max_paused, now)
 
