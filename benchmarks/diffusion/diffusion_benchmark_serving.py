@@ -10,14 +10,19 @@ and the server's per-stage durations. Start the server first, e.g.
 
 `--offline-images-per-s` (from bench_pipeline.py on the same machine) adds the serving/offline ratio.
 
-`--compare-modes MODEL` instead starts `vllm serve MODEL --omni` itself, once per execution mode (request-mode
-FCFS, step-mode FCFS, step-mode SLO; same build, same flags otherwise), and replays one Poisson schedule of a
-mix of sizes and step counts against each, at `--load` x the capacity measured from solo requests. Each
-request's deadline is 2x its class's solo latency (sent as `deadline_ms`); the table gives mean/p50/p95/p99
-latency, throughput and deadline attainment per mode, the JSON and a latency-CDF PNG go to `--results-dir`:
+`--compare-modes MODEL` instead starts `vllm serve MODEL --omni` itself, once per execution mode (`--modes`:
+request-mode FCFS, step-mode FCFS, step-mode SLO; same build, same flags otherwise), and replays one seeded
+Poisson schedule of a mix of sizes and step counts against each (`--num-prompts`, 40 by default). The offered
+rate is `--request-rate`, else `--load` x the capacity given by the mix's mean solo latency, measured on the
+idle request-mode server (median of `--calibration-reps` after a warm-up). Each request's deadline is 2x its
+class's solo latency (sent as `deadline_ms`); the table gives mean/p50/p95/p99 latency, throughput, deadline
+attainment and the 1-minute load average per mode, the same per class, and issue 14's targets (met / not met)
+for each step mode against request FCFS. The JSON and a latency-CDF PNG go to `--results-dir`:
 
   python benchmarks/diffusion/diffusion_benchmark_serving.py --compare-modes /path/to/checkpoint \
       --num-prompts 40 --mix 128x128:8,128x128:24,256x256:12
+
+`--smoke` (3 prompts, no calibration reps) checks the path end to end.
 """
 
 from __future__ import annotations
@@ -220,19 +225,46 @@ async def replay(client: httpx.AsyncClient, args: argparse.Namespace, plan: list
 
 
 def mode_summary(results: list[RequestResult], plan: list[tuple[float, int]], deadlines: list[float],
-                 duration: float) -> dict[str, Any]:
+                 duration: float, mix: list[tuple[str, int]] | None = None) -> dict[str, Any]:
+    """Latency, throughput and deadline attainment of one mode's replay, overall and per class of `mix`."""
     ok = [(r, cls) for r, (_, cls) in zip(results, plan, strict=True) if r.ok]
     lat = np.array([r.latency_s for r, _ in ok]) if ok else np.array([float("nan")])
     made = sum(r.latency_s <= deadlines[cls] for r, cls in ok)
-    return {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
-            "throughput_rps": len(ok) / duration, "latency_mean_s": float(lat.mean()),
-            **{f"latency_p{q}_s": float(np.percentile(lat, q)) for q in (50, 95, 99)},
-            "deadline_attainment": made / len(results), "latencies_s": lat.tolist(),
-            "errors": sorted({r.error for r in results if not r.ok})[:5]}
+    summary = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+               "throughput_rps": len(ok) / duration, "latency_mean_s": float(lat.mean()),
+               **{f"latency_p{q}_s": float(np.percentile(lat, q)) for q in (50, 95, 99)},
+               "deadline_attainment": made / len(results), "latencies_s": lat.tolist(),
+               "errors": sorted({r.error for r in results if not r.ok})[:5]}
+    if mix is not None:
+        summary["per_class"] = {}
+        for cls, (size, steps) in enumerate(mix):
+            mine = [r.latency_s for r, c in ok if c == cls]
+            sent = sum(c == cls for _, c in plan)
+            if sent:
+                summary["per_class"][f"{size}:{steps}"] = {
+                    "sent": sent, "completed": len(mine), "latency_mean_s": float(np.mean(mine)) if mine else None,
+                    "latency_p95_s": float(np.percentile(mine, 95)) if mine else None,
+                    "deadline_attainment": sum(x <= deadlines[cls] for x in mine) / sent}
+    return summary
+
+
+def target_checks(base: dict[str, Any], m: dict[str, Any], min_throughput_ratio: float) -> dict[str, bool]:
+    """Issue 14's targets for a step mode against request-mode FCFS: mean <= 0.7x, p95 <= 0.8x, throughput >=
+    `min_throughput_ratio` x (0.98; 1.3 for the 256^2 throughput run), attainment >= 90% where request mode gets
+    less (where it gets 90% already, not lower than it)."""
+    attainment_goal = 0.9 if base["deadline_attainment"] < 0.9 else base["deadline_attainment"]
+    return {"mean<=0.7x": m["latency_mean_s"] <= 0.7 * base["latency_mean_s"],
+            "p95<=0.8x": m["latency_p95_s"] <= 0.8 * base["latency_p95_s"],
+            f"attainment>={attainment_goal:.0%}": m["deadline_attainment"] >= attainment_goal,
+            f"throughput>={min_throughput_ratio:g}x": m["throughput_rps"] >= min_throughput_ratio * base[
+                "throughput_rps"]}
 
 
 async def compare_modes(args: argparse.Namespace) -> dict[str, Any]:
     mix = parse_mix(args.mix)
+    modes = args.modes.split(",")
+    if modes[0] != "request-fcfs" or not set(modes) <= set(MODES):
+        raise SystemExit(f"--modes: request-fcfs first (it calibrates the load), then any of {list(MODES)[1:]}")
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     args.results_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"command": " ".join(sys.argv), "args": {k: str(v) for k, v in vars(args).items()},
@@ -241,44 +273,71 @@ async def compare_modes(args: argparse.Namespace) -> dict[str, Any]:
     deadlines: list[float] = []
     out = args.out or args.results_dir / f"diffusion_serving_modes-{stamp}.json"
     signal.signal(signal.SIGTERM, _interrupt)  # so that `finally` stops the running server
-    for mode, flags in MODES.items():
+    for mode in modes:
         step_flags = ["--max-num-seqs", str(args.step_max_num_seqs)] if mode.startswith("step") else []
-        server = Server(args.compare_modes, _free_port(), [*flags, *step_flags, *shlex.split(args.server_args)],
+        server = Server(args.compare_modes, _free_port(), [*MODES[mode], *step_flags, *shlex.split(args.server_args)],
                         Path(tempfile.gettempdir()) / f"serving_modes-{stamp}-{mode}.log")
         try:
             server.wait_ready()
             async with httpx.AsyncClient(base_url=server.url, limits=httpx.Limits(max_connections=None)) as client:
                 if not plan:  # the first mode (request-mode FCFS) measures the capacity the load is set from
-                    solo = await solo_latencies(client, args, mix, args.calibration_reps)
-                    rate = args.load / float(np.mean(solo))
-                    rng = random.Random(args.seed)
-                    plan = [(rng.expovariate(rate), rng.randrange(len(mix))) for _ in range(args.num_prompts)]
-                    deadlines = [2.0 * s for s in solo]
-                    report.update(solo_latency_s=dict(zip(map(str, mix), solo, strict=True)), request_rate=rate)
+                    plan, deadlines = await calibrate(client, args, mix, report)
                 else:
                     await solo_latencies(client, args, mix, 0)  # the same warm-up as the first mode had
+                load_before = os.getloadavg()[0]
                 results, duration = await replay(client, args, plan, mix, deadlines)
         finally:
             server.close()
-        report["modes"][mode] = mode_summary(results, plan, deadlines, duration)
+        report["modes"][mode] = {**mode_summary(results, plan, deadlines, duration, mix),
+                                 "loadavg_1m": [load_before, os.getloadavg()[0]]}
         out.write_text(json.dumps(report, indent=1))  # after every mode: a run cut short keeps what it measured
+    base = report["modes"]["request-fcfs"]
+    for mode, m in report["modes"].items():
+        if mode != "request-fcfs":
+            m["targets"] = target_checks(base, m, args.min_throughput_ratio)
+    out.write_text(json.dumps(report, indent=1))
     print_table(report)
     plot_cdf(report, out.with_suffix(".png"))
     print(f"wrote {out}")
     return report
 
 
+async def calibrate(client: httpx.AsyncClient, args: argparse.Namespace, mix: list[tuple[str, int]],
+                    report: dict[str, Any]) -> tuple[list[tuple[float, int]], list[float]]:
+    """Solo latency per class (median of `--calibration-reps` on the idle request-mode server), the offered rate
+    (`--request-rate`, else `--load` / the mix's mean solo time: requests are drawn uniformly from the mix) and
+    the seeded Poisson plan of (gap, class) every mode replays; deadline = 2x the class's solo latency."""
+    solo = await solo_latencies(client, args, mix, args.calibration_reps)
+    rate = args.request_rate if args.request_rate != float("inf") else args.load / float(np.mean(solo))
+    rng = random.Random(args.seed)
+    plan = [(rng.expovariate(rate), rng.randrange(len(mix))) for _ in range(args.num_prompts)]
+    report.update(solo_latency_s={f"{size}:{steps}": t for (size, steps), t in zip(mix, solo, strict=True)},
+                  request_rate=rate, offered_load=rate * float(np.mean(solo)))
+    return plan, [2.0 * t for t in solo]
+
+
 def print_table(report: dict[str, Any]) -> None:
     base = report["modes"]["request-fcfs"]
-    print(f"solo latency per class (s): {json.dumps(report['solo_latency_s'])}; rate {report['request_rate']:.3f}/s")
+    print(f"solo latency per class (s): {json.dumps(report['solo_latency_s'])}; rate {report['request_rate']:.3f}/s "
+          f"(offered load {report['offered_load']:.2f})")
     print(f"{'mode':<14}{'ok':>4}{'mean s':>9}{'p50 s':>8}{'p95 s':>8}{'p99 s':>8}{'req/s':>8}{'attain':>8}"
-          f"{'mean/req':>10}{'p95/req':>9}{'tput/req':>10}")
+          f"{'mean/req':>10}{'p95/req':>9}{'tput/req':>10}{'load1m':>12}")
     for mode, m in report["modes"].items():
         print(f"{mode:<14}{m['completed']:>4}{m['latency_mean_s']:>9.3f}{m['latency_p50_s']:>8.3f}"
               f"{m['latency_p95_s']:>8.3f}{m['latency_p99_s']:>8.3f}{m['throughput_rps']:>8.3f}"
               f"{m['deadline_attainment']:>8.1%}{m['latency_mean_s'] / base['latency_mean_s']:>10.2f}"
               f"{m['latency_p95_s'] / base['latency_p95_s']:>9.2f}"
-              f"{m['throughput_rps'] / base['throughput_rps']:>10.2f}")
+              f"{m['throughput_rps'] / base['throughput_rps']:>10.2f}"
+              f"{m['loadavg_1m'][0]:>6.1f}-{m['loadavg_1m'][1]:<5.1f}")
+    print("per class: mean s / p95 s / attainment")
+    for mode, m in report["modes"].items():
+        cells = [f"{name} {c['latency_mean_s'] or float('nan'):.2f}/{c['latency_p95_s'] or float('nan'):.2f}/"
+                 f"{c['deadline_attainment']:.0%}" for name, c in m["per_class"].items()]
+        print(f"  {mode:<14}" + "  ".join(cells))
+    for mode, m in report["modes"].items():
+        if "targets" in m:
+            print(f"targets {mode} vs request-fcfs: "
+                  + ", ".join(f"{name} {'met' if ok else 'NOT met'}" for name, ok in m["targets"].items()))
 
 
 def plot_cdf(report: dict[str, Any], path: Path) -> None:
@@ -318,8 +377,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8091")
     parser.add_argument("--model", default=None, help="model name sent in the body (default: the server's)")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf = all at once")
+    parser.add_argument("--num-prompts", type=int, default=None, help="requests (per mode); default 16, "
+                        "compare-modes 40")
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="requests/s; inf = all at once (compare-modes: inf = --load x measured capacity)")
     parser.add_argument("--arrival", choices=["poisson", "fixed"], default="poisson")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--size", default="1024x1024")
@@ -336,12 +397,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mix", default="128x128:8,128x128:24,256x256:12",
                         help="compare-modes: request classes SIZE:STEPS, drawn uniformly")
     parser.add_argument("--load", type=float, default=0.8, help="compare-modes: offered load / measured capacity")
-    parser.add_argument("--step-max-num-seqs", type=int, default=2, help="compare-modes: resident states")
+    parser.add_argument("--step-max-num-seqs", type=int, default=2,
+                        help="compare-modes: --max-num-seqs of the step modes (resident states / co-batch size)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="compare-modes: which modes, request-fcfs first (it calibrates the load)")
+    parser.add_argument("--min-throughput-ratio", type=float, default=0.98,
+                        help="compare-modes: throughput target of a step mode / request-fcfs (1.3 for the 256^2 run)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="compare-modes: 3 prompts per mode, no calibration reps (checks the script path)")
     parser.add_argument("--server-args", default="", help="compare-modes: more `vllm serve` flags, e.g. "
                         "'--load-format dummy --no-enforce-eager'")
-    parser.add_argument("--calibration-reps", type=int, default=2)
+    parser.add_argument("--calibration-reps", type=int, default=3,
+                        help="compare-modes: solo requests per class after its warm-up (the median is used)")
     parser.add_argument("--results-dir", type=Path, default=Path("benchmarks/results"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.num_prompts is None:
+        args.num_prompts = 40 if args.compare_modes else 16
+    if args.smoke:
+        args.num_prompts, args.calibration_reps = 3, 0
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

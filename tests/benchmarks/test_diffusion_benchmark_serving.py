@@ -47,7 +47,16 @@ def test_compare_modes_summary():
     plan = [(0.0, 0), (0.1, 1), (0.2, 1), (0.3, 0)]
     results = [bench.RequestResult(True, 1.0), bench.RequestResult(True, 5.0), bench.RequestResult(True, 3.0),
                bench.RequestResult(False, 0.5, error="HTTP 500")]
-    summary = bench.mode_summary(results, plan, deadlines=[2.0, 4.0], duration=10.0)
+    summary = bench.mode_summary(results, plan, deadlines=[2.0, 4.0], duration=10.0, mix=[("64x64", 4), ("1x1", 8)])
     assert summary["completed"] == 3 and summary["failed"] == 1 and summary["throughput_rps"] == 0.3
     assert summary["deadline_attainment"] == 0.5  # 1.0 <= 2 and 3.0 <= 4 made it; 5.0 > 4 and the failure did not
     assert summary["latency_mean_s"] == pytest.approx(3.0) and summary["latency_p50_s"] == 3.0
+    first, second = summary["per_class"]["64x64:4"], summary["per_class"]["1x1:8"]
+    assert (first["sent"], first["completed"], first["deadline_attainment"]) == (2, 1, 0.5)
+    assert second["latency_mean_s"] == pytest.approx(4.0) and second["deadline_attainment"] == 0.5
+    base = {"latency_mean_s": 10.0, "latency_p95_s": 20.0, "deadline_attainment": 0.5, "throughput_rps": 1.0}
+    step = {"latency_mean_s": 7.0, "latency_p95_s": 16.5, "deadline_attainment": 0.9, "throughput_rps": 1.29}
+    assert bench.target_checks(base, step, 1.3) == {"mean<=0.7x": True, "p95<=0.8x": False,
+                                                   "attainment>=90%": True, "throughput>=1.3x": False}
+    assert bench.parse_args(["--compare-modes", "m"]).num_prompts == 40
+    assert bench.parse_args(["--compare-modes", "m", "--smoke"]).num_prompts == 3

@@ -109,6 +109,27 @@ def test_slo_serves_the_earliest_deadline_first_and_counts_misses(pipe):
     assert h.outputs["relaxed"].step_stats.preemptions == 1
 
 
+def test_slo_steps_one_shape_at_a_time_and_learns_what_cobatching_costs(pipe):
+    h = harness(pipe, "slo", max_num_seqs=3)
+    small = [request(f"s{i}", 3, i, deadline_ms=60_000 + i) for i in range(2)]
+    big = make("qwen-image", "big", steps=3, seed=9, cfg=False, size=64)
+    big.sampling_params.deadline_ms = 120_000
+    for r in (*small, big):
+        h.add(r)
+    h.round()
+    assert resident_ids(h) == ["s0"]  # alone: the shape's solo step is not measured yet
+    h.round()
+    assert resident_ids(h) == ["s0", "s1"]  # the same shape: co-batched once, to measure what it costs
+    assert [j.request.request_id for j in h.executor.waiting] == ["big"]  # another shape waits: no sharing
+    cost, key = h.executor.policy.cost, shape_key(small[0])
+    assert cost.measured(key, 1) is not None and cost.measured(key, 2) is not None
+    h.drain()
+    assert max(h.finished_at["s0"], h.finished_at["s1"]) < h.finished_at["big"]
+    assert h.outputs["big"].step_stats.preemptions == 0
+    for r in (*small, big):
+        np.testing.assert_allclose(np.asarray(h.outputs[r.request_id].output), solo(pipe, r), atol=1e-5)
+
+
 def test_paused_states_are_bounded_by_max_paused_states(pipe):
     h = harness(pipe, "priority", max_paused_states=1)
     for i, prio in enumerate((3, 2, 1)):  # each arrival is more urgent than everything before

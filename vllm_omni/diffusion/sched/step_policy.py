@@ -1,14 +1,24 @@
 """Step scheduling policies: which requests a step-mode worker serves first (`--diffusion-scheduler-policy`).
 
-At every step boundary the `StepExecutor` asks its `StepPolicy` which jobs (resident, paused or waiting) hold
-the `max_num_seqs` step slots of the next round:
+At every step boundary the `StepExecutor` asks its `StepPolicy` which jobs (resident, paused or waiting) take a
+step in the next round (at most `max_num_seqs`):
 
-    fcfs      arrival order; a resident state is never paused
-    priority  vLLM's priority scheduling: lower `priority` first, then arrival
-    slo       earliest deadline first; a job whose estimated remaining cost no longer fits before its
-              deadline goes behind every job that can still make its own
+    fcfs      arrival order; a resident state is never paused (the resident states share the rounds)
+    priority  vLLM's priority scheduling: lower `priority` first, then arrival; the `max_num_seqs` most urgent
+              jobs share the rounds
+    slo       earliest deadline first, a job whose estimated remaining cost no longer fits before its deadline
+              behind every job that can still make its own; the most urgent job runs ALONE unless co-batching
+              pays: jobs of its shape join it only while their measured batched step is at most
+              `COBATCH_GAIN` x the sum of their solo steps (and the jobs that could make their deadline still do);
+              a batch size not measured yet is tried once, after the shape's solo step was measured
 
-A resident state left out of the slots is paused (preempted) with its latents and scheduler and resumes where it
+Why slo does not share rounds: a DiT forward at 512^2 and above is compute-bound, so k states advancing together
+make each of them k times slower (processor sharing), which raises mean latency above run-to-completion. Running
+the earliest deadline alone, with deadlines proportional to solo time, serves short jobs first (shortest job
+first), which is what cuts mean latency below FCFS; co-batching is kept for the small shapes where one batched
+forward costs well below the solo forwards it replaces.
+
+A resident state left out of a round is paused (preempted) with its latents and scheduler and resumes where it
 stopped; at most `max_paused_states` states are paused at a time, which bounds the states a worker holds.
 Remaining cost = remaining steps x the measured seconds per step of the request's shape (`StepCostModel`).
 """
@@ -25,6 +35,8 @@ Policy = Literal["fcfs", "priority", "slo"]
 POLICIES: tuple[str, ...] = ("fcfs", "priority", "slo")
 DEFAULT_STEPS = 50
 """Steps assumed for a waiting request that leaves `num_inference_steps` to the pipeline (diffusers' default)."""
+COBATCH_GAIN = 0.8
+"""slo co-batches k states of one shape only when their measured round costs at most this x k solo steps."""
 ShapeKey = tuple[int | None, int | None, int | None, bool]
 
 
@@ -43,21 +55,28 @@ def shape_label(key: ShapeKey) -> str:
 
 @dataclass
 class StepCostModel:
-    """Seconds per denoise step by shape: an exponentially weighted moving average of measured steps."""
+    """Seconds of one step of `batch` states of a shape (all their forwards in a round): an exponentially
+    weighted moving average of the measured rounds."""
 
     alpha: float = 0.3
     """Weight of the newest measurement."""
-    seconds: dict[ShapeKey, float] = field(default_factory=dict)
+    seconds: dict[tuple[ShapeKey, int], float] = field(default_factory=dict)
 
-    def observe(self, key: ShapeKey, seconds: float) -> None:
-        old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+    def observe(self, key: ShapeKey, seconds: float, batch: int = 1) -> None:
+        old = self.seconds.get((key, batch))
+        self.seconds[key, batch] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
 
-    def step_seconds(self, key: ShapeKey) -> float:
-        """The measured cost; an unmeasured shape is scaled by pixels from the measured ones (0 before any)."""
-        if key in self.seconds:
-            return self.seconds[key]
-        sized = [(k, s) for k, s in self.seconds.items() if _pixels(k) and k[3] == key[3]]
+    def measured(self, key: ShapeKey, batch: int) -> float | None:
+        return self.seconds.get((key, batch))
+
+    def step_seconds(self, key: ShapeKey, batch: int = 1) -> float:
+        """The measured cost; an unmeasured solo step is scaled by pixels from the measured solo steps of other
+        shapes (0 before any); an unmeasured batch costs `batch` solo steps (no gain assumed)."""
+        if (key, batch) in self.seconds:
+            return self.seconds[key, batch]
+        if batch != 1:
+            return batch * self.step_seconds(key)
+        sized = [(k, s) for (k, n), s in self.seconds.items() if n == 1 and _pixels(k) and k[3] == key[3]]
         if not sized or not _pixels(key):
             return 0.0
         per_pixel = sum(s / _pixels(k) for k, s in sized) / len(sized)
@@ -88,11 +107,11 @@ class StepPolicy:
         self.policy = policy
         self.cost = cost or StepCostModel()
 
-    def remaining_seconds(self, job: Schedulable) -> float:
-        return job.remaining_steps * self.cost.step_seconds(shape_key(job.request))
+    def remaining_seconds(self, job: Schedulable, batch: int = 1) -> float:
+        return job.remaining_steps * self.cost.step_seconds(shape_key(job.request), batch)
 
-    def can_make_deadline(self, job: Schedulable, now: float) -> bool:
-        return now + self.remaining_seconds(job) <= job.deadline
+    def can_make_deadline(self, job: Schedulable, now: float, batch: int = 1) -> bool:
+        return now + self.remaining_seconds(job, batch) <= job.deadline
 
     def urgency(self, job: Schedulable, now: float) -> tuple:
         """Sort key, most urgent first."""
@@ -103,17 +122,52 @@ class StepPolicy:
         return (job.arrival,)
 
     def choose(self, running: list, paused: list, waiting: list, slots: int, max_paused: int, now: float) -> list:
-        """The jobs that hold the step slots next round, most urgent first. Under fcfs the running jobs keep
-        theirs; otherwise a running job may lose its slot to a more urgent one, unless that would leave more than
-        `max_paused` jobs paused (then the least urgent newcomers give way to the most urgent paused ones)."""
+        """The jobs that take a step next round, most urgent first."""
         if self.policy == "fcfs":
             return running + waiting[:max(slots - len(running), 0)]
         ranked = sorted(running + paused + waiting, key=lambda job: self.urgency(job, now))
-        chosen = ranked[:slots]
+        if self.policy == "slo" and ranked:
+            return self._choose_slo(ranked, [*running, *paused], slots, max_paused, now)
+        return self._keep_paused_bound(ranked, ranked[:slots], waiting, slots, max_paused, now)
+
+    def _keep_paused_bound(self, ranked: list, chosen: list, waiting: list, slots: int, max_paused: int,
+                           now: float) -> list:
+        """`chosen`, where leaving out more than `max_paused` prepared jobs would pause one more: then the least
+        urgent newcomers give way to the most urgent held states (and free slots are filled with held states)."""
         chosen_ids = {id(job) for job in chosen}
-        holders = [job for job in ranked if id(job) not in chosen_ids and not any(job is w for w in waiting)]
-        fresh = [job for job in chosen if any(job is w for w in waiting)]
-        while len(holders) > max_paused and fresh:
-            chosen.remove(fresh.pop())  # the least urgent newcomer gives way to the most urgent state
+        waiting_ids = {id(job) for job in waiting}
+        holders = [job for job in ranked if id(job) not in chosen_ids and id(job) not in waiting_ids]
+        fresh = [job for job in chosen if id(job) in waiting_ids]
+        while len(holders) > max_paused and (fresh or len(chosen) < slots):
+            if len(chosen) >= slots:
+                chosen.remove(fresh.pop())
             chosen.append(holders.pop(0))
         return sorted(chosen, key=lambda job: self.urgency(job, now))
+
+    def _choose_slo(self, ranked: list, prepared: list, slots: int, max_paused: int, now: float) -> list:
+        """The most urgent job (a prepared one when admitting a newcomer would pause more than `max_paused`),
+        joined by the most urgent jobs of its shape while co-batching them pays."""
+        prepared_ids = {id(job) for job in prepared}
+        head = ranked[0] if len(prepared) <= max_paused else next(j for j in ranked if id(j) in prepared_ids)
+        key = shape_key(head.request)
+        chosen = [head]
+        for job in ranked:
+            if len(chosen) >= slots:
+                break
+            if job is not head and shape_key(job.request) == key and self._cobatch_pays(chosen + [job], key, now):
+                chosen.append(job)
+        waiting = [job for job in ranked if id(job) not in prepared_ids]
+        return self._keep_paused_bound(ranked, chosen, waiting, slots, max_paused, now)
+
+    def _cobatch_pays(self, jobs: list, key: ShapeKey, now: float) -> bool:
+        """k states of one shape share a round once the shape's solo step is measured: when k is not measured
+        yet (one round measures it), or when their batched step is measured at most `COBATCH_GAIN` x k solo
+        steps and no job that could make its deadline alone would miss it at the batched pace."""
+        batch, solo = len(jobs), self.cost.measured(key, 1)
+        batched = self.cost.measured(key, batch)
+        if solo is None or batched is None:
+            return solo is not None
+        if batched > COBATCH_GAIN * batch * solo:
+            return False
+        return not any(self.can_make_deadline(job, now) and not self.can_make_deadline(job, now, batch)
+                       for job in jobs)

@@ -5,9 +5,10 @@ for all of it. In step mode the worker keeps one resident `DenoiseState` per req
 scheduler and timesteps) and runs rounds:
 
     retire   aborted requests leave (their memory is freed); finished states are decoded, output sent at once
-    admit    the scheduling policy (`diffusion/sched/step_policy.py`) picks the `max_num_seqs` jobs that step
-             next: waiting requests join (encode, initial latents), paused states resume, and a resident state
-             that lost its slot to a more urgent request is paused (it keeps its latents; no recompute)
+    admit    the scheduling policy (`diffusion/sched/step_policy.py`) picks the jobs (at most `max_num_seqs`)
+             that step next: waiting requests join (encode, initial latents), paused states resume, and a
+             resident state left out (a more urgent request took its slot, or under slo co-running would not
+             pay) is paused (it keeps its latents; no recompute)
     advance  every resident state takes one denoise step: states with equal `forward_group_key` share ONE
              transformer forward (`denoise_step_batch`), at most `diffusion_max_tokens_per_forward` tokens each
     retire   as above, so an output leaves right after its last step
@@ -29,7 +30,7 @@ import torch
 
 from vllm_omni.diffusion.data import DiffusionOutput, StepStats
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.sched.step_policy import DEFAULT_STEPS, StepPolicy, shape_key, shape_label
+from vllm_omni.diffusion.sched.step_policy import DEFAULT_STEPS, ShapeKey, StepPolicy, shape_key, shape_label
 from vllm_omni.diffusion.step_context import PartialSink, StepContext
 from vllm_omni.errors import RequestAbortedError
 from vllm_omni.logger import init_logger
@@ -153,7 +154,7 @@ class StepExecutor:
                     self._finish(job, outputs[0])
 
     def _admit(self) -> None:
-        """Aborted waiting requests leave; the policy's choice of `max_num_seqs` jobs becomes the resident set:
+        """Aborted waiting requests leave; the policy's choice (<= `max_num_seqs` jobs) becomes the resident set:
         resident jobs it left out are paused, paused ones it chose resume, waiting ones it chose are prepared."""
         for job in [job for job in self.waiting if job.ctx.aborted([job.request.request_id])]:
             self.waiting.remove(job)
@@ -176,21 +177,30 @@ class StepExecutor:
 
     def _advance(self) -> None:
         """Every resident state takes one step: one transformer forward per group of compatible states (equal
-        `step_group_key`), split where a group's tokens exceed `diffusion_max_tokens_per_forward`."""
+        `step_group_key`), split where a group's tokens exceed `diffusion_max_tokens_per_forward`. The cost model
+        learns what one step of the round's states of each shape cost (the seconds of their forwards)."""
         if self.runner.pipeline is None:
             for job in list(self.resident):
                 self._guarded(job, self._pipeline)
             return
         pipeline = self.runner.pipeline
+        states: dict[ShapeKey, int] = {}
+        seconds_by_shape: dict[ShapeKey, float] = {}
         for group in self._forward_groups(pipeline):
             start = time.perf_counter()
             errors = pipeline.denoise_step_batch([job.state for job in group], [job.ctx for job in group])
             seconds = time.perf_counter() - start  # each state of a shared forward waited for all of it
+            stepped = [job for job, error in zip(group, errors, strict=True) if error is None]
             for job, error in zip(group, errors, strict=True):
                 if error is not None:
                     self._fail(job, error)
-                else:
-                    self._observe_step(job, seconds)
+            for job in stepped:
+                job.stats.step_seconds.append(seconds)
+                states[shape_key(job.request)] = states.get(shape_key(job.request), 0) + 1
+            for key in {shape_key(job.request) for job in stepped}:
+                seconds_by_shape[key] = seconds_by_shape.get(key, 0.0) + seconds
+        for key, count in states.items():  # what one step of `count` states of this shape cost this round
+            self.policy.cost.observe(key, seconds_by_shape[key], batch=count)
 
     def _forward_groups(self, pipeline) -> list[list[_Job]]:
         """Resident states grouped by `forward_group_key` (None: alone), in residence order, each group cut into
@@ -229,11 +239,6 @@ class StepExecutor:
     def _fail(self, job: _Job, exc: Exception) -> None:
         logger.info("[diffusion step] request %s failed: %s", job.request.request_id, exc)
         self._finish(job, DiffusionOutput.from_exception(exc))
-
-    def _observe_step(self, job: _Job, seconds: float) -> None:
-        if job.state is not None:  # the step did not fail
-            job.stats.step_seconds.append(seconds)
-            self.policy.cost.observe(shape_key(job.request), seconds)
 
     def _finish(self, job: _Job, output: DiffusionOutput) -> None:
         """Free the job's state and send its batch's result once the batch is complete."""
