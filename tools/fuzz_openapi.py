@@ -51,9 +51,12 @@ def fuzz(model: str, max_time: int, extra: list[str]) -> tuple[int, int]:
     server = LiveServer(model, *SERVER_ARGS.get(model, ()), *extra)
     try:
         before = status_counts(server.url)
+        # Build the (cached) schema once with a patient timeout: vLLM's app has many routes, and schemathesis
+        # gives up loading it after 10 s on a busy machine.
+        httpx.get(f"{server.url}/openapi.json", timeout=300).raise_for_status()
         cmd = [shutil.which("schemathesis") or str(Path(sys.executable).with_name("schemathesis")), "run",
                f"{server.url}/openapi.json", "--checks", "not_a_server_error", "--max-time", str(max_time),
-               "--request-timeout", "60", "--workers", "1", "--continue-on-failure", "--no-color",
+               "--request-timeout", "300", "--workers", "1", "--continue-on-failure", "--no-color",
                "--exclude-path-regex", "^/v1/omni/", "--suppress-health-check", "all"]
         with tempfile.TemporaryDirectory() as scratch:  # schemathesis keeps its caches in the working directory
             run = subprocess.run(cmd, capture_output=True, text=True, timeout=max_time + 600, cwd=scratch)

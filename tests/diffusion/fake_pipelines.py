@@ -5,7 +5,8 @@ a request gives the same pixels alone or inside a batch. Prompts steer behaviour
 "fail" -> that request fails with a 422, "break-batch" -> the whole forward raises (the runner then retries
 one by one), "sleep:<s>" -> the forward sleeps, "big" -> a 4 MB array output (travels through shared memory),
 "bad-output" -> an output that cannot be encoded (a lone surrogate). `FakeStepPipeline` runs a denoise-like
-loop of `num_inference_steps` steps that checks for aborts before every step, as the real pipelines do.
+loop of `num_inference_steps` steps that checks for aborts before every step, as the real pipelines do;
+`FakeCollectivePipeline` one with a collective per step across the worker's ranks.
 """
 
 from __future__ import annotations
@@ -91,6 +92,31 @@ class FakeStepPipeline(FakeBatchPipeline):
                 for r in active:
                     steps_run[r.request_id] += 1
         return [done[rid] for rid in batch.request_ids]
+
+
+class FakeCollectivePipeline(FakeBatchPipeline):
+    """A prompt "collective" runs `num_inference_steps` steps that each all-reduce across the worker's ranks (as
+    a TP forward does), checking for aborts before every step; rank 1 reaches each check `LAG_S` after rank 0, so
+    an abort mostly lands between the two ranks' checks of one step. Each rank writes how many steps it ran to
+    `<model dir>/<request id>.rank<r>`. Other prompts behave as in `FakeBatchPipeline`."""
+
+    LAG_S = 0.05
+
+    def forward(self, batch: DiffusionRequestBatch, ctx: StepContext) -> list[DiffusionOutput]:
+        if [r.prompt_text for r in batch.requests] != ["collective"]:
+            return super().forward(batch, ctx)
+        import torch
+        from vllm.distributed.parallel_state import get_world_group
+
+        (request,) = batch.requests
+        group, step = get_world_group(), 0
+        while step < request.sampling_params.num_inference_steps and not ctx.aborted([request.request_id]):
+            torch.distributed.all_reduce(torch.ones(1), group=group.cpu_group)
+            step += 1
+            if group.rank_in_group == 1:
+                time.sleep(self.LAG_S)
+        Path(self.od_config.model, f"{request.request_id}.rank{group.rank_in_group}").write_text(str(step))
+        return [self._one(request, 1)]
 
 
 class FakeSingleRequestPipeline(FakeBatchPipeline):

@@ -37,6 +37,29 @@ def test_refused_with_the_field_named(server, body, param):
     assert_client_error(resp, param)
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {"messages": [{"author": {"role": "user"}, "content": [{"type": "text", "text": "hi"}]}]},
+     "messages[0].role"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+    ("/detokenize", {"tokens": [2**63 + 1]}, "tokens"),
+])
+def test_vllm_routes_refuse_what_their_handlers_cannot_take(server, path, body, param):
+    """vLLM's own /tokenize and /detokenize (mounted for an AR-first pipeline) answered 500 (TypeError,
+    OverflowError) to these; the vLLM handler still serves good requests."""
+    assert_client_error(httpx.post(f"{server.url}{path}", json=body, timeout=60), param)
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "hi"}, timeout=60).json()["tokens"]
+    assert httpx.post(f"{server.url}/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"] == "hi"
+
+
+def test_vllm_route_without_its_serving_object_is_a_404(server):
+    """vLLM mounts /v1/systemone for every generate model; this one has no structured-decision strategy, so
+    vLLM's handler raised NotImplementedError (was 500 here, 501 on plain vLLM)."""
+    resp = httpx.post(f"{server.url}/v1/systemone", json={"state": "x", "questions": {}}, timeout=60)
+    assert resp.status_code == 404, resp.text
+    assert "/v1/systemone" in resp.json()["error"]["message"] and resp.json()["error"]["code"] == 404
+
+
 async def test_health_while_a_large_prompt_is_tokenized(server):
     body = json.dumps({"messages": [{"role": "user", "content": "a " * (2 * 2**20)}], "max_tokens": 4})
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:

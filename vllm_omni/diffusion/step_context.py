@@ -2,8 +2,8 @@
 
 The runner builds one `StepContext` per `pipeline.forward`: the partial-output sink (`report_progress` /
 `emit_partial` reach the requests' submitters while the forward still runs; no-ops when nobody listens), the
-abort flag the denoise loop polls between steps, and the current step and normalized timestep the loop records
-so that step-gated layers (cache, sparse attention) can act on them.
+abort flag the denoise loop polls between steps (rank 0's decision on every rank), and the current step and
+normalized timestep the loop records so that step-gated layers (cache, sparse attention) can act on them.
 """
 
 from __future__ import annotations
@@ -54,5 +54,17 @@ class StepContext:
         return self.partial_sink is not None
 
     def aborted(self, request_ids: list[str]) -> list[str]:
-        """The subset of `request_ids` aborted by now."""
-        return [request_id for request_id in request_ids if self.abort_requested(request_id)]
+        """The subset of `request_ids` aborted by now, as rank 0 sees it on every rank of a multi-rank worker.
+
+        Each rank reads the abort channel on its own, so an abort reaches the ranks at different steps; ranks that
+        acted on their own view would leave a forward's collectives at different steps and hang. Rank 0 decides
+        and broadcasts, at each check (every rank checks at the same points of the same loop)."""
+        return _rank0_decides([request_id for request_id in request_ids if self.abort_requested(request_id)])
+
+
+def _rank0_decides(value: list[str]) -> list[str]:
+    from vllm.distributed.parallel_state import get_world_group, model_parallel_is_initialized
+
+    if model_parallel_is_initialized() and get_world_group().world_size > 1:
+        return get_world_group().broadcast_object(value, src=0)
+    return value

@@ -33,6 +33,7 @@ from vllm_omni.entrypoints.openai.serving_speech import OmniOpenAIServingSpeech
 from vllm_omni.entrypoints.openai.serving_video import OmniOpenAIServingVideo
 from vllm_omni.entrypoints.openai.serving_video_stream import OmniStreamingVideoOutputHandler
 from vllm_omni.entrypoints.openai.video_api_router import router as video_router
+from vllm_omni.entrypoints.openai.vllm_route_guards import register_guarded_vllm_routers
 from vllm_omni.inputs.data import DiffusionLimits
 from vllm_omni.logger import init_logger
 
@@ -80,9 +81,7 @@ def build_app(args: argparse.Namespace, engine: Any, supported_tasks: tuple[str,
     app.include_router(router)
     app.include_router(video_router)
     if supported_tasks is not None:
-        from vllm.entrypoints.launchers.api_server.routers import register_api_routers
-
-        register_api_routers(args, app, supported_tasks)
+        register_guarded_vllm_routers(args, app, supported_tasks)
         add_unavailable_routes(app, VLLM_ROUTES, f"`{served_model_name(args)}` does not serve {{path}} (the tasks "
                                f"served for it through vLLM: {list(supported_tasks)})")
     else:

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.exceptions import VLLMClientError, VLLMNotFoundError
 
+from vllm_omni.entrypoints.openai.vllm_route_guards import is_vllm_route, vllm_route_error
 from vllm_omni.errors import EngineDeadError, OmniClientError, OmniError
 from vllm_omni.logger import init_logger
 
@@ -80,9 +81,11 @@ def exception_to_response(exc: BaseException) -> JSONResponse:
 
 
 def register_exception_handlers(app: FastAPI) -> None:
-    async def handle(_: Request, exc: Exception) -> JSONResponse:
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        if is_vllm_route(request) and (answer := vllm_route_error(request, exc)) is not None:
+            return error_json(*answer)
         return exception_to_response(exc)
 
     for exc_type in (OmniError, VLLMClientError, RequestValidationError, ValidationError, StarletteHTTPException,
-                     Exception):
+                     NotImplementedError, ValueError, Exception):
         app.add_exception_handler(exc_type, handle)
