@@ -173,7 +173,8 @@ class OmniDiffusionConfig:
     """Admit and retire requests at every denoise-step boundary (up to max_num_seqs resident; compatible
     resident states share one transformer forward per step): a new request starts at the next step instead of
     behind a whole request, and an abort or a failure inside a step ends only its own request. Pipelines that
-    cannot step (the diffusers adapter) serve in request mode. One rank only for now."""
+    cannot step (the diffusers adapter) serve in request mode. With TP / sequence / CFG ranks every rank runs the
+    same step batch, rank 0 deciding admission, preemption, retirement and aborts."""
     diffusion_max_tokens_per_forward: int | None = 16384
     """Step mode: most tokens (transformer rows incl. CFG x image + text tokens) in one co-batched forward;
     a larger group of compatible states is split into several forwards, a state larger than the cap runs
@@ -240,9 +241,6 @@ class OmniDiffusionConfig:
         if self.diffusion_max_tokens_per_forward is not None and self.diffusion_max_tokens_per_forward < 1:
             raise ValueError("diffusion_max_tokens_per_forward must be >= 1 (1 = one forward per state), got "
                              f"{self.diffusion_max_tokens_per_forward}")
-        if self.step_execution and self.parallel_config.world_size > 1:
-            raise ValueError("step_execution supports one rank only for now (no tensor, sequence or CFG "
-                             "parallelism)")
         if self.diffusion_memory_budget_gb is not None and not self.diffusion_memory_budget_gb > 0:
             raise ValueError(f"diffusion_memory_budget_gb must be > 0, got {self.diffusion_memory_budget_gb}")
         if not 0 < self.default_deadline_ms <= MAX_DEADLINE_MS:

@@ -12,6 +12,13 @@ ranks). vLLM builds the TP groups
 over consecutive ranks (the rest of the world is its "external data parallel" dimension); we build the
 Ulysses, ring, sequence-parallel (ring x Ulysses) and CFG groups as vLLM `GroupCoordinator`s, once, at start-up.
 As vLLM's own `_TP`, they live in this module for the life of the worker process.
+
+Why module-level and not on the worker / runner: the model code that uses them (vLLM's parallel linears inside
+the transformers, our attention layer, `sequence.py`'s shard / gather, the VAE patch decode) already reads vLLM's
+groups from `vllm.distributed.parallel_state`, the same way; passing ours explicitly would mean threading a groups
+object through every pipeline, transformer and attention constructor while TP still came from vLLM's module, so
+the two would be owned in two different ways. One worker process is one rank of one stage, so there is exactly one
+set of groups per process; `init_diffusion_distributed` sets it once and `destroy_diffusion_distributed` clears it.
 """
 
 from __future__ import annotations
