@@ -76,8 +76,8 @@ def check_diffusion_args(engine_args: dict[str, Any]) -> None:
 
 @dataclass
 class DiffusionParallelConfig:
-    """How one diffusion stage splits its work over devices: world = TP x Ulysses x ring x CFG ranks, one worker
-    process per rank (see docs/parallelism.md)."""
+    """How one diffusion stage splits its work over devices: world = TP x Ulysses x ring x CFG ranks (or the
+    VAE patch degree when it is larger), one worker process per rank (see docs/parallelism.md)."""
 
     tensor_parallel_size: int = 1
     """Shards every transformer layer over this many devices (one worker process per rank)."""
@@ -92,6 +92,10 @@ class DiffusionParallelConfig:
     log-sum-exp; no head constraint, more communication than Ulysses."""
     cfg_parallel_size: int = 1
     """2 = the positive and the negative (true CFG) branch run on different ranks, joined by an all-gather."""
+    vae_patch_parallel_size: int = 1
+    """Ranks that split the VAE decode into row strips (each with a halo covering the decoder's receptive field,
+    gathered into the whole image/video). Reuses the TP/SP/CFG ranks (decode runs after the denoise loop): it
+    must divide their product or be a multiple of it (then the denoise loop runs on every group of ranks)."""
     data_parallel_size: int = 1
     """Replicas of the diffusion stage, each a full engine (all its ranks) on its own devices; requests go to
     the least loaded live replica. Resolved into the stage's `num_replicas` (the deploy config's name for it),
@@ -99,7 +103,8 @@ class DiffusionParallelConfig:
 
     def __post_init__(self) -> None:
         refuse_unimplemented(asdict(self))
-        for name in ("tensor_parallel_size", "ulysses_degree", "ring_degree", "cfg_parallel_size"):
+        for name in ("tensor_parallel_size", "ulysses_degree", "ring_degree", "cfg_parallel_size",
+                     "vae_patch_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise OmniClientError(f"{name}={value!r} ({_flag(name)}) must be a positive integer", param=name)
@@ -115,11 +120,21 @@ class DiffusionParallelConfig:
             raise OmniClientError(
                 f"sequence_parallel_size={self.sequence_parallel_size} (--sequence-parallel-size) must equal "
                 f"ulysses_degree x ring_degree = {product}", param="sequence_parallel_size")
+        denoise, vae = self.denoise_world_size, self.vae_patch_parallel_size
+        if denoise % vae and vae % denoise:
+            raise OmniClientError(
+                f"vae_patch_parallel_size={vae} (--vae-patch-parallel-size) must divide or be a multiple of "
+                f"tensor_parallel_size x sequence_parallel_size x cfg_parallel_size = {denoise}",
+                param="vae_patch_parallel_size")
+
+    @property
+    def denoise_world_size(self) -> int:
+        """Ranks of one copy of the denoise loop: TP x SP x CFG."""
+        return self.tensor_parallel_size * self.sequence_parallel_size * self.cfg_parallel_size
 
     @property
     def world_size(self) -> int:
-        tp, sp = self.tensor_parallel_size, self.sequence_parallel_size
-        return tp * sp * self.cfg_parallel_size * self.data_parallel_size
+        return max(self.denoise_world_size, self.vae_patch_parallel_size) * self.data_parallel_size
 
 
 def _flag(name: str) -> str:
@@ -158,7 +173,8 @@ class OmniDiffusionConfig:
     """Admit and retire requests at every denoise-step boundary (up to max_num_seqs resident; compatible
     resident states share one transformer forward per step): a new request starts at the next step instead of
     behind a whole request, and an abort or a failure inside a step ends only its own request. Pipelines that
-    cannot step (the diffusers adapter) serve in request mode. One rank only for now."""
+    cannot step (the diffusers adapter) serve in request mode. With TP / sequence / CFG ranks every rank runs the
+    same step batch, rank 0 deciding admission, preemption, retirement and aborts."""
     diffusion_max_tokens_per_forward: int | None = 16384
     """Step mode: most tokens (transformer rows incl. CFG x image + text tokens) in one co-batched forward;
     a larger group of compatible states is split into several forwards, a state larger than the cap runs
@@ -225,9 +241,6 @@ class OmniDiffusionConfig:
         if self.diffusion_max_tokens_per_forward is not None and self.diffusion_max_tokens_per_forward < 1:
             raise ValueError("diffusion_max_tokens_per_forward must be >= 1 (1 = one forward per state), got "
                              f"{self.diffusion_max_tokens_per_forward}")
-        if self.step_execution and self.parallel_config.world_size > 1:
-            raise ValueError("step_execution supports one rank only for now (no tensor, sequence or CFG "
-                             "parallelism)")
         if self.diffusion_memory_budget_gb is not None and not self.diffusion_memory_budget_gb > 0:
             raise ValueError(f"diffusion_memory_budget_gb must be > 0, got {self.diffusion_memory_budget_gb}")
         if not 0 < self.default_deadline_ms <= MAX_DEADLINE_MS:

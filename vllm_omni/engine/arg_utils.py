@@ -115,6 +115,7 @@ class OmniEngineArgs(EngineArgs):
     ulysses_degree: int | None = None
     ring_degree: int | None = None
     cfg_parallel_size: int | None = None
+    vae_patch_parallel_size: int | None = None
     diffusion_memory_budget_gb: float | None = None
     max_stage_restarts: int | None = None
     """Times a stage re-creates what died (diffusion workers, an AR stage's EngineCore) before it is dead;

@@ -4,11 +4,21 @@ Every worker gets a process group even when it is alone (gloo on CPU, nccl on CU
 written with vLLM's `ColumnParallelLinear` / `RowParallelLinear` runs unchanged at any tensor-parallel
 size. Tests call `init_diffusion_distributed` in-process with world_size 1.
 
-Rank layout (innermost first): tensor parallel, Ulysses, ring, CFG:
-`rank = ((cfg * ring_degree + ring) * ulysses_degree + ulysses) * tp + tp_rank`. vLLM builds the TP groups
+Rank layout (innermost first): tensor parallel, Ulysses, ring, CFG, denoise copy:
+`rank = (((copy * cfg_size + cfg) * ring_degree + ring) * ulysses_degree + ulysses) * tp + tp_rank`; there is
+more than one copy of the denoise loop only when `vae_patch_parallel_size` exceeds TP x SP x CFG. VAE patch
+groups are runs of `vae_patch_parallel_size` consecutive ranks (they decode after the loop, so they reuse its
+ranks). vLLM builds the TP groups
 over consecutive ranks (the rest of the world is its "external data parallel" dimension); we build the
 Ulysses, ring, sequence-parallel (ring x Ulysses) and CFG groups as vLLM `GroupCoordinator`s, once, at start-up.
 As vLLM's own `_TP`, they live in this module for the life of the worker process.
+
+Why module-level and not on the worker / runner: the model code that uses them (vLLM's parallel linears inside
+the transformers, our attention layer, `sequence.py`'s shard / gather, the VAE patch decode) already reads vLLM's
+groups from `vllm.distributed.parallel_state`, the same way; passing ours explicitly would mean threading a groups
+object through every pipeline, transformer and attention constructor while TP still came from vLLM's module, so
+the two would be owned in two different ways. One worker process is one rank of one stage, so there is exactly one
+set of groups per process; `init_diffusion_distributed` sets it once and `destroy_diffusion_distributed` clears it.
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ class DiffusionParallelGroups:
     """ulysses x ring: the ranks that each hold one shard of the image/video sequence (ring-major)."""
     cfg: GroupCoordinator
     """Ranks that run the positive (CFG rank 0) and the negative (CFG rank 1) branch."""
+    vae: GroupCoordinator
+    """Ranks that each decode one row strip of the latents (VAE patch parallel)."""
 
 
 _GROUPS: DiffusionParallelGroups | None = None
@@ -55,14 +67,15 @@ def make_vllm_config(parallel_config: DiffusionParallelConfig) -> VllmConfig:
 def group_ranks(parallel_config: DiffusionParallelConfig) -> dict[str, list[list[int]]]:
     """Global ranks of every Ulysses / ring / sp / CFG group, from the rank layout in the module doc."""
     pc = parallel_config
-    grid = torch.arange(pc.world_size).reshape(pc.cfg_parallel_size, pc.ring_degree, pc.ulysses_degree,
-                                               pc.tensor_parallel_size)
+    world = torch.arange(pc.world_size)
+    grid = world.reshape(-1, pc.cfg_parallel_size, pc.ring_degree, pc.ulysses_degree, pc.tensor_parallel_size)
 
     def along(*dims: int) -> list[list[int]]:
-        rest = [d for d in range(4) if d not in dims]
+        rest = [d for d in range(5) if d not in dims]
         return grid.permute(*rest, *dims).reshape(-1, math.prod(grid.shape[d] for d in dims)).tolist()
 
-    return {"ulysses": along(2), "ring": along(1), "sp": along(1, 2), "cfg": along(0)}
+    return {"ulysses": along(3), "ring": along(2), "sp": along(2, 3), "cfg": along(1),
+            "vae": world.reshape(-1, pc.vae_patch_parallel_size).tolist()}
 
 
 def init_diffusion_distributed(

@@ -17,6 +17,9 @@ The worker polls its input between rounds, so a new request starts at the next s
 its own timesteps, guidance and scheduler inside a shared forward, so a request's output is the one it has
 alone (bitwise with a cap of 1, one forward per state); a request that raises inside a step is retired with its
 error while the others go on unaffected.
+
+On more than one rank (TP / sequence / CFG parallel) every rank runs the same rounds; rank 0 decides which
+batches exist, which requests are aborted and which jobs step, and the others follow (`step_sync.py`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from vllm_omni.logger import init_logger
 if TYPE_CHECKING:
     from vllm_omni.diffusion.pipeline_base import DenoiseState
     from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
+    from vllm_omni.diffusion.worker.step_sync import RankSync
 
 logger = init_logger(__name__)
 
@@ -94,9 +98,11 @@ class _Job:
 
 
 class StepExecutor:
-    """The resident states of one worker and the rounds that advance them (single rank only)."""
+    """The resident states of one worker and the rounds that advance them (`sync`: the rank-0 decisions of a
+    multi-rank stage; None on one rank)."""
 
-    def __init__(self, runner: DiffusionModelRunner, send: SendOutputs, aborted: AbortSet) -> None:
+    def __init__(self, runner: DiffusionModelRunner, send: SendOutputs, aborted: AbortSet,
+                 sync: RankSync | None = None) -> None:
         self.runner = runner
         self.max_resident = runner.od_config.max_num_seqs
         self.max_tokens = runner.od_config.diffusion_max_tokens_per_forward
@@ -110,6 +116,14 @@ class StepExecutor:
         self.resident: list[_Job] = []
         """The states that take a step this round, most urgent first."""
         self._batches: dict[int, _Batch] = {}
+        self.sync = sync
+        self._round_aborts: set[tuple[int, str]] = set()
+        """Under `sync`: the aborts rank 0 decided for the current round."""
+
+    @property
+    def batch_ids(self) -> set[int]:
+        """Batches added and not complete yet."""
+        return set(self._batches)
 
     @property
     def has_work(self) -> bool:
@@ -121,7 +135,7 @@ class StepExecutor:
         self._batches[batch_id] = batch
         for index, request in enumerate(requests):
             ctx = StepContext(self.runner.od_config, request_ids=[request.request_id], partial_sink=partial_sink,
-                              abort_requested=lambda rid, b=batch_id: self.aborted.contains(b, rid))
+                              abort_requested=lambda rid, b=batch_id: self._is_aborted(b, rid))
             deadline_ms = request.sampling_params.deadline_ms or self.runner.od_config.default_deadline_ms
             self.waiting.append(_Job(batch, index, request, ctx, deadline_ms))
         if not requests:
@@ -130,6 +144,8 @@ class StepExecutor:
     @torch.inference_mode()
     def run_round(self) -> None:
         """Retire, admit, advance every resident state by one step, retire."""
+        if self.sync is not None:
+            self._round_aborts = self.sync.start_round(list(self._batches), self._live_aborts())
         self._retire()
         self._admit()
         self._advance()
@@ -159,8 +175,12 @@ class StepExecutor:
         for job in [job for job in self.waiting if job.ctx.aborted([job.request.request_id])]:
             self.waiting.remove(job)
             self._finish(job, DiffusionOutput.from_exception(RequestAbortedError()))
-        chosen = self.policy.choose(self.resident, self.paused, self.waiting, self.max_resident,
-                                    self.runner.od_config.max_paused_states, time.perf_counter())
+        chosen = []
+        if self.sync is None or self.sync.is_leader:
+            chosen = self.policy.choose(self.resident, self.paused, self.waiting, self.max_resident,
+                                        self.runner.od_config.max_paused_states, time.perf_counter())
+        if self.sync is not None:
+            chosen = self._agreed(chosen)
         chosen_ids = {id(job) for job in chosen}
         for job in self.resident:
             if id(job) not in chosen_ids:
@@ -213,6 +233,23 @@ class StepExecutor:
                 key, tokens = planned
                 keyed.setdefault((None, id(job)) if key is None else key, []).append((job, tokens))
         return [chunk for members in keyed.values() for chunk in split_by_tokens(members, self.max_tokens)]
+
+    # ---- rank-0 decisions (multi-rank) ---------------------------------------------------------------------------
+
+    def _is_aborted(self, batch_id: int, request_id: str) -> bool:
+        if self.sync is None:
+            return self.aborted.contains(batch_id, request_id)
+        return (batch_id, request_id) in self._round_aborts
+
+    def _live_aborts(self) -> set[tuple[int, str]]:
+        jobs = self.waiting + self.paused + self.resident
+        return {(job.batch.batch_id, job.request.request_id) for job in jobs
+                if self.aborted.contains(job.batch.batch_id, job.request.request_id)}
+
+    def _agreed(self, chosen: list[_Job]) -> list[_Job]:
+        """Rank 0's chosen jobs, as this rank's job objects."""
+        by_key = {(job.batch.batch_id, job.index): job for job in self.waiting + self.paused + self.resident}
+        return [by_key[key] for key in self.sync.agree([(job.batch.batch_id, job.index) for job in chosen])]
 
     def _prepare(self, job: _Job) -> DenoiseState:
         pipeline = self._pipeline()

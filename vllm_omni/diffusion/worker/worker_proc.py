@@ -12,7 +12,9 @@ spawned us exits, and engines are built and restarted from short-lived threads.
 
 In step mode (`od_config.step_execution`) a batch message is handed to the `StepExecutor` instead of run at
 once: between two denoise-step rounds the loop reads every message that arrived, so new requests join at the
-next step boundary and each request's output leaves as soon as it is decoded.
+next step boundary and each request's output leaves as soon as it is decoded. On more than one rank, rank 0
+decides each round and the others follow (`step_sync.py`): a rank that has not read a batch rank 0 steps reads
+its input until it has (at most `_FETCH_TIMEOUT_S`).
 
 Nothing one request brings can end the loop: a message that cannot be decoded, a forward that raises, an
 output that cannot be encoded each fail the requests concerned, and the worker serves the next message.
@@ -53,6 +55,12 @@ from vllm_omni.logger import configure_process_logging
 _POLL_INTERVAL_MS = 200
 _PARENT_CHECK_INTERVAL_S = 0.5
 _SEND_LINGER_MS = 2000
+_FETCH_TIMEOUT_S = 60.0
+"""Step mode, ranks > 0: how long a batch rank 0 already steps may take to reach this rank's socket."""
+
+
+class _ShutdownRequested(Exception):
+    """A Shutdown message read while a step round waited for a batch."""
 
 
 @dataclass
@@ -137,8 +145,11 @@ class WorkerProc:
             return False
         if spec.od_config.step_execution:
             from vllm_omni.diffusion.worker.step_runner import StepExecutor
+            from vllm_omni.diffusion.worker.step_sync import RankSync
 
-            self.steps = StepExecutor(self.worker.model_runner, self._send_outputs, self.aborted)
+            sync = RankSync(self._fetch_batches) if spec.world_size > 1 else None
+            send = self._send_outputs if self.rank == 0 else lambda batch_id, outputs: None
+            self.steps = StepExecutor(self.worker.model_runner, send, self.aborted, sync)
         info = {**self.worker.ping(), "pipeline_class": self.worker.model_runner.pipeline_class_name}
         if self.worker.device.type == "cuda":  # what requests may use: the engine's memory admission budget
             import torch
@@ -151,32 +162,53 @@ class WorkerProc:
         while True:
             stepping = self.steps is not None and self.steps.has_work
             if not self.input.poll(0 if stepping else _POLL_INTERVAL_MS):
-                if stepping:  # every message that arrived is read before the next step
-                    self._run_round()
+                if stepping and not self._run_round():  # every message that arrived is read before the next step
+                    return
                 continue
-            buffer = self.input.recv(copy=False).buffer
-            try:
-                msg = self.decoder.decode(buffer)
-            except Exception as exc:
-                self._undecodable(buffer, exc)
-                continue
-            if isinstance(msg, Shutdown):
+            if not self._handle_next():
                 return
-            try:
-                if isinstance(msg, ExecuteBatch) and self.steps is not None:
-                    self.steps.add(msg.batch_id, msg.requests, self._partial_sink(msg))
-                elif isinstance(msg, ExecuteBatch):
-                    self._execute(msg)
-                elif isinstance(msg, RpcCall):
-                    self._rpc(msg)
-            except Exception:  # a bug in the handling of one message must not end the worker
-                traceback.print_exc()
 
-    def _run_round(self) -> None:
+    def _handle_next(self) -> bool:
+        """Read and handle one message; False for Shutdown."""
+        buffer = self.input.recv(copy=False).buffer
+        try:
+            msg = self.decoder.decode(buffer)
+        except Exception as exc:
+            self._undecodable(buffer, exc)
+            return True
+        if isinstance(msg, Shutdown):
+            return False
+        try:
+            if isinstance(msg, ExecuteBatch) and self.steps is not None:
+                self.steps.add(msg.batch_id, msg.requests, self._partial_sink(msg))
+            elif isinstance(msg, ExecuteBatch):
+                self._execute(msg)
+            elif isinstance(msg, RpcCall):
+                self._rpc(msg)
+        except Exception:  # a bug in the handling of one message must not end the worker
+            traceback.print_exc()
+        return True
+
+    def _run_round(self) -> bool:
+        """One step round; False when a Shutdown arrived during it."""
         try:
             self.steps.run_round()
+        except _ShutdownRequested:
+            return False
         except Exception:  # the executor retires failing requests itself; this is a bug in the round
             traceback.print_exc()
+        return True
+
+    def _fetch_batches(self, batch_ids: set[int]) -> None:
+        """Step mode, ranks > 0: handle this rank's messages in order until the batches rank 0 steps are in."""
+        deadline = time.monotonic() + _FETCH_TIMEOUT_S
+        while batch_ids - self.steps.batch_ids:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"[diffusion rank {self.rank}] batches {sorted(batch_ids)} that rank 0 steps "
+                                   f"did not arrive within {_FETCH_TIMEOUT_S:.0f} s")
+            if self.input.poll(min(left * 1000, _POLL_INTERVAL_MS)) and not self._handle_next():
+                raise _ShutdownRequested()
 
     def _partial_sink(self, msg: ExecuteBatch):
         """The partial-output sink of a batch's streamed requests (None when none streams)."""

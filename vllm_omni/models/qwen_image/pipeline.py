@@ -23,6 +23,7 @@ from vllm_omni.diffusion.cache.runtime import call_transformer_rows
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.distributed.sequence import cfg_branch_rows, cfg_gather_rows
+from vllm_omni.diffusion.distributed.vae_patch import patch_parallel_decode, vae_patch_group
 from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.errors import OmniClientError
@@ -256,7 +257,10 @@ class QwenImagePipeline(NativeDiffusionPipeline):
         if state.requests[0].sampling_params.output_type == "latent":
             return state.latents
         latents = self.unpack_latents(state.latents, state.conditioning.geometry).to(self.vae.dtype)
-        image = self.vae.decode(self.normalize_latents(latents, inverse=True), return_dict=False)[0][:, :, 0]
+        latents = self.normalize_latents(latents, inverse=True)
+        group = vae_patch_group()
+        image = (self.vae.decode(latents, return_dict=False)[0] if group is None
+                 else patch_parallel_decode(self.vae, latents, group))[:, :, 0]
         return self.image_processor.postprocess(image, output_type=state.requests[0].sampling_params.output_type)
 
     # ---- stages --------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from vllm_omni.diffusion.cache.runtime import call_transformer_rows
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.distributed.sequence import cfg_branch_rows, cfg_gather_rows
+from vllm_omni.diffusion.distributed.vae_patch import vae_patch_group
 from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
 from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, to_uint8_frames
@@ -391,7 +392,8 @@ class WanPipeline(NativeDiffusionPipeline):
         per = state.outputs_per_request
         keep_clip = any(r.request_id not in streamed for r in state.requests)
         chunks, frame_start = [], 0
-        with WanVaeStream(self.vae, self.normalize_latents(latents.to(self.vae.dtype), inverse=True)) as stream:
+        with WanVaeStream(self.vae, self.normalize_latents(latents.to(self.vae.dtype), inverse=True),
+                          group=vae_patch_group()) as stream:
             for chunk in stream:
                 if keep_clip:
                     chunks.append(chunk)
