@@ -5,16 +5,21 @@ so no stage is negligible): with the streamed pipeline (talker starts after the 
 decodes each chunk as the talker makes it) and with every edge store-and-forward. At concurrency 1 / 4 / 8 (each
 level streamed, then store-and-forward, so both see the same machine load) it measures per
 request the time to the first audio chunk (TTFA), end-to-end latency (E2E) and the real-time factor (E2E / audio
-seconds), checks that both modes give the same waveform (greedy), and writes
+seconds), checks that both modes give the same waveform (greedy); with `--repeats N` each level runs N times
+(alternating the modes) and the table shows the median of the N runs' means. It writes
 benchmarks/results/bench_stream_cpu-<UTC>.json (after every level) and a PNG of TTFA and E2E per mode.
 
     .venv/bin/python benchmarks/qwen3_omni/bench_stream_cpu.py --thinker-tokens 128 --talker-tokens 128
+
+The pipeline's defaults are measured (qwen3_omni_pipeline(): the talker starts after 4 thinker tokens, vocoder
+chunks of 4, 8, 16, then 32 codec frames); --first-chunk / --chunk-tokens / --vocoder-chunks try others.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -46,11 +51,13 @@ async def one_request(omni, prompt: dict, request_id: str, params: list) -> dict
             "audio": audio}
 
 
-def start(model: str, stream: bool):
+def start(model: str, stream: bool, args):
     from vllm_omni import AsyncOmni
     from vllm_omni.models.qwen3_omni.pipeline import qwen3_omni_pipeline
 
-    return AsyncOmni(model, pipeline_config=qwen3_omni_pipeline(stream=stream), dtype="float32",
+    schedule = {k: v for k, v in (("first_chunk_tokens", args.first_chunk), ("chunk_tokens", args.chunk_tokens),
+                                  ("vocoder_chunks", args.vocoder_chunks and tuple(args.vocoder_chunks))) if v}
+    return AsyncOmni(model, pipeline_config=qwen3_omni_pipeline(stream=stream, **schedule), dtype="float32",
                      gpu_memory_utilization=0.15, max_model_len=512, enforce_eager=True, seed=0)
 
 
@@ -69,14 +76,16 @@ async def run(model: str, args, prompts: list[dict], out: Path) -> dict:
 
     params = [SamplingParams(temperature=0.0, max_tokens=args.thinker_tokens, ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=args.talker_tokens), None]
-    engines = {"streamed": start(model, True), "stored": start(model, False)}
+    engines = {"streamed": start(model, True, args), "stored": start(model, False, args)}
     levels: dict[str, dict] = {"streamed": {}, "stored": {}}
     try:
         for tag, omni in engines.items():
             await one_request(omni, prompts[0], f"warm-{tag}", params)
         for concurrency in args.concurrency:
-            for tag, omni in engines.items():
-                levels[tag][concurrency] = await run_level(omni, tag, concurrency, params, prompts)
+            for repeat in range(args.repeats):
+                for tag, omni in engines.items():
+                    run = await run_level(omni, f"{tag}-r{repeat}", concurrency, params, prompts)
+                    levels[tag].setdefault(concurrency, []).append(run)
             rows = summarize(levels["streamed"], levels["stored"])
             report(rows)
             out.write_text(json.dumps({"args": vars(args), "model": args.model_info, "platform": platform.platform(),
@@ -87,18 +96,32 @@ async def run(model: str, args, prompts: list[dict], out: Path) -> dict:
     return rows
 
 
+def run_mean(run: dict, key: str) -> float:
+    return float(np.mean([r[key] for r in run["requests"]]))
+
+
+def _median(runs: list[tuple[dict, dict]], side: int, key: str) -> float:
+    """Median over the repeats of one mode's (0: streamed, 1: store-and-forward) run means."""
+    return float(np.median([run_mean(pair[side], key) for pair in runs]))
+
+
 def summarize(streamed: dict, stored: dict) -> dict:
+    """Per concurrency: the median over repeats of each run's mean per request."""
     rows = {}
     for c in streamed:
-        s, n = streamed[c]["requests"], stored[c]["requests"]
-        same = all(np.allclose(a["audio"], b["audio"], atol=1e-5, rtol=1e-5) for a, b in zip(s, n, strict=True))
-        mean = lambda rs, k: float(np.mean([r[k] for r in rs]))  # noqa: E731
-        rows[c] = {"streamed_ttfa_s": mean(s, "ttfa_s"), "streamed_e2e_s": mean(s, "e2e_s"),
-                   "stored_ttfa_s": mean(n, "ttfa_s"), "stored_e2e_s": mean(n, "e2e_s"),
-                   "streamed_rtf": mean(s, "rtf"), "stored_rtf": mean(n, "rtf"), "audio_s": mean(s, "audio_s"),
-                   "ttfa_over_stored_e2e": mean(s, "ttfa_s") / mean(n, "e2e_s"),
-                   "e2e_ratio": mean(s, "e2e_s") / mean(n, "e2e_s"), "same_audio": same,
-                   "streamed_chunks": mean(s, "chunks")}
+        runs = list(zip(streamed[c], stored[c], strict=True))
+        same = all(np.allclose(a["audio"], b["audio"], atol=1e-5, rtol=1e-5)
+                   for s_run, n_run in runs for a, b in zip(s_run["requests"], n_run["requests"], strict=True))
+        median = functools.partial(_median, runs)
+        ttfa_ratios = [run_mean(a, "ttfa_s") / run_mean(b, "e2e_s") for a, b in runs]
+        e2e_ratios = [run_mean(a, "e2e_s") / run_mean(b, "e2e_s") for a, b in runs]
+        rows[c] = {"streamed_ttfa_s": median(0, "ttfa_s"), "streamed_e2e_s": median(0, "e2e_s"),
+                   "stored_ttfa_s": median(1, "ttfa_s"), "stored_e2e_s": median(1, "e2e_s"),
+                   "streamed_rtf": median(0, "rtf"), "stored_rtf": median(1, "rtf"), "audio_s": median(0, "audio_s"),
+                   # ratios within one run (both modes back to back, same load), median over the repeats
+                   "ttfa_over_stored_e2e": float(np.median(ttfa_ratios)), "e2e_ratio": float(np.median(e2e_ratios)),
+                   "same_audio": same, "streamed_chunks": median(0, "chunks"), "repeats": len(runs),
+                   "runs_ttfa_over_stored_e2e": ttfa_ratios, "runs_e2e_ratio": e2e_ratios}
     return rows
 
 
@@ -137,6 +160,10 @@ def main() -> None:
     parser.add_argument("--talker-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--size", choices=["mid", "tiny"], default="mid", help="tiny: tiny/qwen3-omni (smoke run)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per concurrency level (the table: medians)")
+    parser.add_argument("--first-chunk", type=int, help="thinker tokens before the talker starts")
+    parser.add_argument("--chunk-tokens", type=int, help="thinker tokens per later hand-off")
+    parser.add_argument("--vocoder-chunks", type=int, nargs="+", help="codec frames per vocoder chunk, in order")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer

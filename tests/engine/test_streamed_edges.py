@@ -33,6 +33,13 @@ def tokens_to_items(upstream, original_prompt, context):
     return tokens[start:end] or None
 
 
+def new_tokens(upstream, original_prompt, context):
+    """Test processor: every token not handed on yet."""
+    tokens = upstream[0].metadata["token_ids"]
+    start, context.state["next"] = context.state.get("next", 0), len(tokens)
+    return tokens[start:] or None
+
+
 class TokenStage:
     """An AR stand-in emitting one more token per output (cumulative), `delay` s apart."""
 
@@ -78,21 +85,23 @@ class AudioStage:
         self.abort_calls.append(list(request_ids))
 
 
-def config(stream: bool, chunk_tokens: int = 3) -> VllmOmniConfig:
+def config(stream: bool, chunk_tokens: int = 3, first_chunk_tokens: int | None = None,
+           processor: str = "tokens_to_items") -> VllmOmniConfig:
     return VllmOmniConfig(model="m", model_path="m", pipeline_name="streamed", stages=[
         VllmOmniARStageConfig(stage_id=0, model="m", final_output=True, final_output_type="text"),
         VllmOmniGenerationStageConfig(
             stage_id=1, model="m", inputs=[0], final_output=True, final_output_type="audio",
-            input_processor="tests.engine.test_streamed_edges:tokens_to_items",
-            stream_inputs={0: EdgeStreamConfig(stream=stream, chunk_tokens=chunk_tokens)})])
+            input_processor=f"tests.engine.test_streamed_edges:{processor}",
+            stream_inputs={0: EdgeStreamConfig(stream=stream, chunk_tokens=chunk_tokens,
+                                               first_chunk_tokens=first_chunk_tokens)})])
 
 
 async def run(stream: bool, upstream: TokenStage | None = None, downstream: AudioStage | None = None,
-              abort_after: float | None = None) -> tuple[list, TokenStage, AudioStage]:
+              abort_after: float | None = None, **edge) -> tuple[list, TokenStage, AudioStage]:
     upstream, downstream = upstream or TokenStage(), downstream or AudioStage()
     requests, outputs = asyncio.Queue(), queue.Queue()
     pools = [StagePool(0, [upstream], StageKind.AR), StagePool(1, [downstream], StageKind.GENERATION)]
-    orch = Orchestrator(requests, outputs, queue.Queue(), pools, config(stream), ["text", "audio"])
+    orch = Orchestrator(requests, outputs, queue.Queue(), pools, config(stream, **edge), ["text", "audio"])
     task = asyncio.create_task(orch.run())
     await requests.put(AddRequestMessage(request_id="r", prompt="p", sampling_params_list=[None, None]))
     if abort_after is not None:
@@ -130,6 +139,12 @@ async def test_chunks_run_while_the_upstream_runs_and_equal_store_and_forward():
     assert final.finished and final.stage_id == 1
     np.testing.assert_array_equal(final.multimodal_output["audio"], audio_outs[-1].multimodal_output["audio"])
     np.testing.assert_array_equal(final.multimodal_output["audio_chunk"], final.multimodal_output["audio"])
+
+
+async def test_the_first_hand_off_comes_after_first_chunk_tokens():
+    """A small first chunk (the downstream starts early), larger ones after it."""
+    _, _, audio = await run(stream=True, chunk_tokens=4, first_chunk_tokens=2, processor="new_tokens")
+    assert audio.segments == [[0, 1], [2, 3, 4, 5], [6, 7, 8, 9]]
 
 
 async def test_a_failing_downstream_segment_cancels_the_upstream():

@@ -32,7 +32,20 @@ class EdgeStreamConfig:
     chunk_tokens: Annotated[int, Field(ge=1)] = 1
     """Upstream output tokens per hand-off (the upstream is an AR stage; the Qwen3-Omni talker's tokens are
     codec frames). How the downstream input is cut (e.g. into vocoder chunks) is its input processor's, the same
-    streamed or not, so turning `stream` off changes when a stage runs, not what it computes."""
+    streamed or not, so turning `stream` off changes when a stage runs, not what it computes. A stream-fed AR
+    stage that has consumed its input also gets the upstream's newest tokens at once, without waiting for the
+    next `chunk_tokens` boundary."""
+    first_chunk_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Upstream tokens before the first hand-off (None: `chunk_tokens`): small so the downstream starts early,
+    with a larger `chunk_tokens` after it for fewer hand-offs."""
+    chunk_schedule: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
+    """Sizes of the pieces the downstream's input processor cuts its input into, in order, the last one repeating
+    (Qwen3-Omni code2wav: vocoder chunks in codec frames, e.g. `[4, 8, 16, 32]`: the first audio after 4 frames,
+    then larger chunks, each with the model's left context). Used streamed or not, so both give the same output;
+    empty: the processor's default."""
+
+    def first_hand_off(self) -> int:
+        return self.first_chunk_tokens or self.chunk_tokens
 
 
 @dataclass(config=FORBID)

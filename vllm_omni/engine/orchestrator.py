@@ -50,6 +50,15 @@ class OrchestratorRequestState:
     arrival_time: float = 0.0
 
 
+@dataclass
+class _StreamedEdge:
+    """One request's streamed edge: the chunks put on it, and whether its stream-fed AR stage has consumed
+    them all and waits (then the upstream hands on its newest tokens without waiting for `chunk_tokens`)."""
+
+    chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
+    wanted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class Orchestrator:
     def __init__(self, request_async_queue: Any, output_queue: Any, rpc_queue: Any, stage_pools: list[StagePool],
                  config: VllmOmniConfig | None = None, stage_modalities: list[str] | None = None) -> None:
@@ -142,7 +151,7 @@ class Orchestrator:
         """Every stage of the request runs as its own task: a streamed edge's chunks go through its connector
         and a queue while the upstream runs; other edges wait for the upstream to finish. The first failure
         cancels every stage (cancelling vLLM's `generate` aborts the request in its EngineCore)."""
-        edges = {(src, dst): asyncio.Queue() for dst in range(last_stage + 1)
+        edges = {(src, dst): _StreamedEdge() for dst in range(last_stage + 1)
                  if (src := self._streamed_source(dst)) is not None}
         done = [asyncio.Event() for _ in range(last_stage + 1)]
         tasks = [asyncio.create_task(self._stage_task(state, msg, i, last_stage, edges, done))
@@ -158,7 +167,7 @@ class Orchestrator:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _stage_task(self, state: OrchestratorRequestState, msg: AddRequestMessage, stage_id: int,
-                          last_stage: int, edges: dict[tuple[int, int], asyncio.Queue],
+                          last_stage: int, edges: dict[tuple[int, int], _StreamedEdge],
                           done: list[asyncio.Event]) -> None:
         try:
             stage = self.stages[stage_id]
@@ -180,7 +189,7 @@ class Orchestrator:
             raise
 
     async def _run_chunks(self, state: OrchestratorRequestState, stage_id: int, src: int, original_prompt: Any,
-                          params: Any, last_stage: int, edges: dict[tuple[int, int], asyncio.Queue]) -> None:
+                          params: Any, last_stage: int, edges: dict[tuple[int, int], _StreamedEdge]) -> None:
         """A streamed stage: each upstream chunk goes through the input processor; what it returns runs as one
         segment of the request, in order; the segment made from the final chunk ends the stage."""
         stage = self.stages[stage_id]
@@ -190,7 +199,7 @@ class Orchestrator:
         connector = self.connectors[(src, stage_id)]
         segments: list[OmniRequestOutput] = []
         while True:
-            handle, context.final = await edges[(src, stage_id)].get()
+            handle, context.final = await edges[(src, stage_id)].chunks.get()
             result = process([connector.get(handle)], original_prompt, context)
             if result is None:
                 if context.final:
@@ -203,11 +212,12 @@ class Orchestrator:
                 return
 
     async def _run_segment(self, state: OrchestratorRequestState, stage_id: int, prompt: Any, params: Any,
-                           last_stage: int, edges: dict[tuple[int, int], asyncio.Queue],
+                           last_stage: int, edges: dict[tuple[int, int], _StreamedEdge],
                            segments: list[OmniRequestOutput] | None = None, final_segment: bool = True,
                            observe: Callable[[OmniRequestOutput], None] | None = None) -> None:
         """Run the request (or one segment of it) on the stage; emit its final outputs; feed its downstream
-        edges: streamed ones every `chunk_tokens` tokens and at the end, the others once it finished.
+        edges: streamed ones after `first_chunk_tokens`, then every `chunk_tokens` tokens (or at once when their
+        stage waits for input) and at the end, the others once it finished.
         `observe` sees each output first (a stream-fed stage: makes its token ids cumulative)."""
         pool = self.stage_pools[stage_id]
         streamed = {dst: self.stages[dst].stream_inputs[stage_id] for (src, dst) in edges if src == stage_id}
@@ -225,8 +235,11 @@ class Orchestrator:
                 observe(out)
             last = out
             for dst, edge in streamed.items():
-                if not out.finished and len(out.token_ids) - sent[dst] >= edge.chunk_tokens:
+                new = len(out.token_ids) - sent[dst]
+                due = edge.first_hand_off() if sent[dst] == 0 else edge.chunk_tokens
+                if not out.finished and new > 0 and (new >= due or edges[(stage_id, dst)].wanted.is_set()):
                     sent[dst] = len(out.token_ids)
+                    edges[(stage_id, dst)].wanted.clear()
                     out.multimodal_output["stage_data"] = await pool.partial_stage_data(state.request_id, out)
                     self._put_chunk(state, stage_id, dst, out, edges, final=False)
             if self._is_final(stage_id) and (out.finished or not finals_only):
@@ -242,7 +255,7 @@ class Orchestrator:
 
     async def _run_input_stream(self, state: OrchestratorRequestState, stage_id: int, src: int,
                                 original_prompt: Any, params: Any, last_stage: int,
-                                edges: dict[tuple[int, int], asyncio.Queue]) -> None:
+                                edges: dict[tuple[int, int], _StreamedEdge]) -> None:
         """An AR stage fed while its upstream runs, as one vLLM streaming-input request: each time an upstream
         chunk arrives or the stage has consumed its last input (it waits), the input processor may make the
         next input chunk from the upstream output so far and the stage's own output so far (None: not yet); a
@@ -259,7 +272,7 @@ class Orchestrator:
 
         async def feed() -> None:
             upstream = edges[(src, stage_id)]
-            payload, arrival = None, asyncio.ensure_future(upstream.get())
+            payload, arrival = None, asyncio.ensure_future(upstream.chunks.get())
             try:
                 while True:
                     waiting = asyncio.ensure_future(idle.wait())
@@ -269,10 +282,12 @@ class Orchestrator:
                         handle, context.final = arrival.result()
                         payload = self.connectors[(src, stage_id)].get(handle)
                         arrival = (asyncio.get_running_loop().create_future() if context.final
-                                   else asyncio.ensure_future(upstream.get()))
+                                   else asyncio.ensure_future(upstream.chunks.get()))
                     idle.clear()
                     result = process([payload], original_prompt, context)
                     if result is None:
+                        if context.idle:  # waits for input: the upstream hands on its next token at once
+                            upstream.wanted.set()
                         continue
                     context.idle = False
                     if result.prompt is None:
@@ -299,6 +314,7 @@ class Orchestrator:
             if not out.finished and completion is not None and completion.finish_reason is not None:
                 context.idle = True
                 idle.set()
+                edges[(src, stage_id)].wanted.set()
 
         feeder = asyncio.create_task(feed())
         try:
@@ -370,11 +386,11 @@ class Orchestrator:
                                                                                    _payload(out))
 
     def _put_chunk(self, state: OrchestratorRequestState, src: int, dst: int, out: OmniRequestOutput,
-                   edges: dict[tuple[int, int], asyncio.Queue], final: bool) -> None:
+                   edges: dict[tuple[int, int], _StreamedEdge], final: bool) -> None:
         chunk = state.chunks_sent.get((src, dst), 0)
         state.chunks_sent[(src, dst)] = chunk + 1
         handle = self.connectors[(src, dst)].put(state.request_id, src, dst, _payload(out), chunk=chunk)
-        edges[(src, dst)].put_nowait((handle, final))
+        edges[(src, dst)].chunks.put_nowait((handle, final))
 
     def _streamed_source(self, stage_id: int) -> int | None:
         return self.stages[stage_id].streamed_input() if self.stages is not None else None

@@ -8,7 +8,7 @@ same decoded inputs; bad or oversized media is a 400 naming the field, with a re
 16-bit quantization), streamed text equals the plain answer, a text-only chat never runs the talker or the
 vocoder, and `audio.speech.create` returns a WAV. Streamed audio (both stage edges stream): a long answer's audio
 chunks share one id, their transcripts add up to the text and their PCM to the non-streamed reply's (and to
-transformers' `chunked_decode` of the same frames); `/v1/audio/speech` streams raw bytes
+transformers' vocoder on the pipeline's chunks of the same frames); `/v1/audio/speech` streams raw bytes
 (`with_streaming_response`) and SSE events.
 """
 
@@ -22,11 +22,11 @@ import wave
 import numpy as np
 import openai
 import pytest
-import torch
 
 from tests.entrypoints.openai.live_server import LiveServer
 
 from .conftest import chat_prompt_ids, hf_generate, hf_thinker_tokens, media_inputs, media_prompt
+from .vocoder_reference import hf_vocoder_chunks
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny/qwen3-omni"
@@ -285,8 +285,6 @@ LONG_PARAMS = [{"temperature": 0.0, "max_tokens": LONG_THINKER, "ignore_eos": Tr
 
 
 def test_streamed_audio_chunks_come_while_the_answer_is_written(client, hf_model, tiny_path):
-    from vllm_omni.models.qwen3_omni.pipeline import CODE2WAV_CHUNK_FRAMES, CODE2WAV_LEFT_CONTEXT
-
     kwargs = {"model": MODEL, "messages": MESSAGES, "modalities": ["text", "audio"],
               "audio": {"voice": "ethan", "format": "pcm16"}, "extra_body": {"sampling_params_list": LONG_PARAMS}}
     events = []
@@ -310,9 +308,7 @@ def test_streamed_audio_chunks_come_while_the_answer_is_written(client, hf_model
     whole = client.chat.completions.create(**kwargs).choices[0].message
     assert base64.b64decode(whole.audio.data) == streamed
     _, frames, _ = hf_generate(hf_model, chat_prompt_ids(tiny_path, USER_TEXT), LONG_THINKER, LONG_TALKER)
-    with torch.inference_mode():
-        ref = hf_model.code2wav.chunked_decode(torch.tensor(frames).T[None], chunk_size=CODE2WAV_CHUNK_FRAMES,
-                                               left_context_size=CODE2WAV_LEFT_CONTEXT)[0, 0].numpy()
+    ref = hf_vocoder_chunks(hf_model, frames)  # transformers' vocoder on the pipeline's chunk schedule
     pcm = np.frombuffer(streamed, dtype="<i2").astype(np.float32) / 32767.0
     np.testing.assert_allclose(pcm, np.clip(ref, -1, 1), atol=2e-4)
 

@@ -12,7 +12,7 @@ from vllm_omni.config.pipeline_config import EdgeStreamConfig
 from vllm_omni.connectors.base import StagePayload
 from vllm_omni.engine.stage_input_processors import StageInputContext
 from vllm_omni.models.qwen3_omni.pipeline import (
-    CODE2WAV_CHUNK_FRAMES,
+    CODE2WAV_CHUNK_SCHEDULE,
     CODE2WAV_LEFT_CONTEXT,
     talker_to_code2wav_chunks,
 )
@@ -23,10 +23,11 @@ def payload(frames):
     return [StagePayload(metadata={"stage_data": {"codec_frames": frames}})]
 
 
+@pytest.mark.parametrize("schedule", [[], [25], [1, 3, 7]], ids=["default", "constant", "growing"])
 @pytest.mark.parametrize(("total", "every"), [(80, 5), (60, 1), (50, 25), (3, 2)])
-def test_streamed_chunks_equal_store_and_forward(total, every):
+def test_streamed_chunks_equal_store_and_forward(total, every, schedule):
     frames = [[t, t + 1, t + 2] for t in range(total)]
-    edge = EdgeStreamConfig(chunk_tokens=every)
+    edge = EdgeStreamConfig(chunk_tokens=every, chunk_schedule=schedule)
     context = StageInputContext(request_id="r", stage=SimpleNamespace(), sampling_params=None, edge=edge,
                                 final=False)
     streamed = []
@@ -37,9 +38,14 @@ def test_streamed_chunks_equal_store_and_forward(total, every):
     assert last, "the final call always ends the stream with a chunk"
     streamed += last
     whole = talker_to_code2wav_chunks(payload(frames), None, StageInputContext(
-        request_id="s", stage=SimpleNamespace(), sampling_params=None, edge=EdgeStreamConfig(stream=False)))
-    assert streamed == whole == talker_to_code2wav(frames, chunk_size=CODE2WAV_CHUNK_FRAMES,
+        request_id="s", stage=SimpleNamespace(), sampling_params=None,
+        edge=EdgeStreamConfig(stream=False, chunk_schedule=schedule)))
+    assert streamed == whole == talker_to_code2wav(frames, chunk_size=schedule or CODE2WAV_CHUNK_SCHEDULE,
                                                    left_context=CODE2WAV_LEFT_CONTEXT)
+    sizes = [len(c.codes[0]) - c.context for c in whole]
+    expected = (schedule or list(CODE2WAV_CHUNK_SCHEDULE)) + [(schedule or CODE2WAV_CHUNK_SCHEDULE)[-1]] * total
+    assert sizes[:-1] == expected[:len(sizes) - 1] and 0 < sizes[-1] <= expected[len(sizes) - 1]
+    assert [c.index for c in whole] == list(range(len(whole)))
     assert [c.last for c in streamed] == [False] * (len(streamed) - 1) + [True]
 
 
@@ -47,3 +53,8 @@ def test_no_frames_at_the_end_is_an_error():
     context = StageInputContext(request_id="r", stage=SimpleNamespace(), sampling_params=None)
     with pytest.raises(RuntimeError, match="no codec frames"):
         talker_to_code2wav_chunks(payload([]), None, context)
+
+
+def test_a_chunk_start_off_the_schedule_is_refused():
+    with pytest.raises(ValueError, match="not a chunk border"):
+        talker_to_code2wav([[0]] * 10, chunk_size=[4, 8], start_frame=5)

@@ -107,6 +107,28 @@ def test_streaming_chunks_batched_equal_transformers_chunked_decode(reference, h
     np.testing.assert_allclose(wav, ref[0, 0].numpy(), rtol=1e-4, atol=1e-4)
 
 
+def test_scheduled_chunks_streamed_equal_whole_and_transformers(reference, hf_model, code2wav) -> None:
+    """A growing chunk schedule (short first chunk): the chunks cut as frames trickle in decode to the same
+    waveform as those cut once from all frames, and to transformers' vocoder on the same windows."""
+    from vllm_omni.models.qwen3_omni.pipeline import CODE2WAV_LEFT_CONTEXT
+
+    frames, schedule = reference["frames"], [2, 3, 4]
+    streamed: list[CodecChunk] = []
+    for arrived in range(1, len(frames) + 1):
+        done = sum(len(c.codes[0]) - c.context for c in streamed)
+        streamed += talker_to_code2wav(frames[:arrived], chunk_size=schedule, left_context=CODE2WAV_LEFT_CONTEXT,
+                                       start_frame=done, final=arrived == len(frames))
+    whole = talker_to_code2wav(frames, chunk_size=schedule, left_context=CODE2WAV_LEFT_CONTEXT)
+    assert streamed == whole and [len(c.codes[0]) - c.context for c in whole][:3] == schedule
+    wav = np.concatenate([code2wav([c])[0] for c in streamed])  # one vocoder call per chunk, as streamed
+    np.testing.assert_allclose(wav, np.concatenate(code2wav(whole)), rtol=1e-5, atol=1e-5)
+    step = hf_model.code2wav.total_upsample
+    with torch.inference_mode():
+        ref = np.concatenate([hf_model.code2wav(torch.tensor(c.codes)[None])[0, 0].numpy()[c.context * step:]
+                              for c in whole])
+    np.testing.assert_allclose(wav, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_inputs_name_the_field(reference, token_ids, code2wav) -> None:
     with pytest.raises(ValueError, match="speaker 'nobody'"):
         thinker_to_talker(reference["prompt_ids"], reference["output_ids"], token_ids, speaker="nobody")

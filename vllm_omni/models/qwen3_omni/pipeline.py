@@ -2,10 +2,11 @@
 
 The thinker answers in text (a final output); its prompt and answer token ids become the talker's
 conditioning, set per request through the talker's SamplingParams (`extra_args`); the talker's codec frames,
-kept in its worker, are cut into vocoder chunks of `CODE2WAV_CHUNK_FRAMES` (with the model's left context) for
-code2wav, whose waveform is the audio output. Both edges stream: the talker starts after the thinker's first
-tokens and gets the rest as they come; a vocoder chunk is decoded as soon as the talker has made its frames
-(`stream=False`: each stage once its upstream finished; the same frames and audio, greedy).
+kept in its worker, are cut into vocoder chunks by the edge's `chunk_schedule` (default `CODE2WAV_CHUNK_SCHEDULE`:
+a short first chunk, then longer ones, each with the model's left context) for code2wav, whose waveform is the
+audio output. Both edges stream: the talker starts after the thinker's first tokens and gets the rest as they
+come; a vocoder chunk is decoded as soon as the talker has made its frames (`stream=False`: each stage once its
+upstream finished; the same frames, chunks and audio, greedy).
 """
 
 from __future__ import annotations
@@ -41,23 +42,35 @@ TALKER_DEFAULT_SAMPLING = {"max_tokens": 4096, "temperature": 0.9, "top_k": 50, 
                            "repetition_penalty": 1.05}
 """The talker's decoding when a request names none: transformers' `Qwen3OmniMoeForConditionalGeneration.generate`
 defaults (greedy talkers tend to loop)."""
-THINKER_CHUNK_TOKENS = 4
-"""Thinker tokens before the talker starts, and between the thinker's updates to it."""
-CODE2WAV_CHUNK_FRAMES = 25
-"""Codec frames per vocoder chunk (2 s of audio at 12.5 frames/s): the first audio needs this many frames."""
+THINKER_FIRST_CHUNK_TOKENS = 4
+"""Thinker tokens before the talker starts (it needs 3 to be prompted)."""
+THINKER_CHUNK_TOKENS = 16
+"""Thinker tokens between its later updates to the talker; a talker that has consumed its input gets the
+thinker's newest tokens at once instead, so this only bounds the hand-offs while the talker is busy."""
+CODE2WAV_CHUNK_SCHEDULE = (4, 8, 16, 32)
+"""Codec frames per vocoder chunk, the last size repeating (12.5 frames/s): the first audio needs 4 frames (0.32
+s), later chunks grow so that the left context is recomputed less often."""
 CODE2WAV_LEFT_CONTEXT = 25
-TALKER_CHUNK_TOKENS = 5
+"""Frames of left context per chunk: transformers' `Qwen3OmniMoeCode2Wav.chunked_decode` default."""
+TALKER_CHUNK_TOKENS = 4
 """Talker tokens between looks at its frames (a `collective_rpc`): a vocoder chunk is handed on at most this many
 frames after it is complete."""
-"""Frames of left context per chunk: transformers' `Qwen3OmniMoeCode2Wav.chunked_decode` default."""
 FRAMES_TIMEOUT_S = 10.0
 """How long the collector waits for the talker worker to file a finished request's frames (one engine step)."""
 
 
-def qwen3_omni_pipeline(stream: bool = True, chunk_tokens: int = THINKER_CHUNK_TOKENS) -> PipelineConfig:
-    """`stream`: the talker starts after the thinker's first `chunk_tokens` tokens and code2wav decodes each
-    vocoder chunk while the talker runs (False: each stage once its upstream finished)."""
+def qwen3_omni_pipeline(stream: bool = True, chunk_tokens: int = THINKER_CHUNK_TOKENS,
+                        first_chunk_tokens: int = THINKER_FIRST_CHUNK_TOKENS,
+                        vocoder_chunks: tuple[int, ...] = CODE2WAV_CHUNK_SCHEDULE) -> PipelineConfig:
+    """`stream`: the talker starts after the thinker's first `first_chunk_tokens` tokens (then gets them every
+    `chunk_tokens`) and code2wav decodes each vocoder chunk (`vocoder_chunks` frames, the last size repeating)
+    while the talker runs (False: each stage once its upstream finished; the same chunks)."""
     from vllm_omni.models.qwen3_omni.vllm_talker import talker_engine_kwargs
+
+    # The worker has filed all frames but the newest token's, and the newest filed one is kept back: the first
+    # vocoder chunk is complete two talker tokens after its frames.
+    to_code2wav = EdgeStreamConfig(stream=stream, chunk_tokens=TALKER_CHUNK_TOKENS,
+                                   first_chunk_tokens=vocoder_chunks[0] + 2, chunk_schedule=list(vocoder_chunks))
 
     ar, generation = StageExecutionType.AR, StageExecutionType.GENERATION
     return PipelineConfig(name="qwen3_omni", stages=[
@@ -65,11 +78,12 @@ def qwen3_omni_pipeline(stream: bool = True, chunk_tokens: int = THINKER_CHUNK_T
         PipelineStageConfig(stage_id=0, execution_type=ar, final_output=True, final_output_type="text",
                             engine_args={"hf_overrides": {"architectures": [THINKER_ARCHITECTURE]}}),
         PipelineStageConfig(stage_id=1, execution_type=ar, inputs=[0], input_processor="qwen3_omni_thinker_to_talker",
-                            stream_inputs={0: EdgeStreamConfig(stream=stream, chunk_tokens=chunk_tokens)},
+                            stream_inputs={0: EdgeStreamConfig(stream=stream, chunk_tokens=chunk_tokens,
+                                                               first_chunk_tokens=first_chunk_tokens)},
                             output_collector="qwen3_omni_talker_frames", engine_args=talker_engine_kwargs(),
                             default_sampling_params=TALKER_DEFAULT_SAMPLING),
         PipelineStageConfig(stage_id=2, execution_type=generation, inputs=[1],
-                            stream_inputs={1: EdgeStreamConfig(stream=stream, chunk_tokens=TALKER_CHUNK_TOKENS)},
+                            stream_inputs={1: to_code2wav},
                             input_processor="qwen3_omni_talker_to_code2wav", final_output=True,
                             final_output_type="audio",
                             engine_args={"model_class": "vllm_omni.models.qwen3_omni.code2wav:"
@@ -138,7 +152,7 @@ def _talker_input_chunk(upstream: list[StagePayload], original_prompt: Any,
 
     state, thinker = context.state, upstream[0].metadata
     if "budget" not in state:
-        if not context.final and len(thinker["token_ids"]) < max(context.edge.chunk_tokens, 3):
+        if not context.final and len(thinker["token_ids"]) < max(context.edge.first_hand_off(), 3):
             return None
         state["config"], state["ids"], state["voice"], state["sampling"] = _talker_setup(original_prompt, context)
         prompt = _talker_prompt(thinker, state["ids"], state["voice"])
@@ -211,7 +225,8 @@ def talker_to_code2wav_chunks(upstream: list[StagePayload], original_prompt: Any
         raise RuntimeError("the talker produced no codec frames")
     start = context.state.get("next_frame", 0)
     ready = frames if context.final else frames[:-1]
-    chunks = talker_to_code2wav(ready, chunk_size=CODE2WAV_CHUNK_FRAMES, left_context=CODE2WAV_LEFT_CONTEXT,
+    schedule = (context.edge.chunk_schedule if context.edge is not None else None) or CODE2WAV_CHUNK_SCHEDULE
+    chunks = talker_to_code2wav(ready, chunk_size=schedule, left_context=CODE2WAV_LEFT_CONTEXT,
                                 start_frame=start, final=context.final)
     context.state["next_frame"] = start + sum(len(c.codes[0]) - c.context for c in chunks)
     return chunks or None

@@ -13,6 +13,7 @@ stream; a chunk's audio is its frames' samples only (the context's samples are d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -128,23 +129,40 @@ class CodecChunk(msgspec.Struct, kw_only=True, array_like=True):
     last: bool
 
 
-def talker_to_code2wav(frames: list[list[int]], *, chunk_size: int = 300, left_context: int = 25,
+def talker_to_code2wav(frames: list[list[int]], *, chunk_size: int | Sequence[int] = 300, left_context: int = 25,
                        start_frame: int = 0, final: bool = True) -> list[CodecChunk]:
     """Cut frames[start_frame:] (each `[code_0, ..., code_{G-1}]`) into vocoder chunks.
 
-    With the default sizes the concatenated chunk audio equals transformers' `Code2Wav.chunked_decode`. For
-    streaming call it as frames arrive with `final=False` and the index of the first frame not yet chunked;
-    only full chunks are emitted until `final=True` flushes the rest.
+    `chunk_size` is one size, or a schedule: chunk i has `chunk_size[i]` frames, the last size repeating (a small
+    first chunk for early audio, larger ones after it for less context overhead). With one size and the defaults
+    the concatenated chunk audio equals transformers' `Code2Wav.chunked_decode`. For streaming call it as frames
+    arrive with `final=False` and the first frame not yet chunked (a chunk border); only full chunks are emitted
+    until `final=True` flushes the rest.
     """
-    if chunk_size <= 0 or left_context < 0:
-        raise ValueError(f"chunk_size must be > 0 and left_context >= 0, got {chunk_size}, {left_context}")
+    schedule = [chunk_size] if isinstance(chunk_size, int) else list(chunk_size)
+    if not schedule or min(schedule) <= 0 or left_context < 0:
+        raise ValueError(f"chunk sizes must be > 0 and left_context >= 0, got {chunk_size}, {left_context}")
+    index, start = _chunk_at(schedule, start_frame)
     chunks = []
-    start = start_frame
-    while start < len(frames) and (final or len(frames) - start >= chunk_size):
-        end = min(start + chunk_size, len(frames))
+    while start < len(frames):
+        size = schedule[min(index, len(schedule) - 1)]
+        if not final and len(frames) - start < size:
+            break
+        end = min(start + size, len(frames))
         context = left_context if start - left_context > 0 else start
         window = frames[start - context:end]
         chunks.append(CodecChunk(codes=[list(g) for g in zip(*window, strict=True)], context=context,
-                                 index=start // chunk_size, last=final and end == len(frames)))
-        start = end
+                                 index=index, last=final and end == len(frames)))
+        index, start = index + 1, end
     return chunks
+
+
+def _chunk_at(schedule: list[int], start_frame: int) -> tuple[int, int]:
+    """(index, first frame) of the chunk that starts at `start_frame` under `schedule`."""
+    index, start = 0, 0
+    while start < start_frame:
+        start += schedule[min(index, len(schedule) - 1)]
+        index += 1
+    if start != start_frame:
+        raise ValueError(f"frame {start_frame} is not a chunk border of the schedule {schedule}")
+    return index, start
