@@ -13,7 +13,6 @@ from vllm_omni.entrypoints.openai.chat_media import (
     MediaLimits,
     check_decoded_media,
     check_media_parts,
-    media_modalities,
 )
 from vllm_omni.errors import OmniClientError
 
@@ -78,9 +77,3 @@ def test_decoded_media_within_bounds():
                          "video": [np.zeros((4, 64, 64, 3), np.uint8)]}, LIMITS)
 
 
-def test_speech_for_media_only_refused_when_asked():
-    assert media_modalities(None, {"text", "audio"}) == {"text"}
-    assert media_modalities(["text"], {"text"}) == {"text"}
-    with pytest.raises(OmniClientError) as info:
-        media_modalities(["text", "audio"], {"text", "audio"})
-    assert info.value.param == "modalities"

@@ -140,3 +140,44 @@ def test_media_input_thinker_tokens_equal_transformers(omni, hf_model, tiny_path
     assert out.stage_id == 0 and out.finished
     assert out.token_ids == hf_thinker_tokens(hf_model, tiny_path, prompt, THINKER_TOKENS,
                                               use_audio_in_video=use_audio_in_video, **reference)
+
+
+def test_media_input_speech_equals_transformers(omni, hf_model, tiny_path, talker_frames, monkeypatch):
+    """Audio + image in, speech out: the talker takes the thinker's `accept_hidden_layer` states at the multimodal
+    positions (exported by the thinker stage's connector) and M-RoPE positions; greedy, the codec frames equal
+    transformers' `generate(return_audio=True)` and the waveform its samples."""
+    from vllm import SamplingParams
+
+    from vllm_omni.models.qwen3_omni.processing import qwen3_omni_processor
+
+    audio, image, _ = media_inputs()
+    prompt = media_prompt(tiny_path, ["audio", "image"], "What is this?")
+    request = {"prompt": prompt, "multi_modal_data": {"audio": (audio, 16000), "image": image}}
+    params = [SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS, ignore_eos=True),
+              SamplingParams(max_tokens=TALKER_TOKENS, temperature=0.0), None]
+    text_out, audio_out = omni.generate([request], params, use_tqdm=False)
+
+    inputs = qwen3_omni_processor(str(tiny_path))(text=prompt, audio=[audio], images=[image], return_tensors="pt")
+    seen = {}
+    chunked_decode = hf_model.code2wav.chunked_decode
+
+    def record_codes(codes, **kwargs):
+        seen["frames"] = codes[0].T.tolist()
+        return chunked_decode(codes, **kwargs)
+
+    # transformers' talker M-RoPE reads the audio encoder's `n_window` from its own config, which has no
+    # `audio_config` (an AttributeError for audio with image / video input): lend it the thinker's.
+    monkeypatch.setattr(hf_model.talker.config, "audio_config", hf_model.config.thinker_config.audio_config,
+                        raising=False)
+    hf_model.code2wav.chunked_decode = record_codes
+    try:
+        sequences, wav = hf_model.generate(
+            **inputs, thinker_max_new_tokens=THINKER_TOKENS, thinker_do_sample=False, thinker_eos_token_id=None,
+            talker_do_sample=False, talker_max_new_tokens=TALKER_TOKENS, talker_repetition_penalty=1.0,
+            return_audio=True)
+    finally:
+        del hf_model.code2wav.chunked_decode
+    assert text_out.token_ids == sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    (frames,) = talker_frames.values()
+    assert frames == seen["frames"]
+    np.testing.assert_allclose(audio_out.multimodal_output["audio"], wav[0, 0].numpy(), rtol=1e-5, atol=1e-5)

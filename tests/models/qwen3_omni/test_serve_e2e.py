@@ -219,6 +219,35 @@ def test_chat_with_audio_and_image_equals_transformers(client, hf_model, tiny_pa
     assert out.choices[0].message.content == text and out.choices[0].message.audio is None
 
 
+def test_spoken_answer_to_audio_and_image_equals_transformers(client, hf_model, tiny_path, monkeypatch):
+    """input_audio + image_url with modalities ["text", "audio"]: the talker takes the thinker's hidden states at
+    the media positions; text and waveform equal transformers' `generate(return_audio=True)` (16-bit WAV)."""
+    from transformers import AutoTokenizer
+
+    from vllm_omni.models.qwen3_omni.processing import qwen3_omni_processor
+
+    audio, image, _ = media_inputs()
+    out = client.chat.completions.create(model=MODEL, messages=media_messages(wav_part(audio), image_part(image)),
+                                         modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"},
+                                         extra_body={"sampling_params_list": PARAMS_LIST})
+    decoded = (np.clip(audio, -1, 1) * 32767).astype("<i2").astype(np.float32) / 32768  # what the WAV holds
+    prompt = media_prompt(tiny_path, ["audio", "image"], "What is this?")
+    inputs = qwen3_omni_processor(str(tiny_path))(text=prompt, audio=[decoded], images=[image], return_tensors="pt")
+    # transformers' talker M-RoPE reads `audio_config.n_window` from its own config, which has none.
+    monkeypatch.setattr(hf_model.talker.config, "audio_config", hf_model.config.thinker_config.audio_config,
+                        raising=False)
+    sequences, ref_wav = hf_model.generate(
+        **inputs, thinker_max_new_tokens=THINKER_TOKENS, thinker_do_sample=False, thinker_eos_token_id=None,
+        talker_do_sample=False, talker_max_new_tokens=TALKER_TOKENS, talker_repetition_penalty=1.0, return_audio=True)
+    tokens = sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    text = AutoTokenizer.from_pretrained(tiny_path).decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
+    message = out.choices[0].message
+    assert message.content == text and message.audio.transcript == text
+    wav, rate = read_wav(base64.b64decode(message.audio.data))
+    assert rate == 24000
+    np.testing.assert_allclose(wav, np.clip(ref_wav[0, 0].numpy(), -1, 1), atol=2e-4)
+
+
 def _bad_media_cases() -> list[tuple[str, list[dict], dict, str]]:
     audio, image, _ = media_inputs()
     flac = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "flac"}}
@@ -236,7 +265,6 @@ def _bad_media_cases() -> list[tuple[str, list[dict], dict, str]]:
         ("local-file", media_messages({"type": "image_url", "image_url": {"url": "file:///etc/hostname"}}), {},
          "messages"),  # no --allowed-local-media-path: vLLM refuses local files
         ("unknown-part", media_messages({"type": "file", "file": {}}), {}, "messages[1].content[0]"),
-        ("speech-for-media", media_messages(image_part(image)), {"modalities": ["text", "audio"]}, "modalities"),
     ]
 
 

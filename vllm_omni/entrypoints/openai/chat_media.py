@@ -114,18 +114,6 @@ async def parse_media_messages(messages: list[dict[str, Any]], model_config: Any
     return conversation, mm_data
 
 
-def media_modalities(requested: list[str] | None, modalities: set[str]) -> set[str]:
-    """The answer's modalities for a request with media. Speech for media input needs the thinker's hidden
-    states in the talker, which it does not take yet: asked for explicitly that is a 400; by default such a
-    request is answered in text."""
-    if "audio" not in modalities:
-        return modalities
-    if requested is not None:
-        raise OmniClientError("spoken answers to audio / image / video input are not supported yet (the talker "
-                              "takes text-only conversations); pass modalities=['text']", param="modalities")
-    return modalities - {"audio"}
-
-
 def _items(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list) else [value]
 

@@ -39,7 +39,6 @@ from vllm_omni.entrypoints.openai.audio_stream import AudioDeltas, audio_chunk
 from vllm_omni.entrypoints.openai.chat_media import (
     MediaLimits,
     check_media_parts,
-    media_modalities,
     parse_media_messages,
 )
 from vllm_omni.entrypoints.openai.errors import exception_to_response
@@ -143,9 +142,6 @@ class OmniOpenAIServingChat(OmniServingBase):
         modalities = self.resolve_modalities(request)
         request, parser = await self.prepare_tools(request, modalities)
         prompt, num_prompt_tokens = await self.build_prompt(request)
-        if isinstance(prompt, dict) and "multi_modal_data" in prompt:
-            modalities = media_modalities(request.modalities, modalities)
-            request.modalities = sorted(modalities)
         params = self.build_chat_sampling_params(request)
         base_id = self.base_request_id(raw_request)
         request_id = f"chatcmpl-{base_id}"

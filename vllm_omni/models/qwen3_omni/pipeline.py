@@ -65,6 +65,7 @@ def qwen3_omni_pipeline(stream: bool = True, chunk_tokens: int = THINKER_CHUNK_T
     """`stream`: the talker starts after the thinker's first `first_chunk_tokens` tokens (then gets them every
     `chunk_tokens`) and code2wav decodes each vocoder chunk (`vocoder_chunks` frames, the last size repeating)
     while the talker runs (False: each stage once its upstream finished; the same chunks)."""
+    from vllm_omni.models.qwen3_omni.thinker_hidden import thinker_engine_kwargs
     from vllm_omni.models.qwen3_omni.vllm_talker import talker_engine_kwargs
 
     # The worker has filed all frames but the newest token's, and the newest filed one is kept back: the first
@@ -74,9 +75,12 @@ def qwen3_omni_pipeline(stream: bool = True, chunk_tokens: int = THINKER_CHUNK_T
 
     ar, generation = StageExecutionType.AR, StageExecutionType.GENERATION
     return PipelineConfig(name="qwen3_omni", stages=[
-        # vLLM's thinker with a processor that also works without torchvision (vllm_thinker.py).
+        # vLLM's thinker with a processor that also works without torchvision; it exports the hidden states the
+        # talker takes at multimodal positions (vllm_thinker.py, thinker_hidden.py).
         PipelineStageConfig(stage_id=0, execution_type=ar, final_output=True, final_output_type="text",
-                            engine_args={"hf_overrides": {"architectures": [THINKER_ARCHITECTURE]}}),
+                            output_collector="qwen3_omni_thinker_hidden",
+                            engine_args={"hf_overrides": {"architectures": [THINKER_ARCHITECTURE]},
+                                         **thinker_engine_kwargs()}),
         PipelineStageConfig(stage_id=1, execution_type=ar, inputs=[0], input_processor="qwen3_omni_thinker_to_talker",
                             stream_inputs={0: EdgeStreamConfig(stream=stream, chunk_tokens=chunk_tokens,
                                                                first_chunk_tokens=first_chunk_tokens)},
@@ -114,7 +118,8 @@ def thinker_to_talker_request(upstream: list[StagePayload], original_prompt: Any
     thinker = upstream[0].metadata
     prompt = _talker_prompt(thinker, ids, voice)
     vllm_prompt, params = talker_request(prompt, context.request_id, config.talker_config,
-                                         max_new_tokens=sampling.max_new_tokens, sampling=sampling)
+                                         max_new_tokens=sampling.max_new_tokens, sampling=sampling,
+                                         thinker_hidden=_thinker_hidden(thinker, prompt))
     params.output_kind = RequestOutputKind.FINAL_ONLY  # only the finished frames feed on
     return StageInput(vllm_prompt, params)
 
@@ -132,11 +137,17 @@ def _talker_prompt(thinker: dict[str, Any], ids: Qwen3OmniTokenIds, voice: str):
         prompt = thinker_to_talker(thinker["prompt_token_ids"], thinker["token_ids"], ids, speaker=voice)
     except ValueError as e:
         raise OmniClientError(f"talker input: {e}", param="prompt") from e
-    if prompt.multimodal_positions:
-        raise OmniClientError("speech for audio / image / video input is not supported yet (the talker would need "
-                              "the thinker's hidden states); ask for text only (output_modalities=['text'])",
-                              param="output_modalities")
     return prompt
+
+
+def _thinker_hidden(thinker: dict[str, Any], prompt) -> dict[str, Any] | None:
+    """The thinker's capture (thinker_hidden.py) when the talker prompt has multimodal positions."""
+    if not prompt.multimodal_positions:
+        return None
+    capture = (thinker.get("stage_data") or {}).get("thinker_hidden")
+    if capture is None:
+        raise RuntimeError("the thinker exported no hidden states for a prompt with audio / image / video")
+    return capture
 
 
 def _talker_input_chunk(upstream: list[StagePayload], original_prompt: Any,
@@ -156,6 +167,7 @@ def _talker_input_chunk(upstream: list[StagePayload], original_prompt: Any,
             return None
         state["config"], state["ids"], state["voice"], state["sampling"] = _talker_setup(original_prompt, context)
         prompt = _talker_prompt(thinker, state["ids"], state["voice"])
+        state["hidden"] = _thinker_hidden(thinker, prompt)
         # vLLM stops a plain request at max_model_len, but a streaming-input chunk past it kills the EngineCore
         # ("Sampled token IDs exceed the max model length"): the budget stays inside it.
         max_len = (context.stage.engine_args.get("max_model_len")
@@ -174,7 +186,7 @@ def _talker_input_chunk(upstream: list[StagePayload], original_prompt: Any,
     if frames < (1 if context.final else 2):
         return None
     vllm_prompt, params = talker_request(prompt, context.request_id, config.talker_config, max_new_tokens=frames,
-                                         sampling=state["sampling"])
+                                         sampling=state["sampling"], thinker_hidden=state["hidden"])
     if generated:
         vllm_prompt = {"prompt_token_ids": [generated[-1]]}
     return StageInput(vllm_prompt, params)
@@ -194,6 +206,14 @@ def _talker_sampling(params: Any) -> TalkerSamplingParams:
         return TalkerSamplingParams(**fields)
     except ValueError as e:
         raise OmniClientError(f"talker sampling params: {e}", param="sampling_params_list") from e
+
+
+async def collect_thinker_hidden(client: Any, request_id: str, output: Any) -> dict[str, Any]:
+    """The thinker's prompt capture (M-RoPE positions, hidden states at multimodal positions) from its worker;
+    complete once the request produced a token; the worker lets go of it when the request finished."""
+    (taken,) = await client.collective_rpc_async("take_thinker_hidden", timeout=FRAMES_TIMEOUT_S,
+                                                 args=([request_id], not output.finished))
+    return {"thinker_hidden": taken[request_id]}
 
 
 async def collect_talker_frames(client: Any, request_id: str, output: Any) -> dict[str, Any]:

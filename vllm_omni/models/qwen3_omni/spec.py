@@ -19,6 +19,7 @@ SPEC = ModelSpec(
         "qwen3_omni_thinker_to_talker": "vllm_omni.models.qwen3_omni.pipeline:thinker_to_talker_request",
         "qwen3_omni_talker_to_code2wav": "vllm_omni.models.qwen3_omni.pipeline:talker_to_code2wav_chunks",
     },
-    output_collectors={"qwen3_omni_talker_frames": "vllm_omni.models.qwen3_omni.pipeline:collect_talker_frames"},
+    output_collectors={"qwen3_omni_talker_frames": "vllm_omni.models.qwen3_omni.pipeline:collect_talker_frames",
+                       "qwen3_omni_thinker_hidden": "vllm_omni.models.qwen3_omni.pipeline:collect_thinker_hidden"},
     tiny={"qwen3-omni": "vllm_omni.models.qwen3_omni.tiny:build_qwen3_omni"},
 )

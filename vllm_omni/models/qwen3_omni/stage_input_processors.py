@@ -66,6 +66,8 @@ class TalkerPrompt(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Prompt positions that take the thinker's hidden state instead (hidden_projection), in order."""
     multimodal_source_positions: list[int]
     """For each multimodal position, its index in the thinker sequence (rows of the exported hidden states)."""
+    user_source_positions: list[int]
+    """For each user-turn position (the prompt's first entries), its index in the thinker prompt."""
     trailing_thinker_ids: list[int]
     """Decode step k adds the projected embedding of entry k; past the end, `<tts_pad>`'s."""
     tts_pad_id: int
@@ -116,7 +118,32 @@ def thinker_to_talker(prompt_token_ids: list[int], output_token_ids: list[int], 
     trailing = [ids.tts_eos if j == first_eos else ids.tts_pad if j > first_eos else t
                 for j, t in enumerate(trailing)]
     return TalkerPrompt(thinker_ids=thinker_ids, codec_ids=codec_ids, multimodal_positions=mm_positions,
-                        multimodal_source_positions=mm_sources, trailing_thinker_ids=trailing, tts_pad_id=ids.tts_pad)
+                        multimodal_source_positions=mm_sources, user_source_positions=user_positions,
+                        trailing_thinker_ids=trailing, tts_pad_id=ids.tts_pad)
+
+
+def talker_mrope_positions(thinker_positions: list[list[int]], prompt: TalkerPrompt) -> tuple[list[list[int]], int]:
+    """The talker prompt's M-RoPE positions (3, P) and decode delta, from the thinker prompt's (3, T).
+
+    transformers runs `get_rope_index` over the talker's own sequence (the user turns, then the assistant part as
+    text). Positions there only depend on earlier tokens through "previous maximum + 1", so each run of user
+    tokens that is contiguous in the thinker prompt keeps the thinker's positions shifted to start where the talker
+    sequence is; runs start with `<|im_start|>` (text, all three equal). Assumes the talker's
+    `position_id_per_seconds` and `spatial_merge_size` equal the thinker's (they do in Qwen3-Omni's config)."""
+    rows: list[list[int]] = [[], [], []]
+    next_pos, previous, shift = 0, None, 0
+    for src in prompt.user_source_positions:
+        if previous is None or src != previous + 1:
+            shift = next_pos - thinker_positions[0][src]
+        for dim in range(3):
+            rows[dim].append(thinker_positions[dim][src] + shift)
+        next_pos = max(next_pos, max(r[-1] for r in rows) + 1)
+        previous = src
+    for _ in range(len(prompt.thinker_ids) - len(prompt.user_source_positions)):  # assistant part: text
+        for dim in range(3):
+            rows[dim].append(next_pos)
+        next_pos += 1
+    return rows, next_pos - len(prompt.thinker_ids)
 
 
 class CodecChunk(msgspec.Struct, kw_only=True, array_like=True):

@@ -9,8 +9,12 @@ which rows before each forward (`begin_step`); requests carry their conditioning
 are collected with `collective_rpc` (`take_talker_frames`).
 
 The stage's vLLM config is the checkpoint with `hf_overrides=talker_hf_overrides`, which hands vLLM the talker's
-config (so KV cache, vocabulary and max length are the talker's). Text-only prompts use plain RoPE positions:
-M-RoPE with equal temporal/height/width positions is the same rotation.
+config (so KV cache, vocabulary and max length are the talker's). Its RoPE is the talker's M-RoPE, built here
+and not announced to vLLM (vLLM's runner would then want the positions from multimodal features the talker never
+gets): text-only prompts rotate with the runner's plain positions (equal temporal/height/width positions are the
+same rotation); a prompt with audio / image / video brings its M-RoPE positions and decode delta in `extra_args`
+(derived from the thinker's, `talker_mrope_positions`), and its multimodal positions take `hidden_projection` of the
+thinker's `accept_hidden_layer` states exported by the thinker stage (thinker_hidden.py), as in transformers.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from vllm_omni.models.qwen3_omni.stage_input_processors import NO_CODEC, TalkerPrompt
+from vllm_omni.models.qwen3_omni.stage_input_processors import NO_CODEC, TalkerPrompt, talker_mrope_positions
 from vllm_omni.models.qwen3_omni.talker import (
     CodecSampler,
     TalkerSamplingParams,
@@ -44,6 +48,7 @@ def talker_hf_overrides(config):
     talker.thinker_vocab_size = thinker_text.vocab_size
     text = talker.text_config
     rope = dict(text.rope_parameters or {})
+    talker.talker_mrope_parameters = dict(rope)
     for key in ("mrope_section", "interleaved", "mrope_interleaved"):
         rope.pop(key, None)
     text.rope_parameters = rope
@@ -57,6 +62,13 @@ class _RequestState:
     codec_ids: torch.Tensor
     trailing_ids: list[int]
     tts_pad_id: int
+    mm_rows: torch.Tensor | None = None
+    """Per prompt position: the row of `mm_embeds` it takes (-1: text)."""
+    mm_embeds: torch.Tensor | None = None
+    """hidden_projection of the thinker's states at the multimodal positions (M, D)."""
+    mrope_positions: torch.Tensor | None = None
+    """(3, P) M-RoPE positions of the prompt; decode position p rotates as p + mrope_delta (None: plain)."""
+    mrope_delta: int = 0
     last_hidden: torch.Tensor | None = None
     frames: list[list[int]] = field(default_factory=list)
     frame_embeds: list[torch.Tensor] = field(default_factory=list)
@@ -93,6 +105,8 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
         self.codec_head = ParallelLMHead(text.vocab_size, text.hidden_size, prefix="codec_head")
         self.logits_processor = LogitsProcessor(text.vocab_size)
         self.text_projection = Qwen3OmniMoeTalkerResizeMLP(config)
+        self.hidden_projection = Qwen3OmniMoeTalkerResizeMLP(config)
+        self._use_mrope(config, text)
         self.thinker_embed = nn.Embedding(config.thinker_vocab_size, config.thinker_hidden_size)
         # Tiny dense transformer over <= G+1 positions per frame: transformers' module, no paged cache needed.
         self.code_predictor = Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration._from_config(
@@ -101,6 +115,18 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
         self._requests: dict[str, _RequestState] = {}
         self._finished: dict[str, list[list[int]]] = {}
         self._rows: list[TalkerRow] | None = None
+
+    def _use_mrope(self, config, text) -> None:
+        from vllm.model_executor.layers.rotary_embedding import get_rope
+
+        rope = getattr(config, "talker_mrope_parameters", None)
+        if not rope or "mrope_section" not in rope:
+            return
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        mrope = get_rope(head_dim, max_position=text.max_position_embeddings, rope_parameters=rope)
+        for layer in self.model.layers:
+            if hasattr(layer, "self_attn"):  # pipeline-parallel placeholders have none
+                layer.self_attn.rotary_emb = mrope
 
     # ---- runner hooks ----------------------------------------------------------------------------------
     def begin_step(self, rows: list[TalkerRow]) -> None:
@@ -146,7 +172,8 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
         rows = self._rows or []
         for row in rows:
             self._condition_row(row, input_ids, positions, inputs_embeds)
-        hidden = self.model(None, positions, intermediate_tensors, inputs_embeds=inputs_embeds)
+        hidden = self.model(None, self._rope_positions(rows, positions), intermediate_tensors,
+                            inputs_embeds=inputs_embeds)
         for row in rows:
             state = self._requests.get(row.req_id)
             if state is not None:
@@ -155,6 +182,21 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.logits_processor(self.codec_head, hidden_states)
+
+    def _rope_positions(self, rows: list[TalkerRow], positions: torch.Tensor) -> torch.Tensor:
+        """(3, N) M-RoPE positions when a row's request has multimodal input, else the runner's (N,)."""
+        states = [(row, self._requests.get(row.req_id)) for row in rows]
+        states = [(row, s) for row, s in states if s is not None and s.mrope_positions is not None]
+        if not states or positions.dim() != 1:
+            return positions
+        rope = positions.unsqueeze(0).expand(3, -1).clone()
+        for row, state in states:
+            pos = positions[row.start:row.end]
+            prompt = pos < state.mrope_positions.shape[1]
+            span = rope[:, row.start:row.end]
+            span[:, prompt] = state.mrope_positions[:, pos[prompt]]
+            span[:, ~prompt] = pos[~prompt] + state.mrope_delta
+        return rope
 
     # ---- per-request conditioning ------------------------------------------------------------------------
     def _state(self, row: TalkerRow, device) -> _RequestState | None:
@@ -166,6 +208,8 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
                 thinker_ids=torch.tensor(spec["thinker_ids"], dtype=torch.long, device=device),
                 codec_ids=torch.tensor(spec["codec_ids"], dtype=torch.long, device=device),
                 trailing_ids=list(spec["trailing_thinker_ids"]), tts_pad_id=int(spec["tts_pad_id"]))
+            if spec.get("thinker_hidden") is not None:
+                self._bind_thinker_hidden(state, spec, device)
             if spec.get("code_sampling"):
                 sampler = CodecSampler(TalkerSamplingParams(**spec["code_sampling"]), allowed=None)
                 state.pick_code = lambda logits: sampler(logits, None)
@@ -176,6 +220,18 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
             if len(trailing) > len(state.trailing_ids):
                 state.trailing_ids = list(trailing)
         return state
+
+    def _bind_thinker_hidden(self, state: _RequestState, spec: dict, device) -> None:
+        hidden = spec["thinker_hidden"]
+        mm_rows = torch.full((state.thinker_ids.shape[0],), -1, dtype=torch.long, device=device)
+        mm_rows[torch.tensor(spec["multimodal_positions"], dtype=torch.long, device=device)] = torch.arange(
+            len(spec["multimodal_positions"]), device=device)
+        states = torch.frombuffer(bytearray(hidden["hidden"]), dtype=torch.float32).view(*hidden["hidden_shape"])
+        dtype = self.hidden_projection.linear_fc1.weight.dtype
+        state.mm_rows = mm_rows
+        state.mm_embeds = self.hidden_projection(states.to(device=device, dtype=dtype))
+        state.mrope_positions = torch.tensor(hidden["mrope_positions"], dtype=torch.long, device=device)
+        state.mrope_delta = int(hidden["mrope_delta"])
 
     def _project(self, thinker_ids: torch.Tensor) -> torch.Tensor:
         return self.text_projection(self.thinker_embed(thinker_ids))
@@ -191,6 +247,9 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
             idx = pos[prompt]
             rows = torch.arange(row.start, row.end, device=embeds.device)[prompt]
             value = self._project(state.thinker_ids[idx])
+            if state.mm_rows is not None:  # audio / image / video positions: the thinker's hidden states
+                mm = state.mm_rows[idx]
+                value[mm >= 0] = state.mm_embeds[mm[mm >= 0]].to(value.dtype)
             codec = state.codec_ids[idx]
             has_codec = codec != NO_CODEC
             value[has_codec] += self.model.embed_input_ids(codec[has_codec])
@@ -227,10 +286,12 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
             "talker.model.": "model.",
             "talker.codec_head.": "codec_head.",
             "talker.text_projection.": "text_projection.",
+            "talker.hidden_projection.": "hidden_projection.",
             "talker.code_predictor.": "code_predictor.",
             "thinker.model.embed_tokens.": "thinker_embed.",
         })
-        wanted = ("talker.model.", "talker.codec_head.", "talker.text_projection.", "talker.code_predictor.",
+        wanted = ("talker.model.", "talker.codec_head.", "talker.text_projection.", "talker.hidden_projection.",
+                  "talker.code_predictor.",
                   "thinker.model.embed_tokens.")
         loader = AutoWeightsLoader(self)
         return loader.load_weights(((n, w) for n, w in weights if n.startswith(wanted)), mapper=mapper)
@@ -247,23 +308,25 @@ def talker_engine_kwargs() -> dict:
 
 
 def talker_request(prompt: TalkerPrompt, key: str, talker_config, *, max_new_tokens: int = 4096,
-                   sampling: TalkerSamplingParams | None = None):
+                   sampling: TalkerSamplingParams | None = None, thinker_hidden: dict | None = None):
     """(vLLM prompt, SamplingParams) of one talker request; its frames are collected under `key`.
 
     `sampling` (None = greedy): vLLM's sampler draws codebook 0 with its temperature / top-k / top-p / repetition
     penalty / seed; the code predictor then samples the other codebooks as transformers does (top-k 50, top-p 0.8)
-    from a generator seeded with the same seed, and decodes greedily when codebook 0 does.
+    from a generator seeded with the same seed, and decodes greedily when codebook 0 does. `thinker_hidden`: the
+    thinker stage's capture (thinker_hidden.py), required when the prompt has multimodal positions.
     """
     import msgspec
     from vllm import SamplingParams
 
-    if prompt.multimodal_positions:
-        raise ValueError("talker prompt has multimodal positions; only text prompts are supported so far (they need "
-                         "the thinker's accept_hidden_layer states and M-RoPE positions)")
+    if prompt.multimodal_positions and thinker_hidden is None:
+        raise ValueError("talker prompt has multimodal positions but no thinker hidden states (thinker_hidden.py)")
     sampling = sampling or TalkerSamplingParams()
     vocab = talker_config.text_config.vocab_size
     eos = talker_config.codec_eos_token_id
     spec = {"key": key, **msgspec.to_builtins(prompt)}
+    if prompt.multimodal_positions:
+        spec["thinker_hidden"] = _talker_hidden(thinker_hidden, prompt)
     sample = sampling.temperature > 0
     if sample:
         spec["code_sampling"] = {"temperature": 1.0, "top_k": 50, "top_p": 0.8, "seed": sampling.seed}
@@ -277,3 +340,18 @@ def talker_request(prompt: TalkerPrompt, key: str, talker_config, *, max_new_tok
     # repetition penalty (which counts prompt ids) weighs the generated codes alone, as transformers' does.
     placeholder = next(i for i in range(vocab - 1, vocab - 1025, -1) if i != eos)
     return {"prompt_token_ids": [placeholder] * len(prompt.thinker_ids)}, params
+
+
+def _talker_hidden(capture: dict, prompt: TalkerPrompt) -> dict:
+    """The capture's rows for the talker prompt's multimodal positions, and the talker's M-RoPE positions."""
+    import numpy as np
+
+    rows = {p: i for i, p in enumerate(capture["multimodal_positions"])}
+    missing = [p for p in prompt.multimodal_source_positions if p not in rows]
+    if missing:
+        raise ValueError(f"the thinker exported no hidden states for prompt positions {missing[:8]}")
+    hidden = np.frombuffer(capture["hidden"], dtype=np.float32).reshape(capture["hidden_shape"])
+    hidden = hidden[[rows[p] for p in prompt.multimodal_source_positions]]
+    positions, delta = talker_mrope_positions(capture["positions"], prompt)
+    return {"hidden": hidden.tobytes(), "hidden_shape": list(hidden.shape), "mrope_positions": positions,
+            "mrope_delta": delta}
