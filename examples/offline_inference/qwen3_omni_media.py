@@ -1,13 +1,16 @@
 """Qwen3-Omni through `Omni` with media input: a WAV (or a generated tone) and an image (or a generated one) go to
-vLLM's thinker as `multi_modal_data`; the answer is text (speech for media input is not supported yet).
+vLLM's thinker as `multi_modal_data`; the answer is text, and with `--speech-out` also speech (the talker is
+conditioned on the thinker's hidden states at the media positions).
 
     .venv/bin/python examples/offline_inference/qwen3_omni_media.py                         # tiny checkpoint, CPU
     .venv/bin/python examples/offline_inference/qwen3_omni_media.py --wav q.wav --image photo.jpg --out answer.txt
+    .venv/bin/python examples/offline_inference/qwen3_omni_media.py --speech-out answer.wav
 """
 
 from __future__ import annotations
 
 import argparse
+import wave
 from pathlib import Path
 
 import av
@@ -31,6 +34,14 @@ def load_audio(path: str | None) -> np.ndarray:
     return np.concatenate(chunks).astype(np.float32)
 
 
+def save_wav(path: str, samples: np.ndarray, rate: int) -> None:
+    with wave.open(path, "wb") as f:
+        f.setnchannels(1)
+        f.setsampwidth(2)
+        f.setframerate(rate)
+        f.writeframes((np.clip(samples, -1, 1) * 32767).astype("<i2").tobytes())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="tiny/qwen3-omni")
@@ -39,6 +50,7 @@ def main() -> None:
     parser.add_argument("--question", default="What do you hear and see?")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--out", default="answer.txt")
+    parser.add_argument("--speech-out", help="also speak the answer and save it here (16-bit WAV)")
     args = parser.parse_args()
 
     audio = load_audio(args.wav)
@@ -50,9 +62,13 @@ def main() -> None:
         prompt = omni.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         request = {"prompt": prompt, "multi_modal_data": {"audio": (audio, SAMPLE_RATE), "image": image}}
         params = [SamplingParams(temperature=0.0, max_tokens=args.max_tokens), None, None]
-        (answer,) = omni.generate(request, params, output_modalities=["text"])
+        modalities = ["text", "audio"] if args.speech_out else ["text"]
+        answer, *speech = omni.generate(request, params, output_modalities=modalities)
     finally:
         omni.close()
+    if speech:
+        save_wav(args.speech_out, speech[0].multimodal_output["audio"], speech[0].multimodal_output["sample_rate"])
+        print(f"speech -> {args.speech_out}")
     Path(args.out).write_text(answer.text)
     print(f"text: {answer.text!r} -> {args.out}; prompt tokens (media expanded): "
           f"{len(answer.request_output.prompt_token_ids)}")

@@ -5,7 +5,8 @@
     .venv/bin/python examples/online_serving/qwen3_omni_media_client.py --out reply.txt
     .venv/bin/python examples/online_serving/qwen3_omni_media_client.py --wav question.wav --image photo.png
 
-The reply is text: spoken answers to media input are not supported yet (asking for audio with media is a 400).
+The reply is text; with `--speech-out reply.wav` also speech (non-streamed here; streamed audio:
+qwen3_omni_stream_audio.py).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--out", default="reply.txt")
+    parser.add_argument("--speech-out", help="also ask for speech and save the WAV here")
     args = parser.parse_args()
 
     client = server_args.client(args)
@@ -57,7 +59,13 @@ def main() -> None:
                {"type": "text", "text": args.question}]
     request = {"model": client.models.list().data[0].id, "messages": [{"role": "user", "content": content}],
                "modalities": ["text"], "max_tokens": args.max_tokens}
-    if args.stream:
+    if args.speech_out:
+        request.update(modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"})
+        message = client.chat.completions.create(**request).choices[0].message
+        Path(args.speech_out).write_bytes(base64.b64decode(message.audio.data))
+        print(f"speech -> {args.speech_out}")
+        reply = message.content or ""
+    elif args.stream:
         chunks = client.chat.completions.create(**request, stream=True)
         reply = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     else:

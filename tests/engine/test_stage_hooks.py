@@ -110,6 +110,7 @@ def test_qwen3_omni_resolves_to_three_stages_with_hooks():
     assert thinker.final_output and thinker.final_output_type == "text"
     assert talker.input_processor == "qwen3_omni_thinker_to_talker"
     assert talker.output_collector == "qwen3_omni_talker_frames"
-    assert talker.engine_args["worker_cls"].endswith("TalkerCPUWorker") and talker.engine_args["max_model_len"] == 256
+    assert talker.engine_args["worker_extension_cls"].endswith("TalkerFramesExtension")
+    assert "worker_cls" not in talker.engine_args and talker.engine_args["max_model_len"] == 256
     assert code2wav.final_output_type == "audio" and code2wav.engine_args["dtype"] == "float32"
     assert code2wav.input_processor == "qwen3_omni_talker_to_code2wav" and code2wav.model == talker.model

@@ -14,7 +14,6 @@ from fastapi.responses import JSONResponse
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
 from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
-from vllm_omni.entrypoints.openai.chat_media import media_modalities
 from vllm_omni.entrypoints.openai.protocol.chat import OmniBatchChatCompletionRequest, OmniChatCompletionRequest
 from vllm_omni.entrypoints.openai.serving_chat import OmniOpenAIServingChat
 from vllm_omni.errors import OmniClientError
@@ -59,11 +58,7 @@ class OmniOpenAIServingChatBatch(OmniOpenAIServingChat):
     async def complete_one(self, request: OmniChatCompletionRequest, request_id: str, index: int):
         modalities = self.resolve_modalities(request)
         prompt, num_prompt_tokens = await self.build_prompt(request)
-        requested = None
-        if isinstance(prompt, dict) and "multi_modal_data" in prompt:  # answered in text (see chat_media.py)
-            modalities = media_modalities(request.modalities, modalities)
-            requested = sorted(modalities)
         params = self.build_chat_sampling_params(request)
-        finals = await self.generate_final(prompt, request_id, params, requested)
+        finals = await self.generate_final(prompt, request_id, params, None)
         return self.build_choice(request, modalities, finals, index=index, num_prompt_tokens=num_prompt_tokens,
                                  completion_index=0)

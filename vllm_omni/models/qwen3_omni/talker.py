@@ -94,9 +94,10 @@ class Qwen3OmniTalker(nn.Module):
     def prompt_embeds(self, prompt: TalkerPrompt) -> torch.Tensor:
         """(P, D) talker prompt embeddings: projected thinker token embeddings plus the codec preamble."""
         if prompt.multimodal_positions:
-            # Audio/image/video placeholders need the thinker's accept_hidden_layer states (vLLM's AR stage does
-            # not export hidden states yet) and the talker's M-RoPE positions over them.
-            raise ValueError("talker prompt has multimodal positions; only text prompts are supported so far")
+            # Audio/image/video placeholders need the thinker's accept_hidden_layer states and M-RoPE positions:
+            # the vLLM talker stage takes them (thinker_hidden.py); this in-process variant does not.
+            raise ValueError("talker prompt has multimodal positions; the in-process talker takes text prompts only "
+                             "(the vLLM talker stage takes media)")
         embeds = self._project_text(prompt.thinker_ids)
         codec = torch.tensor(prompt.codec_ids, device=embeds.device)
         has_codec = codec != NO_CODEC

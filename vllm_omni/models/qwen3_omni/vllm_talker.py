@@ -3,10 +3,10 @@ plus the MTP code predictor run inside the forward for each decode token.
 
 vLLM gives a model forward no request identity, but the talker needs per-request inputs at every decode step
 (the next answer token from the thinker, the previous step's last hidden state for the code predictor) and
-produces G-1 extra codes per step. `TalkerModelRunner` (talker_worker.py) tells the model which request owns
-which rows before each forward (`begin_step`); requests carry their conditioning in
+produces G-1 extra codes per step. The stage's KV-connector plugin (talker_rows.py) tells the model which request
+owns which rows of each forward and which requests finished; requests carry their conditioning in
 `SamplingParams.extra_args["qwen3_omni_talker"]` (a `TalkerPrompt` as builtins plus a `key`); completed frames
-are collected with `collective_rpc` (`take_talker_frames`).
+are collected with `collective_rpc` (`take_talker_frames`, a worker-extension method).
 
 The stage's vLLM config is the checkpoint with `hf_overrides=talker_hf_overrides`, which hands vLLM the talker's
 config (so KV cache, vocabulary and max length are the talker's). Its RoPE is the talker's M-RoPE, built here
@@ -32,6 +32,7 @@ from vllm_omni.models.qwen3_omni.talker import (
     TalkerSamplingParams,
     predict_residual_codes,
 )
+from vllm_omni.models.qwen3_omni.talker_rows import RequestRows, talker_rows_engine_kwargs
 
 EXTRA_ARGS_KEY = "qwen3_omni_talker"
 MAX_UNCLAIMED_RESULTS = 4096
@@ -77,16 +78,6 @@ class _RequestState:
     """Codebooks 1..G-1 (the code predictor): greedy, or sampled when the request samples codebook 0."""
 
 
-@dataclass
-class TalkerRow:
-    """Rows [start, end) of this step's flattened batch belong to request `req_id`."""
-
-    req_id: str
-    start: int
-    end: int
-    extra_args: dict | None
-
-
 class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__()
@@ -114,7 +105,6 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
         self.codec_eos = config.codec_eos_token_id
         self._requests: dict[str, _RequestState] = {}
         self._finished: dict[str, list[list[int]]] = {}
-        self._rows: list[TalkerRow] | None = None
 
     def _use_mrope(self, config, text) -> None:
         from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -128,12 +118,32 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
             if hasattr(layer, "self_attn"):  # pipeline-parallel placeholders have none
                 layer.self_attn.rotary_emb = mrope
 
-    # ---- runner hooks ----------------------------------------------------------------------------------
-    def begin_step(self, rows: list[TalkerRow]) -> None:
-        self._rows = rows
+    # ---- request identity (talker_rows.py) ------------------------------------------------------------
+    @staticmethod
+    def _connector():
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
-    def end_step(self) -> None:
-        self._rows = None
+        from vllm_omni.models.qwen3_omni.talker_rows import TalkerRowsConnector
+
+        connector = get_kv_transfer_group() if has_kv_transfer_group() else None
+        return connector if isinstance(connector, TalkerRowsConnector) else None
+
+    def sync_finished(self) -> None:
+        """File the frames of requests the scheduler reported finished."""
+        if (connector := self._connector()) is not None:
+            self.finish_requests(connector.drain_finished())
+
+    def _step_rows(self) -> list[RequestRows]:
+        from vllm.forward_context import get_forward_context
+
+        connector = self._connector()
+        if connector is None:
+            return []
+        self.finish_requests(connector.drain_finished())
+        slots = get_forward_context().slot_mapping
+        if not slots or isinstance(slots, list):  # no KV this forward (profiling), or micro-batches (unused)
+            return []
+        return connector.request_rows(next(iter(slots.values())))
 
     def finish_requests(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
@@ -169,7 +179,7 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         if inputs_embeds is None:
             inputs_embeds = self.embed_input_ids(input_ids)
-        rows = self._rows or []
+        rows = self._step_rows()
         for row in rows:
             self._condition_row(row, input_ids, positions, inputs_embeds)
         hidden = self.model(None, self._rope_positions(rows, positions), intermediate_tensors,
@@ -183,7 +193,7 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.logits_processor(self.codec_head, hidden_states)
 
-    def _rope_positions(self, rows: list[TalkerRow], positions: torch.Tensor) -> torch.Tensor:
+    def _rope_positions(self, rows: list[RequestRows], positions: torch.Tensor) -> torch.Tensor:
         """(3, N) M-RoPE positions when a row's request has multimodal input, else the runner's (N,)."""
         states = [(row, self._requests.get(row.req_id)) for row in rows]
         states = [(row, s) for row, s in states if s is not None and s.mrope_positions is not None]
@@ -199,7 +209,7 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
         return rope
 
     # ---- per-request conditioning ------------------------------------------------------------------------
-    def _state(self, row: TalkerRow, device) -> _RequestState | None:
+    def _state(self, row: RequestRows, device) -> _RequestState | None:
         state = self._requests.get(row.req_id)
         if state is None and row.extra_args and EXTRA_ARGS_KEY in row.extra_args:
             spec = row.extra_args[EXTRA_ARGS_KEY]
@@ -236,7 +246,7 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
     def _project(self, thinker_ids: torch.Tensor) -> torch.Tensor:
         return self.text_projection(self.thinker_embed(thinker_ids))
 
-    def _condition_row(self, row: TalkerRow, input_ids, positions, embeds: torch.Tensor) -> None:
+    def _condition_row(self, row: RequestRows, input_ids, positions, embeds: torch.Tensor) -> None:
         state = self._state(row, embeds.device)
         if state is None:
             return
@@ -298,13 +308,12 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
 
 
 def talker_engine_kwargs() -> dict:
-    """vLLM engine arguments of the talker stage (CPU). Prefix caching is off: talker prompts are placeholder
-    ids whose meaning lives in `extra_args`; async scheduling is off so no step runs past a finished request;
-    eager mode keeps CPU start-up short (the per-request conditioning runs outside the compiled decoder anyway)."""
-    from vllm_omni.models.qwen3_omni.talker_worker import TALKER_CPU_WORKER
-
-    return {"hf_overrides": talker_hf_overrides, "worker_cls": TALKER_CPU_WORKER, "skip_tokenizer_init": True,
-            "enable_prefix_caching": False, "async_scheduling": False, "enforce_eager": True}
+    """vLLM engine arguments of the talker stage: vLLM's own worker, with the request-identity connector and the
+    frame RPCs (talker_rows.py). Prefix caching is off: talker prompts are placeholder ids whose meaning lives in
+    `extra_args`; async scheduling is off so no step runs past a finished request; eager mode keeps CPU start-up
+    short (the per-request conditioning runs outside the compiled decoder anyway)."""
+    return {"hf_overrides": talker_hf_overrides, "skip_tokenizer_init": True, "enable_prefix_caching": False,
+            "async_scheduling": False, "enforce_eager": True, **talker_rows_engine_kwargs()}
 
 
 def talker_request(prompt: TalkerPrompt, key: str, talker_config, *, max_new_tokens: int = 4096,
