@@ -135,7 +135,8 @@ def plot(rows: dict, path: Path) -> None:
     top_value = max(r[key] for r in rows.values() for _, key, _ in series) or 1.0
     img = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(img)
-    draw.text((left, 10), "Qwen3-Omni mid tiny, CPU: streamed vs store-and-forward (mean s per request)", fill="black")
+    draw.text((left, 10), "Qwen3-Omni mid tiny, CPU: streamed vs store-and-forward (s per request, median of runs' "
+                          "means)", fill="black")
     for i, (label, _, color) in enumerate(series):
         draw.rectangle([left + i * 170, 30, left + i * 170 + 12, 42], fill=color)
         draw.text((left + i * 170 + 16, 30), label, fill="black")
