@@ -121,7 +121,7 @@ def test_step_execution_knobs_reach_the_stage_config():
         (stage,) = StageConfigFactory.create_from_model("tiny/qwen-image", **source).stages
         od = stage.make_od_config()
         assert od.step_execution and od.max_num_seqs == 4
-    # step mode runs on several ranks (rank 0 decides each round: tests/diffusion/distributed/test_step_mode_ranks.py)
+    # step mode runs on several ranks (rank 0 decides each round; see tests/diffusion/distributed/)
     assert OmniDiffusionConfig.from_kwargs(model="m", step_execution=True,
                                            tensor_parallel_size=2).parallel_config.world_size == 2
 

@@ -1,11 +1,17 @@
-"""VAE patch-parallel decode on 2 gloo ranks: Qwen-Image's and Wan's causal 3D VAEs split in row strips equal
-the single-rank decode.
+"""Two gloo ranks, one spawn: VAE patch-parallel decode and step mode on several ranks.
 
-What it pins: random latents tall enough that each strip plus its halo is smaller than the frame (so the test
-sees real strips, not two whole decodes) decode equal to `vae.decode` (Qwen-Image, Wan2.1, Wan2.2's patchified
-residual VAE, several frames for Wan); the tiny pipelines end to end with `vae_patch_parallel_size=2` alone and
-on the ranks of Ulysses 2 or CFG 2 give the single-rank output (PSNR >= 60 dB, fp32); a degree that does not fit
-the other degrees fails naming the flag. One spawn of 2 ranks runs every job.
+VAE patch parallel. What it pins: random latents tall enough that each strip plus its halo is smaller than the
+frame (so the test sees real strips, not two whole decodes) decode equal to `vae.decode` (Qwen-Image, Wan2.1,
+Wan2.2's patchified residual VAE, several frames for Wan); the tiny pipelines end to end with
+`vae_patch_parallel_size=2` alone and on the ranks of Ulysses 2 or CFG 2 give the single-rank output (PSNR >= 60
+dB, fp32); a degree that does not fit the other degrees fails naming the flag.
+
+Step mode (Ulysses 2, CFG 2; rank 0 decides every round, the other rank follows). What it pins: two tiny
+Qwen-Image requests (true CFG) admitted at different steps, reaching the two ranks at different rounds (rank 1
+must read the second one early when rank 0 steps it), give their single-rank request-mode outputs (PSNR >= 60
+dB, fp32) on both ranks, which ran the same number of rounds; an abort that lands on rank 1 rounds before it
+lands on rank 0 ends the aborted request on both ranks at rank 0's round, and the other request's output is
+untouched; nothing hangs.
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ from __future__ import annotations
 import pytest
 from parallel_harness import run_jobs
 from parallel_jobs import psnr, run_pipeline
+from step_rank_jobs import run_step_script
 from vae_patch_jobs import as_array, decode_latents
 
-from vllm_omni.diffusion.data import DiffusionParallelConfig
+from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.parallel_state import group_ranks
 from vllm_omni.errors import OmniClientError
 
@@ -38,6 +45,18 @@ PIPELINES = {
                    dict(height=32, width=32, num_frames=5, num_inference_steps=2, seed=0, max_sequence_length=16)),
 }
 
+STEP_LAYOUTS = {"ulysses2": {"ulysses_degree": 2}, "cfg2": {"cfg_parallel_size": 2}}
+STEP_REQUESTS = {
+    "a": ({"prompt": "a red cube", "negative_prompt": "blurry"},
+          dict(height=64, width=64, num_inference_steps=4, seed=1, true_cfg_scale=4.0, output_type="np")),
+    "b": ({"prompt": "a blue sphere on grass", "negative_prompt": "dark"},
+          dict(height=64, width=64, num_inference_steps=4, seed=2, true_cfg_scale=4.0, output_type="np")),
+}
+STEP_SCRIPTS = {  # (arrivals, aborts): rank -> request -> the rank's local round
+    "staggered": ({0: {"a": 0, "b": 2}, 1: {"a": 0, "b": 6}}, {}),
+    "abort_b": ({0: {"a": 0, "b": 1}, 1: {"a": 0, "b": 1}}, {0: {"b": 3}, 1: {"b": 1}}),
+}
+
 
 @pytest.fixture(scope="module")
 def results():
@@ -54,6 +73,13 @@ def results():
             parallel = PIPELINE_LAYOUTS.get(layout, {})
             jobs.append((parallel, run_pipeline, (dirs[model], parallel, prompt, params)))
             keys.append(("pipeline", model, layout))
+    for rid, (prompt, params) in STEP_REQUESTS.items():
+        jobs.append(({}, run_pipeline, (dirs["qwen-image"], {}, prompt, params)))
+        keys.append(("request_mode", rid))
+    for layout, parallel in STEP_LAYOUTS.items():
+        for script, (arrivals, aborts) in STEP_SCRIPTS.items():
+            jobs.append((parallel, run_step_script, (dirs["qwen-image"], parallel, STEP_REQUESTS, arrivals, aborts)))
+            keys.append(("step", layout, script))
     return dict(zip(keys, run_jobs(jobs), strict=True))
 
 
@@ -86,3 +112,31 @@ def test_vae_patch_degree_reuses_or_extends_the_ranks():
         with pytest.raises(OmniClientError, match="--vae-patch-parallel-size") as info:
             DiffusionParallelConfig(**bad)
         assert info.value.param == "vae_patch_parallel_size"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(STEP_LAYOUTS))
+def test_step_mode_staggered_requests_equal_request_mode_on_every_rank(results, layout):
+    ranks = results[("step", layout, "staggered")]
+    assert ranks[0]["rounds"] == ranks[1]["rounds"] >= 5  # b joined a round after a started
+    for rank in ranks:
+        for rid in STEP_REQUESTS:
+            want = results[("request_mode", rid)]["output"]
+            assert want.std() > 0
+            assert psnr(rank["outputs"][rid], want) >= 60.0, (rid, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(STEP_LAYOUTS))
+def test_step_mode_abort_follows_rank_0_and_leaves_the_other_request_intact(results, layout):
+    ranks = results[("step", layout, "abort_b")]
+    assert ranks[0]["rounds"] == ranks[1]["rounds"]
+    for rank in ranks:
+        assert rank["outputs"]["b"] == "aborted"
+        assert psnr(rank["outputs"]["a"], results[("request_mode", "a")]["output"]) >= 60.0
+
+
+def test_step_execution_accepts_parallel_ranks():
+    config = OmniDiffusionConfig.from_kwargs(model="tiny/qwen-image", step_execution=True, ulysses_degree=2,
+                                             cfg_parallel_size=2)
+    assert config.parallel_config.world_size == 4
