@@ -7,8 +7,9 @@ ignore_eos), concurrency 8, 200 prompts per server. On a shared, noisy machine o
 compares two load levels, not two servers: both servers stay up (idle between their turns) and take short
 rounds in turn, ABBA order (plain, omni, omni, plain, ...: a load trend hits both alike), 4 rounds of 50 prompts
 by default, the same prompts for both servers within a round. Reported: each round's omni / plain ratios, their
-median (the verdict) and the 1-minute load average around each run. Prints a table and writes
-benchmarks/results/bench_vllm_serve_itl-<UTC>.json and a PNG chart next to it.
+median (the verdict), the 1-minute load average around each run, and each server's CPU time per request (its
+process group: API server + EngineCore), which other jobs on the machine distort less than latencies. Prints a
+table and writes benchmarks/results/bench_vllm_serve_itl-<UTC>.json and a PNG chart next to it.
 
     .venv/bin/python benchmarks/serving/bench_vllm_serve_itl.py [--rounds 4] [--num-prompts 200] [--concurrency 8]
 """
@@ -36,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny/qwen2"
 SERVER_FLAGS = ["--gpu-memory-utilization", "0.15", "--max-model-len", "512", "--max-num-seqs", "8",
                 "--enforce-eager"]
-METRICS = ("request_throughput", "mean_itl_ms", "mean_tpot_ms", "mean_ttft_ms")
+METRICS = ("request_throughput", "mean_itl_ms", "mean_tpot_ms", "mean_ttft_ms", "server_cpu_ms_per_request")
 TARGETS = {"request_throughput": (">=", 0.98), "mean_itl_ms": ("<=", 1.1)}
 """Issue 18's acceptance, on the median of the per-round omni / plain ratios."""
 STARTUP_TIMEOUT_S = 600.0
@@ -81,17 +82,31 @@ class Server:
         self._log.close()
 
 
-def bench(url: str, tokenizer: str, args: argparse.Namespace, out_dir: Path, name: str, seed: int) -> dict:
-    """One `vllm bench serve` run of `args.num_prompts // args.rounds` prompts; its metrics and the load
-    average (1 min) before and after it."""
+def cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of the live processes of process group `pgid` (a server and its EngineCore)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # from field 3 (state) on: see proc(5)
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def bench(server: Server, tokenizer: str, args: argparse.Namespace, out_dir: Path, name: str, seed: int) -> dict:
+    """One `vllm bench serve` run of `args.num_prompts // args.rounds` prompts: its metrics, the server's CPU
+    time per request (what a loaded machine's scheduler cannot distort much) and the 1-min load average before
+    and after it."""
     num_prompts = args.num_prompts // args.rounds
     cmd = [VLLM, "bench", "serve", "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
-           "--base-url", url, "--model", MODEL, "--tokenizer", tokenizer, "--dataset-name", "random",
+           "--base-url", server.url, "--model", MODEL, "--tokenizer", tokenizer, "--dataset-name", "random",
            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
            "--num-prompts", str(num_prompts), "--max-concurrency", str(args.concurrency), "--ignore-eos",
            "--num-warmups", str(args.concurrency), "--disable-tqdm", "--seed", str(seed), "--save-result",
            "--result-dir", str(out_dir), "--result-filename", f"{name}.json"]
-    load_before = os.getloadavg()[0]
+    load_before, cpu_before = os.getloadavg()[0], cpu_seconds(server.proc.pid)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if done.returncode != 0:
@@ -99,7 +114,9 @@ def bench(url: str, tokenizer: str, args: argparse.Namespace, out_dir: Path, nam
     result = json.loads((out_dir / f"{name}.json").read_text())
     if result["completed"] != num_prompts:
         raise RuntimeError(f"{name}: {result['completed']} of {num_prompts} requests completed")
-    return {**{key: result[key] for key in METRICS}, "load_before": load_before, "load_after": os.getloadavg()[0]}
+    cpu_ms = (cpu_seconds(server.proc.pid) - cpu_before) * 1000 / (num_prompts + args.concurrency)  # + warm-ups
+    return {**{key: result[key] for key in METRICS if key != "server_cpu_ms_per_request"},
+            "server_cpu_ms_per_request": cpu_ms, "load_before": load_before, "load_after": os.getloadavg()[0]}
 
 
 def run_rounds(servers: dict[str, Server], tokenizer: str, args: argparse.Namespace, out_dir: Path) -> list[dict]:
@@ -107,7 +124,7 @@ def run_rounds(servers: dict[str, Server], tokenizer: str, args: argparse.Namesp
     rounds = []
     for i in range(args.rounds):
         order = ("plain", "omni") if i % 2 == 0 else ("omni", "plain")
-        results = {name: bench(servers[name].url, tokenizer, args, out_dir, f"{name}-{i}", seed=i) for name in order}
+        results = {name: bench(servers[name], tokenizer, args, out_dir, f"{name}-{i}", seed=i) for name in order}
         ratios = {key: results["omni"][key] / results["plain"][key] for key in METRICS}
         rounds.append({"round": i, "order": order, **results, "ratios": ratios})
         print(f"round {i} ({' -> '.join(order)}): " + ", ".join(f"{k} {v:.3f}x" for k, v in ratios.items())
@@ -138,33 +155,37 @@ def print_table(rounds: list[dict], summary: dict) -> None:
 
 
 def plot(path: Path, rounds: list[dict], summary: dict) -> None:
-    """Per metric: a bar at the median omni / plain ratio and a dot per round (PIL: no plotting library)."""
+    """Per metric: a bar from 1.0x to the median omni / plain ratio and a dot per round, on a log scale (noisy
+    rounds are off by 10x and more). PIL: the benchmark needs no plotting library."""
+    import math
+
     from PIL import Image, ImageDraw
 
     width, height, margin = 640, 360, 50
     image = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(image)
-    top = max(1.5, *(r["ratios"][key] for r in rounds for key in METRICS)) * 1.05
-    base_y = height - margin
+    values = [r["ratios"][key] for r in rounds for key in METRICS]
+    low, high = math.log(min(0.5, *values)), math.log(max(2.0, *values))
 
     def y(ratio: float) -> float:
-        return base_y - (base_y - margin) * ratio / top
+        return height - margin - (height - 2 * margin) * (math.log(ratio) - low) / (high - low)
 
-    draw.line([(margin, base_y), (width - 20, base_y)], fill="black")
-    draw.line([(margin, y(1.0)), (width - 20, y(1.0))], fill="gray")
-    draw.text((5, y(1.0) - 6), "1.0x", fill="gray")
+    for ratio in (0.1, 0.5, 1.0, 2.0, 10.0, 100.0):
+        if low <= math.log(ratio) <= high:
+            draw.line([(margin, y(ratio)), (width - 20, y(ratio))], fill="black" if ratio == 1.0 else "lightgray")
+            draw.text((5, y(ratio) - 6), f"{ratio:g}x", fill="gray")
     slot = (width - margin - 20) / len(METRICS)
     for i, key in enumerate(METRICS):
         x0 = margin + i * slot + slot * 0.2
         median = summary["median_ratios"][key]
-        draw.rectangle([x0, y(median), x0 + slot * 0.6, base_y], fill="steelblue")
+        draw.rectangle([x0, min(y(median), y(1.0)), x0 + slot * 0.6, max(y(median), y(1.0))], fill="steelblue")
         for j, r in enumerate(rounds):
             cx, cy = x0 + slot * 0.6 * (j + 1) / (len(rounds) + 1), y(r["ratios"][key])
             draw.ellipse([cx - 3, cy - 3, cx + 3, cy + 3], fill="orange", outline="black")
-        draw.text((x0, base_y + 5), key.replace("_ms", ""), fill="black")
-        draw.text((x0, y(median) - 14), f"{median:.3f}x", fill="black")
+        draw.text((x0, height - margin + 8), key.removeprefix("mean_").removesuffix("_ms")[:16], fill="black")
+        draw.text((x0 + slot * 0.62, y(median) - 6), f"{median:.2f}x", fill="black")
     draw.text((margin, 10), f"vllm serve --omni / plain vllm serve, {len(rounds)} interleaved rounds "
-              "(bar: median, dots: rounds)", fill="black")
+              "(log scale; bar: median, dots: rounds)", fill="black")
     image.save(path)
 
 
