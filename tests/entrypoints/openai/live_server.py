@@ -39,7 +39,9 @@ class LiveServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         vllm = Path(sys.executable).with_name("vllm")
-        cmd = [str(vllm), "serve", model, "--omni", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        # The `vllm` script is what users type; the GPU image has vLLM's Python tree only, without the script.
+        launcher = [str(vllm)] if vllm.exists() else [sys.executable, "-m", "vllm_omni.entrypoints.cli.main"]
+        cmd = [*launcher, "serve", model, "--omni", "--host", "127.0.0.1", "--port", str(self.port), *args]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
         self.log = Path(f"/tmp/vllm_omni_live_{self.port}.log")
         self._log_file = self.log.open("w")
