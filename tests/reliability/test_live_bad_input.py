@@ -43,6 +43,7 @@ def test_refused_with_the_field_named(server, body, param):
     ("/detokenize", {"tokens": [-1]}, "tokens"),
     ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
     ("/detokenize", {"tokens": [2**63 + 1]}, "tokens"),
+    ("/detokenize", {"tokens": ["5000000000", 5e9]}, "tokens"),  # ids as the request model reads them
 ])
 def test_vllm_routes_refuse_what_their_handlers_cannot_take(server, path, body, param):
     """vLLM's own /tokenize and /detokenize (mounted for an AR-first pipeline) answered 500 (TypeError,

@@ -61,8 +61,11 @@ async def guard_vllm_request(connection: HTTPConnection) -> None:
     fields = _body_fields(route)
     if "messages" in fields and _mentions(fields["messages"], OpenAIHarmonyMessage):
         check_chat_messages(body.get("messages"))
-    tokens = body.get("tokens")
-    if "tokens" in fields and isinstance(tokens, list) and all(type(t) is int for t in tokens):
+    if "tokens" in fields and "tokens" in body:
+        try:  # as the request model will read them: "7", 7.0 and 5e9 are ids too
+            tokens = TypeAdapter(fields["tokens"]).validate_python(body["tokens"])
+        except ValidationError as exc:
+            raise OmniClientError(f"tokens: {exc.errors()[0]['msg']}", param="tokens") from None
         connection.app.state.engine_client.renderer.validate_token_ids(tokens, parameter="tokens")
 
 
