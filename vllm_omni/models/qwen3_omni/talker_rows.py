@@ -16,20 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
+
+from vllm_omni.models.qwen3_omni.slot_connector import SlotConnector, slot_connector_engine_kwargs
 
 CONNECTOR = "TalkerRowsConnector"
 MODULE = "vllm_omni.models.qwen3_omni.talker_rows"
 
 
 def talker_rows_engine_kwargs() -> dict[str, Any]:
-    return {"kv_transfer_config": {"kv_connector": CONNECTOR, "kv_connector_module_path": MODULE,
-                                   "kv_role": "kv_both"},
-            "worker_extension_cls": f"{MODULE}.TalkerFramesExtension"}
+    return slot_connector_engine_kwargs(CONNECTOR, MODULE, "TalkerFramesExtension")
 
 
 @dataclass
@@ -52,7 +48,7 @@ class RequestRows:
     extra_args: dict | None
 
 
-class TalkerRowsConnector(KVConnectorBase_V1):
+class TalkerRowsConnector(SlotConnector):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
@@ -61,12 +57,6 @@ class TalkerRowsConnector(KVConnectorBase_V1):
         self._finished: set[str] = set()  # worker side: finished, not yet handed to the model
 
     # ---- scheduler side ----------------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        return 0, False
-
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        return None
-
     def build_connector_meta(self, scheduler_output) -> RowsMetadata:
         meta = RowsMetadata(block_size=self._block_size, finished=set(scheduler_output.finished_req_ids))
         for req_id in meta.finished:
@@ -100,18 +90,6 @@ class TalkerRowsConnector(KVConnectorBase_V1):
         """Requests finished since the last call (a step without a forward also reports some)."""
         finished, self._finished = self._finished, set()
         return finished
-
-    def start_load_kv(self, forward_context, **kwargs) -> None:
-        return None
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
-
-    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
-        return None
-
-    def wait_for_save(self) -> None:
-        return None
 
     def request_rows(self, slot_mapping: torch.Tensor) -> list[RequestRows]:
         """Each scheduled request's rows of this forward (`slot_mapping`: KV slot per row), in batch order."""

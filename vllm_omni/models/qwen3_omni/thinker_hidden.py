@@ -19,11 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
+
+from vllm_omni.models.qwen3_omni.slot_connector import SlotConnector, slot_connector_engine_kwargs
 
 CONNECTOR = "ThinkerHiddenStatesConnector"
 MODULE = "vllm_omni.models.qwen3_omni.thinker_hidden"
@@ -34,9 +32,8 @@ MAX_UNCLAIMED = 1024
 def thinker_engine_kwargs() -> dict[str, Any]:
     """vLLM engine arguments that make the thinker export its hidden states. Prefix caching is off: a cached
     prompt block is never forwarded, so its states could not be captured."""
-    return {"kv_transfer_config": {"kv_connector": CONNECTOR, "kv_connector_module_path": MODULE,
-                                   "kv_role": "kv_both"},
-            "worker_extension_cls": f"{MODULE}.ThinkerHiddenStatesExtension", "enable_prefix_caching": False}
+    return {**slot_connector_engine_kwargs(CONNECTOR, MODULE, "ThinkerHiddenStatesExtension"),
+            "enable_prefix_caching": False}
 
 
 @dataclass
@@ -69,7 +66,7 @@ class Capture:
                 "hidden": hidden.float().numpy().tobytes(), "hidden_shape": list(hidden.shape)}
 
 
-class ThinkerHiddenStatesConnector(KVConnectorBase_V1):
+class ThinkerHiddenStatesConnector(SlotConnector):
     """Moves no KV: it only tells the worker which request owns which KV blocks while a prompt is prefilled."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
@@ -83,12 +80,6 @@ class ThinkerHiddenStatesConnector(KVConnectorBase_V1):
         self._finished: dict[str, Capture] = {}
 
     # ---- scheduler side ----------------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        return 0, False
-
-    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
-        return None
-
     def build_connector_meta(self, scheduler_output) -> HiddenStatesMetadata:
         for new in scheduler_output.scheduled_new_reqs:
             ids = new.prompt_token_ids or []
@@ -126,18 +117,6 @@ class ThinkerHiddenStatesConnector(KVConnectorBase_V1):
                 self._finished[req_id] = capture
         while len(self._finished) > MAX_UNCLAIMED:
             self._finished.pop(next(iter(self._finished)))
-
-    def start_load_kv(self, forward_context, **kwargs) -> None:
-        return None
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
-
-    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs) -> None:
-        return None
-
-    def wait_for_save(self) -> None:
-        return None
 
     def capture(self, slot_mapping: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
         """Record this forward's prompt rows: `slot_mapping` (N,) KV slot per row, `positions` (3, N) M-RoPE
