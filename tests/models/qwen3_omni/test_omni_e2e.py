@@ -142,22 +142,32 @@ def test_media_input_thinker_tokens_equal_transformers(omni, hf_model, tiny_path
                                               use_audio_in_video=use_audio_in_video, **reference)
 
 
-def test_media_input_speech_equals_transformers(omni, hf_model, tiny_path, talker_frames, monkeypatch):
-    """Audio + image in, speech out: the talker takes the thinker's `accept_hidden_layer` states at the multimodal
-    positions (exported by the thinker stage's connector) and M-RoPE positions; greedy, the codec frames equal
-    transformers' `generate(return_audio=True)` and the waveform its samples."""
+@pytest.mark.parametrize("use_audio_in_video", [False, True], ids=["audio+image", "video+audio_in_video"])
+def test_media_input_speech_equals_transformers(omni, hf_model, tiny_path, talker_frames, monkeypatch,
+                                                use_audio_in_video):
+    """Audio + image, and video with its audio track (`use_audio_in_video`), in, speech out: the talker takes the
+    thinker's `accept_hidden_layer` states at the multimodal positions (exported by the thinker stage's connector)
+    and M-RoPE positions; greedy, the codec frames equal transformers' `generate(return_audio=True)` and the
+    waveform transformers' vocoder on the pipeline's chunk schedule."""
     from vllm import SamplingParams
 
     from vllm_omni.models.qwen3_omni.processing import qwen3_omni_processor
 
-    audio, image, _ = media_inputs()
-    prompt = media_prompt(tiny_path, ["audio", "image"], "What is this?")
-    request = {"prompt": prompt, "multi_modal_data": {"audio": (audio, 16000), "image": image}}
+    audio, image, video = media_inputs()
+    if use_audio_in_video:
+        prompt = media_prompt(tiny_path, ["video"], "What happens?")
+        request = {"prompt": prompt, "multi_modal_data": {"video": video, "audio": (audio, 16000)},
+                   "mm_processor_kwargs": {"use_audio_in_video": True}}
+        reference = {"videos": [video], "audio": [audio], "use_audio_in_video": True}
+    else:
+        prompt = media_prompt(tiny_path, ["audio", "image"], "What is this?")
+        request = {"prompt": prompt, "multi_modal_data": {"audio": (audio, 16000), "image": image}}
+        reference = {"audio": [audio], "images": [image]}
     params = [SamplingParams(temperature=0.0, max_tokens=THINKER_TOKENS, ignore_eos=True),
               SamplingParams(max_tokens=TALKER_TOKENS, temperature=0.0), None]
     text_out, audio_out = omni.generate([request], params, use_tqdm=False)
 
-    inputs = qwen3_omni_processor(str(tiny_path))(text=prompt, audio=[audio], images=[image], return_tensors="pt")
+    inputs = qwen3_omni_processor(str(tiny_path))(text=prompt, return_tensors="pt", **reference)
     seen = {}
     chunked_decode = hf_model.code2wav.chunked_decode
 
@@ -174,10 +184,14 @@ def test_media_input_speech_equals_transformers(omni, hf_model, tiny_path, talke
         sequences, wav = hf_model.generate(
             **inputs, thinker_max_new_tokens=THINKER_TOKENS, thinker_do_sample=False, thinker_eos_token_id=None,
             talker_do_sample=False, talker_max_new_tokens=TALKER_TOKENS, talker_repetition_penalty=1.0,
-            return_audio=True)
+            return_audio=True, use_audio_in_video=use_audio_in_video)
     finally:
         del hf_model.code2wav.chunked_decode
     assert text_out.token_ids == sequences[0, inputs["input_ids"].shape[1]:].tolist()
-    (frames,) = talker_frames.values()
+    (frames,) = talker_frames.values()  # the fixture is per test case: only this request's talker ran
     assert frames == seen["frames"]
-    np.testing.assert_allclose(audio_out.multimodal_output["audio"], wav[0, 0].numpy(), rtol=1e-5, atol=1e-5)
+    # transformers' `chunked_decode` is one 300-frame chunk; the pipeline's vocoder runs its chunk schedule (a
+    # short first chunk for early audio), which is transformers' `Code2Wav` on those chunks.
+    assert len(wav[0, 0]) > 0
+    np.testing.assert_allclose(audio_out.multimodal_output["audio"], hf_vocoder_chunks(hf_model, seen["frames"]),
+                               rtol=1e-5, atol=1e-5)
