@@ -225,7 +225,8 @@ def test_chat_with_audio_and_image_equals_transformers(client, hf_model, tiny_pa
 
 def test_spoken_answer_to_audio_and_image_equals_transformers(client, hf_model, tiny_path, monkeypatch):
     """input_audio + image_url with modalities ["text", "audio"]: the talker takes the thinker's hidden states at
-    the media positions; text and waveform equal transformers' `generate(return_audio=True)` (16-bit WAV)."""
+    the media positions; text equals transformers' `generate(return_audio=True)`, the waveform its vocoder on the
+    pipeline's chunk schedule of transformers' codec frames (16-bit WAV)."""
     from transformers import AutoTokenizer
 
     from vllm_omni.models.qwen3_omni.processing import qwen3_omni_processor
@@ -240,16 +241,24 @@ def test_spoken_answer_to_audio_and_image_equals_transformers(client, hf_model, 
     # transformers' talker M-RoPE reads `audio_config.n_window` from its own config, which has none.
     monkeypatch.setattr(hf_model.talker.config, "audio_config", hf_model.config.thinker_config.audio_config,
                         raising=False)
-    sequences, ref_wav = hf_model.generate(
+    seen, chunked_decode = {}, hf_model.code2wav.chunked_decode
+
+    def record_codes(codes, **kwargs):  # transformers' codec frames, for its vocoder on the pipeline's chunks
+        seen["frames"] = codes[0].T.tolist()
+        return chunked_decode(codes, **kwargs)
+
+    monkeypatch.setattr(hf_model.code2wav, "chunked_decode", record_codes)
+    sequences, _ = hf_model.generate(
         **inputs, thinker_max_new_tokens=THINKER_TOKENS, thinker_do_sample=False, thinker_eos_token_id=None,
         talker_do_sample=False, talker_max_new_tokens=TALKER_TOKENS, talker_repetition_penalty=1.0, return_audio=True)
+    ref_wav = hf_vocoder_chunks(hf_model, seen["frames"])
     tokens = sequences[0, inputs["input_ids"].shape[1]:].tolist()
     text = AutoTokenizer.from_pretrained(tiny_path).decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
     message = out.choices[0].message
     assert message.content == text and message.audio.transcript == text
     wav, rate = read_wav(base64.b64decode(message.audio.data))
     assert rate == 24000
-    np.testing.assert_allclose(wav, np.clip(ref_wav[0, 0].numpy(), -1, 1), atol=2e-4)
+    np.testing.assert_allclose(wav, np.clip(ref_wav, -1, 1), atol=2e-4)
 
 
 def _bad_media_cases() -> list[tuple[str, list[dict], dict, str]]:
