@@ -32,6 +32,9 @@ class StepContext:
     partial_sink: PartialSink | None = None
     abort_requested: Callable[[str], bool] = _never
     """True once the request was aborted; the worker sets it from its abort side channel between steps."""
+    abort_agreed: bool = False
+    """`abort_requested` already answers the same on every rank (step mode's round decision, step_sync.py), so
+    `aborted` needs no broadcast of its own."""
     step_index: int | None = None
     timestep: float | None = None
     """Normalized timestep of the running step, 1.0 = pure noise down to 0.0."""
@@ -59,7 +62,8 @@ class StepContext:
         Each rank reads the abort channel on its own, so an abort reaches the ranks at different steps; ranks that
         acted on their own view would leave a forward's collectives at different steps and hang. Rank 0 decides
         and broadcasts, at each check (every rank checks at the same points of the same loop)."""
-        return _rank0_decides([request_id for request_id in request_ids if self.abort_requested(request_id)])
+        aborted = [request_id for request_id in request_ids if self.abort_requested(request_id)]
+        return aborted if self.abort_agreed else _rank0_decides(aborted)
 
 
 def _rank0_decides(value: list[str]) -> list[str]:

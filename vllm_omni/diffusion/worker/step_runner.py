@@ -135,7 +135,8 @@ class StepExecutor:
         self._batches[batch_id] = batch
         for index, request in enumerate(requests):
             ctx = StepContext(self.runner.od_config, request_ids=[request.request_id], partial_sink=partial_sink,
-                              abort_requested=lambda rid, b=batch_id: self._is_aborted(b, rid))
+                              abort_requested=lambda rid, b=batch_id: self._is_aborted(b, rid),
+                              abort_agreed=self.sync is not None)
             deadline_ms = request.sampling_params.deadline_ms or self.runner.od_config.default_deadline_ms
             self.waiting.append(_Job(batch, index, request, ctx, deadline_ms))
         if not requests:
