@@ -8,6 +8,7 @@ are reaped (no zombie) and no shared-memory segment is left that no live process
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -59,27 +60,45 @@ def server():
 def test_kill9_of_the_engine_core_fails_fast_and_the_stage_comes_back(server):
     srv, shm_before = server
     errors_before = srv.metric("vllm_omni:engine_requests_total", outcome="error")
-    # One sequence at a time (--max-num-seqs 1): four 2000-token requests keep the tiny model busy long
-    # enough to be killed in the middle; those still running or queued then fail with 503.
-    results: list[dict] = [{} for _ in range(4)]
+    # One sequence at a time (--max-num-seqs 1): a streamed 2000-token request is killed in the middle (its
+    # first token says the EngineCore runs it; a fixed sleep raced the server's first-request set-up in CI),
+    # three more wait behind it; those still running or queued then fail with 503.
+    first_token = threading.Event()
+    streamed: dict = {"events": []}
+
+    def run_streamed() -> None:
+        with httpx.stream("POST", srv.url + CHAT, json={**chat(2000), "stream": True}, timeout=120) as resp:
+            streamed["status"] = resp.status_code
+            for line in resp.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    streamed["events"].append(json.loads(line[len("data: "):]))
+                    first_token.set()
+        streamed["at"] = time.monotonic()
+        first_token.set()
+
+    results: list[dict] = [{} for _ in range(3)]
 
     def run(result: dict) -> None:
         result["response"] = httpx.post(srv.url + CHAT, json=chat(2000), timeout=120)
         result["at"] = time.monotonic()
 
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in results]
-    for thread in threads:
+    threads = [threading.Thread(target=run_streamed, daemon=True)]
+    threads += [threading.Thread(target=run, args=(r,), daemon=True) for r in results]
+    threads[0].start()
+    assert first_token.wait(60), "no streamed token within 60 s"
+    for thread in threads[1:]:
         thread.start()
-    time.sleep(1.0)  # inside the first one (the server is too busy to answer /metrics in between)
+    time.sleep(0.5)  # the three queue behind the streamed one
     old = engine_processes(srv)
     core = old["VLLM::EngineCore"]
     killed_at = time.monotonic()
     core.kill()
     for thread in threads:
         thread.join(30)
-    failed = [r for r in results if r["response"].status_code != 200]
-    assert failed, "every request finished before the kill"
-    for r in failed:
+    assert "at" in streamed and streamed["at"] - killed_at <= 5.0, "the streamed request did not end after the kill"
+    finishes = [c.get("finish_reason") for e in streamed["events"] for c in e.get("choices", [])]
+    assert "length" not in finishes and any("error" in e for e in streamed["events"]), streamed["events"][-3:]
+    for r in results:
         assert r["response"].status_code == 503, r["response"].text
         assert r["at"] - killed_at <= 5.0
     health = httpx.get(srv.url + "/health", timeout=10)
@@ -93,4 +112,4 @@ def test_kill9_of_the_engine_core_fails_fast_and_the_stage_comes_back(server):
     assert engine_processes(srv)["VLLM::EngineCore"].pid != core.pid
     assert all(gone(p) for p in old.values()), "the dead EngineCore or its worker was not reaped"
     assert not orphan_segments(shm_before)
-    assert srv.metric("vllm_omni:engine_requests_total", outcome="error") == errors_before + len(failed)
+    assert srv.metric("vllm_omni:engine_requests_total", outcome="error") == errors_before + 1 + len(results)
