@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -193,7 +194,7 @@ def modes(args: argparse.Namespace) -> dict[str, tuple[Callable[[], StepPolicy],
         rows[f"least-laxity, starvation {x:g}"] = (lambda x=x: LeastLaxity("slo", starvation_factor=x), s, False)
     rows["EDF + admission control"] = (lambda: StepPolicy("slo", starvation_factor=math.inf), s, True)
     rows["SRPT (reference)"] = (lambda: ShortestRemainingFirst("slo"), 1, False)
-    return rows
+    return {name: row for name, row in rows.items() if name == "request-fcfs" or re.search(args.only, name)}
 
 
 def metrics(jobs: int, result: tuple[list[tuple[float, bool, float]], int, float],
@@ -257,6 +258,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-paused", type=int, default=4)
     parser.add_argument("--starvation-factors", default="0,0.5,1,2", type=lambda t: [float(x) for x in t.split(",")],
                         help="--slo-starvation-factor values to try")
+    parser.add_argument("--only", default="", help="regex: simulate only the policies it matches (+ request-fcfs)")
     parser.add_argument("--no-cost-model-phases", dest="cost_model_phases", action="store_false",
                         help="the policy's cost model ignores encode / decode (steps only)")
     return parser.parse_args(argv)
