@@ -184,14 +184,11 @@ def modes(args: argparse.Namespace) -> dict[str, tuple[Callable[[], StepPolicy],
     rows = {"request-fcfs": (lambda: StepPolicy("fcfs"), 1, False),
             "step-fcfs": (lambda: StepPolicy("fcfs"), s, False),
             "slo, no starvation bound": (lambda: StepPolicy("slo", starvation_factor=math.inf), s, False)}
+    candidates = (("slo", StepPolicy), ("feasible-SRPT", FeasibleShortestRemaining),
+                  ("EDF + Moore-Hodgson", MooreHodgson), ("least-laxity", LeastLaxity))
     for x in args.starvation_factors:
-        rows[f"slo, starvation {x:g}"] = (lambda x=x: StepPolicy("slo", starvation_factor=x), s, False)
-        rows[f"feasible-SRPT, starvation {x:g}"] = (lambda x=x: FeasibleShortestRemaining("slo",
-                                                                                           starvation_factor=x), s,
-                                                    False)
-        rows[f"EDF + Moore-Hodgson, starvation {x:g}"] = (lambda x=x: MooreHodgson("slo", starvation_factor=x), s,
-                                                          False)
-        rows[f"least-laxity, starvation {x:g}"] = (lambda x=x: LeastLaxity("slo", starvation_factor=x), s, False)
+        for label, cls in candidates:
+            rows[f"{label}, starvation {x:g}"] = (lambda cls=cls, x=x: cls("slo", starvation_factor=x), s, False)
     rows["EDF + admission control"] = (lambda: StepPolicy("slo", starvation_factor=math.inf), s, True)
     rows["SRPT (reference)"] = (lambda: ShortestRemainingFirst("slo"), 1, False)
     return {name: row for name, row in rows.items() if name == "request-fcfs" or re.search(args.only, name)}
