@@ -22,7 +22,10 @@ for each step mode against request FCFS. The JSON and a latency-CDF PNG go to `-
   python benchmarks/diffusion/diffusion_benchmark_serving.py --compare-modes /path/to/checkpoint \
       --num-prompts 40 --mix 128x128:8,128x128:24,256x256:12
 
-`--smoke` (3 prompts, no calibration reps) checks the path end to end.
+`--rounds K` runs the modes K times in turn (request FCFS, step FCFS, step SLO, request FCFS, ...), round r
+replaying the plan of seed `--seed` + r, so that the noise of a shared machine drifts over every mode alike;
+the table pools the rounds and lists each round's ratios. `--smoke` (3 prompts, no calibration reps) checks
+the path end to end.
 """
 
 from __future__ import annotations
@@ -271,26 +274,19 @@ async def compare_modes(args: argparse.Namespace) -> dict[str, Any]:
                               "modes": {}}
     plan: list[tuple[float, int]] = []
     deadlines: list[float] = []
+    runs: dict[str, list[tuple[list[RequestResult], list[tuple[float, int]], float, list[float]]]] = {
+        mode: [] for mode in modes}
     out = args.out or args.results_dir / f"diffusion_serving_modes-{stamp}.json"
     signal.signal(signal.SIGTERM, _interrupt)  # so that `finally` stops the running server
-    for mode in modes:
-        step_flags = ["--max-num-seqs", str(args.step_max_num_seqs)] if mode.startswith("step") else []
-        server = Server(args.compare_modes, _free_port(), [*MODES[mode], *step_flags, *shlex.split(args.server_args)],
-                        Path(tempfile.gettempdir()) / f"serving_modes-{stamp}-{mode}.log")
-        try:
-            server.wait_ready()
-            async with httpx.AsyncClient(base_url=server.url, limits=httpx.Limits(max_connections=None)) as client:
-                if not plan:  # the first mode (request-mode FCFS) measures the capacity the load is set from
-                    plan, deadlines = await calibrate(client, args, mix, report)
-                else:
-                    await solo_latencies(client, args, mix, 0)  # the same warm-up as the first mode had
-                load_before = os.getloadavg()[0]
-                results, duration = await replay(client, args, plan, mix, deadlines)
-        finally:
-            server.close()
-        report["modes"][mode] = {**mode_summary(results, plan, deadlines, duration, mix),
-                                 "loadavg_1m": [load_before, os.getloadavg()[0]]}
-        out.write_text(json.dumps(report, indent=1))  # after every mode: a run cut short keeps what it measured
+    for rnd in range(args.rounds):  # modes interleaved round by round, so drifting machine noise hits them all
+        if rnd:
+            plan = poisson_plan(report["request_rate"], args.num_prompts, len(mix), args.seed + rnd)
+        for mode in modes:
+            results, plan, deadlines, duration, load = await serve_mode(args, mode, mix, stamp, report, plan,
+                                                                        deadlines)
+            runs[mode].append((results, plan, duration, load))
+            report["modes"][mode] = pooled_summary(runs[mode], deadlines, mix)
+            out.write_text(json.dumps(report, indent=1))  # after every mode: a run cut short keeps what it measured
     base = report["modes"]["request-fcfs"]
     for mode, m in report["modes"].items():
         if mode != "request-fcfs":
@@ -302,18 +298,57 @@ async def compare_modes(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+async def serve_mode(args: argparse.Namespace, mode: str, mix: list[tuple[str, int]], stamp: str,
+                     report: dict[str, Any], plan: list[tuple[float, int]], deadlines: list[float]):
+    """One mode's server replays `plan`; with no plan yet (the run's first mode, request FCFS) it first measures
+    the solo latencies that set the plan and deadlines. (results, plan, deadlines, duration, 1-min loadavg
+    before and after)."""
+    step_flags = ["--max-num-seqs", str(args.step_max_num_seqs)] if mode.startswith("step") else []
+    server = Server(args.compare_modes, _free_port(), [*MODES[mode], *step_flags, *shlex.split(args.server_args)],
+                    Path(tempfile.gettempdir()) / f"serving_modes-{stamp}-{mode}.log")
+    try:
+        server.wait_ready()
+        async with httpx.AsyncClient(base_url=server.url, limits=httpx.Limits(max_connections=None)) as client:
+            if not plan:
+                rate, deadlines = await calibrate(client, args, mix, report)
+                plan = poisson_plan(rate, args.num_prompts, len(mix), args.seed)
+            else:
+                await solo_latencies(client, args, mix, 0)  # the same warm-up as the first mode had
+            load_before = os.getloadavg()[0]
+            results, duration = await replay(client, args, plan, mix, deadlines)
+    finally:
+        server.close()
+    return results, plan, deadlines, duration, [load_before, os.getloadavg()[0]]
+
+
+def pooled_summary(runs: list[tuple[list[RequestResult], list[tuple[float, int]], float, list[float]]],
+                   deadlines: list[float], mix: list[tuple[str, int]]) -> dict[str, Any]:
+    """`mode_summary` over every round of a mode (throughput = all completed / all replay time), with each round's
+    own summary under "rounds"."""
+    results = [r for run in runs for r in run[0]]
+    plan = [p for run in runs for p in run[1]]
+    summary = mode_summary(results, plan, deadlines, sum(run[2] for run in runs), mix)
+    summary["loadavg_1m"] = [runs[0][3][0], runs[-1][3][1]]
+    summary["rounds"] = [{**mode_summary(r, p, deadlines, d), "loadavg_1m": load} for r, p, d, load in runs]
+    return summary
+
+
 async def calibrate(client: httpx.AsyncClient, args: argparse.Namespace, mix: list[tuple[str, int]],
-                    report: dict[str, Any]) -> tuple[list[tuple[float, int]], list[float]]:
-    """Solo latency per class (median of `--calibration-reps` on the idle request-mode server), the offered rate
-    (`--request-rate`, else `--load` / the mix's mean solo time: requests are drawn uniformly from the mix) and
-    the seeded Poisson plan of (gap, class) every mode replays; deadline = 2x the class's solo latency."""
+                    report: dict[str, Any]) -> tuple[float, list[float]]:
+    """Solo latency per class (median of `--calibration-reps` on the idle request-mode server) and the offered
+    rate (`--request-rate`, else `--load` / the mix's mean solo time: requests are drawn uniformly from the mix);
+    deadline = 2x the class's solo latency."""
     solo = await solo_latencies(client, args, mix, args.calibration_reps)
     rate = args.request_rate if args.request_rate != float("inf") else args.load / float(np.mean(solo))
-    rng = random.Random(args.seed)
-    plan = [(rng.expovariate(rate), rng.randrange(len(mix))) for _ in range(args.num_prompts)]
     report.update(solo_latency_s={f"{size}:{steps}": t for (size, steps), t in zip(mix, solo, strict=True)},
                   request_rate=rate, offered_load=rate * float(np.mean(solo)))
-    return plan, [2.0 * t for t in solo]
+    return rate, [2.0 * t for t in solo]
+
+
+def poisson_plan(rate: float, n: int, classes: int, seed: int) -> list[tuple[float, int]]:
+    """The seeded Poisson (gap, class) schedule every mode of a round replays."""
+    rng = random.Random(seed)
+    return [(rng.expovariate(rate), rng.randrange(classes)) for _ in range(n)]
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -334,6 +369,14 @@ def print_table(report: dict[str, Any]) -> None:
         cells = [f"{name} {c['latency_mean_s'] or float('nan'):.2f}/{c['latency_p95_s'] or float('nan'):.2f}/"
                  f"{c['deadline_attainment']:.0%}" for name, c in m["per_class"].items()]
         print(f"  {mode:<14}" + "  ".join(cells))
+    if len(base["rounds"]) > 1:
+        print("per round (mean/req, p95/req, attainment; request-fcfs attainment):")
+        for rnd, b in enumerate(base["rounds"]):
+            cells = [f"{mode} {m['rounds'][rnd]['latency_mean_s'] / b['latency_mean_s']:.2f}/"
+                     f"{m['rounds'][rnd]['latency_p95_s'] / b['latency_p95_s']:.2f}/"
+                     f"{m['rounds'][rnd]['deadline_attainment']:.0%}" for mode, m in report["modes"].items()
+                     if mode != "request-fcfs" and rnd < len(m["rounds"])]
+            print(f"  round {rnd}: " + "  ".join(cells) + f"; request-fcfs {b['deadline_attainment']:.0%}")
     for mode, m in report["modes"].items():
         if "targets" in m:
             print(f"targets {mode} vs request-fcfs: "
@@ -403,6 +446,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="compare-modes: which modes, request-fcfs first (it calibrates the load)")
     parser.add_argument("--min-throughput-ratio", type=float, default=0.98,
                         help="compare-modes: throughput target of a step mode / request-fcfs (1.3 for the 256^2 run)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="compare-modes: run the modes this many times in turn (round r replays the Poisson plan "
+                        "of seed --seed + r), pooled in the table, each round's ratios listed")
     parser.add_argument("--smoke", action="store_true",
                         help="compare-modes: 3 prompts per mode, no calibration reps (checks the script path)")
     parser.add_argument("--server-args", default="", help="compare-modes: more `vllm serve` flags, e.g. "

@@ -60,3 +60,22 @@ def test_compare_modes_summary():
                                                    "attainment>=90%": True, "throughput>=1.3x": False}
     assert bench.parse_args(["--compare-modes", "m"]).num_prompts == 40
     assert bench.parse_args(["--compare-modes", "m", "--smoke"]).num_prompts == 3
+    plan_a, plan_b = bench.poisson_plan(2.0, 5, 3, seed=1), bench.poisson_plan(2.0, 5, 3, seed=2)
+    assert plan_a == bench.poisson_plan(2.0, 5, 3, seed=1) != plan_b and {c for _, c in plan_a} <= {0, 1, 2}
+    pooled = bench.pooled_summary([(results, plan, 10.0, [1.0, 2.0]), (results[:2], plan[:2], 5.0, [3.0, 4.0])],
+                                  deadlines=[2.0, 4.0], mix=[("64x64", 4), ("1x1", 8)])
+    assert pooled["completed"] == 5 and pooled["throughput_rps"] == pytest.approx(5 / 15.0)
+    assert pooled["loadavg_1m"] == [1.0, 4.0] and [r["completed"] for r in pooled["rounds"]] == [3, 2]
+    assert bench.parse_args(["--compare-modes", "m", "--rounds", "3"]).rounds == 3
+
+
+def test_step_policy_simulator_runs_every_candidate():
+    """sim_step_policies.py: each candidate policy on the same seeded arrivals, ratios against request FCFS."""
+    import sim_step_policies as sim
+
+    rows = sim.main(["--seeds", "2", "--num-prompts", "12", "--starvation-factors", "1"])
+    assert {"request-fcfs", "slo, starvation 1", "SRPT (reference)", "EDF + admission control"} <= set(rows)
+    assert all(r.shape == (2, 10) for r in rows.values())
+    assert (rows["request-fcfs"][:, 5:] == 1.0).all()  # the baseline against itself
+    slo = rows["slo, starvation 1"]
+    assert ((slo[:, 2] >= 0) & (slo[:, 2] <= 1)).all() and (slo[:, 8] > 0.9).all()  # attainment; throughput level

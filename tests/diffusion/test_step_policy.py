@@ -200,3 +200,20 @@ def test_policy_knobs_reach_the_stage_config():
         (stage,) = StageConfigFactory.create_from_model("tiny/qwen-image", **source).stages
         od = stage.make_od_config()
         assert od.diffusion_scheduler_policy == "slo" and od.default_deadline_ms == 5000.0
+
+
+def test_slo_starvation_bound_and_encode_decode_costs_reach_the_executor(pipe):
+    h = Harness(pipe, max_num_seqs=1, diffusion_scheduler_policy="slo", slo_starvation_factor=2.0)
+    assert h.executor.policy.starvation_factor == 2.0
+    r = request("one", 2, 1)
+    h.add(r)
+    h.drain()
+    cost, key = h.executor.policy.cost, shape_key(r)
+    assert cost.phase_seconds(key, "encode") > 0 and cost.phase_seconds(key, "decode") > 0  # measured, per shape
+    parser = docs.serve_parser()
+    args = parser.parse_args(["tiny/qwen-image", "--omni", "--slo-starvation-factor", "0.5"])
+    (stage,) = StageConfigFactory.create_from_model(
+        "tiny/qwen-image", **OmniEngineArgs.omni_kwargs_from_cli(args, parser.parse_args([]))).stages
+    assert stage.make_od_config().slo_starvation_factor == 0.5
+    with pytest.raises(ValueError, match="slo_starvation_factor"):
+        OmniDiffusionConfig(model="m", slo_starvation_factor=-1.0)

@@ -184,11 +184,17 @@ class OmniDiffusionConfig:
     diffusion_scheduler_policy: Literal["fcfs", "priority", "slo"] = "fcfs"
     """Which waiting requests run first. fcfs: arrival order. priority: vLLM's priority scheduling (lower
     `priority` first, then arrival). slo: earliest deadline first (`deadline_ms`, else --default-deadline-ms),
-    requests that can no longer make theirs last. In step mode priority and slo also pick which resident states
-    take the step slots: a more urgent arrival pauses a less urgent state at a step boundary (it keeps its
-    latents and resumes later). In request mode they order the queue of whole requests."""
+    requests that can no longer make theirs last (in step mode until --slo-starvation-factor). In step mode
+    priority and slo also pick which resident states take the step slots: a more urgent arrival pauses a less
+    urgent state at a step boundary (it keeps its latents and resumes later). In request mode they order the
+    queue of whole requests."""
     default_deadline_ms: float = 60000.0
     """Deadline of a request that sets no `deadline_ms` (slo policy), in milliseconds after its arrival."""
+    slo_starvation_factor: float = 4.0
+    """slo policy, step mode: a request that can no longer make its deadline waits behind the ones that can only
+    until it is late by this x its deadline window (deadline - arrival); then it runs before them, so under
+    sustained load it is not starved. Lower = shorter worst-case wait (p95/p99), fewer deadlines met; inf = no
+    bound. The default is from benchmarks/diffusion/sim_step_policies.py (docs/execution_modes.md)."""
     max_paused_states: int = 4
     """Most states a step-mode worker keeps paused by preemption (each holds its latents and prompt embeddings);
     when that many are paused, an urgent request waits for a free step slot instead of pausing one more."""
@@ -246,6 +252,8 @@ class OmniDiffusionConfig:
         if not 0 < self.default_deadline_ms <= MAX_DEADLINE_MS:
             raise ValueError(f"default_deadline_ms must be in (0, {MAX_DEADLINE_MS:.0f}], got "
                              f"{self.default_deadline_ms}")
+        if not self.slo_starvation_factor >= 0:
+            raise ValueError(f"slo_starvation_factor must be >= 0, got {self.slo_starvation_factor}")
         if self.max_paused_states < 0:
             raise ValueError(f"max_paused_states must be >= 0, got {self.max_paused_states}")
         if self.max_stage_restarts < 0:

@@ -103,6 +103,7 @@ class OmniEngineArgs(EngineArgs):
     diffusion_max_tokens_per_forward: int | None = 16384
     diffusion_scheduler_policy: Literal["fcfs", "priority", "slo"] = "fcfs"
     default_deadline_ms: float = 60000.0
+    slo_starvation_factor: float = 4.0
     max_paused_states: int = 4
     fa_deterministic: bool = False
     diffusers_load_kwargs: dict[str, Any] | None = None

@@ -3,12 +3,15 @@
 Pins: slo runs the most urgent job alone unless co-batching its shape pays (unmeasured: tried once after the
 solo step is measured; measured: batched round <= COBATCH_GAIN x the solo steps, and no job that could make its
 deadline misses it at the batched pace); a more urgent arrival takes the round at the next boundary; admission
-respects `max_paused`; and on a mix of sizes with deadline = 2x solo, slo's mean latency is well below
-run-to-completion FCFS while the work done is the same.
+respects `max_paused`; on a mix of sizes with deadline = 2x solo, slo's mean latency is well below
+run-to-completion FCFS while the work done is the same; a hopeless job waits behind feasible work only until its
+starvation bound, and feasible jobs meet their deadlines in an overload that ends before it; the remaining cost
+includes the measured encode (before admission) and decode.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -24,6 +27,7 @@ class Job:
     arrival: float
     deadline: float
     remaining_steps: int
+    prepared: bool = False
 
 
 def job(rid: str, size: int, steps: int, arrival: float = 0.0, deadline: float = 100.0) -> Job:
@@ -39,9 +43,9 @@ def ids(jobs: list[Job]) -> list[str]:
     return [j.request.request_id for j in jobs]
 
 
-def slo(costs: dict[tuple[int, int], float] | None = None) -> StepPolicy:
+def slo(costs: dict[tuple[int, int], float] | None = None, starvation_factor: float = math.inf) -> StepPolicy:
     """(size, batch) -> seconds of one round of `batch` states of that size."""
-    policy = StepPolicy("slo")
+    policy = StepPolicy("slo", starvation_factor=starvation_factor)
     for (size, batch), seconds in (costs or {}).items():
         policy.cost.observe(key(size), seconds, batch=batch)
     return policy
@@ -142,3 +146,52 @@ def test_on_a_mix_of_sizes_slo_beats_run_to_completion_fcfs(slots):
     assert sum(ours.values()) <= 0.7 * sum(fcfs.values())
     smalls = [f"r{i}" for i in (1, 2, 4, 5, 7)]
     assert max(ours[r] for r in smalls) <= 2 * solo[32] < max(fcfs[r] for r in smalls)
+
+
+def stream(n: int, period: float, start: float = 0.0) -> list[Job]:
+    """Short jobs (64^2 x 2 steps of 1 s, deadline 2x solo) arriving every `period` s: load 2 / period."""
+    return [job(f"s{i}", 64, 2, arrival=start + period * i, deadline=start + period * i + 4.0) for i in range(n)]
+
+
+@pytest.mark.parametrize("factor", [0.0, 1.0, 3.0])
+def test_a_hopeless_job_runs_within_its_starvation_bound_under_sustained_load(factor):
+    hopeless = job("hopeless", 64, 10, deadline=5.0)  # 10 s of work, 5 s window: hopeless once measured
+    done = simulate(slo({(64, 1): 1.0}, starvation_factor=factor), [hopeless, *stream(50, 2.0)], {64: 1.0}, 1)
+    bound = (1 + factor) * 5.0  # late by factor x its window: it runs before the feasible ones from then on
+    assert bound < done["hopeless"] <= bound + 1.0 + 10.0  # + the round in flight + its own 10 steps
+    unbounded = simulate(slo({(64, 1): 1.0}), [job("hopeless", 64, 10, deadline=5.0), *stream(50, 2.0)], {64: 1.0}, 1)
+    assert unbounded["hopeless"] > 100.0  # no bound: it waits for the whole 100 s stream
+
+
+def test_feasible_jobs_meet_their_deadlines_in_an_overload_shorter_than_the_bound():
+    hopeless = [job(f"h{i}", 64, 10, deadline=5.0) for i in range(2)]  # 20 s of work that cannot make 5 s
+    shorts = stream(10, 2.0)  # 20 s at load 1 on top of it: overloaded until t = 20
+    done = simulate(slo({(64, 1): 1.0}, starvation_factor=4.0), [*hopeless, *shorts], {64: 1.0}, 1)
+    assert all(done[j.request.request_id] <= 4.0 for j in shorts)  # every feasible one in time
+    assert max(done["h0"], done["h1"]) <= 20.0 + 20.0  # the hopeless ones right after the overload
+    fcfs = simulate(StepPolicy("fcfs"), [*(job(f"h{i}", 64, 10, deadline=5.0) for i in range(2)), *stream(10, 2.0)],
+                    {64: 1.0}, 1)
+    assert sum(fcfs[j.request.request_id] > 4.0 for j in shorts) == len(shorts)  # FCFS: all of them late
+
+
+def test_tiers_order_starved_then_feasible_then_hopeless():
+    policy = slo({(64, 1): 1.0}, starvation_factor=1.0)
+    feasible, hopeless = job("feasible", 64, 2, deadline=10.0), job("hopeless", 64, 10, deadline=5.0)
+    assert [policy.slo_tier(j, 0.0) for j in (feasible, hopeless)] == [1, 2]
+    assert policy.slo_tier(hopeless, 10.0) == 2 and policy.slo_tier(hopeless, 10.1) == 0  # 5 + 1 x 5 s
+    assert ids(policy.choose([], [], [feasible, hopeless], 1, 4, 10.1)) == ["hopeless"]
+    with pytest.raises(ValueError, match="slo_starvation_factor"):
+        StepPolicy("slo", starvation_factor=-1.0)
+
+
+def test_remaining_cost_includes_measured_encode_before_admission_and_decode():
+    policy = slo({(64, 1): 1.0})
+    waiting, resident = job("waiting", 64, 3), job("resident", 64, 3)
+    resident.prepared = True
+    assert policy.remaining_seconds(waiting) == policy.remaining_seconds(resident) == pytest.approx(3.0)
+    policy.cost.observe_phase(key(64), "encode", 0.5)
+    policy.cost.observe_phase(key(64), "decode", 2.0)
+    assert policy.remaining_seconds(waiting) == pytest.approx(5.5)
+    assert policy.remaining_seconds(resident) == pytest.approx(5.0)
+    tight = job("tight", 64, 3, deadline=4.0)  # 3 s of steps fit, not with 2 s of decode
+    assert not policy.can_make_deadline(tight, 0.0)

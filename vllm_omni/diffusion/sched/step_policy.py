@@ -7,7 +7,9 @@ step in the next round (at most `max_num_seqs`):
     priority  vLLM's priority scheduling: lower `priority` first, then arrival; the `max_num_seqs` most urgent
               jobs share the rounds
     slo       earliest deadline first, a job whose estimated remaining cost no longer fits before its deadline
-              behind every job that can still make its own; the most urgent job runs ALONE unless co-batching
+              (hopeless) behind every job that can still make its own, until it is late by more than
+              `starvation_factor` x its deadline window (deadline - arrival): then it runs before every other
+              job (the starvation bound); the most urgent job runs ALONE unless co-batching
               pays: jobs of its shape join it only while their measured batched step is at most
               `COBATCH_GAIN` x the sum of their solo steps (and the jobs that could make their deadline still do);
               a batch size not measured yet is tried once, after the shape's solo step was measured
@@ -20,11 +22,17 @@ forward costs well below the solo forwards it replaces.
 
 A resident state left out of a round is paused (preempted) with its latents and scheduler and resumes where it
 stopped; at most `max_paused_states` states are paused at a time, which bounds the states a worker holds.
-Remaining cost = remaining steps x the measured seconds per step of the request's shape (`StepCostModel`).
+Remaining cost = remaining steps x the measured seconds per step of the request's shape (`StepCostModel`),
+plus the shape's measured decode and, before admission, its measured encode (prepare).
+
+Why the starvation bound: putting hopeless jobs last is what lets the feasible ones meet their deadlines under
+overload, but with no bound a long hopeless job waits as long as feasible work keeps arriving, which is the
+p95/p99 (benchmarks/diffusion/sim_step_policies.py replays the H200 mix: docs/execution_modes.md).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -53,18 +61,32 @@ def shape_label(key: ShapeKey) -> str:
     return label + ("+cfg" if cfg else "")
 
 
+Phase = Literal["encode", "decode"]
+
+
 @dataclass
 class StepCostModel:
-    """Seconds of one step of `batch` states of a shape (all their forwards in a round): an exponentially
-    weighted moving average of the measured rounds."""
+    """Seconds of one step of `batch` states of a shape (all their forwards in a round), and of a shape's
+    per-request encode (prepare) and decode (finish): exponentially weighted moving averages of what was
+    measured."""
 
     alpha: float = 0.3
     """Weight of the newest measurement."""
     seconds: dict[tuple[ShapeKey, int], float] = field(default_factory=dict)
+    phases: dict[tuple[ShapeKey, Phase], float] = field(default_factory=dict)
 
     def observe(self, key: ShapeKey, seconds: float, batch: int = 1) -> None:
-        old = self.seconds.get((key, batch))
-        self.seconds[key, batch] = seconds if old is None else (1 - self.alpha) * old + self.alpha * seconds
+        self.seconds[key, batch] = self._average(self.seconds.get((key, batch)), seconds)
+
+    def observe_phase(self, key: ShapeKey, phase: Phase, seconds: float) -> None:
+        self.phases[key, phase] = self._average(self.phases.get((key, phase)), seconds)
+
+    def phase_seconds(self, key: ShapeKey, phase: Phase) -> float:
+        """The measured encode / decode of a shape (0 before its first)."""
+        return self.phases.get((key, phase), 0.0)
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
 
     def measured(self, key: ShapeKey, batch: int) -> float | None:
         return self.seconds.get((key, batch))
@@ -99,26 +121,49 @@ class Schedulable(Protocol):
     @property
     def remaining_steps(self) -> int: ...
 
+    @property
+    def prepared(self) -> bool:
+        """Encoded and holding latents (resident or paused)."""
+        ...
+
 
 class StepPolicy:
-    def __init__(self, policy: Policy, cost: StepCostModel | None = None) -> None:
+    def __init__(self, policy: Policy, cost: StepCostModel | None = None,
+                 starvation_factor: float = math.inf) -> None:
+        """`starvation_factor`: the slo starvation bound (`--slo-starvation-factor`); inf = hopeless jobs wait
+        behind every feasible one."""
         if policy not in POLICIES:
             raise ValueError(f"diffusion_scheduler_policy must be one of {list(POLICIES)}, got {policy!r}")
+        if not starvation_factor >= 0:
+            raise ValueError(f"slo_starvation_factor must be >= 0, got {starvation_factor}")
         self.policy = policy
         self.cost = cost or StepCostModel()
+        self.starvation_factor = starvation_factor
 
     def remaining_seconds(self, job: Schedulable, batch: int = 1) -> float:
-        return job.remaining_steps * self.cost.step_seconds(shape_key(job.request), batch)
+        """Remaining steps at the measured pace of `batch` states, then decode; encode too before admission."""
+        key = shape_key(job.request)
+        fixed = self.cost.phase_seconds(key, "decode")
+        if not job.prepared:
+            fixed += self.cost.phase_seconds(key, "encode")
+        return job.remaining_steps * self.cost.step_seconds(key, batch) + fixed
 
     def can_make_deadline(self, job: Schedulable, now: float, batch: int = 1) -> bool:
         return now + self.remaining_seconds(job, batch) <= job.deadline
+
+    def slo_tier(self, job: Schedulable, now: float) -> int:
+        """0: late by more than `starvation_factor` x its deadline window (it runs first: the bound on a hopeless
+        job's wait); 1: can still make its deadline; 2: hopeless, not starved yet."""
+        if self.can_make_deadline(job, now):
+            return 1
+        return 0 if now > job.deadline + self.starvation_factor * (job.deadline - job.arrival) else 2
 
     def urgency(self, job: Schedulable, now: float) -> tuple:
         """Sort key, most urgent first."""
         if self.policy == "priority":
             return job.request.sampling_params.priority, job.arrival
         if self.policy == "slo":
-            return not self.can_make_deadline(job, now), job.deadline, job.arrival
+            return self.slo_tier(job, now), job.deadline, job.arrival
         return (job.arrival,)
 
     def choose(self, running: list, paused: list, waiting: list, slots: int, max_paused: int, now: float) -> list:

@@ -91,6 +91,10 @@ class _Job:
         return self.arrival + self.deadline_ms / 1000.0
 
     @property
+    def prepared(self) -> bool:
+        return self.state is not None
+
+    @property
     def remaining_steps(self) -> int:
         if self.state is None:
             return self.request.sampling_params.num_inference_steps or DEFAULT_STEPS
@@ -108,7 +112,8 @@ class StepExecutor:
         self.max_tokens = runner.od_config.diffusion_max_tokens_per_forward
         self.send = send
         self.aborted = aborted
-        self.policy = StepPolicy(runner.od_config.diffusion_scheduler_policy)
+        self.policy = StepPolicy(runner.od_config.diffusion_scheduler_policy,
+                                 starvation_factor=runner.od_config.slo_starvation_factor)
         self.waiting: list[_Job] = []
         """Not admitted yet, in arrival order."""
         self.paused: list[_Job] = []
@@ -165,9 +170,11 @@ class StepExecutor:
                 self._finish(job, DiffusionOutput.from_exception(RequestAbortedError()))
             elif state.done:
                 job.ctx.step_index = job.ctx.timestep = None
-                state.durations["denoise"] = time.perf_counter() - job.denoise_start
+                start = time.perf_counter()
+                state.durations["denoise"] = start - job.denoise_start
                 outputs = self._guarded(job, lambda job=job: self._pipeline().finish(job.state, job.ctx))
                 if outputs is not None:
+                    self.policy.cost.observe_phase(shape_key(job.request), "decode", time.perf_counter() - start)
                     self._finish(job, outputs[0])
 
     def _admit(self) -> None:
@@ -258,6 +265,7 @@ class StepExecutor:
         admitted = time.perf_counter()
         state = pipeline.prepare([job.request], job.ctx)
         state.durations["step_admission_wait"] = admitted - job.arrival
+        self.policy.cost.observe_phase(shape_key(job.request), "encode", time.perf_counter() - admitted)
         return state
 
     def _pipeline(self):
