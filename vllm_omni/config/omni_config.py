@@ -16,7 +16,7 @@ from pydantic import Field
 from pydantic.dataclasses import dataclass
 
 from vllm_omni.config.deploy_config import ConnectorConfig, DeployConfig
-from vllm_omni.config.pipeline_config import FORBID, PipelineConfig
+from vllm_omni.config.pipeline_config import FORBID, HAND_OFF_FIELDS, PipelineConfig, PipelineStageConfig
 from vllm_omni.config.stage_config import (
     StageConfig,
     VllmOmniARStageConfig,
@@ -70,6 +70,8 @@ class VllmOmniConfig:
         init_timeout: float | None = None,
     ) -> VllmOmniConfig:
         _check_stage_ids(deploy, stage_overrides, len(pipeline.stages))
+        for spec in pipeline.stages:
+            _check_edge_fields(spec)
         stages: list[StageConfig] = []
         used_globals: set[str] = set()
         for spec in pipeline.stages:
@@ -118,6 +120,24 @@ class VllmOmniConfig:
                       for s in stages for src in s.inputs}
         return cls(model=model, model_path=model_path, pipeline_name=pipeline.name, stages=stages,
                    connectors=connectors, init_timeout=init_timeout)
+
+
+def _check_edge_fields(spec: PipelineStageConfig) -> None:
+    """Refuse an edge field that nothing reads on its edge (it would be accepted and ignored): the hand-off
+    sizes apply to a streamed edge, anything else only to an input processor that declares it reads it."""
+    from vllm_omni.engine.stage_input_processors import edge_fields_read
+
+    for src, edge in spec.stream_inputs.items():
+        unused = [f for f in edge.set_fields() if not (edge.stream and f in HAND_OFF_FIELDS)]
+        if unused and spec.input_processor is not None:
+            read = edge_fields_read(spec.input_processor)
+            unused = [f for f in unused if f not in read]
+        if unused:
+            path = f"stages[{spec.stage_id}].stream_inputs[{src}].{unused[0]}"
+            why = ("a store-and-forward edge (stream: false) hands the output on once, and input processor "
+                   if not edge.stream and unused[0] in HAND_OFF_FIELDS else "input processor ")
+            raise OmniClientError(f"{path} (edge {src}->{spec.stage_id}) is not used: {why}"
+                                  f"{spec.input_processor!r} does not read it", param=path)
 
 
 def _diffusion_replicas(stage_id: int, args: dict[str, Any], deploy_replicas: int) -> int:

@@ -12,18 +12,39 @@ input, or None while a chunk brings too little for one. Into an AR stage the req
 request: the processor is also called when that stage has consumed its input (`context.idle`, its own output
 in `context.output_token_ids`) and returns the next input chunk, None to wait, or `StageInput(None, None)` to
 close the input.
+
+A processor that reads fields of its edge's `EdgeStreamConfig` itself (e.g. `chunk_schedule`) says so with
+`@reads_edge_fields(...)`; pipeline resolution refuses a field set on an edge where nothing reads it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from vllm_omni.config.pipeline_config import EdgeStreamConfig
+from vllm_omni.config.pipeline_config import EdgeField, EdgeStreamConfig
 from vllm_omni.connectors.base import StagePayload
 
 StageInputProcessor = Callable[..., Any]
+_Processor = TypeVar("_Processor", bound=StageInputProcessor)
+
+
+def reads_edge_fields(*fields: EdgeField) -> Callable[[_Processor], _Processor]:
+    """Declares the edge fields the processor reads from `context.edge` (streamed or not)."""
+
+    def declare(fn: _Processor) -> _Processor:
+        fn.edge_fields = frozenset(fields)
+        return fn
+
+    return declare
+
+
+def edge_fields_read(name: str) -> frozenset[EdgeField]:
+    """The edge fields the named processor declared with `reads_edge_fields` (none by default)."""
+    from vllm_omni.models.registry import MODEL_REGISTRY
+
+    return getattr(MODEL_REGISTRY.stage_input_processor(name), "edge_fields", frozenset())
 
 
 @dataclass
