@@ -158,12 +158,12 @@ def _bind_cpu_threads(stages: list[StageConfig], deploy: DeployConfig) -> None:
 def _check_edge_fields(spec: PipelineStageConfig) -> None:
     """Refuse an edge field that nothing reads on its edge (it would be accepted and ignored): the hand-off
     sizes apply to a streamed edge, anything else only to an input processor that declares it reads it."""
-    from vllm_omni.engine.stage_input_processors import edge_fields_read
+    from vllm_omni.engine.stage_input_processors import processor_reads
 
     for src, edge in spec.stream_inputs.items():
         unused = [f for f in edge.set_fields() if not (edge.stream and f in HAND_OFF_FIELDS)]
         if unused and spec.input_processor is not None:
-            read = edge_fields_read(spec.input_processor)
+            read = processor_reads(spec.input_processor).edge_fields
             unused = [f for f in unused if f not in read]
         if unused:
             path = f"stages[{spec.stage_id}].stream_inputs[{src}].{unused[0]}"

@@ -74,7 +74,7 @@ class PipelineStageConfig:
     runs the request as a vLLM streaming-input request whose input chunks its input processor makes. Pipeline
     resolution refuses a field nothing on the edge reads: `chunk_tokens` / `first_chunk_tokens` apply to streamed
     edges (or a processor that declares it reads them), `chunk_schedule` only to a processor that declares it
-    (`reads_edge_fields`)."""
+    (`stage_input_processors.reads`)."""
     input_processor: str | None = None
     """Name of the stage-input processor (engine/stage_input_processors.py) building this stage's input."""
     output_collector: str | None = None
