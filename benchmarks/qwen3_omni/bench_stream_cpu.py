@@ -9,7 +9,12 @@ seconds), checks that both modes give the same waveform (greedy); with `--repeat
 (alternating the modes) and the table shows the median of the N runs' means. It writes
 benchmarks/results/bench_stream_cpu-<UTC>.json (after every level) and a PNG of TTFA and E2E per mode.
 
-    .venv/bin/python benchmarks/qwen3_omni/bench_stream_cpu.py --thinker-tokens 128 --talker-tokens 128
+    .venv/bin/python benchmarks/qwen3_omni/bench_stream_cpu.py --concurrency 1 4 8 --repeats 3
+
+Both engines use the same placement: on a CPU-only host the pipeline's default, thinker and talker EngineCores on
+disjoint cores (2 cores: thinker core 0, talker core 1; docs/multi_stage.md "CPU placement of AR stages");
+`VLLM_CPU_OMP_THREADS_BIND=auto` in the environment measures vLLM's own placement instead (both workers on core 0),
+the "before" of that change. The JSON records which (`placement`).
 
 The pipeline's defaults are measured (qwen3_omni_pipeline(): the talker starts after 4 thinker tokens, vocoder
 chunks of 4, 8, 16, then 32 codec frames); --first-chunk / --chunk-tokens / --vocoder-chunks try others.
@@ -88,12 +93,21 @@ async def run(model: str, args, prompts: list[dict], out: Path) -> dict:
                     levels[tag].setdefault(concurrency, []).append(run)
             rows = summarize(levels["streamed"], levels["stored"])
             report(rows)
-            out.write_text(json.dumps({"args": vars(args), "model": args.model_info, "platform": platform.platform(),
+            out.write_text(json.dumps({"args": vars(args), "model": args.model_info, "placement": placement(),
+                                       "platform": platform.platform(),
                                        "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "rows": rows}, indent=2))
     finally:
         for omni in engines.values():
             omni.close()
     return rows
+
+
+def placement() -> str:
+    """Where the AR workers' OpenMP threads run (the resolution's rule for two AR EngineCores)."""
+    from vllm_omni.config.deploy_config import split_cpus
+
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    return f"VLLM_CPU_OMP_THREADS_BIND={bind}" if bind else f"thinker, talker cpu_threads_bind {split_cpus(2)}"
 
 
 def run_mean(run: dict, key: str) -> float:

@@ -17,6 +17,7 @@ from vllm_omni.config.stage_config import VllmOmniARStageConfig, VllmOmniGenerat
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.messages import AbortRequestMessage, AddRequestMessage, ErrorMessage, ShutdownMessage
 from vllm_omni.engine.orchestrator import Orchestrator
+from vllm_omni.engine.stage_input_processors import reads
 from vllm_omni.engine.stage_pool import StagePool
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -38,6 +39,19 @@ def new_tokens(upstream, original_prompt, context):
     tokens = upstream[0].metadata["token_ids"]
     start, context.state["next"] = context.state.get("next", 0), len(tokens)
     return tokens[start:] or None
+
+
+@reads(partial_stage_data="first_chunk")
+def new_tokens_first_stage_data(upstream, original_prompt, context):
+    """Test processor: as `new_tokens`, reading the upstream's stage data from its first chunk only."""
+    context.state.setdefault("stage_data", upstream[0].metadata["stage_data"])
+    return new_tokens(upstream, original_prompt, context)
+
+
+async def count_collects(client, request_id, output):
+    """Test output collector: records the upstream length at each collect."""
+    client.collects.append(len(output.token_ids))
+    return {"tokens": len(output.token_ids)}
 
 
 class TokenStage:
@@ -145,6 +159,15 @@ async def test_the_first_hand_off_comes_after_first_chunk_tokens():
     """A small first chunk (the downstream starts early), larger ones after it."""
     _, _, audio = await run(stream=True, chunk_tokens=4, first_chunk_tokens=2, processor="new_tokens")
     assert audio.segments == [[0, 1], [2, 3, 4, 5], [6, 7, 8, 9]]
+
+
+@pytest.mark.parametrize(("processor", "collects"), [("new_tokens", [2, 6]),
+                                                     ("new_tokens_first_stage_data", [2])])
+async def test_partial_stage_data_is_collected_per_hand_off_unless_read_once(processor, collects):
+    upstream = TokenStage()
+    upstream.config.output_collector, upstream.collects = "tests.engine.test_streamed_edges:count_collects", []
+    _, _, audio = await run(stream=True, upstream=upstream, chunk_tokens=4, first_chunk_tokens=2, processor=processor)
+    assert audio.segments == [[0, 1], [2, 3, 4, 5], [6, 7, 8, 9]] and upstream.collects == collects
 
 
 async def test_a_failing_downstream_segment_cancels_the_upstream():

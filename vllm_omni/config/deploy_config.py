@@ -31,7 +31,32 @@ class StageDeployConfig:
     num_replicas: int = Field(default=1, ge=1)
     devices: str | None = None
     """Comma-separated device ids for this stage's processes (CUDA_VISIBLE_DEVICES); None = inherit."""
+    cpu_threads_bind: str | None = None
+    """CPU-only hosts, AR stages: the CPUs this stage's vLLM worker binds its OpenMP threads to, in vLLM's
+    `VLLM_CPU_OMP_THREADS_BIND` syntax ("0-3", "0,2", "nobind"; "|" between tensor-parallel ranks), set in the
+    environment of each of its EngineCores. None: `VLLM_CPU_OMP_THREADS_BIND` if set, else when several AR
+    EngineCores share the host each gets its own share of the cores (`split_cpus`), else vLLM's `auto`."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
+
+
+def split_cpus(parts: int) -> list[str]:
+    """`parts` disjoint CPU lists for AR EngineCores sharing this host, so that their OpenMP threads run in
+    parallel instead of time-slicing the one core vLLM's `auto` gives each (core 0 of its NUMA node, the last
+    core reserved). One logical CPU per physical core, as vLLM's x86 `auto`; contiguous runs in (NUMA node, id)
+    order; one core is left over for the engine process and the EngineCores' schedulers when there are more
+    cores than parts; with fewer cores than parts, they are shared round robin."""
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list
+
+    cores: dict[tuple[int, int], int] = {}
+    for cpu in get_allowed_cpu_list():
+        cores.setdefault((cpu.numa_node, cpu.physical_core), cpu.id)
+    ids = [cores[key] for key in sorted(cores)]
+    if len(ids) < parts:
+        return [str(ids[i % len(ids)]) for i in range(parts)]
+    usable = ids[:-1] if len(ids) > parts else ids
+    sizes = [len(usable) // parts + (k < len(usable) % parts) for k in range(parts)]
+    starts = [sum(sizes[:k]) for k in range(parts)]
+    return [",".join(str(i) for i in usable[start:start + size]) for start, size in zip(starts, sizes, strict=True)]
 
 
 @dataclass(config=FORBID)

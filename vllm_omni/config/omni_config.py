@@ -8,6 +8,7 @@ config, global Python/CLI arguments (applied to every stage that understands the
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,8 @@ from typing import Any
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
-from vllm_omni.config.deploy_config import ConnectorConfig, DeployConfig
-from vllm_omni.config.pipeline_config import FORBID, PipelineConfig
+from vllm_omni.config.deploy_config import ConnectorConfig, DeployConfig, split_cpus
+from vllm_omni.config.pipeline_config import FORBID, HAND_OFF_FIELDS, PipelineConfig, PipelineStageConfig
 from vllm_omni.config.stage_config import (
     StageConfig,
     VllmOmniARStageConfig,
@@ -70,6 +71,8 @@ class VllmOmniConfig:
         init_timeout: float | None = None,
     ) -> VllmOmniConfig:
         _check_stage_ids(deploy, stage_overrides, len(pipeline.stages))
+        for spec in pipeline.stages:
+            _check_edge_fields(spec)
         stages: list[StageConfig] = []
         used_globals: set[str] = set()
         for spec in pipeline.stages:
@@ -110,6 +113,7 @@ class VllmOmniConfig:
                 default_sampling_params=dict(spec.default_sampling_params),
                 stage_init_timeout=deploy.stage_init_timeout,
             ))
+        _bind_cpu_threads(stages, deploy)
         unused = sorted(set(global_args) - used_globals)
         if unused:
             raise OmniClientError(f"unknown engine argument(s) {unused} for pipeline {pipeline.name!r} "
@@ -118,6 +122,55 @@ class VllmOmniConfig:
                       for s in stages for src in s.inputs}
         return cls(model=model, model_path=model_path, pipeline_name=pipeline.name, stages=stages,
                    connectors=connectors, init_timeout=init_timeout)
+
+
+def _bind_cpu_threads(stages: list[StageConfig], deploy: DeployConfig) -> None:
+    """Each AR EngineCore's OpenMP CPU set on a CPU-only host: the deploy config's `cpu_threads_bind`; when no
+    stage names one, `VLLM_CPU_OMP_THREADS_BIND` is unset and several AR EngineCores share the host, disjoint
+    shares of the cores (`split_cpus`), the same for streamed and store-and-forward pipelines."""
+    explicit = {s.stage_id: deploy.for_stage(s.stage_id).cpu_threads_bind for s in stages}
+    named = [s for s in stages if explicit[s.stage_id] is not None]
+    for stage in named:
+        if stage.kind is not StageKind.AR:
+            raise OmniClientError(f"stage {stage.stage_id}: cpu_threads_bind applies to AR stages (vLLM CPU "
+                                  f"workers), not {stage.stage_type}", param="cpu_threads_bind")
+    ar = [s for s in stages if s.kind is StageKind.AR]
+    engine_cores = sum(s.num_replicas for s in ar)
+    if not named and (engine_cores < 2 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ):
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        if named:
+            raise OmniClientError(f"stage {named[0].stage_id}: cpu_threads_bind applies to CPU-only hosts (vLLM "
+                                  f"CPU workers); this one is {current_platform.device_name}",
+                                  param="cpu_threads_bind")
+        return
+    if named:
+        for stage in named:
+            stage.cpu_threads_bind = [explicit[stage.stage_id]] * stage.num_replicas
+        return
+    shares = iter(split_cpus(engine_cores))
+    for stage in ar:
+        stage.cpu_threads_bind = [next(shares) for _ in range(stage.num_replicas)]
+
+
+def _check_edge_fields(spec: PipelineStageConfig) -> None:
+    """Refuse an edge field that nothing reads on its edge (it would be accepted and ignored): the hand-off
+    sizes apply to a streamed edge, anything else only to an input processor that declares it reads it."""
+    from vllm_omni.engine.stage_input_processors import processor_reads
+
+    for src, edge in spec.stream_inputs.items():
+        unused = [f for f in edge.set_fields() if not (edge.stream and f in HAND_OFF_FIELDS)]
+        if unused and spec.input_processor is not None:
+            read = processor_reads(spec.input_processor).edge_fields
+            unused = [f for f in unused if f not in read]
+        if unused:
+            path = f"stages[{spec.stage_id}].stream_inputs[{src}].{unused[0]}"
+            why = ("a store-and-forward edge (stream: false) hands the output on once, and input processor "
+                   if not edge.stream and unused[0] in HAND_OFF_FIELDS else "input processor ")
+            raise OmniClientError(f"{path} (edge {src}->{spec.stage_id}) is not used: {why}"
+                                  f"{spec.input_processor!r} does not read it", param=path)
 
 
 def _diffusion_replicas(stage_id: int, args: dict[str, Any], deploy_replicas: int) -> int:

@@ -6,6 +6,7 @@ many replicas it has: that is `DeployConfig`'s job.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -17,6 +18,10 @@ from vllm_omni.config.stage_kind import StageKind
 
 FORBID = ConfigDict(extra="forbid")
 OutputModality = Literal["text", "image", "video", "audio"]
+EdgeField = Literal["chunk_tokens", "first_chunk_tokens", "chunk_schedule"]
+"""The `EdgeStreamConfig` fields besides `stream`: each applies only where something reads it."""
+HAND_OFF_FIELDS: frozenset[EdgeField] = frozenset({"chunk_tokens", "first_chunk_tokens"})
+"""What the orchestrator reads on a streamed edge (when it hands the upstream's output on)."""
 
 
 StageExecutionType = StageKind
@@ -47,6 +52,12 @@ class EdgeStreamConfig:
     def first_hand_off(self) -> int:
         return self.first_chunk_tokens or self.chunk_tokens
 
+    def set_fields(self) -> list[EdgeField]:
+        """The fields besides `stream` that differ from their defaults (those a pipeline asks for)."""
+        default = EdgeStreamConfig()
+        return [f.name for f in dataclasses.fields(self)
+                if f.name != "stream" and getattr(self, f.name) != getattr(default, f.name)]
+
 
 @dataclass(config=FORBID)
 class PipelineStageConfig:
@@ -60,7 +71,10 @@ class PipelineStageConfig:
     stream_inputs: dict[int, EdgeStreamConfig] = Field(default_factory=dict)
     """Upstream stage id -> how that edge streams; edges not named are store-and-forward. Streaming needs an
     AR upstream and that one input: a GENERATION stage runs each chunk as one segment of the request, an AR stage
-    runs the request as a vLLM streaming-input request whose input chunks its input processor makes."""
+    runs the request as a vLLM streaming-input request whose input chunks its input processor makes. Pipeline
+    resolution refuses a field nothing on the edge reads: `chunk_tokens` / `first_chunk_tokens` apply to streamed
+    edges (or a processor that declares it reads them), `chunk_schedule` only to a processor that declares it
+    (`stage_input_processors.reads`)."""
     input_processor: str | None = None
     """Name of the stage-input processor (engine/stage_input_processors.py) building this stage's input."""
     output_collector: str | None = None

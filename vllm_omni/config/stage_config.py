@@ -72,6 +72,15 @@ class BaseVllmOmniStageConfig:
 @dataclass(config=FORBID)
 class VllmOmniARStageConfig(BaseVllmOmniStageConfig):
     kind: ClassVar[StageKind] = StageKind.AR
+    cpu_threads_bind: list[str] | None = None
+    """Per replica, the `VLLM_CPU_OMP_THREADS_BIND` of its EngineCore (deploy config or `split_cpus`); None:
+    the environment's."""
+
+    def omp_env(self, replica: int) -> dict[str, str]:
+        """The environment this replica's EngineCore is started with beyond the engine process's own."""
+        if self.cpu_threads_bind is None:
+            return {}
+        return {"VLLM_CPU_OMP_THREADS_BIND": self.cpu_threads_bind[replica]}
 
     @staticmethod
     def known_args() -> frozenset[str]:

@@ -26,7 +26,7 @@ from vllm_omni.engine.messages import (
     ErrorMessage,
     ShutdownMessage,
 )
-from vllm_omni.engine.stage_input_processors import StageInputContext, get_stage_input_processor
+from vllm_omni.engine.stage_input_processors import StageInputContext, get_stage_input_processor, processor_reads
 from vllm_omni.engine.stage_pool import StagePool
 from vllm_omni.errors import EngineDeadError, OmniClientError, OmniError
 from vllm_omni.logger import init_logger
@@ -229,6 +229,8 @@ class Orchestrator:
             params = copy.copy(params)
             params.output_kind = RequestOutputKind.CUMULATIVE
         sent = dict.fromkeys(streamed, 0)
+        once = {dst: processor_reads(self.stages[dst].input_processor).partial_stage_data == "first_chunk"
+                for dst in streamed}
         last = None
         async for out in pool.generate(state.request_id, prompt, params):
             if observe is not None:
@@ -238,9 +240,11 @@ class Orchestrator:
                 new = len(out.token_ids) - sent[dst]
                 due = edge.first_hand_off() if sent[dst] == 0 else edge.chunk_tokens
                 if not out.finished and new > 0 and (new >= due or edges[(stage_id, dst)].wanted.is_set()):
+                    collect = sent[dst] == 0 or not once[dst]
                     sent[dst] = len(out.token_ids)
                     edges[(stage_id, dst)].wanted.clear()
-                    out.multimodal_output["stage_data"] = await pool.partial_stage_data(state.request_id, out)
+                    out.multimodal_output["stage_data"] = (await pool.partial_stage_data(state.request_id, out)
+                                                           if collect else {})
                     self._put_chunk(state, stage_id, dst, out, edges, final=False)
             if self._is_final(stage_id) and (out.finished or not finals_only):
                 self._emit_output(state, stage_id, self._segment_output(out, segments, final_segment), last_stage)

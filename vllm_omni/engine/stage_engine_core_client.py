@@ -24,6 +24,7 @@ from typing import Any
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.output_collectors import get_output_collector
 from vllm_omni.engine.stage_client import StageClientBase
+from vllm_omni.engine.stage_runtime import stage_environ
 from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError, StageRestartingError
 from vllm_omni.logger import init_logger
 from vllm_omni.models.spec import Modality
@@ -76,15 +77,17 @@ class StageEngineCoreClient(StageClientBase):
         # AsyncLLM's constructor blocks until EngineCore is ready; keep the loop free meanwhile. It cannot be
         # interrupted: if we stop waiting (timeout, cancel) whatever it builds is shut down once built.
         registry = CollectorRegistry()
-        built = self._builder.submit(self._build_llm, AsyncLLM, vllm_config, engine_args, registry)
-        self._building = built
-        try:
-            llm = await asyncio.wait_for(asyncio.wrap_future(built), timeout=self.config.stage_init_timeout)
-        except BaseException:
-            if self._building is built:  # not taken over by `shutdown`
-                self._building = None
-                built.add_done_callback(_discard_built)
-            raise
+        # The EngineCore (spawned while AsyncLLM is built, also on a restart) takes this replica's OpenMP CPU set.
+        with stage_environ(self.config.omp_env(self.replica_id)):
+            built = self._builder.submit(self._build_llm, AsyncLLM, vllm_config, engine_args, registry)
+            self._building = built
+            try:
+                llm = await asyncio.wait_for(asyncio.wrap_future(built), timeout=self.config.stage_init_timeout)
+            except BaseException:
+                if self._building is built:  # not taken over by `shutdown`
+                    self._building = None
+                    built.add_done_callback(_discard_built)
+                raise
         if self._building is not built:  # `shutdown` ran meanwhile and shut it down
             raise EngineDeadError(f"{self.name}: shut down while its EngineCore started")
         self._building = None

@@ -12,18 +12,53 @@ input, or None while a chunk brings too little for one. Into an AR stage the req
 request: the processor is also called when that stage has consumed its input (`context.idle`, its own output
 in `context.output_token_ids`) and returns the next input chunk, None to wait, or `StageInput(None, None)` to
 close the input.
+
+A processor that reads fields of its edge's `EdgeStreamConfig` itself (e.g. `chunk_schedule`) says so with
+`@reads(edge_fields=(...))`; pipeline resolution refuses a field set on an edge where nothing reads it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeVar
 
-from vllm_omni.config.pipeline_config import EdgeStreamConfig
+from vllm_omni.config.pipeline_config import EdgeField, EdgeStreamConfig
 from vllm_omni.connectors.base import StagePayload
 
 StageInputProcessor = Callable[..., Any]
+_Processor = TypeVar("_Processor", bound=StageInputProcessor)
+
+
+@dataclass(frozen=True)
+class ProcessorReads:
+    """What a processor reads beyond the upstream tokens, declared with `reads(...)`."""
+
+    edge_fields: frozenset[EdgeField] = frozenset()
+    """The `EdgeStreamConfig` fields it reads from `context.edge` (streamed or not)."""
+    partial_stage_data: Literal["every_chunk", "first_chunk"] = "every_chunk"
+    """On a streamed edge, the upstream's collected `stage_data` of a running request (an output-collector RPC
+    per hand-off): "first_chunk" when the processor reads it from the first chunk only (e.g. a prompt capture,
+    complete once the first token exists), so the orchestrator collects it for the first hand-off only."""
+
+
+def reads(edge_fields: tuple[EdgeField, ...] = (),
+          partial_stage_data: Literal["every_chunk", "first_chunk"] = "every_chunk") -> Callable[[_Processor],
+                                                                                              _Processor]:
+    """Declares what the processor reads (`ProcessorReads`)."""
+
+    def declare(fn: _Processor) -> _Processor:
+        fn.reads = ProcessorReads(frozenset(edge_fields), partial_stage_data)
+        return fn
+
+    return declare
+
+
+def processor_reads(name: str) -> ProcessorReads:
+    """What the named processor declared with `reads` (nothing beyond the tokens by default)."""
+    from vllm_omni.models.registry import MODEL_REGISTRY
+
+    return getattr(MODEL_REGISTRY.stage_input_processor(name), "reads", ProcessorReads())
 
 
 @dataclass

@@ -34,20 +34,18 @@ def make_stage_client(config: StageConfig, replica_id: int) -> StageClientBase:
 
 
 @contextlib.contextmanager
-def _visible_devices(devices: str | None):
+def stage_environ(env: dict[str, str]):
     """Stage processes inherit the environment at spawn time; stages start one at a time."""
-    if devices is None:
-        yield
-        return
-    previous = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = devices
+    previous = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = previous
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 StageClientFactory = Callable[[StageConfig, int], StageClientBase]
@@ -67,7 +65,8 @@ class StageRuntime:
                 for replica in range(stage.num_replicas):
                     client = self.client_factory(stage, replica)
                     start = time.perf_counter()
-                    with _visible_devices(stage.replica_devices(replica)):
+                    devices = stage.replica_devices(replica)
+                    with stage_environ({"CUDA_VISIBLE_DEVICES": devices} if devices is not None else {}):
                         await client.start()
                     clients.append(client)
                     logger.info("[StageRuntime] %s ready in %.1f s", client.name, time.perf_counter() - start)

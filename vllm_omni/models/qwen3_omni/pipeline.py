@@ -23,7 +23,7 @@ from vllm_omni.config.pipeline_config import (
     StageExecutionType,
 )
 from vllm_omni.connectors.base import StagePayload
-from vllm_omni.engine.stage_input_processors import StageInput, StageInputContext
+from vllm_omni.engine.stage_input_processors import StageInput, StageInputContext, reads
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.voices import resolve_voice
 from vllm_omni.models.qwen3_omni.stage_input_processors import (
@@ -70,8 +70,10 @@ def qwen3_omni_pipeline(stream: bool = True, chunk_tokens: int = THINKER_CHUNK_T
 
     # The worker has filed all frames but the newest token's, and the newest filed one is kept back: the first
     # vocoder chunk is complete two talker tokens after its frames.
-    to_code2wav = EdgeStreamConfig(stream=stream, chunk_tokens=TALKER_CHUNK_TOKENS,
-                                   first_chunk_tokens=vocoder_chunks[0] + 2, chunk_schedule=list(vocoder_chunks))
+    hand_offs = {"chunk_tokens": TALKER_CHUNK_TOKENS, "first_chunk_tokens": vocoder_chunks[0] + 2} if stream else {}
+    to_code2wav = EdgeStreamConfig(stream=stream, chunk_schedule=list(vocoder_chunks), **hand_offs)
+    to_talker = (EdgeStreamConfig(chunk_tokens=chunk_tokens, first_chunk_tokens=first_chunk_tokens) if stream
+                 else EdgeStreamConfig(stream=False))
 
     ar, generation = StageExecutionType.AR, StageExecutionType.GENERATION
     return PipelineConfig(name="qwen3_omni", stages=[
@@ -82,8 +84,7 @@ def qwen3_omni_pipeline(stream: bool = True, chunk_tokens: int = THINKER_CHUNK_T
                             engine_args={"hf_overrides": {"architectures": [THINKER_ARCHITECTURE]},
                                          **thinker_engine_kwargs()}),
         PipelineStageConfig(stage_id=1, execution_type=ar, inputs=[0], input_processor="qwen3_omni_thinker_to_talker",
-                            stream_inputs={0: EdgeStreamConfig(stream=stream, chunk_tokens=chunk_tokens,
-                                                               first_chunk_tokens=first_chunk_tokens)},
+                            stream_inputs={0: to_talker},
                             output_collector="qwen3_omni_talker_frames", engine_args=talker_engine_kwargs(),
                             default_sampling_params=TALKER_DEFAULT_SAMPLING),
         PipelineStageConfig(stage_id=2, execution_type=generation, inputs=[1],
@@ -102,6 +103,7 @@ def _hf_config(model_path: str):
     return AutoConfig.from_pretrained(model_path)
 
 
+@reads(partial_stage_data="first_chunk")  # the thinker's prompt capture, complete with its first token
 def thinker_to_talker_request(upstream: list[StagePayload], original_prompt: Any,
                               context: StageInputContext) -> StageInput | None:
     """The talker's placeholder prompt and params carrying its conditioning; `voice` picks the speaker.
@@ -162,12 +164,13 @@ def _talker_input_chunk(upstream: list[StagePayload], original_prompt: Any,
     from vllm_omni.models.qwen3_omni.vllm_talker import talker_request
 
     state, thinker = context.state, upstream[0].metadata
+    state.setdefault("stage_data", thinker["stage_data"])  # later chunks carry none (partial_stage_data)
     if "budget" not in state:
         if not context.final and len(thinker["token_ids"]) < max(context.edge.first_hand_off(), 3):
             return None
         state["config"], state["ids"], state["voice"], state["sampling"] = _talker_setup(original_prompt, context)
         prompt = _talker_prompt(thinker, state["ids"], state["voice"])
-        state["hidden"] = _thinker_hidden(thinker, prompt)
+        state["hidden"] = _thinker_hidden({"stage_data": state["stage_data"]}, prompt)
         # vLLM stops a plain request at max_model_len, but a streaming-input chunk past it kills the EngineCore
         # ("Sampled token IDs exceed the max model length"): the budget stays inside it.
         max_len = (context.stage.engine_args.get("max_model_len")
@@ -236,6 +239,7 @@ async def collect_talker_frames(client: Any, request_id: str, output: Any) -> di
         await asyncio.sleep(0.01)
 
 
+@reads(edge_fields=("chunk_schedule",))
 def talker_to_code2wav_chunks(upstream: list[StagePayload], original_prompt: Any,
                               context: StageInputContext) -> list | None:
     """The vocoder chunks not handed on yet; while the talker runs only full chunks, and never its newest frame,

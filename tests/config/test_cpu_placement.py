@@ -1,0 +1,80 @@
+"""AR EngineCores sharing a CPU-only host get disjoint OpenMP CPU sets (vLLM's `VLLM_CPU_OMP_THREADS_BIND`)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from vllm_omni.config import StageConfigFactory
+from vllm_omni.config.deploy_config import split_cpus
+from vllm_omni.engine.stage_runtime import stage_environ
+from vllm_omni.errors import OmniClientError
+from vllm_omni.models.qwen3_omni.pipeline import qwen3_omni_pipeline
+
+
+@pytest.fixture
+def omni_dir(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    d = tmp_path / "omni"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["Qwen3OmniMoeForConditionalGeneration"],
+                                               "model_type": "qwen3_omni_moe"}))
+    return d
+
+
+def fake_cpus(monkeypatch, n: int, smt: int = 1) -> None:
+    from vllm.utils import cpu_resource_utils
+    from vllm.utils.cpu_resource_utils import LogicalCPUInfo
+
+    cpus = [LogicalCPUInfo(id=i, physical_core=i // smt, numa_node=0) for i in range(n)]
+    monkeypatch.setattr(cpu_resource_utils, "get_allowed_cpu_list", lambda: cpus)
+
+
+@pytest.mark.parametrize(("cpus", "smt", "parts", "expected"), [
+    (2, 1, 2, ["0", "1"]),                      # the 2-core dev host: thinker core 0, talker core 1
+    (3, 1, 2, ["0", "1"]),                      # one core left for the engine process
+    (16, 1, 2, ["0,1,2,3,4,5,6,7", "8,9,10,11,12,13,14"]),
+    (8, 2, 2, ["0,2", "4"]),                    # one logical CPU per physical core (4 cores, 1 left over)
+    (2, 1, 3, ["0", "1", "0"]),                 # more EngineCores than cores: shared round robin
+])
+def test_split_cpus(monkeypatch, cpus, smt, parts, expected):
+    fake_cpus(monkeypatch, cpus, smt)
+    assert split_cpus(parts) == expected
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_qwen3_omni_ar_stages_get_their_own_cores(monkeypatch, omni_dir, stream):
+    """Streamed and store-and-forward resolve to the same placement; code2wav is not an EngineCore."""
+    fake_cpus(monkeypatch, 2)
+    config = StageConfigFactory.create_from_model(str(omni_dir), pipeline_config=qwen3_omni_pipeline(stream))
+    thinker, talker, code2wav = config.stages
+    assert (thinker.cpu_threads_bind, talker.cpu_threads_bind) == (["0"], ["1"])
+    assert talker.omp_env(0) == {"VLLM_CPU_OMP_THREADS_BIND": "1"} and not hasattr(code2wav, "cpu_threads_bind")
+
+
+def test_the_environment_and_the_deploy_config_win(monkeypatch, omni_dir, tmp_path):
+    fake_cpus(monkeypatch, 2)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    config = StageConfigFactory.create_from_model(str(omni_dir))
+    assert [s.omp_env(0) for s in config.stages[:2]] == [{}, {}]  # vLLM reads the user's variable
+    deploy = tmp_path / "d.yaml"
+    deploy.write_text("stages:\n  - {stage_id: 1, num_replicas: 2, cpu_threads_bind: '0-1'}\n")
+    config = StageConfigFactory.create_from_model(str(omni_dir), deploy_config=str(deploy))
+    assert config.stages[0].cpu_threads_bind is None and config.stages[1].cpu_threads_bind == ["0-1", "0-1"]
+
+
+def test_cpu_threads_bind_on_a_stage_without_engine_core_is_refused(omni_dir, tmp_path):
+    deploy = tmp_path / "d.yaml"
+    deploy.write_text("stages:\n  - {stage_id: 2, cpu_threads_bind: '1'}\n")
+    with pytest.raises(OmniClientError, match="stage 2: cpu_threads_bind applies to AR stages") as e:
+        StageConfigFactory.create_from_model(str(omni_dir), deploy_config=str(deploy))
+    assert e.value.param == "cpu_threads_bind"
+
+
+def test_stage_environ_restores(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    with stage_environ({"VLLM_CPU_OMP_THREADS_BIND": "1"}):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
