@@ -5,7 +5,8 @@ output handler and the per-request collectors; for omni also the orchestrator th
 output to the caller's event loop (issue 18: the cost behind `vllm serve --omni`'s request throughput). N
 concurrent streams of `--output-len` tokens (DELTA outputs, as vLLM's streaming chat asks), rounds alternating
 AsyncLLM / AsyncOmni (ABBA) so a load trend hits both. Reported per round and as medians: this process's CPU
-microseconds per streamed token (all threads, and the orchestrator thread alone) and wall time per round.
+microseconds per streamed token (all threads, and the orchestrator thread alone) and wall time per round. Writes
+benchmarks/results/bench_output_handoff-<UTC>.json and a PNG chart (CPU per token per round, both sides).
 
     .venv/bin/python benchmarks/serving/bench_output_handoff.py [--rounds 6] [--streams 8] [--requests 64]
 """
@@ -105,6 +106,28 @@ async def main_async(args: argparse.Namespace) -> dict:
     return {"workload": vars(args), "rounds": rounds, "median": medians}
 
 
+def plot(path: Path, rounds: list[dict]) -> None:
+    """Per round: a bar for vLLM's and one for omni's CPU microseconds per token (PIL, as the other serving
+    benchmark: no plotting library needed)."""
+    from PIL import Image, ImageDraw
+
+    width, height, margin = 640, 360, 50
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    top = max(r[name]["cpu_us_per_token"] for r in rounds for name in ("vllm", "omni")) * 1.15
+    slot = (width - margin - 20) / len(rounds)
+    for i, r in enumerate(rounds):
+        for j, (name, color) in enumerate((("vllm", "gray"), ("omni", "steelblue"))):
+            value = r[name]["cpu_us_per_token"]
+            x0 = margin + i * slot + slot * (0.15 + 0.35 * j)
+            y0 = height - margin - (height - 2 * margin) * value / top
+            draw.rectangle([x0, y0, x0 + slot * 0.3, height - margin], fill=color)
+            draw.text((x0, y0 - 12), f"{value:.0f}", fill="black")
+        draw.text((margin + i * slot + slot * 0.3, height - margin + 8), f"round {i}", fill="black")
+    draw.text((margin, 10), "frontend CPU us per streamed token: AsyncLLM (gray) vs AsyncOmni (blue)", fill="black")
+    image.save(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
@@ -120,7 +143,8 @@ def main() -> None:
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     out = ROOT / "benchmarks" / "results" / f"bench_output_handoff-{stamp}.json"
     out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    plot(out.with_suffix(".png"), result["rounds"])
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """OutputHandOff: what the orchestrator puts in one loop iteration reaches the subscriber's loop as one batch
 (one cross-thread wake-up, not one per output), in order, nothing merged or lost; without a subscriber a
-blocking reader gets the items one by one; a closed subscriber loop does not break the orchestrator.
+blocking reader gets the items one by one; a closed subscriber loop does not break the orchestrator. And
+AsyncOmni over the real engine thread with a model-less streaming stage: every output of every stream, in order.
 """
 
 from __future__ import annotations
@@ -8,10 +9,19 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from functools import partial
 
 import pytest
 
+from vllm_omni import AsyncOmni
+from vllm_omni.config.omni_config import VllmOmniConfig
+from vllm_omni.config.stage_config import VllmOmniARStageConfig
+from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
 from vllm_omni.engine.output_handoff import OutputHandOff
+from vllm_omni.engine.stage_client import StageClientBase
+from vllm_omni.entrypoints import omni_base
+from vllm_omni.outputs import OmniRequestOutput
 
 
 def run_producer(handoff: OutputHandOff, iterations: list[list[str]]) -> None:
@@ -74,3 +84,64 @@ def test_closed_subscriber_loop_drops_quietly():
     run_producer(handoff, [["x"]])  # flush on the producer's loop must not raise
     with pytest.raises(queue.Empty):
         handoff.get(timeout=0.01)
+
+
+class Streamer(StageClientBase):
+    """An AR stage with no model: `TOKENS` outputs per request, one per loop iteration (as vLLM's AsyncLLM
+    hands out one engine step's outputs for all running requests in one iteration)."""
+
+    kind = StageKind.AR
+
+    async def start(self) -> None:
+        pass
+
+    async def generate(self, request_id, prompt, sampling_params):
+        for i in range(TOKENS):
+            await asyncio.sleep(0)
+            yield OmniRequestOutput(request_id=request_id, stage_id=0, finished=i == TOKENS - 1, token_ids=[i])
+
+    def default_sampling_params(self):
+        return None
+
+    @property
+    def output_modality(self) -> str:
+        return "text"
+
+    @property
+    def is_dead(self) -> bool:
+        return False
+
+    def shutdown(self) -> None:
+        pass
+
+
+TOKENS, STREAMS = 16, 8
+
+
+def test_async_omni_streams_every_output_in_order_with_one_wakeup_per_step(monkeypatch):
+    """Through the real engine thread and orchestrator: every stream gets each of its outputs once, in order, the
+    last one finished; the frontend's loop is woken about once per step for all streams, not once per output."""
+    config = VllmOmniConfig(model="s", model_path="s", pipeline_name="s",
+                            stages=[VllmOmniARStageConfig(stage_id=0, model="s", final_output=True)])
+    monkeypatch.setattr(omni_base.StageConfigFactory, "create_from_model", lambda model, **kw: config)
+    monkeypatch.setattr(omni_base, "AsyncOmniEngine", partial(AsyncOmniEngine, stage_client_factory=Streamer))
+
+    async def run() -> tuple[dict[str, list[tuple[list[int], bool]]], int]:
+        omni = AsyncOmni("s")
+        batches = []
+        deliver = omni._deliver
+        omni._deliver = lambda batch: (batches.append(len(batch)), deliver(batch))
+
+        async def one(rid: str) -> list[tuple[list[int], bool]]:
+            return [(out.token_ids, out.finished) async for out in omni.generate("p", rid)]
+
+        try:
+            streams = await asyncio.wait_for(asyncio.gather(*(one(f"r{i}") for i in range(STREAMS))), timeout=30)
+        finally:
+            omni.close()
+        return dict(enumerate(streams)), len(batches)
+
+    streams, wakeups = asyncio.run(run())
+    expected = [([i], i == TOKENS - 1) for i in range(TOKENS)]
+    assert all(stream == expected for stream in streams.values())
+    assert wakeups <= TOKENS * STREAMS // 4, wakeups
