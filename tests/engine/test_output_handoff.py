@@ -1,7 +1,8 @@
 """OutputHandOff: what the orchestrator puts in one loop iteration reaches the subscriber's loop as one batch
-(one cross-thread wake-up, not one per output), in order, nothing merged or lost; without a subscriber a
-blocking reader gets the items one by one; a closed subscriber loop does not break the orchestrator. And
-AsyncOmni over the real engine thread with a model-less streaming stage: every output of every stream, in order.
+(one cross-thread wake-up, not one per output; batches join while that loop is busy), in order, nothing merged
+or lost; without a subscriber a blocking reader gets the items one by one; a closed subscriber loop does not
+break the orchestrator. And AsyncOmni over the real engine thread with a model-less streaming stage: every output
+of every stream, in order.
 """
 
 from __future__ import annotations
@@ -55,7 +56,20 @@ def test_one_batch_per_producer_iteration_in_order():
         await asyncio.wait_for(got_all.wait(), timeout=10)
         return batches
 
-    assert asyncio.run(consume()) == iterations
+    batches = asyncio.run(consume())
+    assert [item for batch in batches for item in batch] == [item for items in iterations for item in items]
+    assert len(batches) <= len(iterations)  # fewer when the consumer's loop had not taken the last one yet
+
+
+def test_batches_join_while_the_subscriber_loop_is_busy():
+    async def busy_consumer() -> list[list[str]]:
+        handoff, batches = OutputHandOff(), []
+        handoff.subscribe(asyncio.get_running_loop(), batches.append)
+        run_producer(handoff, [["a"], ["b", "c"], ["d"]])  # blocks this loop: nothing is taken meanwhile
+        await asyncio.sleep(0.05)
+        return batches
+
+    assert asyncio.run(busy_consumer()) == [["a", "b", "c", "d"]]
 
 
 def test_blocking_reader_without_subscriber_then_early_items_go_to_the_subscriber_first():

@@ -6,13 +6,15 @@ output wakes the frontend's loop once per token per request (a self-pipe write a
 between the two threads); that was most of `--omni`'s extra CPU per streamed token. Here the outputs put during
 one orchestrator loop iteration travel together: one `call_soon_threadsafe` per batch to an event-loop
 subscriber (`AsyncOmni`), or item by item to a blocking reader (`Omni`, which asks for final outputs only).
-Order is kept: batches are sent in order and a batch keeps the order its items were put in.
+While the subscriber's loop has not yet taken the last batch (it is busy, e.g. writing HTTP responses), later
+batches join it instead of waking that loop again. Order is kept and no output is merged into another.
 """
 
 from __future__ import annotations
 
 import asyncio
 import queue
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +31,9 @@ class OutputHandOff:
         self._pending: list[Any] = []
         self._blocking: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._sink: tuple[asyncio.AbstractEventLoop, BatchSink] | None = None
+        self._unread: list[Any] | None = None
+        """Sent to the subscriber and not yet taken by its loop (later batches join it)."""
+        self._lock = threading.Lock()
 
     # ---- orchestrator side (its loop's thread) -----------------------------------------------------------
     def put_nowait(self, item: Any) -> None:
@@ -48,10 +53,22 @@ class OutputHandOff:
                 self._blocking.put(item)
             return
         loop, deliver = sink
+        with self._lock:
+            if self._unread is not None:
+                self._unread.extend(batch)
+                return
+            self._unread = batch
         try:
-            loop.call_soon_threadsafe(deliver, batch)
+            loop.call_soon_threadsafe(self._take, deliver)
         except RuntimeError:  # the subscriber's loop is closed: nobody is left to read these
+            with self._lock:
+                self._unread = None
             logger.debug("[OutputHandOff] dropped %d output(s): the subscriber's loop is closed", len(batch))
+
+    def _take(self, deliver: BatchSink) -> None:
+        with self._lock:
+            batch, self._unread = self._unread, None
+        deliver(batch)
 
     # ---- frontend side -----------------------------------------------------------------------------------
     def subscribe(self, loop: asyncio.AbstractEventLoop, deliver: BatchSink) -> None:
