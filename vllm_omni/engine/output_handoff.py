@@ -54,16 +54,22 @@ class OutputHandOff:
             return
         loop, deliver = sink
         with self._lock:
-            if self._unread is not None:
+            closed = loop.is_closed()
+            if closed:  # nobody is left to read these (nor what the closed loop did not take)
+                self._unread = None
+            elif self._unread is not None:
                 self._unread.extend(batch)
                 return
-            self._unread = batch
-        try:
-            loop.call_soon_threadsafe(self._take, deliver)
-        except RuntimeError:  # the subscriber's loop is closed: nobody is left to read these
-            with self._lock:
-                self._unread = None
-            logger.debug("[OutputHandOff] dropped %d output(s): the subscriber's loop is closed", len(batch))
+            else:
+                self._unread = batch
+        if not closed:
+            try:  # outside the lock: the subscriber's loop may take it at once
+                loop.call_soon_threadsafe(self._take, deliver)
+                return
+            except RuntimeError:  # closed just now
+                with self._lock:
+                    self._unread = None
+        logger.debug("[OutputHandOff] dropped %d output(s): the subscriber's loop is closed", len(batch))
 
     def _take(self, deliver: BatchSink) -> None:
         with self._lock:
