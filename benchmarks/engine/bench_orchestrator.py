@@ -77,7 +77,7 @@ def round_trips(num_stages: int, requests: int) -> list[float]:
         for i in range(requests + 50):
             start = time.perf_counter()
             engine.add_request(f"r{i}", "hello", [None] * num_stages)
-            out = engine.output_queue.sync_q.get(timeout=10)
+            out = engine.output_queue.get(timeout=10)
             assert out.finished and out.text == "hello", out
             if i >= 50:
                 times.append(time.perf_counter() - start)

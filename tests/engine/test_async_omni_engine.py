@@ -63,7 +63,7 @@ def test_three_stages_run_and_shut_down_last_first():
                                                         input_modalities=frozenset({"text"}),
                                                         output_modalities=frozenset({"text"}))
         engine.add_request("r", "x", [None] * 3)
-        out = engine.output_queue.sync_q.get(timeout=5)
+        out = engine.output_queue.get(timeout=5)
         assert out.finished and out.text == "x>0>1>2"
     finally:
         engine.shutdown()
@@ -86,7 +86,7 @@ def test_crashed_orchestrator_is_fatal_for_waiters(monkeypatch):
 
         monkeypatch.setattr(engine.orchestrator, "_handle_add", explode)
         engine.add_request("r", "x", [None] * 3)
-        msg = engine.output_queue.sync_q.get(timeout=5)
+        msg = engine.output_queue.get(timeout=5)
         assert isinstance(msg, ErrorMessage) and msg.fatal and "bug in routing" in msg.error
         engine._thread.join(timeout=10)
         assert engine.is_dead and "bug in routing" in engine.dead_error

@@ -1,7 +1,8 @@
 """Composition root: resolves nothing, owns everything.
 
-Starts a background thread running the Orchestrator's event loop, and talks to it through three queues:
-requests in, outputs out, RPC results out (correlated by `CorrelatedRpcClient`).
+Starts a background thread running the Orchestrator's event loop, and talks to it through two queues and a
+hand-off: requests in, RPC results out (correlated by `CorrelatedRpcClient`), outputs out in batches
+(`OutputHandOff`: one wake-up of the frontend's loop per orchestrator loop iteration, not per token).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from vllm_omni.engine.messages import (
     ShutdownMessage,
 )
 from vllm_omni.engine.orchestrator import Orchestrator
+from vllm_omni.engine.output_handoff import OutputHandOff
 from vllm_omni.engine.rpc_result_router import CorrelatedRpcClient
 from vllm_omni.engine.stage_runtime import StageClientFactory, StageRuntime, make_stage_client
 from vllm_omni.logger import init_logger
@@ -45,7 +47,7 @@ class AsyncOmniEngine:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         self.config = config
         self.request_queue: janus.Queue[Any] = janus.Queue(maxsize=request_queue_size)
-        self.output_queue: janus.Queue[Any] = janus.Queue()
+        self.output_queue = OutputHandOff()
         self.rpc_output_queue: janus.Queue[Any] = janus.Queue()
         self.stage_clients: list[Any] = []
         self.stage_metadata: list[dict[str, Any]] = []
@@ -91,7 +93,7 @@ class AsyncOmniEngine:
             self.stage_clients = [pool.clients[0] for pool in pools]
             self.stage_metadata = [self._describe(client) for client in self.stage_clients]
             self.capabilities = self._capabilities()
-            self.orchestrator = Orchestrator(self.request_queue.async_q, self.output_queue.sync_q,
+            self.orchestrator = Orchestrator(self.request_queue.async_q, self.output_queue,
                                              self.rpc_output_queue.sync_q, pools, self.config,
                                              stage_modalities=[m["output_modality"] for m in self.stage_metadata])
         except BaseException as e:
@@ -107,9 +109,10 @@ class AsyncOmniEngine:
             self.orchestrator.dead_error = f"orchestrator crashed: {type(e).__name__}: {e}"
             fatal = ErrorMessage(error=self.orchestrator.dead_error, fatal=True, status_code=503,
                                  error_type="EngineDeadError")
-            self.output_queue.sync_q.put(fatal)
+            self.output_queue.put_nowait(fatal)
             self.rpc_output_queue.sync_q.put(fatal)
         finally:
+            self.output_queue.flush()  # the loop ends with this coroutine: send what it would have sent
             self._runtime.shutdown()
 
     def _capabilities(self) -> ModelCapabilities:

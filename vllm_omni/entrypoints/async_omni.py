@@ -7,10 +7,9 @@ sleep closes it until `wake_up`. New `generate` calls wait while admission is cl
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_omni.config.stage_kind import StageKind
@@ -28,17 +27,30 @@ _ABORTED = object()
 """Ends an aborted request's stream quietly (the caller asked for it)."""
 
 
-@dataclass
 class _RequestState:
-    request_id: str
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    """One request's outputs not yet read, in order. Nothing is merged: a streaming caller gets every output
+    (one SSE chunk per token), unlike vLLM's RequestOutputCollector, which merges when its reader lags."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._items: deque[Any] = deque()
+        self._ready = asyncio.Event()
+
+    def put(self, item: Any) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
 
 
 class AsyncOmni(OmniBase):
     def __init__(self, model: str, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
         self.request_states: dict[str, _RequestState] = {}
-        self._output_handler: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pause_cond: asyncio.Condition | None = None
         self._paused = False
@@ -106,12 +118,11 @@ class AsyncOmni(OmniBase):
             raise OmniClientError(f"request id {request_id!r} is already in flight", param="request_id")
         state = _RequestState(request_id)
         self.request_states[request_id] = state
-        self._ensure_output_handler()
         self.engine.add_request(request_id, prompt, params, output_modalities)
         finished = False
         try:
             while not finished:
-                item = state.queue.get_nowait() if not state.queue.empty() else await state.queue.get()
+                item = await state.get()
                 if item is _ABORTED:
                     return
                 if isinstance(item, ErrorMessage):
@@ -136,34 +147,28 @@ class AsyncOmni(OmniBase):
         for rid in request_ids:
             state = self.request_states.pop(rid, None)
             if state is not None:
-                state.queue.put_nowait(_ABORTED)
+                state.put(_ABORTED)
 
     def _check_loop(self) -> None:
-        # The engine's output queue wakes the loop that first awaited it; a second loop would wait forever.
+        # The engine's outputs go to the loop that first used this AsyncOmni; a second loop would wait forever.
         loop = asyncio.get_running_loop()
         if self._loop is None:
             self._loop = loop
+            self.engine.output_queue.subscribe(loop, self._deliver)
         elif loop is not self._loop:
             raise RuntimeError(
                 "this AsyncOmni is bound to the event loop it was first used in; create one AsyncOmni per event "
                 "loop (for example inside the coroutine given to asyncio.run), or use Omni for blocking calls"
             )
 
-    def _ensure_output_handler(self) -> None:
-        if self._output_handler is None or self._output_handler.done():
-            self._output_handler = asyncio.create_task(self._final_output_handler())
-
-    async def _final_output_handler(self) -> None:
-        q = self.engine.output_queue.async_q
-        while True:
-            msg = await q.get()
+    def _deliver(self, batch: list[Any]) -> None:
+        """One orchestrator loop iteration's outputs (on this loop): each to its request, in order."""
+        for msg in batch:
             if isinstance(msg, ErrorMessage) and msg.fatal:
                 for state in self.request_states.values():
-                    state.queue.put_nowait(msg)
-                continue
-            state = self.request_states.get(msg.request_id)
-            if state is not None:
-                state.queue.put_nowait(msg)
+                    state.put(msg)
+            elif (state := self.request_states.get(msg.request_id)) is not None:
+                state.put(msg)
 
     # ---- control RPC ------------------------------------------------------------------------------------
     def _validate_stage_ids(self, stage_ids: list[int] | None) -> list[int]:
@@ -303,12 +308,6 @@ class AsyncOmni(OmniBase):
             acks.append(OmniACK(task_id=f"diffusion-wake-{uuid.uuid4().hex[:8]}", status="SUCCESS", stage_id=sid,
                                 rank=0, metadata=AckMetadata(path="worker", tags=sorted(requested_tags))))
         return acks
-
-    def close(self) -> None:
-        if self._output_handler is not None and not self._output_handler.done():
-            with contextlib.suppress(RuntimeError):  # loop already closed
-                self._output_handler.get_loop().call_soon_threadsafe(self._output_handler.cancel)
-        super().close()
 
     def shutdown(self) -> None:
         self.close()

@@ -37,7 +37,7 @@ class Omni(OmniBase):
         with tqdm(total=len(prompts), desc="Generating", disable=not use_tqdm) as bar:
             while pending:
                 try:
-                    msg = self.engine.output_queue.sync_q.get(timeout=_POLL_S)
+                    msg = self.engine.output_queue.get(timeout=_POLL_S)
                 except queue.Empty:
                     waited += _POLL_S
                     self._check_alive(pending, waited, timeout)
