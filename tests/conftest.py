@@ -86,5 +86,7 @@ def shared_server():
         return servers[key]
 
     yield get
+    for srv in servers.values():  # all at once: each takes seconds to stop its engine
+        srv.terminate()
     unclean = [str(srv.log) for srv in servers.values() if not srv.close()]
     assert not unclean, f"shared servers did not shut down cleanly on SIGTERM; logs: {unclean}"
