@@ -97,8 +97,8 @@ def stop_later():
     """`stop_later(server)`: SIGTERM a module's own live server at its end and check at the end of the session
     that it exited cleanly, leaving no process behind.
 
-    An AR server takes ~10 s to stop (vLLM's CPU worker outlives its 5 s shutdown grace); the next modules run
-    meanwhile instead of waiting for it.
+    A server takes seconds to stop (an AR one ~10 s: vLLM's CPU worker outlives its 5 s shutdown grace); the next
+    modules run meanwhile instead of waiting for it.
     """
     stopping = []
 
