@@ -86,5 +86,26 @@ def shared_server():
         return servers[key]
 
     yield get
+    for srv in servers.values():  # all at once: each takes seconds to stop its engine
+        srv.terminate()
     unclean = [str(srv.log) for srv in servers.values() if not srv.close()]
     assert not unclean, f"shared servers did not shut down cleanly on SIGTERM; logs: {unclean}"
+
+
+@pytest.fixture(scope="session")
+def stop_later():
+    """`stop_later(server)`: SIGTERM a module's own live server at its end and check at the end of the session
+    that it exited cleanly, leaving no process behind.
+
+    A server takes seconds to stop (an AR one ~10 s: vLLM's CPU worker outlives its 5 s shutdown grace); the next
+    modules run meanwhile instead of waiting for it.
+    """
+    stopping = []
+
+    def stop(server) -> None:
+        server.terminate()
+        stopping.append(server)
+
+    yield stop
+    unclean = [str(srv.log) for srv in stopping if not srv.close()]
+    assert not unclean, f"servers did not shut down cleanly on SIGTERM; logs: {unclean}"

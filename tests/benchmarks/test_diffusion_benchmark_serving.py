@@ -15,10 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "dif
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(stop_later):
     srv = LiveServer("tiny/flux")
     yield srv
-    assert srv.close(), f"server did not shut down cleanly; log: {srv.log}"
+    stop_later(srv)
 
 
 @pytest.mark.timeout(400)

@@ -47,6 +47,7 @@ class LiveServer:
         self._log_file = self.log.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
+        self._terminated = False
         self._wait_ready()
 
     def _wait_ready(self) -> None:
@@ -72,14 +73,20 @@ class LiveServer:
                 total += float(line.rsplit(" ", 1)[1])
         return total
 
+    def terminate(self) -> None:
+        """SIGTERM the server without waiting, so several servers shut down side by side; `close()` then waits."""
+        if self.proc.poll() is None and not self._terminated:
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
     def close(self) -> bool:
         """SIGTERM the server (it stops its engine); True when it exited cleanly leaving no process behind.
 
         Whatever is left of its process group afterwards is killed, so a failing test leaks nothing either.
         """
         clean = False
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        if self.proc.poll() is None or self._terminated:
+            self.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=SHUTDOWN_TIMEOUT_S)
                 clean = not _group_alive(self.proc.pid)

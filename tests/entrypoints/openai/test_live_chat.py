@@ -20,12 +20,12 @@ MESSAGES = [{"role": "user", "content": "hello"}]
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(stop_later):
     srv = LiveServer(MODEL, "--gpu-memory-utilization", "0.15", "--max-model-len", "512",
                      "--max-num-seqs", "4", "--enforce-eager", "--enable-auto-tool-choice",
                      "--tool-call-parser", "hermes")
     yield srv
-    assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
+    stop_later(srv)
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,11 @@ FAST = {"num_inference_steps": 2, "seed": 0}
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(stop_later):
     # No restart budget: test_dead_engine_answers_503 pins what a dead engine answers.
     srv = LiveServer(MODEL, "--max-request-outputs", "4", "--max-stage-restarts", "0")
     yield srv
-    assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
+    stop_later(srv)
 
 
 @pytest.fixture(scope="module")

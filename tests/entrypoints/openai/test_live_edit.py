@@ -19,10 +19,10 @@ FAST = {"num_inference_steps": 2, "seed": 0}
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(stop_later):
     srv = LiveServer(MODEL)
     yield srv
-    assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
+    stop_later(srv)
 
 
 def png(size=(64, 64), color=(200, 30, 30)) -> bytes:

@@ -26,11 +26,11 @@ FAST = {"num_inference_steps": 6, "seed": 3}
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(stop_later):
     srv = LiveServer(MODEL, "--step-execution", "--max-num-seqs", "1", "--diffusion-scheduler-policy", "priority",
                      "--max-inference-steps", "100000")
     yield srv
-    assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
+    stop_later(srv)
 
 
 @pytest.fixture(scope="module")

@@ -27,11 +27,11 @@ FAST = {"num_inference_steps": 2, "seed": 0}
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(stop_later):
     srv = LiveServer(MODEL, "--pipeline-config", str(PIPELINE), "--deploy-config", "shm_connector",
                      "--gpu-memory-utilization", "0.15", "--dtype", "float32", "--enforce-eager")
     yield srv
-    assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
+    stop_later(srv)
 
 
 @pytest.fixture(scope="module")

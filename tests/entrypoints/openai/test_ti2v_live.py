@@ -18,10 +18,10 @@ MODEL = "tiny/wan2.2-ti2v-5b"
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(stop_later):
     srv = LiveServer(MODEL, "--model-class-name", "WanImageToVideoPipeline")
     yield srv
-    assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
+    stop_later(srv)
 
 
 def data_url(image: Image.Image) -> str:

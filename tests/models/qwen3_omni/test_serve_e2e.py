@@ -39,12 +39,12 @@ PARAMS_LIST = [{"temperature": 0.0, "max_tokens": THINKER_TOKENS, "ignore_eos": 
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(stop_later):
     srv = LiveServer(MODEL, "--gpu-memory-utilization", "0.15", "--max-model-len", "256", "--enforce-eager",
                      "--dtype", "float32", "--max-input-audio-seconds", "5", "--max-input-video-frames", "2",
                      "--skip-mm-profiling")  # the thinker's dummy multimodal profile: ~20 s of CPU, sizes nothing
     yield srv
-    assert srv.close(), f"server did not shut down cleanly on SIGTERM; log: {srv.log}"
+    stop_later(srv)
 
 
 @pytest.fixture(scope="module")
