@@ -70,8 +70,14 @@ def test_kill9_worker_fails_requests_fast_and_engine_restarts(tmp_path):
 
 
 def _child_pids() -> set[int]:
-    return {c.pid for c in psutil.Process().children(recursive=True)
-            if "resource_tracker" not in " ".join(c.cmdline()) and c.status() != psutil.STATUS_ZOMBIE}
+    pids = set()
+    for child in psutil.Process().children(recursive=True):
+        try:  # a child may exit (or be a zombie) while we look
+            if "resource_tracker" not in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+                pids.add(child.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return pids
 
 
 def test_load_failure_names_rank_and_error(tmp_path):

@@ -7,7 +7,10 @@ pipeline's (run in this process), and close() leaves no worker behind.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+import psutil
 import pytest
 from parallel_jobs import psnr, run_pipeline
 
@@ -16,8 +19,6 @@ PARAMS = dict(height=64, width=64, num_inference_steps=2, seed=3, true_cfg_scale
 
 @pytest.mark.slow
 def test_omni_ulysses2_image_equals_single_rank(dist_world):
-    import psutil
-
     from vllm_omni import Omni, OmniDiffusionSamplingParams
     from vllm_omni.models.tiny import build_tiny
 
@@ -25,9 +26,7 @@ def test_omni_ulysses2_image_equals_single_rank(dist_world):
     want = run_pipeline(str(build_tiny("qwen-image")), {}, prompt, PARAMS)["output"][0]
     omni = Omni(model="tiny/qwen-image", ulysses_degree=2)
     try:
-        # multiprocessing's resource tracker is the interpreter's helper, not a worker; it lives as long as we do
-        children = [p for p in psutil.Process().children(recursive=True)
-                    if "resource_tracker" not in " ".join(p.cmdline())]
+        children = [p for p in psutil.Process().children(recursive=True) if _engine_process(p)]
         (out,) = omni.generate([prompt], OmniDiffusionSamplingParams(**PARAMS))
     finally:
         omni.close()
@@ -36,3 +35,12 @@ def test_omni_ulysses2_image_equals_single_rank(dist_world):
     assert got.std() > 1.0
     assert psnr(got, want) >= 60.0
     assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _engine_process(proc: psutil.Process) -> bool:
+    """A child of ours in our session (live servers run in sessions of their own) other than multiprocessing's
+    resource tracker, the interpreter's helper that lives as long as we do."""
+    try:
+        return os.getsid(proc.pid) == os.getsid(0) and "resource_tracker" not in " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, ProcessLookupError):  # exited, or a zombie, while we looked
+        return False

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -78,6 +79,9 @@ class LiveServer:
         if self.proc.poll() is None and not self._terminated:
             self.proc.send_signal(signal.SIGTERM)
             self._terminated = True
+            # Reaped as soon as it exits: a zombie child until `close()` would make psutil's `cmdline()` raise
+            # (ZombieProcess) in later tests that list our children.
+            threading.Thread(target=self.proc.wait, name=f"reap-{self.proc.pid}", daemon=True).start()
 
     def close(self) -> bool:
         """SIGTERM the server (it stops its engine); True when it exited cleanly leaving no process behind.
