@@ -60,15 +60,15 @@ def server():
 def test_kill9_of_the_engine_core_fails_fast_and_the_stage_comes_back(server):
     srv, shm_before = server
     errors_before = srv.metric("vllm_omni:engine_requests_total", outcome="error")
-    # One sequence at a time (--max-num-seqs 1): a streamed 2000-token request is killed in the middle (its
-    # first token says the EngineCore runs it; a fixed sleep raced the server's first-request set-up in CI),
-    # three more wait behind it; those still running or queued then fail with 503.
+    # One sequence at a time (--max-num-seqs 1). A streamed request's first token says the EngineCore is running
+    # (a fixed sleep raced the server's first-request set-up in CI); eight 2000-token requests then queue behind
+    # it: more work than the tiny model does before the kill (it decodes thousands of tokens a second). Every
+    # request either finished before the kill or fails with 503 within 5 s of it, and some must fail.
     first_token = threading.Event()
     streamed: dict = {"events": []}
 
     def run_streamed() -> None:
         with httpx.stream("POST", srv.url + CHAT, json={**chat(2000), "stream": True}, timeout=120) as resp:
-            streamed["status"] = resp.status_code
             for line in resp.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
                     streamed["events"].append(json.loads(line[len("data: "):]))
@@ -76,7 +76,7 @@ def test_kill9_of_the_engine_core_fails_fast_and_the_stage_comes_back(server):
         streamed["at"] = time.monotonic()
         first_token.set()
 
-    results: list[dict] = [{} for _ in range(3)]
+    results: list[dict] = [{} for _ in range(8)]
 
     def run(result: dict) -> None:
         result["response"] = httpx.post(srv.url + CHAT, json=chat(2000), timeout=120)
@@ -88,19 +88,28 @@ def test_kill9_of_the_engine_core_fails_fast_and_the_stage_comes_back(server):
     assert first_token.wait(60), "no streamed token within 60 s"
     for thread in threads[1:]:
         thread.start()
-    time.sleep(0.5)  # the three queue behind the streamed one
+    time.sleep(0.3)  # the eight reach the engine's queue
     old = engine_processes(srv)
     core = old["VLLM::EngineCore"]
     killed_at = time.monotonic()
     core.kill()
     for thread in threads:
         thread.join(30)
-    assert "at" in streamed and streamed["at"] - killed_at <= 5.0, "the streamed request did not end after the kill"
     finishes = [c.get("finish_reason") for e in streamed["events"] for c in e.get("choices", [])]
-    assert "length" not in finishes and any("error" in e for e in streamed["events"]), streamed["events"][-3:]
+    stream_failed = "length" not in finishes
+    if stream_failed:
+        assert any("error" in e for e in streamed["events"]), streamed["events"][-3:]
+    if stream_failed:
+        assert streamed["at"] - killed_at <= 5.0
+    failed = [r for r in results if r["response"].status_code != 200]
+    assert failed, "every request finished before the kill"
     for r in results:
-        assert r["response"].status_code == 503, r["response"].text
-        assert r["at"] - killed_at <= 5.0
+        if r in failed:
+            assert r["response"].status_code == 503, r["response"].text
+            assert r["at"] - killed_at <= 5.0
+        else:
+            # answered before the kill (the client may read it a moment later), not after the restart
+            assert r["at"] - killed_at <= 1.0, "a request the dead EngineCore held was answered 200"
     health = httpx.get(srv.url + "/health", timeout=10)
     assert health.status_code == 503 and "degraded" in health.json()["error"]["message"], health.text
     while httpx.get(srv.url + "/health", timeout=10).status_code != 200:
@@ -112,4 +121,4 @@ def test_kill9_of_the_engine_core_fails_fast_and_the_stage_comes_back(server):
     assert engine_processes(srv)["VLLM::EngineCore"].pid != core.pid
     assert all(gone(p) for p in old.values()), "the dead EngineCore or its worker was not reaped"
     assert not orphan_segments(shm_before)
-    assert srv.metric("vllm_omni:engine_requests_total", outcome="error") == errors_before + 1 + len(results)
+    assert srv.metric("vllm_omni:engine_requests_total", outcome="error") == errors_before + stream_failed + len(failed)
