@@ -113,17 +113,26 @@ class StageEngineCoreClient(StageClientBase):
         return async_llm_cls.from_vllm_config(vllm_config, disable_log_stats=engine_args.disable_log_stats,
                                               stat_loggers=[stage_prometheus_logger(registry)])
 
+    def _live_llm(self) -> Any:
+        """The AsyncLLM; while it is being re-created there is none, and a request asking for its tokenizer or
+        config then gets the stage's 503, not an AttributeError."""
+        if self.llm is None:
+            if self._dead:
+                raise EngineDeadError(f"{self.name}: EngineCore died")
+            raise StageRestartingError(f"{self.name}: the EngineCore died and is being re-created")
+        return self.llm
+
     @property
     def vllm_config(self):
-        return self.llm.vllm_config
+        return self._live_llm().vllm_config
 
     def get_tokenizer(self):
-        return self.llm.get_tokenizer()
+        return self._live_llm().get_tokenizer()
 
     def default_sampling_params(self) -> Any:
         from vllm import SamplingParams
 
-        defaults = self.llm.model_config.get_diff_sampling_param() or {}
+        defaults = self._live_llm().model_config.get_diff_sampling_param() or {}
         defaults.update(self.config.default_sampling_params)
         return SamplingParams.from_optional(**defaults) if defaults else SamplingParams()
 
