@@ -99,7 +99,6 @@ def test_kill9_of_the_engine_core_fails_fast_and_the_stage_comes_back(server):
     stream_failed = "length" not in finishes
     if stream_failed:
         assert any("error" in e for e in streamed["events"]), streamed["events"][-3:]
-    if stream_failed:
         assert streamed["at"] - killed_at <= 5.0
     failed = [r for r in results if r["response"].status_code != 200]
     assert failed, "every request finished before the kill"
