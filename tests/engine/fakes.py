@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.outputs import OmniRequestOutput
 
 
@@ -56,3 +57,27 @@ class FakeStageClient:
     @property
     def is_restarting(self) -> bool:
         return False
+
+
+class ModelLessStage(StageClientBase):
+    """A model-less AR stage for a real AsyncOmniEngine: subclasses give `generate`; start, shutdown and the
+    client's other queries are no-ops."""
+
+    kind = StageKind.AR
+
+    async def start(self) -> None:
+        return None
+
+    def default_sampling_params(self):
+        return None
+
+    @property
+    def output_modality(self) -> str:
+        return "text"
+
+    @property
+    def is_dead(self) -> bool:
+        return False
+
+    def shutdown(self) -> None:
+        return None

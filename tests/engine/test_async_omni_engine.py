@@ -8,18 +8,17 @@ import threading
 
 import pytest
 
+from tests.engine.fakes import ModelLessStage
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import VllmOmniARStageConfig
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
 from vllm_omni.engine.capabilities import ModelCapabilities
 from vllm_omni.engine.messages import ErrorMessage
-from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.outputs import OmniRequestOutput
 
 
-class Echo(StageClientBase):
-    kind = StageKind.AR
+class Echo(ModelLessStage):
     started: list[int] = []
     stopped: list[int] = []
 
@@ -30,17 +29,6 @@ class Echo(StageClientBase):
 
     async def generate(self, request_id, prompt, sampling_params):
         yield OmniRequestOutput(request_id=request_id, stage_id=self.stage_id, text=f"{prompt}>{self.stage_id}")
-
-    def default_sampling_params(self):
-        return None
-
-    @property
-    def output_modality(self) -> str:
-        return "text"
-
-    @property
-    def is_dead(self) -> bool:
-        return False
 
     def shutdown(self) -> None:
         Echo.stopped.append(self.stage_id)

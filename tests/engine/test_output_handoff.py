@@ -14,13 +14,12 @@ from functools import partial
 
 import pytest
 
+from tests.engine.fakes import ModelLessStage
 from vllm_omni import AsyncOmni
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import VllmOmniARStageConfig
-from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
 from vllm_omni.engine.output_handoff import OutputHandOff
-from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.entrypoints import omni_base
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -100,33 +99,14 @@ def test_closed_subscriber_loop_drops_quietly():
         handoff.get(timeout=0.01)
 
 
-class Streamer(StageClientBase):
+class Streamer(ModelLessStage):
     """An AR stage with no model: `TOKENS` outputs per request, one per loop iteration (as vLLM's AsyncLLM
     hands out one engine step's outputs for all running requests in one iteration)."""
-
-    kind = StageKind.AR
-
-    async def start(self) -> None:
-        pass
 
     async def generate(self, request_id, prompt, sampling_params):
         for i in range(TOKENS):
             await asyncio.sleep(0)
             yield OmniRequestOutput(request_id=request_id, stage_id=0, finished=i == TOKENS - 1, token_ids=[i])
-
-    def default_sampling_params(self):
-        return None
-
-    @property
-    def output_modality(self) -> str:
-        return "text"
-
-    @property
-    def is_dead(self) -> bool:
-        return False
-
-    def shutdown(self) -> None:
-        pass
 
 
 TOKENS, STREAMS = 16, 8
