@@ -82,14 +82,22 @@ class DiffusionParallelConfig:
     tensor_parallel_size: int = 1
     """Shards every transformer layer over this many devices (one worker process per rank)."""
     sequence_parallel_size: int | None = None
-    """Ranks that each hold a slice of the image/video tokens: ulysses_degree x ring_degree. None = that
-    product; set alone it is the Ulysses degree."""
+    """Ranks that each hold a slice of the image/video tokens: ulysses_degree x ring_degree x allgather_degree.
+    None = that product; set alone it is the Ulysses degree."""
     ulysses_degree: int = 1
     """Ulysses sequence parallelism: all-to-all that trades a sequence shard for a head shard around each
     attention; must divide the attention heads left after tensor parallelism."""
     ring_degree: int = 1
     """Ring-attention sequence parallelism: K/V blocks passed around the ring, partial results merged by
     log-sum-exp; no head constraint, more communication than Ulysses."""
+    allgather_degree: int = 1
+    """AllGather-KV sequence parallelism: every rank all-gathers the K/V shards (the K/V heads only, so GQA
+    stays compressed) and attends its own queries over the whole sequence: no head constraint and one
+    all-gather per attention, but the whole sequence's K/V on every rank. Not combined with ring_degree."""
+    ulysses_mode: Literal["strict", "advanced_uaa"] = "strict"
+    """strict: ulysses_degree must divide the attention heads. advanced_uaa: the heads are zero-padded up to a
+    multiple of it for the all-to-all and the padding dropped after the attention (K/V head padding is not
+    supported with ring_degree > 1)."""
     cfg_parallel_size: int = 1
     """2 = the positive and the negative (true CFG) branch run on different ranks, joined by an all-gather."""
     vae_patch_parallel_size: int = 1
@@ -100,18 +108,33 @@ class DiffusionParallelConfig:
     """Replicas of the diffusion stage, each a full engine (all its ranks) on its own devices; requests go to
     the least loaded live replica. Resolved into the stage's `num_replicas` (the deploy config's name for it),
     so an engine itself always has 1."""
+    distributed_timeout_seconds: int = 600
+    """Seconds any collective between the stage's ranks may wait (vLLM's flag; here it also bounds the CPU
+    groups): a rank whose peer failed or hung mid-forward gives up after this, and the stage restarts its
+    workers (see docs/parallelism.md, "When one rank fails")."""
 
     def __post_init__(self) -> None:
         refuse_unimplemented(asdict(self))
-        for name in ("tensor_parallel_size", "ulysses_degree", "ring_degree", "cfg_parallel_size",
-                     "vae_patch_parallel_size"):
+        timeout = self.distributed_timeout_seconds
+        if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout < 1:
+            raise OmniClientError(f"distributed_timeout_seconds={timeout!r} (--distributed-timeout-seconds) must "
+                                  "be a positive integer", param="distributed_timeout_seconds")
+        for name in ("tensor_parallel_size", "ulysses_degree", "ring_degree", "allgather_degree",
+                     "cfg_parallel_size", "vae_patch_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise OmniClientError(f"{name}={value!r} ({_flag(name)}) must be a positive integer", param=name)
         if self.cfg_parallel_size > 2:
             raise OmniClientError(f"cfg_parallel_size={self.cfg_parallel_size} (--cfg-parallel-size) must be 1 or "
                                   "2 (one rank per CFG branch)", param="cfg_parallel_size")
-        product = self.ulysses_degree * self.ring_degree
+        if self.ulysses_mode not in ("strict", "advanced_uaa"):
+            raise OmniClientError(f"ulysses_mode={self.ulysses_mode!r} (--ulysses-mode) must be 'strict' or "
+                                  "'advanced_uaa'", param="ulysses_mode")
+        if self.ring_degree > 1 and self.allgather_degree > 1:
+            raise OmniClientError(f"allgather_degree={self.allgather_degree} (--allgather-degree) cannot be combined "
+                                  f"with ring_degree={self.ring_degree} (--ring-degree): both pass the K/V of the "
+                                  "other sequence shards; choose one", param="allgather_degree")
+        product = self.ulysses_degree * self.ring_degree * self.allgather_degree
         if self.sequence_parallel_size is None:
             self.sequence_parallel_size = product
         elif product == 1 and self.sequence_parallel_size > 1:
@@ -119,7 +142,7 @@ class DiffusionParallelConfig:
         elif self.sequence_parallel_size != product:
             raise OmniClientError(
                 f"sequence_parallel_size={self.sequence_parallel_size} (--sequence-parallel-size) must equal "
-                f"ulysses_degree x ring_degree = {product}", param="sequence_parallel_size")
+                f"ulysses_degree x ring_degree x allgather_degree = {product}", param="sequence_parallel_size")
         denoise, vae = self.denoise_world_size, self.vae_patch_parallel_size
         if denoise % vae and vae % denoise:
             raise OmniClientError(

@@ -73,6 +73,8 @@ class BatchResult(msgspec.Struct, tag="result", array_like=True, gc=False):
     batch_id: int
     rank: int
     outputs: list[DiffusionOutput]
+    out_of_step: str | None = None
+    """Set when the ranks failed differently (`distributed/rank_errors.py`): the workers exit after this."""
 
 
 class EncodedBatch(msgspec.Struct, tag="batch", array_like=True, gc=False):
@@ -91,6 +93,7 @@ class EncodedBatchResult(msgspec.Struct, tag="result", array_like=True, gc=False
     batch_id: int
     rank: int
     outputs: list[msgspec.Raw]
+    out_of_step: str | None = None
 
 
 class PartialResult(msgspec.Struct, tag="partial", array_like=True, gc=False):

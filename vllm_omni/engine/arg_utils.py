@@ -115,6 +115,8 @@ class OmniEngineArgs(EngineArgs):
     sequence_parallel_size: int | None = None
     ulysses_degree: int | None = None
     ring_degree: int | None = None
+    allgather_degree: int | None = None
+    ulysses_mode: Literal["strict", "advanced_uaa"] | None = None
     cfg_parallel_size: int | None = None
     vae_patch_parallel_size: int | None = None
     diffusion_memory_budget_gb: float | None = None

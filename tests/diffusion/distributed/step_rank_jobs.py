@@ -21,7 +21,7 @@ Arrivals = dict[int, dict[str, int]]
 
 
 def run_step_script(model_dir: str, parallel: dict, requests: dict[str, tuple[dict, dict]], arrivals: Arrivals,
-                    aborts: Arrivals, max_rounds: int = 50) -> dict[str, Any]:
+                    aborts: Arrivals, max_rounds: int = 50, max_num_seqs: int = 2) -> dict[str, Any]:
     """Per rank (rank 0 gathers them): each request's output (array) or error type, and how many rounds it
     ran."""
     from vllm.distributed.parallel_state import get_world_group
@@ -34,7 +34,7 @@ def run_step_script(model_dir: str, parallel: dict, requests: dict[str, tuple[di
 
     rank = get_world_group().rank_in_group
     od_config = OmniDiffusionConfig(model=model_dir, parallel_config=DiffusionParallelConfig(**parallel),
-                                    step_execution=True, max_num_seqs=2)
+                                    step_execution=True, max_num_seqs=max_num_seqs)
     runner = DiffusionModelRunner(od_config, torch.device("cpu"), rank)
     runner.load_model()
     ids = list(requests)

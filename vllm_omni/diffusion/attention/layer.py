@@ -17,9 +17,10 @@ class Attention(nn.Module):
     used when `num_kv_heads` < `num_heads`. `attn_config` is the stage's attention config, passed down by the
     model that owns the layer (None: env / platform default, for a layer used on its own).
 
-    Under sequence parallelism (`--ulysses-degree`, `--ring-degree`) a self-attention layer's q/k/v hold this
-    rank's shard of the image/video tokens plus, at the front or rear (`joint_len`, `joint_front`), all the
-    text tokens; the layer runs Ulysses / ring / USP attention over the whole sequence (see
+    Under sequence parallelism (`--ulysses-degree`, `--ring-degree`, `--allgather-degree`) a self-attention
+    layer's q/k/v hold this rank's shard of the image/video tokens plus, at the front or rear (`joint_len`,
+    `joint_front`), all the text tokens; the layer runs Ulysses / ring / AllGather-KV / USP attention over the
+    whole sequence (see
     `attention/parallel.py`). `cross_attention=True` layers (queries from the sharded sequence, keys from
     replicated text) need no communication and attend locally.
     """
@@ -59,11 +60,17 @@ class Attention(nn.Module):
 
     def _check_sequence_parallel(self) -> None:
         """Degrees the heads cannot take fail when the model is built (start-up), naming the flag."""
-        degree = self.sp_groups.ulysses.world_size
-        if self.num_kv_heads % degree:
-            raise ValueError(f"{self.prefix or 'Attention'}: --ulysses-degree {degree} does not divide the "
+        degree, name = self.sp_groups.ulysses.world_size, self.prefix or "Attention"
+        if self.num_kv_heads % degree and self.sp_groups.ulysses_mode != "advanced_uaa":
+            raise ValueError(f"{name}: --ulysses-degree {degree} does not divide the "
                              f"{self.num_kv_heads} attention heads per tensor-parallel rank (query heads "
-                             f"{self.num_heads}); choose a divisor of them or use --ring-degree")
+                             f"{self.num_heads}); choose a divisor of them, use --ring-degree or "
+                             "--allgather-degree, or --ulysses-mode advanced_uaa (pads the heads)")
+        if self.num_kv_heads % degree and self.sp_groups.ring.world_size > 1:
+            raise ValueError(f"{name}: --ulysses-mode advanced_uaa with --ring-degree "
+                             f"{self.sp_groups.ring.world_size} does not support K/V head padding "
+                             f"({self.num_kv_heads} K/V heads, --ulysses-degree {degree}); choose a Ulysses "
+                             "degree that divides the K/V heads, or --allgather-degree instead of the ring")
         if self.causal:
             raise ValueError(f"{self.prefix}: sequence parallelism does not support causal attention")
 
@@ -83,6 +90,7 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         sp = "" if self.sp_groups is None else (f", ulysses={self.sp_groups.ulysses.world_size}, "
-                                                f"ring={self.sp_groups.ring.world_size}")
+                                                f"ring={self.sp_groups.ring.world_size}, "
+                                                f"allgather={self.sp_groups.allgather.world_size}")
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"backend={self.attn_backend.get_name()}{sp}")

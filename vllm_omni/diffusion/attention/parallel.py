@@ -1,12 +1,18 @@
-"""Sequence-parallel attention: Ulysses (all-to-all over heads), ring (K/V passed around, log-sum-exp merge)
-and their product (USP: Ulysses inside, ring outside), over joint text + image sequences.
+"""Sequence-parallel attention: Ulysses (all-to-all over heads), ring (K/V passed around, log-sum-exp merge),
+AllGather-KV (every rank gathers the K/V shards) and the products (Ulysses inside, ring or AllGather-KV
+outside), over joint text + image sequences.
 
 Each sequence-parallel rank holds a shard of the image/video tokens and ALL the text tokens (`joint_len` of
 them at the front or the rear of q/k/v), as in xDiT's USP. Ulysses turns the image shard into the whole
 (ring-chunk of the) sequence for H/u heads and takes the same H/u heads of the replicated text; after the
 attention the image part goes back to its shard and the text part's heads are all-gathered, so every rank
 ends with the same text output. Ring attention keeps the queries local and visits every rank's image K/V
-block, plus the text K/V once.
+block, plus the text K/V once. AllGather-KV gathers the image K/V shards of its group (the K/V heads only: GQA
+stays compressed in the transfer) and attends the local queries over them and the text K/V in one call.
+
+Ulysses `advanced_uaa` mode: when the Ulysses degree does not divide the K/V heads, zero heads are appended to
+K/V (and as many groups of query heads as GQA needs, so query head i still reads K/V head i // group) up to a
+multiple of the degree; the padded heads' outputs are dropped after the attention.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from vllm_omni.diffusion.distributed.sequence import heads_to_seq, seq_to_heads
 
@@ -94,7 +101,10 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 ) -> torch.Tensor:
     """USP over this rank's q/k/v (B, S_local + joint_len, H, D): Ulysses within `groups.ulysses`, then ring
     attention within `groups.ring` (or the plain backend `attend` when the ring has one rank)."""
-    uly, ring = groups.ulysses, groups.ring
+    uly, ring, gather = groups.ulysses, groups.ring, groups.allgather
+    heads = q.shape[2]
+    if uly.world_size > 1 and k.shape[2] % uly.world_size:  # advanced_uaa (the layer refused it otherwise)
+        q, k, v = _pad_heads(q, k, v, uly.world_size)
     (q_s, q_j), (k_s, k_j), (v_s, v_j) = (_split_joint(t, joint_len, joint_front) for t in (q, k, v))
     if uly.world_size > 1:
         q_s, k_s, v_s = (seq_to_heads(t, uly) for t in (q_s, k_s, v_s))
@@ -102,6 +112,8 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     if ring.world_size > 1:
         out = ring_attention(_join(q_s, q_j, joint_front), k_s, v_s, ring, scale, joint_kv=(k_j, v_j))
     else:
+        if gather.world_size > 1:  # one all-gather of K and V together, along the sequence
+            k_s, v_s = gather.all_gather(torch.stack([k_s, v_s]).contiguous(), dim=2).unbind(0)
         out = attend(_join(q_s, q_j, joint_front), _join(k_s, k_j, joint_front), _join(v_s, v_j, joint_front))
     if uly.world_size == 1:
         return out
@@ -109,7 +121,17 @@ def sequence_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     out_s = heads_to_seq(out_s.contiguous(), uly)
     out_j = uly.all_gather(out_j.contiguous(), dim=2) if joint_len else out_j.new_empty(out_s.shape[0], 0,
                                                                                          *out_s.shape[2:])
-    return _join(out_s, out_j, joint_front)
+    return _join(out_s, out_j, joint_front)[:, :, :heads]
+
+
+def _pad_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, degree: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zero heads appended to K/V up to a multiple of `degree`, and to q as GQA's grouping needs."""
+    kv_heads = k.shape[2]
+    padded_kv = -(-kv_heads // degree) * degree
+    padded_q = padded_kv * (q.shape[2] // kv_heads)
+    return (F.pad(q, (0, 0, 0, padded_q - q.shape[2])), F.pad(k, (0, 0, 0, padded_kv - kv_heads)),
+            F.pad(v, (0, 0, 0, padded_kv - kv_heads)))
 
 
 def _head_slice(x: torch.Tensor, group: GroupCoordinator) -> torch.Tensor:

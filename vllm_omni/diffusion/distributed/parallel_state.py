@@ -4,8 +4,9 @@ Every worker gets a process group even when it is alone (gloo on CPU, nccl on CU
 written with vLLM's `ColumnParallelLinear` / `RowParallelLinear` runs unchanged at any tensor-parallel
 size. Tests call `init_diffusion_distributed` in-process with world_size 1.
 
-Rank layout (innermost first): tensor parallel, Ulysses, ring, CFG, denoise copy:
-`rank = (((copy * cfg_size + cfg) * ring_degree + ring) * ulysses_degree + ulysses) * tp + tp_rank`; there is
+Rank layout (innermost first): tensor parallel, Ulysses, ring, AllGather-KV, CFG, denoise copy:
+`rank = ((((copy * cfg_size + cfg) * allgather_degree + allgather) * ring_degree + ring) * ulysses_degree
++ ulysses) * tp + tp_rank` (ring and AllGather-KV are never both above 1); there is
 more than one copy of the denoise loop only when `vae_patch_parallel_size` exceeds TP x SP x CFG. VAE patch
 groups are runs of `vae_patch_parallel_size` consecutive ranks (they decode after the loop, so they reuse its
 ranks). vLLM builds the TP groups
@@ -27,11 +28,13 @@ import math
 import os
 import random
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
     from vllm.config import VllmConfig
     from vllm.distributed.parallel_state import GroupCoordinator
 
@@ -46,12 +49,20 @@ class DiffusionParallelGroups:
     """Ranks that exchange heads for sequence (all-to-all)."""
     ring: GroupCoordinator
     """Ranks that pass K/V blocks around (ring attention)."""
+    allgather: GroupCoordinator
+    """Ranks that all-gather each other's K/V shards (AllGather-KV attention)."""
     sp: GroupCoordinator
-    """ulysses x ring: the ranks that each hold one shard of the image/video sequence (ring-major)."""
+    """allgather x ring x ulysses: the ranks that each hold one shard of the image/video sequence (outer
+    dimension major)."""
     cfg: GroupCoordinator
     """Ranks that run the positive (CFG rank 0) and the negative (CFG rank 1) branch."""
     vae: GroupCoordinator
     """Ranks that each decode one row strip of the latents (VAE patch parallel)."""
+    failures: ProcessGroup
+    """Every rank, gloo, with twice `distributed_timeout_seconds`: the ranks compare failures over it
+    (`rank_errors.py`), and a rank that failed must still be waiting when a peer's collective times out."""
+    ulysses_mode: str = "strict"
+    """How the Ulysses all-to-all treats heads its degree does not divide (`ulysses_mode`)."""
 
 
 _GROUPS: DiffusionParallelGroups | None = None
@@ -61,20 +72,24 @@ def make_vllm_config(parallel_config: DiffusionParallelConfig) -> VllmConfig:
     """The VllmConfig vLLM's layers and group setup read as "current" (parallel sizes only)."""
     from vllm.config import ParallelConfig, VllmConfig
 
-    return VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=parallel_config.tensor_parallel_size))
+    timeout = parallel_config.distributed_timeout_seconds
+    return VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=parallel_config.tensor_parallel_size,
+                                                     distributed_timeout_seconds=timeout,
+                                                     cpu_distributed_timeout_seconds=timeout))
 
 
 def group_ranks(parallel_config: DiffusionParallelConfig) -> dict[str, list[list[int]]]:
     """Global ranks of every Ulysses / ring / sp / CFG group, from the rank layout in the module doc."""
     pc = parallel_config
     world = torch.arange(pc.world_size)
-    grid = world.reshape(-1, pc.cfg_parallel_size, pc.ring_degree, pc.ulysses_degree, pc.tensor_parallel_size)
+    grid = world.reshape(-1, pc.cfg_parallel_size, pc.allgather_degree, pc.ring_degree, pc.ulysses_degree,
+                         pc.tensor_parallel_size)
 
     def along(*dims: int) -> list[list[int]]:
-        rest = [d for d in range(5) if d not in dims]
+        rest = [d for d in range(grid.dim()) if d not in dims]
         return grid.permute(*rest, *dims).reshape(-1, math.prod(grid.shape[d] for d in dims)).tolist()
 
-    return {"ulysses": along(3), "ring": along(2), "sp": along(2, 3), "cfg": along(1),
+    return {"ulysses": along(4), "ring": along(3), "allgather": along(2), "sp": along(2, 3, 4), "cfg": along(1),
             "vae": world.reshape(-1, pc.vae_patch_parallel_size).tolist()}
 
 
@@ -91,6 +106,7 @@ def init_diffusion_distributed(
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.distributed.parallel_state import get_world_group, init_model_parallel_group
+    from vllm.platforms import current_platform
     from vllm.utils.network_utils import get_open_port
 
     if parallel_config.world_size != world_size:
@@ -105,6 +121,9 @@ def init_diffusion_distributed(
                                          if distributed_init_method.startswith("file://")
                                          else distributed_init_method.rsplit(":", 1)[-1])
     local_rank = (device.index or 0) if device.type == "cuda" else rank
+    # vLLM's CPU TP communicator makes a collective only when its kernels are loaded: load them on every rank
+    # first, or a rank that has not loaded them yet skips a collective its peers make (a hang).
+    current_platform.import_kernels()
     vllm_config = make_vllm_config(parallel_config)
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(
@@ -113,13 +132,16 @@ def init_diffusion_distributed(
             distributed_init_method=distributed_init_method,
             local_rank=local_rank,
             backend=backend,
+            timeout=timedelta(seconds=parallel_config.distributed_timeout_seconds),
         )
         initialize_model_parallel(tensor_model_parallel_size=parallel_config.tensor_parallel_size)
         local = get_world_group().local_rank
         _GROUPS = DiffusionParallelGroups(**{
             name: init_model_parallel_group(ranks, local, backend, group_name=f"diffusion_{name}")
             for name, ranks in group_ranks(parallel_config).items()
-        })
+        }, failures=torch.distributed.new_group(
+            backend="gloo", timeout=timedelta(seconds=2 * parallel_config.distributed_timeout_seconds)),
+            ulysses_mode=parallel_config.ulysses_mode)
     return vllm_config
 
 
@@ -147,8 +169,12 @@ def destroy_diffusion_distributed() -> None:
     from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
 
     if _GROUPS is not None:
-        for group in {id(g): g for g in vars(_GROUPS).values()}.values():
-            group.destroy()
+        from vllm.distributed.parallel_state import GroupCoordinator
+
+        torch.distributed.destroy_process_group(_GROUPS.failures)
+        for group in vars(_GROUPS).values():
+            if isinstance(group, GroupCoordinator):
+                group.destroy()
         _GROUPS = None
     destroy_model_parallel()
     destroy_distributed_environment()

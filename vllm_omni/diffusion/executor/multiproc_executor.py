@@ -116,6 +116,8 @@ class MultiprocDiffusionExecutor:
         self._is_failed = False
         self._closed = False
         self._stop = threading.Event()
+        self._pumps_idle = [threading.Event() for _ in range(self.world_size)]
+        """Set by each result pump when a poll found nothing: the monitor waits for it before failing batches."""
         self._monitor_stop_r, self._monitor_stop_w = multiprocessing.Pipe(duplex=False)
         self.processes = self._launch_workers()
         self._finalizer = weakref.finalize(self, _reap, self.processes, self.shm_prefix, self._ipc_dir)
@@ -285,6 +287,7 @@ class MultiprocDiffusionExecutor:
         decoder = self._output_codec.decoder()
         while not self._stop.is_set():
             if not sock.poll(_PUMP_POLL_MS):
+                self._pumps_idle[rank].set()
                 continue
             try:
                 msg = decoder.decode(sock.recv(copy=False).buffer)
@@ -304,6 +307,8 @@ class MultiprocDiffusionExecutor:
                 with self._lock:
                     pending = self._batches.pop(msg.batch_id, None)
                     self._partial_handlers.pop(msg.batch_id, None)
+                if msg.out_of_step is not None:  # the workers exit next: restarting starts before this resolves
+                    self.fail(f"diffusion worker rank {msg.rank}: {msg.out_of_step}")
                 if pending is not None:
                     pending.future.set_result(pending.outputs(msg.outputs))
             elif isinstance(msg, RpcResult):
@@ -325,8 +330,18 @@ class MultiprocDiffusionExecutor:
         reason = "; ".join(f"diffusion worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
                            for rank, proc in dead)
         logger.error("%s; failing all in-flight diffusion requests", reason)
+        self._drain_results()
         self.fail(reason)
         self._finalizer()  # reap the dead (no zombie), stop the other ranks, free their shm and sockets
+
+    def _drain_results(self) -> None:
+        """Let the pumps deliver what the workers sent before dying (e.g. ranks that exit because they failed
+        differently send their requests' errors first): wait until each pump has polled an empty socket."""
+        for idle in self._pumps_idle:
+            idle.clear()
+        deadline = time.monotonic() + 2 * _PUMP_POLL_MS / 1000
+        for idle in self._pumps_idle:
+            idle.wait(max(deadline - time.monotonic(), 0.0))
 
     def fail(self, reason: str) -> None:
         """Mark the executor dead: fail every pending future and fire the failure callbacks (once)."""

@@ -1,7 +1,8 @@
 """Builds the pipeline and runs one forward per scheduled batch, with timing and peak memory.
 
 A batch whose forward raises is retried one request at a time, so the request that broke it fails alone
-and the others still get their outputs.
+and the others still get their outputs. On several ranks every rank must take the same path: the ranks agree
+on what failed after each forward (`distributed/rank_errors.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.distributed.rank_errors import RanksDesynchronized, agree_on_failures
 from vllm_omni.diffusion.step_context import PartialSink, StepContext
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.logger import init_logger
@@ -74,10 +76,11 @@ class DiffusionModelRunner:
             raise RuntimeError("the diffusion worker is asleep; call wake_up() first")
         self._reset_peak_memory()
         start = time.perf_counter()
-        outputs = self._forward(batch, partial_sink, abort_requested)
+        outputs = self._agreed(self._forward(batch, partial_sink, abort_requested), len(batch))
         if outputs is None:
             logger.warning("[diffusion rank %d] batch of %d failed; retrying one by one", self.rank, len(batch))
-            outputs = [self._forward(DiffusionRequestBatch([request]), partial_sink, abort_requested)[0]
+            outputs = [self._agreed(self._forward(DiffusionRequestBatch([request]), partial_sink,
+                                                  abort_requested), 1)[0]
                        for request in batch.requests]
         elapsed = time.perf_counter() - start
         peak = self.peak_memory_mb()
@@ -86,9 +89,27 @@ class DiffusionModelRunner:
             out.peak_memory_mb = peak
         return outputs
 
+    @staticmethod
+    def _agreed(outputs: list[DiffusionOutput] | DiffusionOutput, size: int) -> list[DiffusionOutput] | None:
+        """`_forward`'s result as every rank agrees on it (`rank_errors.py`): a request failed on one rank fails
+        on all; None when the batch as a whole raised on every rank (then every rank retries one by one).
+        Raises `RanksDesynchronized` (outputs keyed by request index) when the ranks failed differently."""
+        whole = isinstance(outputs, DiffusionOutput)
+        failed = {"batch": outputs} if whole else {i: out for i, out in enumerate(outputs) if out.error is not None}
+        try:
+            agreed = agree_on_failures(failed)
+        except RanksDesynchronized as exc:
+            if "batch" in exc.outputs:  # every request of the batch gets the batch's error
+                exc.outputs = dict.fromkeys(range(size), exc.outputs["batch"])
+            raise
+        if whole:
+            return None
+        return [agreed.get(i, out) for i, out in enumerate(outputs)]
+
     def _forward(self, batch: DiffusionRequestBatch, partial_sink: PartialSink | None,
-                 abort_requested: Callable[[str], bool] | None) -> list[DiffusionOutput] | None:
-        """The pipeline's outputs, or None when the batch as a whole raised (and has more than one request)."""
+                 abort_requested: Callable[[str], bool] | None) -> list[DiffusionOutput] | DiffusionOutput:
+        """The pipeline's outputs, or the batch's error when the batch as a whole raised (and has more than one
+        request)."""
         ctx = StepContext(self.od_config, request_ids=batch.request_ids, partial_sink=partial_sink)
         if abort_requested is not None:
             ctx.abort_requested = abort_requested
@@ -99,7 +120,7 @@ class DiffusionModelRunner:
             return outputs
         except Exception as exc:
             if len(batch) > 1:
-                return None
+                return DiffusionOutput.from_exception(exc)
             logger.info("[diffusion rank %d] request %s failed: %s", self.rank, batch.request_ids[0], exc)
             return [DiffusionOutput.from_exception(exc)]
 

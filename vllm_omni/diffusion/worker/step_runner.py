@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from vllm_omni.diffusion.data import DiffusionOutput, StepStats
+from vllm_omni.diffusion.distributed.rank_errors import RanksDesynchronized, agree_on_failures
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.sched.step_policy import DEFAULT_STEPS, ShapeKey, StepPolicy, shape_key, shape_label
 from vllm_omni.diffusion.step_context import PartialSink, StepContext
@@ -41,7 +42,7 @@ from vllm_omni.logger import init_logger
 if TYPE_CHECKING:
     from vllm_omni.diffusion.pipeline_base import DenoiseState
     from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
-    from vllm_omni.diffusion.worker.step_sync import RankSync
+    from vllm_omni.diffusion.worker.step_sync import JobKey, RankSync
 
 logger = init_logger(__name__)
 
@@ -124,6 +125,8 @@ class StepExecutor:
         self.sync = sync
         self._round_aborts: set[tuple[int, str]] = set()
         """Under `sync`: the aborts rank 0 decided for the current round."""
+        self._failed: dict[_Job, DiffusionOutput] = {}
+        """Under `sync`: the jobs this phase failed on this rank, held until the ranks agree (`_settle`)."""
 
     @property
     def batch_ids(self) -> set[int]:
@@ -163,6 +166,7 @@ class StepExecutor:
         """Aborted requests leave with `RequestAbortedError`; finished states are decoded and sent."""
         for job in [job for job in self.paused if job.ctx.aborted([job.request.request_id])]:
             self._finish(job, DiffusionOutput.from_exception(RequestAbortedError()))
+        decoded: dict[_Job, DiffusionOutput] = {}
         for job in list(self.resident):
             state = job.state
             state.drop(set(job.ctx.aborted(state.request_ids)))
@@ -173,9 +177,12 @@ class StepExecutor:
                 start = time.perf_counter()
                 state.durations["denoise"] = start - job.denoise_start
                 outputs = self._guarded(job, lambda job=job: self._pipeline().finish(job.state, job.ctx))
+                decoded[job] = None
                 if outputs is not None:
                     self.policy.cost.observe_phase(shape_key(job.request), "decode", time.perf_counter() - start)
-                    self._finish(job, outputs[0])
+                    decoded[job] = outputs[0]
+        if decoded:
+            self._settle({job: out for job, out in decoded.items() if out is not None})
 
     def _admit(self) -> None:
         """Aborted waiting requests leave; the policy's choice (<= `max_num_seqs` jobs) becomes the resident set:
@@ -198,18 +205,23 @@ class StepExecutor:
         self.paused = [job for job in self.paused + self.resident if id(job) not in chosen_ids]
         self.waiting = [job for job in self.waiting if id(job) not in chosen_ids]
         self.resident = list(chosen)
-        for job in chosen:
-            if job.state is None:
-                job.state = self._guarded(job, lambda job=job: self._prepare(job))
-                job.denoise_start = time.perf_counter()
+        new = [job for job in chosen if job.state is None]
+        for job in new:
+            job.state = self._guarded(job, lambda job=job: self._prepare(job))
+            job.denoise_start = time.perf_counter()
+        if new:
+            self._settle()
 
     def _advance(self) -> None:
         """Every resident state takes one step: one transformer forward per group of compatible states (equal
         `step_group_key`), split where a group's tokens exceed `diffusion_max_tokens_per_forward`. The cost model
         learns what one step of the round's states of each shape cost (the seconds of their forwards)."""
+        if not self.resident:
+            return
         if self.runner.pipeline is None:
             for job in list(self.resident):
                 self._guarded(job, self._pipeline)
+            self._settle()
             return
         pipeline = self.runner.pipeline
         states: dict[ShapeKey, int] = {}
@@ -229,6 +241,7 @@ class StepExecutor:
                 seconds_by_shape[key] = seconds_by_shape.get(key, 0.0) + seconds
         for key, count in states.items():  # what one step of `count` states of this shape cost this round
             self.policy.cost.observe(key, seconds_by_shape[key], batch=count)
+        self._settle()
 
     def _forward_groups(self, pipeline) -> list[list[_Job]]:
         """Resident states grouped by `forward_group_key` (None: alone), in residence order, each group cut into
@@ -284,7 +297,39 @@ class StepExecutor:
 
     def _fail(self, job: _Job, exc: Exception) -> None:
         logger.info("[diffusion step] request %s failed: %s", job.request.request_id, exc)
-        self._finish(job, DiffusionOutput.from_exception(exc))
+        if self.sync is None:
+            self._finish(job, DiffusionOutput.from_exception(exc))
+            return
+        for jobs in (self.resident, self.paused, self.waiting):  # the rest of this phase skips it
+            if job in jobs:
+                jobs.remove(job)
+        self._failed[job] = DiffusionOutput.from_exception(exc)
+
+    def _settle(self, decoded: dict[_Job, DiffusionOutput] | None = None) -> None:
+        """End of a phase: finish the jobs that failed (and the `decoded` ones). Under `sync` every rank runs
+        this at the same phases and the ranks first agree on what failed (`distributed/rank_errors.py`); when
+        they failed differently, the failed requests get the earliest failure and `RanksDesynchronized` ends
+        the worker."""
+        decoded = decoded or {}
+        failed, self._failed = self._failed, {}
+        if self.sync is not None:
+            jobs = {_key(job): job for job in [*failed, *decoded, *self.waiting, *self.paused, *self.resident]}
+            try:
+                failed = {jobs[key]: out for key, out in
+                          agree_on_failures({_key(job): out for job, out in failed.items()}).items()}
+            except RanksDesynchronized as exc:
+                batches, send = exc.batches, self.send
+                self.send = lambda batch_id, outputs: batches.append((batch_id, outputs))
+                for key, out in exc.outputs.items():  # the batches this completes go out from every rank
+                    if key in jobs:
+                        self._finish(jobs[key], out)
+                self.send = send
+                raise
+        for job, out in failed.items():
+            self._finish(job, out)
+        for job, out in decoded.items():
+            if job not in failed:
+                self._finish(job, out)
 
     def _finish(self, job: _Job, output: DiffusionOutput) -> None:
         """Free the job's state and send its batch's result once the batch is complete."""
@@ -308,6 +353,10 @@ class StepExecutor:
         self.send(batch.batch_id, batch.outputs)
         # Aborts are kept for every batch still here (an abort may also arrive after its batch ended).
         self.aborted.forget_through(min(self._batches, default=batch.batch_id + 1) - 1)
+
+
+def _key(job: _Job) -> JobKey:
+    return job.batch.batch_id, job.index
 
 
 def split_by_tokens(members: list[tuple[_Job, int]], max_tokens: int | None) -> list[list[_Job]]:

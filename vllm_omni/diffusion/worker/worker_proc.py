@@ -17,7 +17,10 @@ decides each round and the others follow (`step_sync.py`): a rank that has not r
 its input until it has (at most `_FETCH_TIMEOUT_S`).
 
 Nothing one request brings can end the loop: a message that cannot be decoded, a forward that raises, an
-output that cannot be encoded each fail the requests concerned, and the worker serves the next message.
+output that cannot be encoded each fail the requests concerned, and the worker serves the next message. The one
+exception is a multi-rank stage whose ranks failed differently (`distributed/rank_errors.py`): their
+collectives are out of step, so the failed requests' errors are sent and the worker exits (code 1), which
+makes the engine restart all of the stage's workers.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import msgspec
 import zmq
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.distributed.rank_errors import RanksDesynchronized
 from vllm_omni.diffusion.ipc import (
     AbortInput,
     AbortRequests,
@@ -129,6 +133,12 @@ class WorkerProc:
                 return 1
             proc.serve()
             return 0
+        except RanksDesynchronized as exc:
+            for batch_id, outputs in exc.batches:  # from every rank: the first to exit has sent them
+                proc._send_outputs(batch_id, outputs, out_of_step=str(exc))
+            print(f"[diffusion rank {proc.rank}] exiting, the stage restarts its workers: {exc}", file=sys.stderr)
+            proc.worker = None  # its process groups are out of step: no collective teardown
+            return 1
         finally:
             proc.shutdown()
 
@@ -185,6 +195,8 @@ class WorkerProc:
                 self._execute(msg)
             elif isinstance(msg, RpcCall):
                 self._rpc(msg)
+        except RanksDesynchronized:
+            raise
         except Exception:  # a bug in the handling of one message must not end the worker
             traceback.print_exc()
         return True
@@ -195,6 +207,8 @@ class WorkerProc:
             self.steps.run_round()
         except _ShutdownRequested:
             return False
+        except RanksDesynchronized:
+            raise
         except Exception:  # the executor retires failing requests itself; this is a bug in the round
             traceback.print_exc()
         return True
@@ -230,6 +244,9 @@ class WorkerProc:
             outputs = self.worker.execute_model(
                 DiffusionRequestBatch(msg.requests), partial_sink=sink,
                 abort_requested=lambda rid: self.aborted.contains(msg.batch_id, rid))
+        except RanksDesynchronized as exc:  # the batch fails with its errors, then this worker exits
+            exc.batches.append((msg.batch_id, [exc.output_for(i) for i in range(len(msg.requests))]))
+            raise
         except Exception as exc:  # e.g. asleep: every request of the batch fails, the worker keeps serving
             outputs = [DiffusionOutput.from_exception(exc) for _ in msg.requests]
         finally:
@@ -237,13 +254,13 @@ class WorkerProc:
         if self.rank == 0:
             self._send_outputs(msg.batch_id, outputs)
 
-    def _send_outputs(self, batch_id: int, outputs: list[DiffusionOutput]) -> None:
+    def _send_outputs(self, batch_id: int, outputs: list[DiffusionOutput], out_of_step: str | None = None) -> None:
         encoded, errors = self.codec.encode_each(outputs)
         for i, exc in enumerate(errors):
             if exc is not None:
                 error = DiffusionOutput.from_exception(RuntimeError(f"pipeline output cannot be sent: {exc!r}"))
                 encoded[i] = msgspec.Raw(self.codec.encode(error))
-        self._send(EncodedBatchResult(batch_id=batch_id, rank=self.rank, outputs=encoded))
+        self._send(EncodedBatchResult(batch_id=batch_id, rank=self.rank, outputs=encoded, out_of_step=out_of_step))
 
     def _undecodable(self, buffer: memoryview, exc: Exception) -> None:
         """Fail the batch (or RPC) whose message could not be decoded, if its envelope says which it was."""
