@@ -231,3 +231,15 @@ def test_websocket_bad_input(vid):
         msg = ws.receive_json()
         assert (msg["type"], msg["code"]) == ("error", "unsupported_data")
         assert ws.receive()["code"] == 1003
+
+
+def test_websocket_sweep_findings(vid):
+    """The WebSocket sweep: an empty-list `sampling_params` ran a default-size video (it read as absent), and an
+    unknown message type named no field."""
+    with vid.websocket_connect("/v1/realtime/video") as ws:
+        ws.send_text(json.dumps({"type": "session.start", "prompt": "a", "sampling_params": []}))
+        msg = ws.receive_json()
+        assert (msg["type"], msg["code"], msg["param"]) == ("error", "invalid_request", "sampling_params"), msg
+        ws.send_text('{"type": "bogus"}')
+        msg = ws.receive_json()
+        assert (msg["code"], msg["param"]) == ("unknown_type", "type"), msg

@@ -86,7 +86,7 @@ class OmniStreamingVideoOutputHandler:
                     else:
                         task = asyncio.create_task(self._run(ws, msg))
                 else:
-                    await self._error(ws, "unknown_type", f"unknown message type {kind!r}")
+                    await self._error(ws, "unknown_type", f"unknown message type {kind!r}", param="type")
         except WebSocketDisconnect:
             pass
         finally:
@@ -101,7 +101,8 @@ class OmniStreamingVideoOutputHandler:
         return msg if isinstance(msg, dict) else None
 
     def _request(self, msg: dict[str, Any]) -> VideoGenerationRequest:
-        params = msg.get("sampling_params") or {}
+        params = msg.get("sampling_params")
+        params = {} if params is None else params  # an empty list is not "absent": it would run the defaults
         if not isinstance(params, dict):
             raise OmniClientError("sampling_params must be an object", param="sampling_params")
         body = {**params, "prompt": msg.get("prompt")}
