@@ -90,6 +90,29 @@ def test_message_shapes(request, server, path, body, param):
     assert_client_error(request.getfixturevalue(server).post(path, json=body), param)
 
 
+# The 2026-12-02 sweep (every schema field of every route set to hostile values): what still named vLLM's
+# pydantic union path, answered 500, or named no field.
+@pytest.mark.parametrize("server,body,param", [
+    ("ar", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
+    ("img", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
+    ("ar", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {
+        "type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}, "messages[0].content[1]"),
+    ("ar", {"messages": CHAT, "structured_outputs": "x"}, "structured_outputs"),  # was 500 AttributeError
+    ("img", {"messages": CHAT, "structured_outputs": []}, "structured_outputs"),
+    ("ar", {"messages": CHAT, "structured_outputs": {}}, "structured_outputs"),
+    ("ar", {"messages": CHAT, "min_p": 1.5}, "min_p"),
+    ("ar", {"messages": CHAT, "stop": ""}, "stop"),
+])
+def test_sweep_findings(request, server, body, param):
+    err = assert_client_error(request.getfixturevalue(server).post("/v1/chat/completions", json=body), param)
+    assert "ContentPart" not in err["message"], err  # no pydantic union member names
+
+
+def test_empty_body_says_so(img):
+    resp = img.post("/v1/images/generations", content=b"", headers=J)
+    assert resp.status_code == 400 and "request body is missing" in resp.json()["error"]["message"], resp.text
+
+
 # D18: fields that mean nothing to a model without an AR stage are refused by name, not ignored.
 @pytest.mark.parametrize("extra,param", [
     ({"n": -1}, "n"), ({"n": 0}, "n"), ({"max_tokens": -1}, "max_tokens"), ({"temperature": -1}, "temperature"),
@@ -208,3 +231,15 @@ def test_websocket_bad_input(vid):
         msg = ws.receive_json()
         assert (msg["type"], msg["code"]) == ("error", "unsupported_data")
         assert ws.receive()["code"] == 1003
+
+
+def test_websocket_sweep_findings(vid):
+    """The WebSocket sweep: an empty-list `sampling_params` ran a default-size video (it read as absent), and an
+    unknown message type named no field."""
+    with vid.websocket_connect("/v1/realtime/video") as ws:
+        ws.send_text(json.dumps({"type": "session.start", "prompt": "a", "sampling_params": []}))
+        msg = ws.receive_json()
+        assert (msg["type"], msg["code"], msg["param"]) == ("error", "invalid_request", "sampling_params"), msg
+        ws.send_text('{"type": "bogus"}')
+        msg = ws.receive_json()
+        assert (msg["code"], msg["param"]) == ("unknown_type", "type"), msg

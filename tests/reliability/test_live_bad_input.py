@@ -31,10 +31,70 @@ def server(shared_server):
     ('{"messages":[{"role":"user","content":"hi"}],"temperature":NaN}', "temperature"),
     ('{"messages":[{"role":"user","content":"hi"}],"max_tokens":4,"chat_template":"{% for i in range(20000) %}'
      '{% for j in range(20000) %}{% endfor %}{% endfor %}hi"}', "chat_template"),
+    ('{"messages":[{"role":"user","content":[{"type":"text","text":5}]}]}', "messages[0].content[0].text"),
+    ('{"messages":[{"role":"user","content":"hi"}],"structured_outputs":"x"}', "structured_outputs"),
+    ('{"messages":[{"role":"user","content":"hi"}],"min_p":1.5}', "min_p"),
 ])
 def test_refused_with_the_field_named(server, body, param):
     resp = httpx.post(f"{server.url}/v1/chat/completions", content=body.encode(), headers=J, timeout=60)
     assert_client_error(resp, param)
+
+
+IMAGE_PART = '{"type":"image_url","image_url":{"url":"data:image/png;base64,iVBO"}}'
+AUDIO_PART = '{"type":"input_audio","input_audio":{"data":"AAAA","format":"wav"}}'
+
+
+@pytest.mark.parametrize("path,body,param", [
+    # issue 13's last gaps: a malformed part on /tokenize named vLLM's pydantic union path ("0.ChatCompletion
+    # ContentPartTextParam.text") or only its key ("type"); a media part for this text-only model answered
+    # "<checkpoint path> is not a multimodal model" with param null (500 on /invocations).
+    ("/tokenize", '{"messages":[{"role":"user","content":[{"type":"text","text":5}]}]}', "messages[0].content[0].text"),
+    ("/tokenize", '{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"bogus"}]}]}',
+     "messages[0].content[1].type"),
+    ("/tokenize", '{"messages":[{"role":"user","content":[{"text":"x"}]}]}', "messages[0].content[0].type"),
+    ("/tokenize", '{"messages":[{"role":"user","content":[{"type":"text","text":"a"},' + IMAGE_PART + ']}]}',
+     "messages[0].content[1]"),
+    ("/tokenize", '{"messages":[{"role":"user","content":[' + AUDIO_PART + ']}]}', "messages[0].content[0]"),
+    ("/v1/chat/completions", '{"messages":[{"role":"user","content":[{"type":"text","text":"a"},' + IMAGE_PART
+     + ']}]}', "messages[0].content[1]"),
+    ("/invocations", '{"messages":[{"role":"user","content":[' + IMAGE_PART + ']}]}', "messages[0].content[0]"),
+    ("/v1/responses", '{"input":[{"role":"user","content":[{"type":"input_image","image_url":"data:image/png;'
+     'base64,iVBO"}]}]}', "input[0].content[0]"),
+])
+def test_media_and_malformed_parts_name_the_part(server, path, body, param):
+    err = assert_client_error(httpx.post(f"{server.url}{path}", content=body.encode(), headers=J, timeout=60), param)
+    assert "ContentPart" not in err["message"] and "not a multimodal model" not in err["message"], err
+    if param.endswith("]"):
+        assert "takes text only" in err["message"], err
+
+
+@pytest.mark.parametrize("path,body,param", [
+    # The sweep over vLLM's routes (every schema field set to hostile values): 500 before, each of these.
+    ("/v1/completions", '{"prompt":"\\ud800","max_tokens":2}', "prompt"),  # tokenizer TypeError
+    ("/v1/completions", '{"prompt":"hi","stop":"\\ud800"}', "stop"),  # msgspec UnicodeEncodeError
+    ("/v1/completions", '{"prompt":"hi","structured_outputs":"x"}', "structured_outputs"),  # vLLM validator
+    ("/v1/completions", '{"prompt":"hi","top_k":10000000000000000000}', "top_k"),  # beyond int64
+    ("/v1/responses", '{"input":"\\ud800"}', "input"),
+    ("/v1/responses", '{"input":"hi","tools":5}', "tools"),  # TypeError: no len()
+    ("/invocations", '{"messages":null}', "messages"),
+    ("/invocations", '{"messages":[{"author":{"role":"user"},"content":[]}]}', "messages[0].role"),
+    ("/generative_scoring", '{"query":"a","items":["b"],"label_token_ids":[1,2],"request_id":"\\ud800"}',
+     "request_id"),
+    # ... and 400 naming no field.
+    ("/v1/completions", '{"prompt":"hi","min_p":1.5}', "min_p"),
+    ("/v1/completions", '{"prompt":[]}', "prompt"),
+    ("/tokenize", '{"messages":[]}', "messages"),
+    ("/tokenize", '{"messages":[{"role":"user","content":"hi"}],"chat_template":"x"}', "chat_template"),
+    ("/generative_scoring", '{"query":"a","items":["b"],"label_token_ids":[1,2],"priority":1}', "priority"),
+])
+def test_vllm_routes_name_the_field(server, path, body, param):
+    assert_client_error(httpx.post(f"{server.url}{path}", content=body.encode(), headers=J, timeout=60), param)
+
+
+def test_invocations_body_that_is_not_an_object(server):
+    for body in (b"[]", b"null", b'{"x": ' + b"[" * 100000 + b"]" * 100000 + b"}"):
+        resp = httpx.post(f"{server.url}/invocations", content=body, headers=J, timeout=60)
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == 400, resp.text
 
 
 @pytest.mark.parametrize("path,body,param", [

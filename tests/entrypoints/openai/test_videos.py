@@ -215,3 +215,38 @@ def test_input_reference_reaches_the_engine_as_an_image(video):
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     resp = client.post("/v1/videos/sync", json={"prompt": "x", "input_reference": {"image_url": url}})
     assert resp.status_code == 200 and engine.seen[-1][0]["multi_modal_data"]["image"].size == (40, 24)
+
+
+async def test_cancelled_session_closes_the_encoder_only_after_its_running_call():
+    """A WebSocket session cancelled (client gone) while a chunk was being encoded in a thread closed the
+    encoder from the event loop meanwhile; the writer is not thread-safe (a server segfaulted in the sweep)."""
+    import threading
+
+    from vllm_omni.entrypoints.openai.serving_video_stream import _FragmentSender
+
+    class Writer:
+        fps, frames_flushed = 8, 0
+
+        def __init__(self):
+            self.busy, self.overlaps, self.closed = threading.Lock(), 0, False
+
+        def write(self, frames):
+            with self.busy:
+                threading.Event().wait(0.3)
+            return b""
+
+        def close(self):
+            if not self.busy.acquire(blocking=False):
+                self.overlaps += 1
+            else:
+                self.busy.release()
+            self.closed = True
+            return b""
+
+    sender = _FragmentSender(ws=None, num_frames=4, started=0.0)
+    sender.writer = writer = Writer()
+    task = asyncio.create_task(sender.add(np.zeros((1, 8, 8, 3), np.uint8), 8))
+    await asyncio.sleep(0.1)  # the write runs in its thread
+    task.cancel()
+    await sender.close()
+    assert writer.closed and writer.overlaps == 0

@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
 from vllm.engine.protocol import EngineClient
+from vllm.exceptions import VLLMValidationError
 
 from vllm_omni.errors import OmniClientError, client_error_from_metadata
 
@@ -100,8 +101,9 @@ class OmniStageEngineClient(EngineClient):
             if name not in _REFUSED_DEFAULTS:
                 raise TypeError(f"generate() got an unexpected keyword argument {name!r}")
             if value != _REFUSED_DEFAULTS[name]:
-                raise OmniClientError(f"{name} is not supported with --omni (the pipeline's AR stage runs "
-                                      "with its own engine arguments)", param=name)
+                # vLLM's serving turns its own validation error into the error body, naming the field
+                raise VLLMValidationError(f"{name} is not supported with --omni (the pipeline's AR stage runs "
+                                          "with its own engine arguments)", parameter=name)
         params: list[Any] = [None] * self.omni.num_stages
         params[self.stage_id] = sampling_params
         async for output in self.omni.generate(prompt, request_id, params, output_modalities=["text"]):

@@ -6,6 +6,7 @@ a dead engine is 503; only a genuine engine failure is 500.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -15,7 +16,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.exceptions import VLLMClientError, VLLMNotFoundError
 
-from vllm_omni.entrypoints.openai.vllm_route_guards import is_vllm_route, vllm_route_error
+from vllm_omni.entrypoints.openai.protocol.common import named_field
+from vllm_omni.entrypoints.openai.vllm_route_guards import is_vllm_route, request_fields, vllm_route_error
 from vllm_omni.errors import EngineDeadError, OmniClientError, OmniError
 from vllm_omni.logger import init_logger
 
@@ -51,7 +53,8 @@ def _describe_validation_errors(errors: list) -> tuple[str, str | None]:
             parts.append(f"request body is not valid JSON: {ctx}".rstrip(": "))
             continue
         if err.get("type") == "missing":
-            parts.append(f"missing required field '{field}'")
+            parts.append(f"missing required field '{field}'" if field else "the request body is missing (a JSON "
+                         "object is expected)")
         elif err.get("type") == "extra_forbidden":
             parts.append(f"unknown field '{field}'")
         else:
@@ -61,15 +64,18 @@ def _describe_validation_errors(errors: list) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", first_param
 
 
-def exception_to_response(exc: BaseException) -> JSONResponse:
+def exception_to_response(exc: BaseException, fields: Iterable[str] = ()) -> JSONResponse:
+    """The error body for `exc`; a client error that names no field gets the first of the request's `fields`
+    its message mentions."""
     if isinstance(exc, OmniClientError):
-        return error_json(exc.message, exc.status_code, error_type=exc.error_type, param=exc.param)
+        return error_json(exc.message, exc.status_code, error_type=exc.error_type,
+                          param=exc.param or named_field(exc.message, fields))
     if isinstance(exc, RequestValidationError | ValidationError):
         message, param = _describe_validation_errors(list(exc.errors()))
-        return error_json(message, HTTPStatus.BAD_REQUEST, param=param)
+        return error_json(message, HTTPStatus.BAD_REQUEST, param=param or named_field(message, fields))
     if isinstance(exc, VLLMClientError):
         status = HTTPStatus.NOT_FOUND if isinstance(exc, VLLMNotFoundError) else HTTPStatus.BAD_REQUEST
-        return error_json(str(exc), status, param=getattr(exc, "parameter", None))
+        return error_json(str(exc), status, param=getattr(exc, "parameter", None) or named_field(str(exc), fields))
     if isinstance(exc, EngineDeadError):
         return error_json(str(exc), HTTPStatus.SERVICE_UNAVAILABLE, error_type=exc.error_type)
     if isinstance(exc, OmniError):
@@ -82,9 +88,11 @@ def exception_to_response(exc: BaseException) -> JSONResponse:
 
 def register_exception_handlers(app: FastAPI) -> None:
     async def handle(request: Request, exc: Exception) -> JSONResponse:
+        fields = request_fields(request)
         if is_vllm_route(request) and (answer := vllm_route_error(request, exc)) is not None:
-            return error_json(*answer)
-        return exception_to_response(exc)
+            message, status, param = answer
+            return error_json(message, status, param=param or named_field(message, fields))
+        return exception_to_response(exc, fields)
 
     for exc_type in (OmniError, VLLMClientError, RequestValidationError, ValidationError, StarletteHTTPException,
                      NotImplementedError, ValueError, Exception):

@@ -49,7 +49,7 @@ from vllm_omni.entrypoints.openai.protocol.chat import (
     OmniChatMessage,
     OmniDeltaMessage,
 )
-from vllm_omni.entrypoints.openai.protocol.common import DIFFUSION_FIELD_NAMES, DiffusionFields
+from vllm_omni.entrypoints.openai.protocol.common import DIFFUSION_FIELD_NAMES, DiffusionFields, named_field
 from vllm_omni.entrypoints.openai.serving_base import OmniServingBase, fail_fast, maybe_await, prepend
 from vllm_omni.errors import OmniClientError, OmniError
 from vllm_omni.logger import init_logger
@@ -360,13 +360,11 @@ class OmniOpenAIServingChat(OmniServingBase):
         if content is None or isinstance(content, str):
             return content or ""
         texts = []
-        for part in content:
+        for j, part in enumerate(content):
             if part.get("type") != "text":
-                raise OmniClientError(
-                    f"messages[{index}].content: only text parts are accepted for this model, "
-                    f"got {part.get('type')!r}",
-                    param=f"messages[{index}].content",
-                )
+                where = f"messages[{index}].content[{j}]"
+                raise OmniClientError(f"{where}: this model takes text only; only text parts are accepted, got "
+                                      f"{part.get('type')!r}", param=where)
             texts.append(part["text"])
         return "\n".join(texts)
 
@@ -419,7 +417,8 @@ class OmniOpenAIServingChat(OmniServingBase):
         try:
             params = request.to_sampling_params(max_tokens, {})
         except (ValueError, VLLMClientError) as exc:
-            raise OmniClientError(str(exc), param=getattr(exc, "parameter", None)) from exc
+            raise OmniClientError(str(exc), param=getattr(exc, "parameter", None)
+                                  or named_field(str(exc), request.model_fields_set)) from exc
         # A stream computes its own deltas from cumulative text, whatever the stage graph emits in between;
         # a plain response needs only the final output.
         params.output_kind = RequestOutputKind.CUMULATIVE if request.stream else RequestOutputKind.FINAL_ONLY

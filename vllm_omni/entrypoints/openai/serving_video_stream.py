@@ -86,7 +86,7 @@ class OmniStreamingVideoOutputHandler:
                     else:
                         task = asyncio.create_task(self._run(ws, msg))
                 else:
-                    await self._error(ws, "unknown_type", f"unknown message type {kind!r}")
+                    await self._error(ws, "unknown_type", f"unknown message type {kind!r}", param="type")
         except WebSocketDisconnect:
             pass
         finally:
@@ -101,7 +101,8 @@ class OmniStreamingVideoOutputHandler:
         return msg if isinstance(msg, dict) else None
 
     def _request(self, msg: dict[str, Any]) -> VideoGenerationRequest:
-        params = msg.get("sampling_params") or {}
+        params = msg.get("sampling_params")
+        params = {} if params is None else params  # an empty list is not "absent": it would run the defaults
         if not isinstance(params, dict):
             raise OmniClientError("sampling_params must be an object", param="sampling_params")
         body = {**params, "prompt": msg.get("prompt")}
@@ -130,7 +131,7 @@ class OmniStreamingVideoOutputHandler:
             try:
                 durations, cache = await self._stream(sender, prompt, params, chunk)
             finally:
-                sender.close()
+                await sender.close()
             await self._send(ws, {"type": "session.done", "cache": cache, "timing": {
                 "total_s": time.perf_counter() - start, "first_chunk_s": sender.first_chunk_s,
                 "final_output_s": sender.final_output_s,
@@ -192,6 +193,7 @@ class _FragmentSender:
         self.first_chunk_s: float | None = None
         self.final_output_s: float | None = None
         """When the engine's final output (the whole clip) reached the server, since the session started."""
+        self._encoding: asyncio.Future | None = None
 
     async def add(self, frames: np.ndarray, fps: int) -> None:
         if self.writer is None:
@@ -200,10 +202,16 @@ class _FragmentSender:
             await OmniStreamingVideoOutputHandler._send(self.ws, {
                 "type": "video.start", "fps": fps, "width": width, "height": height, "num_frames": self.num_frames,
                 "codec": "h264", "container": "fmp4", "mime_type": 'video/mp4; codecs="avc1"'})
-        await self._flush(await asyncio.to_thread(self.writer.write, frames))
+        await self._flush(await self._encode(self.writer.write, frames))
 
     async def finish(self) -> None:
-        await self._flush(await asyncio.to_thread(self.writer.close))
+        await self._flush(await self._encode(self.writer.close))
+
+    async def _encode(self, fn: Any, *args: Any) -> bytes:
+        """One writer call in a thread. The writer is not thread-safe, and a cancelled session's thread runs on:
+        the call is shielded so that `close` can wait for it (closing it meanwhile crashed the server)."""
+        self._encoding = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        return await asyncio.shield(self._encoding)
 
     async def _flush(self, data: bytes) -> None:
         self.pending += data
@@ -222,10 +230,14 @@ class _FragmentSender:
         self.frames_sent = done
         self.index += 1
 
-    def close(self) -> None:
-        if self.writer is not None:
-            with contextlib.suppress(Exception):
-                self.writer.close()
+    async def close(self) -> None:
+        """Frees the encoder once no call of it runs (also when the session was cancelled mid-chunk)."""
+        if self.writer is None:
+            return
+        with contextlib.suppress(Exception):
+            if self._encoding is not None:
+                await asyncio.wait([self._encoding])
+            await asyncio.to_thread(self.writer.close)
 
 
 def _first_video(video: Any) -> np.ndarray:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ModelWrapValidatorHandler, ValidationError, model_validator
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import (
     BatchChatCompletionRequest,
@@ -12,7 +12,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatMessage,
 )
 
-from vllm_omni.entrypoints.openai.protocol.common import DiffusionFields
+from vllm_omni.entrypoints.openai.protocol.common import DiffusionFields, field_path, tagged_error
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import PRIORITY_RANGE
 
@@ -40,6 +40,21 @@ def check_messages(messages: Any, param: str = "messages") -> None:
             raise OmniClientError(f"{where}.content parts must be objects with a type", param=f"{where}.content")
 
 
+def materialize_content(messages: list[Any], raw: list[Any], param: str = "messages") -> None:
+    """Each validated message's content as a list: vLLM's message types validate list content lazily, while it
+    is read, so its errors would surface later without the path of the part (`0.ChatCompletionContentPart...`)."""
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if content is None or isinstance(content, str | list):
+            continue
+        try:
+            message["content"] = list(content)
+        except ValidationError as exc:
+            error = tagged_error(exc.errors())
+            where = f"{param}[{i}].content{field_path(raw[i]['content'], error['loc'])}"
+            raise OmniClientError(f"{where}: {error['msg']}", param=where) from None
+
+
 class OmniChatFields(DiffusionFields):
     """Fields shared by the single and the batched chat request: output modalities, per-stage params and the
     diffusion extra-body fields."""
@@ -61,6 +76,14 @@ class OmniChatCompletionRequest(OmniChatFields, ChatCompletionRequest):
         if isinstance(data, dict) and "messages" in data:
             check_messages(data["messages"])
         return data
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _materialize_content(cls, data: Any, handler: ModelWrapValidatorHandler) -> OmniChatCompletionRequest:
+        request = handler(data)
+        if isinstance(data, dict) and isinstance(data.get("messages"), list):
+            materialize_content(request.messages, data["messages"])
+        return request
 
 
 class OmniBatchChatCompletionRequest(OmniChatFields, BatchChatCompletionRequest):

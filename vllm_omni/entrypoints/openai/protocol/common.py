@@ -8,7 +8,16 @@ import re
 import typing
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, create_model, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    TypeAdapter,
+    ValidationError,
+    create_model,
+    model_validator,
+)
 
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import SEED_RANGE, OmniDiffusionSamplingParams, knob_names, knob_range
@@ -33,10 +42,10 @@ def split_unknown_fields(data: Any, *model_classes: type[BaseModel]) -> tuple[An
     return ({k: v for k, v in data.items() if k in known} if unknown else data), unknown
 
 
-def check_json_values(data: Any) -> None:
+def check_json_values(data: Any, int_range: tuple[int, int] = SEED_RANGE) -> None:
     """What no field may carry, whatever its declared type (free-form dicts included): text that is not valid
-    UTF-8 (lone surrogates), NaN / Infinity, integers outside int64/uint64, nesting deeper than MAX_JSON_DEPTH.
-    The error names the first offending path."""
+    UTF-8 (lone surrogates), NaN / Infinity, integers outside `int_range` (int64/uint64: what msgspec carries),
+    nesting deeper than MAX_JSON_DEPTH. The error names the first offending path."""
     stack: list[tuple[Any, str, int]] = [(data, "", 0)]
     while stack:
         value, path, depth = stack.pop()
@@ -46,7 +55,7 @@ def check_json_values(data: Any) -> None:
             _check_text(value, path)
         elif isinstance(value, float) and not math.isfinite(value):
             raise OmniClientError(f"{path or 'value'} must be a finite number, got {value!r}", param=path or None)
-        elif isinstance(value, int) and not isinstance(value, bool) and not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
+        elif isinstance(value, int) and not isinstance(value, bool) and not int_range[0] <= value <= int_range[1]:
             raise OmniClientError(f"{path or 'value'} is out of the 64-bit integer range", param=path or None)
         elif isinstance(value, dict):
             for key, item in value.items():
@@ -65,6 +74,61 @@ def _check_text(text: str, path: str) -> None:
                               f"{exc.start})", param=path or None) from exc
 
 
+def field_path(value: Any, loc: tuple[Any, ...]) -> str:
+    """`loc` of a pydantic error as a path into the request's own `value` (`.image_url.url`, `[2]`): the union
+    member names pydantic puts in `loc` are not in the request and are left out."""
+    path = ""
+    for k, key in enumerate(loc):
+        if isinstance(key, int) and isinstance(value, list) and 0 <= key < len(value):
+            path, value = f"{path}[{key}]", value[key]
+        elif isinstance(key, str) and isinstance(value, dict) and (key in value or k == len(loc) - 1):
+            path, value = f"{path}.{key}", value.get(key)
+    return path
+
+
+def tagged_error(errors: list[Any]) -> Any:
+    """Of a union's errors, the first of a member that the value's own `type` / `role` tag selects (the errors
+    of the members whose tag differs say only that)."""
+    untagged = [e["loc"][:-1] for e in errors if e["type"] == "literal_error" and e["loc"][-1] in ("type", "role")]
+    return next((e for e in errors if not any(e["loc"][:len(t)] == t for t in untagged)), errors[0])
+
+
+def named_field(message: str, fields: typing.Iterable[str]) -> str | None:
+    """The field of `fields` that an error message names first, for the errors that name it in words only: a
+    compound name anywhere (`thinking_token_budget is set but ...`, "one kind of structured outputs"), a one-word
+    name as the subject (vLLM's `min_p must be in [0, 1], got 1.5`) or quoted; a one-word name used as a plain
+    word (`model`) does not count."""
+    hits = []
+    for name in fields:
+        for words in {name, name.replace("_", " ")}:
+            w = re.escape(words)
+            pattern = rf"(?<![\w.]){w}(?!\w)" if "_" in name else \
+                rf"^{w}(?!\w)|(?<![\w.]){w}\s+(?:must|cannot|should)\b|[`'\"]{w}[`'\"]"
+            if m := re.search(pattern, message, re.IGNORECASE if "_" in name else 0):
+                hits.append((m.start(), name))
+    return min(hits)[1] if hits else None
+
+
+def first_invalid_field(data: Any, *model_classes: type[BaseModel]) -> OmniClientError | None:
+    """The first field of `data` whose value its own annotation refuses, as a client error naming it: for when a
+    validator that assumes a field's shape (vLLM's `mode="before"` ones) raised TypeError / AttributeError
+    instead of a validation error. Only on that error path: it builds one TypeAdapter per field."""
+    if not isinstance(data, dict):
+        return OmniClientError("the request body must be a JSON object")
+    for model_cls in model_classes:
+        for name, value in data.items():
+            info = model_cls.model_fields.get(name)
+            if info is None:
+                continue
+            try:
+                TypeAdapter(info.annotation).validate_python(value)
+            except ValidationError as exc:
+                error = tagged_error(exc.errors())
+                where = f"{name}{field_path(value, error['loc'])}"
+                return OmniClientError(f"{where}: {error['msg']}", param=where)
+    return None
+
+
 class CheckedBody(BaseModel):
     """Base of every omni request model: the protocol-layer value checks run before field validation, and
     fields no model of the route knows are set aside (vLLM's policy: the route ignores them with a warning,
@@ -79,7 +143,15 @@ class CheckedBody(BaseModel):
     def _set_aside_unknown_fields(cls, data: Any, handler: Any) -> Any:
         check_json_values(data)
         data, unknown = split_unknown_fields(data, cls, *cls.known_models)
-        model = handler(data)
+        try:
+            model = handler(data)
+        except (TypeError, AttributeError) as exc:  # a parent's validator read a field of another shape
+            raise first_invalid_field(data, cls) or OmniClientError(f"invalid request: {exc}") from exc
+        except ValidationError as exc:  # a model-level check (vLLM's) names its field in words only
+            error = exc.errors()[0]
+            if error["loc"] or error["type"] != "value_error" or not (param := named_field(error["msg"], data)):
+                raise
+            raise OmniClientError(error["msg"].removeprefix("Value error, "), param=param) from None
         model._ignored_fields = unknown
         return model
 
