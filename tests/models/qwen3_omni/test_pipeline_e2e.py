@@ -32,21 +32,39 @@ ENGINE = dict(dtype="float32", gpu_memory_utilization=0.15, max_model_len=512, e
 
 
 @pytest.fixture(scope="module")
-def thinker_llm(tiny_path):
+def engines(tiny_path):
+    """The thinker's and the talker's vLLM engines, started side by side (each start is mostly its own
+    EngineCore's and worker's single-threaded Python; one after the other they took ~45 s of CI)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from vllm import LLM
 
-    llm = LLM(model=str(tiny_path), limit_mm_per_prompt={"image": 0, "video": 0, "audio": 0}, **ENGINE)
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
+    configs = [dict(limit_mm_per_prompt={"image": 0, "video": 0, "audio": 0}, **ENGINE),
+               {**ENGINE, **talker_engine_kwargs()}]
+
+    def shutdown(llms) -> None:
+        with ThreadPoolExecutor(2) as pool:  # each waits seconds for its EngineCore to exit
+            list(pool.map(lambda llm: llm.llm_engine.engine_core.shutdown(), llms))
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(LLM, model=str(tiny_path), **config) for config in configs]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        shutdown([f.result() for f in futures if f.exception() is None])
+        raise errors[0]
+    llms = [f.result() for f in futures]
+    yield llms
+    shutdown(llms)
 
 
 @pytest.fixture(scope="module")
-def talker_llm(tiny_path):
-    from vllm import LLM
+def thinker_llm(engines):
+    return engines[0]
 
-    llm = LLM(model=str(tiny_path), **{**ENGINE, **talker_engine_kwargs()})
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
+
+@pytest.fixture(scope="module")
+def talker_llm(engines):
+    return engines[1]
 
 
 @pytest.mark.slow
