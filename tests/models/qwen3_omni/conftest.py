@@ -1,4 +1,6 @@
-"""Shared fixtures: the tiny checkpoint and transformers' reference model (loaded once per module)."""
+"""Shared fixtures: the tiny checkpoint, transformers' reference model (loaded once per module), and one
+`Omni("tiny/qwen3-omni")` for the package (test_omni_e2e.py drives it, test_pipeline_e2e.py uses its talker
+engine)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,20 @@ def hf_generate(hf_model, ids: torch.Tensor, thinker_tokens: int, talker_tokens:
 @pytest.fixture(scope="module")
 def tiny_path() -> Path:
     return build_tiny("qwen3-omni")
+
+
+@pytest.fixture(scope="package")
+def omni():
+    """Thinker -> talker -> code2wav as three stages (two vLLM EngineCores and an in-process vocoder). One for the
+    package: a start took ~45 s of CI, and test_pipeline_e2e.py needs the same talker engine."""
+    from vllm_omni import Omni
+
+    # skip_mm_profiling: the thinker's dummy multimodal profile (300 s of audio, a max-size video) costs ~20 s of
+    # CPU at start-up and sizes nothing on CPU.
+    engine = Omni("tiny/qwen3-omni", dtype="float32", gpu_memory_utilization=0.15, max_model_len=512,
+                  enforce_eager=True, seed=0, skip_mm_profiling=True)
+    yield engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")

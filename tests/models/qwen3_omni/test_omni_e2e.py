@@ -20,18 +20,6 @@ TALKER_TOKENS = 10
 PROMPTS = ["Hello! How are you today?", "Describe the image in detail, then answer the question."]
 
 
-@pytest.fixture(scope="module")
-def omni():
-    from vllm_omni import Omni
-
-    # skip_mm_profiling: the thinker's dummy multimodal profile (300 s of audio, a max-size video) costs ~20 s of
-    # CPU at start-up and sizes nothing on CPU.
-    engine = Omni("tiny/qwen3-omni", dtype="float32", gpu_memory_utilization=0.15, max_model_len=512,
-                  enforce_eager=True, seed=0, skip_mm_profiling=True)
-    yield engine
-    engine.close()
-
-
 def test_layout(omni):
     assert omni.stage_types == ["llm", "llm", "generation"]
     assert omni.output_modalities == {"text", "audio"}

@@ -5,8 +5,9 @@ What it pins (issue #4's acceptance, on the tiny checkpoint, greedy): the text t
 (scheduler, paged KV cache, fused MoE; MTP code predictor inside the forward) and the waveform equal
 transformers' reference `generate` on the same weights (tokens and frames exact; waveform allclose). Two requests
 go through each engine in one batch, so per-request conditioning must not leak between rows. The stages are
-chained through the same stage-input processors the multi-stage engine uses, in-process (test_omni_e2e.py runs
-the same comparison through the control plane).
+chained through the same stage-input processors the multi-stage engine uses, in the test (test_omni_e2e.py runs
+the same comparison through the control plane). The talker engine is the package's `Omni` talker stage's
+(same `talker_engine_kwargs`), driven directly through its vLLM `AsyncLLM`, not through the stage client.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from vllm_omni.models.qwen3_omni.stage_input_processors import (
     talker_to_code2wav,
     thinker_to_talker,
 )
-from vllm_omni.models.qwen3_omni.vllm_talker import talker_engine_kwargs, talker_request
+from vllm_omni.models.qwen3_omni.vllm_talker import talker_request
 
 from .conftest import chat_prompt_ids, hf_generate
 
@@ -29,6 +30,7 @@ THINKER_TOKENS = 8
 TALKER_TOKENS = 10
 PROMPTS = ["Hello! How are you today?", "Describe the image in detail, then answer the question."]
 ENGINE = dict(dtype="float32", gpu_memory_utilization=0.15, max_model_len=512, enforce_eager=True, seed=0)
+TALKER_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
@@ -40,17 +42,32 @@ def thinker_llm(tiny_path):
     llm.llm_engine.engine_core.shutdown()
 
 
-@pytest.fixture(scope="module")
-def talker_llm(tiny_path):
-    from vllm import LLM
+def talker_generate(omni, requests: list[tuple], keys: list[str]) -> tuple[list, dict[str, list]]:
+    """Final outputs and collected frames of `requests` on the Omni talker stage's AsyncLLM, in one batch: its
+    scheduler is paused ("keep") while both are added, so the first step after the resume schedules both."""
+    talker = omni.engine.stage_clients[1].llm
 
-    llm = LLM(model=str(tiny_path), **{**ENGINE, **talker_engine_kwargs()})
-    yield llm
-    llm.llm_engine.engine_core.shutdown()
+    async def run():
+        await talker.pause_generation(mode="keep", clear_cache=False)
+        try:
+            collectors = [await talker.add_request(key, prompt, params)
+                          for (prompt, params), key in zip(requests, keys, strict=True)]
+        finally:
+            await talker.resume_generation()
+        finals = []
+        for collector in collectors:
+            out = await collector.get()
+            while not out.finished:
+                out = await collector.get()
+            finals.append(out)
+        (frames,) = await talker.collective_rpc("take_talker_frames", args=(keys,))
+        return finals, frames
+
+    return omni.engine.run_in_loop(run()).result(timeout=TALKER_TIMEOUT_S)
 
 
 @pytest.mark.slow
-def test_three_stages_equal_transformers_generate(thinker_llm, talker_llm, hf_model, tiny_path) -> None:
+def test_three_stages_equal_transformers_generate(thinker_llm, omni, hf_model, tiny_path) -> None:
     from vllm import SamplingParams
 
     prompt_ids = [chat_prompt_ids(tiny_path, text)[0].tolist() for text in PROMPTS]
@@ -63,8 +80,7 @@ def test_three_stages_equal_transformers_generate(thinker_llm, talker_llm, hf_mo
     requests = [talker_request(thinker_to_talker(ids, out, token_ids), key, hf_model.config.talker_config,
                                max_new_tokens=TALKER_TOKENS)
                 for ids, out, key in zip(prompt_ids, thinker_out, keys, strict=True)]
-    talker_out = talker_llm.generate([r[0] for r in requests], [r[1] for r in requests], use_tqdm=False)
-    frames_by_key = talker_llm.collective_rpc("take_talker_frames", args=(keys,))[0]
+    talker_out, frames_by_key = talker_generate(omni, requests, keys)
 
     code2wav = Qwen3OmniCode2Wav.from_pretrained(tiny_path)
     for i, (ids, text_tokens) in enumerate(zip(prompt_ids, thinker_out, strict=True)):
