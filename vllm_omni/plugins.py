@@ -25,6 +25,11 @@ def register_models() -> None:
     _fork_workers_in_engine_core()
 
 
+ENGINE_CORE_FORKS_WORKERS = "VLLM_OMNI_ENGINE_CORE_FORKS_WORKERS"
+"""Set by our front end, beside the `VLLM_WORKER_MULTIPROC_METHOD=spawn` it chose, only when the user chose no
+start method: an explicit `VLLM_WORKER_MULTIPROC_METHOD` is kept in every process. Internal, not a setting."""
+
+
 def _fork_workers_in_engine_core() -> None:
     """Our front end spawns EngineCores (it starts them from a thread of a multi-threaded process), and the
     `VLLM_WORKER_MULTIPROC_METHOD=spawn` it sets is inherited, so each EngineCore spawned its worker too: a fresh
@@ -32,5 +37,6 @@ def _fork_workers_in_engine_core() -> None:
     EngineCore before it starts its executor, while the EngineCore still runs one thread, where fork (vLLM's
     default) is safe; vLLM itself still switches to spawn where fork is not (CUDA initialized, Ray, NUMA bind).
     """
-    if multiprocessing.current_process().name.startswith("EngineCore"):
+    if (multiprocessing.current_process().name.startswith("EngineCore")
+            and os.environ.get(ENGINE_CORE_FORKS_WORKERS) == "1"):
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"

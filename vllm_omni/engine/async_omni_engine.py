@@ -34,6 +34,7 @@ from vllm_omni.engine.output_handoff import OutputHandOff
 from vllm_omni.engine.rpc_result_router import CorrelatedRpcClient
 from vllm_omni.engine.stage_runtime import StageClientFactory, StageRuntime, make_stage_client
 from vllm_omni.logger import init_logger
+from vllm_omni.plugins import ENGINE_CORE_FORKS_WORKERS
 
 logger = init_logger(__name__)
 
@@ -44,7 +45,10 @@ class AsyncOmniEngine:
     def __init__(self, config: VllmOmniConfig, *, request_queue_size: int = 0,
                  stage_client_factory: StageClientFactory | None = None) -> None:
         # Stage processes are started from a thread of a process that runs several threads: fork is unsafe.
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        # Where the user chose no start method, their EngineCores may fork their own workers (plugins.py).
+        if "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+            os.environ[ENGINE_CORE_FORKS_WORKERS] = "1"
         self.config = config
         self.request_queue: janus.Queue[Any] = janus.Queue(maxsize=request_queue_size)
         self.output_queue = OutputHandOff()
