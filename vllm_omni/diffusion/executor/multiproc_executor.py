@@ -119,8 +119,11 @@ class MultiprocDiffusionExecutor:
         self._pumps_idle = [threading.Event() for _ in range(self.world_size)]
         """Set by each result pump when a poll found nothing: the monitor waits for it before failing batches."""
         self._monitor_stop_r, self._monitor_stop_w = multiprocessing.Pipe(duplex=False)
+        self._tp_shm_prefixes: list[str] = []
+        """vLLM CPU's TP communicator segments are named after the ranks' init port; its workers do not unlink them."""
         self.processes = self._launch_workers()
-        self._finalizer = weakref.finalize(self, _reap, self.processes, self.shm_prefix, self._ipc_dir)
+        self._finalizer = weakref.finalize(self, _reap, self.processes, self.shm_prefix, self._ipc_dir,
+                                           self._tp_shm_prefixes)
         try:
             self.worker_info = self._wait_until_ready(od_config.init_timeout)
         except BaseException:
@@ -142,7 +145,9 @@ class MultiprocDiffusionExecutor:
         if self.world_size > 1:
             from vllm.utils.network_utils import get_open_port
 
-            init_method = f"tcp://127.0.0.1:{get_open_port()}"
+            port = get_open_port()
+            init_method = f"tcp://127.0.0.1:{port}"
+            self._tp_shm_prefixes.append(f"{port}-")  # VLLM_DIST_IDENT (parallel_state.py)
         processes = []
         for rank in range(self.world_size):
             spec = WorkerSpec(
@@ -421,13 +426,15 @@ def _stop_processes(processes: list, deadline: float) -> None:
             proc.join(1.0)
 
 
-def _reap(processes: list, shm_prefix: str, ipc_dir: str) -> None:
+def _reap(processes: list, shm_prefix: str, ipc_dir: str, tp_shm_prefixes: list[str]) -> None:
     """Last line of cleanup (also run at interpreter exit): no worker, segment or socket file outlives us."""
     for proc in processes:
         if proc.is_alive():
             proc.kill()
             proc.join(1.0)
     removed = cleanup_shm(shm_prefix)
+    for prefix in tp_shm_prefixes:
+        removed += cleanup_shm(prefix)
     if removed:
         logger.info("removed %d shared-memory segment(s) left by diffusion workers", len(removed))
     shutil.rmtree(ipc_dir, ignore_errors=True)
