@@ -56,19 +56,10 @@ BACKEND_KEYS = {"tea_cache": TEA_CACHE_KEYS | COMMON_KEYS, "cache_dit": CACHE_DI
 ALL_KEYS = TEA_CACHE_KEYS | CACHE_DIT_KEYS | COMMON_KEYS
 
 
-@dataclass(frozen=True)
-class FamilyPresets:
-    """One transformer family's quality presets per backend and its published TeaCache rescale polynomial."""
-
-    tea_cache: dict[str, dict[str, Any]]
-    cache_dit: dict[str, dict[str, Any]]
-    coefficients: tuple[float, ...]
-    """TeaCache's polynomial (highest power first) mapping the probe's relative L1 change to output change."""
-
-
-_SCHEDULE = {"high": {"warmup_steps": 1, "interval": 2, "cooldown_steps": 1},
-             "fast": {"warmup_steps": 1, "interval": 3, "cooldown_steps": 1}}
-_DBCACHE = {
+SCHEDULE_PRESETS: dict[str, dict[str, Any]] = {"high": {"warmup_steps": 1, "interval": 2, "cooldown_steps": 1},
+                                               "fast": {"warmup_steps": 1, "interval": 3, "cooldown_steps": 1}}
+"""TeaCache's fixed schedules: what a family's `quality` presets are unless it declares its own."""
+DBCACHE_PRESETS: dict[str, dict[str, Any]] = {
     # Deterministic: a fixed step mask (cache-dit's `steps_mask`), DBCache F1B0 reusing on the masked steps.
     "high": {"Fn_compute_blocks": 1, "Bn_compute_blocks": 0, "max_warmup_steps": 1, "residual_diff_threshold": 1e9,
              "max_continuous_cached_steps": 1, "enable_taylorseer": False},
@@ -76,17 +67,18 @@ _DBCACHE = {
              "max_continuous_cached_steps": 2, "enable_taylorseer": True, "taylorseer_order": 1},
 }
 
-FAMILY_PRESETS: dict[str, FamilyPresets] = {
-    # Qwen-Image: coefficients of ComfyUI-TeaCache for Qwen-Image (as vllm-omni ships them).
-    "QwenImageTransformer2DModel": FamilyPresets(_SCHEDULE, _DBCACHE, (-4.5e2, 2.8e2, -4.5e1, 3.2, -2.0e-2)),
-    # FLUX.1: coefficients of the TeaCache paper's FLUX calibration.
-    "FluxTransformer2DModel": FamilyPresets(
-        _SCHEDULE, _DBCACHE, (4.98651651e2, -2.83781631e2, 5.58554382e1, -3.82021401, 2.64230861e-1)),
-    # Wan2.1 T2V 1.3B (TeaCache4Wan2.1, timestep-embedding probe); 14B-wide models use `WAN_14B_COEFFICIENTS`.
-    "WanTransformer3DModel": FamilyPresets(
-        _SCHEDULE, _DBCACHE, (-5.21862437e4, 9.23041404e3, -5.28275948e2, 1.36987616e1, -4.99875664e-2)),
-}
-WAN_14B_COEFFICIENTS = (-3.03318725e5, 4.90537029e4, -2.65530556e3, 5.87365115e1, -3.15583525e-1)
+
+@dataclass(frozen=True)
+class FamilyPresets:
+    """One transformer family's quality presets per backend and its published TeaCache rescale polynomial.
+
+    A family declares them in its own folder and names the function returning them in its
+    `DiffusionPipelineEntry.cache_presets`; a pipeline without presets answers `quality=high/fast` with 400."""
+
+    coefficients: tuple[float, ...]
+    """TeaCache's polynomial (highest power first) mapping the probe's relative L1 change to output change."""
+    tea_cache: dict[str, dict[str, Any]] = field(default_factory=lambda: SCHEDULE_PRESETS)
+    cache_dit: dict[str, dict[str, Any]] = field(default_factory=lambda: DBCACHE_PRESETS)
 
 
 @dataclass(frozen=True)
@@ -204,20 +196,20 @@ def _check_list(key: str, value: Any, param: str) -> None:
         raise OmniClientError(f"{param} must be a list of 0 / 1 (1 = compute), got {value!r}", param=param)
 
 
-def resolve_policy(defaults: CacheDefaults, family: str | None, quality: str | None,
+def resolve_policy(defaults: CacheDefaults, presets: FamilyPresets | None, quality: str | None,
                    override: dict[str, Any] | None) -> CachePolicy:
-    """The policy of one request (see the module docstring); `family` None = a pipeline with no cache hooks."""
+    """The policy of one request (see the module docstring); `presets` None = a pipeline with no cache hooks."""
     if quality == "lossless":
         return LOSSLESS
     if quality is None and not override and defaults.backend == "none":
         return LOSSLESS
     backend = defaults.backend if defaults.backend != "none" else REQUEST_BACKEND
-    if family not in FAMILY_PRESETS:
+    if presets is None:
         raise OmniClientError(f"this model's pipeline has no cache acceleration (quality={quality!r}); use "
                               "quality='lossless' or omit it", param="quality" if quality else "cache_config")
     server = dict(defaults.config)
     preset = server.pop("quality", "high") if quality is None else quality
-    settings = dict(getattr(FAMILY_PRESETS[family], backend)[preset])
+    settings = dict(getattr(presets, backend)[preset])
     if quality is None:
         settings.update(server)
     if override:
