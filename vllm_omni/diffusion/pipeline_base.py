@@ -236,7 +236,7 @@ class NativeDiffusionPipeline(nn.Module):
         state.latents = self.scheduler_step(state, noise_pred)
         state.step_index += 1
         ctx.report_progress(state.step_index, len(state.timesteps), state.request_ids)
-        emit_previews(self, state, ctx, latents_before, noise_pred)
+        emit_previews(self.decode, state, ctx, latents_before, noise_pred)
 
     def finish(self, state: DenoiseState, ctx: StepContext) -> list[DiffusionOutput]:
         """Decode and split: one output per remaining request, `outputs_per_request` items each.

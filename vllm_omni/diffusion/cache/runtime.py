@@ -13,11 +13,11 @@ from vllm_omni.diffusion.cache.policy import (
     CacheDefaults,
     CachePolicy,
     FamilyPresets,
-    check_refresh_hint,
     resolve_policy,
 )
 from vllm_omni.diffusion.cache.state import CacheState
 from vllm_omni.errors import OmniClientError
+from vllm_omni.inputs.cache_config import check_refresh_hint
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.data import OmniDiffusionConfig
