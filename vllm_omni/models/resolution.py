@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from vllm_omni.diffusion.data import OmniDiffusionConfig
-
+from typing import Protocol
 
 HUB_PROBE_TIMEOUT_S = 5.0
 """One look at the hub before a first download: huggingface_hub itself retries an unreachable hub for ~25 s
@@ -97,7 +93,13 @@ def read_model_index(model_dir: Path) -> dict:
     return json.loads(index.read_text())
 
 
-def resolve_pipeline_class_name(od_config: OmniDiffusionConfig, model_dir: Path) -> str:
+class ServedAs(Protocol):
+    """What names the pipeline a stage serves (an `OmniDiffusionConfig`; read here without the runtime)."""
+
+    model_class_name: str | None
+
+
+def resolve_pipeline_class_name(od_config: ServedAs, model_dir: Path) -> str:
     """The diffusers pipeline name this model is served as (`model_class_name` overrides the index)."""
     if od_config.model_class_name:
         return od_config.model_class_name
