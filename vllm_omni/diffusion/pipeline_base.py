@@ -38,7 +38,7 @@ from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.previews import emit_previews
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.step_context import StepContext
-from vllm_omni.diffusion.timing import elapsed_since
+from vllm_omni.diffusion.timing import elapsed_since, synchronized_now
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.errors import OmniClientError, RequestAbortedError
 
@@ -233,7 +233,7 @@ class NativeDiffusionPipeline(nn.Module):
         A family that decodes in chunks (video) overrides this and may `state.drop` aborted requests between
         chunks; it returns one output per request still in `state.requests` at the end.
         """
-        start = time.perf_counter()
+        start = synchronized_now(self.device)  # step mode: the last steps may still be queued
         decoded = self.decode(state)
         state.durations["vae_decode"] = elapsed_since(start, self.device)
         per = state.outputs_per_request
