@@ -13,7 +13,7 @@ from vllm_omni.diffusion.layers.compile import AcceleratedForward, accelerate_tr
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.warmup import _request as _warmup_request
-from vllm_omni.diffusion.warmup import batch_buckets, warm_up
+from vllm_omni.diffusion.warmup import batch_buckets, step_bucket, warm_up
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
@@ -68,8 +68,36 @@ def test_warmup_shapes_are_parsed_and_bad_ones_named():
 
 
 def test_batch_buckets_are_powers_of_two_up_to_max_num_seqs():
-    assert [batch_buckets(n) for n in (1, 2, 3, 4, 6, 8)] == [[1], [1, 2], [1, 2], [1, 2, 4], [1, 2, 4],
+    assert [batch_buckets(n) for n in (1, 2, 3, 4, 6, 8)] == [[1], [1, 2], [1, 2, 3], [1, 2, 4], [1, 2, 4, 6],
                                                                [1, 2, 4, 8]]
+    assert [step_bucket(n, [1, 2, 4, 6]) for n in (1, 2, 3, 5, 6, 7)] == [1, 2, 4, 6, 6, 7]
+    assert step_bucket(3, []) == 3  # eager: no padding
+
+
+def test_step_batch_is_padded_to_the_next_bucket(dist_world, qwen_image_dir):
+    """Compiled path: 3 co-batched states run as one forward of the bucket 4 (the last state's rows repeated and
+    dropped again): every state advances as in the unpadded eager forward."""
+    from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
+
+    config = OmniDiffusionConfig(model=str(qwen_image_dir), max_num_seqs=4)
+    pipes = [QwenImagePipeline.from_pretrained(config, qwen_image_dir, torch.device("cpu"), torch.float32)
+             for _ in range(2)]
+    accelerate_transformer(pipes[1].transformer, compile_blocks=False, cuda_graphs=False)
+    (forward,) = accelerated_forwards(pipes[1])
+    rows, inner = [], forward.forward
+    forward.forward = lambda *args, **kwargs: rows.append(args[0].shape[0]) or inner(*args, **kwargs)
+    latents = []
+    with torch.inference_mode():
+        for pipe in pipes:
+            requests = [_warmup_request((32, 32), i) for i in range(3)]
+            ctxs = [StepContext(pipe.od_config, request_ids=[r.request_id]) for r in requests]
+            states = [pipe.prepare([r], ctx) for r, ctx in zip(requests, ctxs, strict=True)]
+            assert pipe.denoise_step_batch(states, ctxs) == [None] * 3
+            latents.append([state.latents for state in states])
+    assert (pipes[0].step_buckets, pipes[1].step_buckets) == ([], [1, 2, 4])
+    assert rows == [4]
+    for eager, padded in zip(*latents, strict=True):
+        torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-4)
 
 
 def _request(prompt: str, **params) -> OmniDiffusionRequest:
@@ -88,12 +116,15 @@ def test_warm_up_runs_each_bucket_then_warns_on_serving_compiles(dist_world, qwe
     accelerate_transformer(pipe.transformer, compile_blocks=False, cuda_graphs=False)
     (forward,) = accelerated_forwards(pipe)
     with torch.inference_mode():
-        request_mode = warm_up(pipe, OmniDiffusionConfig(model="m", max_num_seqs=3, diffusion_warmup_shapes="64x64"))
+        request_mode = warm_up(pipe, OmniDiffusionConfig(model="m", max_num_seqs=2, diffusion_warmup_shapes="64x64"))
         assert [s.label for s in request_mode] == ["64x64 batch 1", "64x64 batch 2"]
         forward.serving = False
-        tokens = {size: sum(pipe.step_tokens(pipe.prepare([r], StepContext(pipe.od_config)))
-                            for r in (_warmup_request((size, size), i) for i in range(2))) for size in (64, 32)}
-        assert tokens[64] > tokens[32]  # a cap of 32x32's batch 2 leaves 64x64 at batch 1, 32x32 below batch 4
+        tokens = {size: [sum(pipe.step_tokens(pipe.prepare([_warmup_request((size, size), i, lengths)],
+                                                           StepContext(pipe.od_config))) for i in range(2))
+                         for lengths in range(2)] for size in (64, 32)}
+        # A cap of 32x32's batch 2 leaves 64x64 at batch 1, 32x32 below batch 4 (3 states do not fit).
+        assert min(tokens[64]) > max(tokens[32])
+        tokens = {size: max(counts) for size, counts in tokens.items()}
         step_mode = warm_up(pipe, OmniDiffusionConfig(model="m", max_num_seqs=4, step_execution=True,
                                                       diffusion_warmup_shapes="64x64,32x32",
                                                       diffusion_max_tokens_per_forward=tokens[32]))
@@ -131,12 +162,11 @@ def test_default_serve_config_is_compiled_on_cuda_and_warmed_up(dist_world, qwen
     (forward,) = accelerated_forwards(runner.pipeline)
     assert isinstance(forward, AcceleratedForward) and forward.serving
     assert forward.compiles >= 1 and forward.captures >= 2  # batch 1 and batch 2
-    from vllm_omni.diffusion.warmup import WARMUP_PROMPTS
-
+    warmed = _warmup_request((64, 64), 0).prompt
     with torch.inference_mode():
-        (out,) = runner.pipeline.forward(DiffusionRequestBatch([_request(WARMUP_PROMPTS[0], height=64, width=64)]))
+        (out,) = runner.pipeline.forward(DiffusionRequestBatch([_request(warmed, height=64, width=64)]))
         assert out.error is None, out.error
         assert (forward.serving_compiles, forward.serving_captures) == (0, 0)
-        (out,) = runner.pipeline.forward(DiffusionRequestBatch([_request(WARMUP_PROMPTS[0], height=32, width=32)]))
+        (out,) = runner.pipeline.forward(DiffusionRequestBatch([_request(warmed, height=32, width=32)]))
     assert out.error is None, out.error
     assert forward.serving_captures >= 1

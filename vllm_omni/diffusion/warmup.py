@@ -28,9 +28,11 @@ logger = init_logger(__name__)
 
 WARMUP_STEPS = 2
 """Denoise steps per warm-up generation: the first step compiles and captures, the second replays."""
-WARMUP_PROMPTS = ("a cat", "a watercolor painting of a lighthouse on a cliff above a stormy sea at dusk, "
-                  "gulls in the wind, warm light in the windows")
-"""Two prompt lengths, so the text dimension is seen to vary during the warm-up."""
+WARMUP_WORDS = ("a", "watercolor", "painting", "of", "a", "lighthouse", "on", "a", "cliff", "above", "the", "sea",
+                "at", "dusk", "with", "gulls", "in", "the", "wind", "and", "warm", "light")
+"""Warm-up prompts are prefixes of this text: each row of a batch gets its own length, and each bucket runs twice
+with other lengths. A compiled block first specializes on the text lengths it saw (and on which of them were
+equal): only a second, different set makes Dynamo compile the symbolic-length graph that later prompts reuse."""
 
 
 @dataclass
@@ -51,11 +53,17 @@ class WarmedSignature:
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, ... up to `max_num_seqs`: the batch sizes a stage captures."""
+    """1, 2, 4, ... below `max_num_seqs`, then `max_num_seqs`: the batch sizes a stage captures (vLLM's capture
+    sizes likewise end at the largest batch)."""
     buckets = [1]
-    while buckets[-1] * 2 <= max_num_seqs:
+    while buckets[-1] * 2 < max_num_seqs:
         buckets.append(buckets[-1] * 2)
-    return buckets
+    return buckets if max_num_seqs <= 1 else [*buckets, max_num_seqs]
+
+
+def step_bucket(count: int, buckets: list[int]) -> int:
+    """The smallest of `buckets` that holds `count` states (`count` itself beyond the largest)."""
+    return next((bucket for bucket in buckets if bucket >= count), count)
 
 
 def warm_up(pipeline: Any, od_config: OmniDiffusionConfig, rank: int = 0) -> list[WarmedSignature]:
@@ -67,15 +75,19 @@ def warm_up(pipeline: Any, od_config: OmniDiffusionConfig, rank: int = 0) -> lis
     if forwards and shapes != []:
         step_mode = od_config.step_execution and pipeline.supports_step_execution
         for size in shapes or [None]:
-            for batch in batch_buckets(od_config.max_num_seqs):
-                requests = [_request(size, i) for i in range(batch)]
+            buckets = batch_buckets(od_config.max_num_seqs)
+            for smaller, batch in zip([0, *buckets], buckets, strict=False):
                 before = _counts(forwards)
                 start = time.perf_counter()
-                if step_mode:
-                    ran = _step_batch(pipeline, od_config, requests)
-                else:
-                    pipeline.forward(DiffusionRequestBatch(requests))
-                    ran = True
+                ran = True
+                for lengths_set in range(2):
+                    requests = [_request(size, i, lengths_set) for i in range(batch)]
+                    if step_mode:
+                        ran = _step_batch(pipeline, od_config, requests, smaller + 1)
+                    else:
+                        pipeline.forward(DiffusionRequestBatch(requests))
+                    if not ran:
+                        break
                 if not ran:
                     break  # larger buckets never co-batch either
                 compiles, captures = (after - prior for after, prior in zip(_counts(forwards), before, strict=True))
@@ -88,24 +100,27 @@ def warm_up(pipeline: Any, od_config: OmniDiffusionConfig, rank: int = 0) -> lis
     return warmed
 
 
-def _request(size: tuple[int, int] | None, index: int) -> OmniDiffusionRequest:
+def _request(size: tuple[int, int] | None, index: int, lengths_set: int = 0) -> OmniDiffusionRequest:
     width, height = size or (None, None)
     params = OmniDiffusionSamplingParams(width=width, height=height, num_inference_steps=WARMUP_STEPS, seed=index)
-    return OmniDiffusionRequest(WARMUP_PROMPTS[index % 2], params, f"warmup-{index}")
+    words = (2 + 3 * index + lengths_set) % len(WARMUP_WORDS) + 1
+    return OmniDiffusionRequest(" ".join(WARMUP_WORDS[:words]), params, f"warmup-{index}")
 
 
 def _counts(forwards: list[AcceleratedForward]) -> tuple[int, int]:
     return sum(f.compiles for f in forwards), sum(f.captures for f in forwards)
 
 
-def _step_batch(pipeline: Any, od_config: OmniDiffusionConfig, requests: list[OmniDiffusionRequest]) -> bool:
+def _step_batch(pipeline: Any, od_config: OmniDiffusionConfig, requests: list[OmniDiffusionRequest],
+                fewest: int) -> bool:
     """The step executor's arithmetic for one co-batched group: one state per request, every step ONE forward
-    over all of them, then each decodes. False (nothing run) when the group would not fit one forward."""
+    over all of them (`denoise_step_batch` pads a smaller group up to this bucket), then each decodes. False
+    (nothing run) when not even `fewest` states (one more than the bucket below) fit one forward."""
     ctxs = [StepContext(od_config, request_ids=[r.request_id]) for r in requests]
     states = [pipeline.prepare([r], ctx) for r, ctx in zip(requests, ctxs, strict=True)]
     cap = od_config.diffusion_max_tokens_per_forward
     if len(states) > 1 and (pipeline.forward_group_key(states[0]) is None
-                            or (cap is not None and sum(map(pipeline.step_tokens, states)) > cap)):
+                            or (cap is not None and sum(map(pipeline.step_tokens, states[:fewest])) > cap)):
         return False
     while not states[0].done:
         for error in pipeline.denoise_step_batch(states, ctxs):
