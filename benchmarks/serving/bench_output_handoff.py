@@ -73,7 +73,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from vllm_omni import AsyncOmni
-    from vllm_omni.models.tiny import resolve_model
+    from vllm_omni.catalog.tiny import resolve_model
 
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=resolve_model("tiny/qwen2"), **ENGINE_ARGS))
     omni = AsyncOmni("tiny/qwen2", **ENGINE_ARGS)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.entrypoints.openai.live_server import QWEN2
-from vllm_omni.models.tiny import resolve_model
+from vllm_omni.catalog.tiny import resolve_model
 
 MODEL = QWEN2[0]
 VLLM = str(Path(sys.executable).with_name("vllm"))

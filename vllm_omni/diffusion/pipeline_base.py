@@ -33,7 +33,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, Self
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -42,79 +42,17 @@ from tqdm.auto import tqdm
 
 from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.cache.runtime import cache_group, cache_state_for, call_transformer_rows, request_policy
-from vllm_omni.diffusion.cache.state import CacheState
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.sequence import cfg_branch_rows, cfg_gather_rows
 from vllm_omni.diffusion.layers.compile import accelerated_forwards
 from vllm_omni.diffusion.previews import emit_previews
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.state import Conditioning, DenoiseState
 from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.timing import elapsed_since, synchronized_now
 from vllm_omni.diffusion.warmup import batch_buckets, step_bucket
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.errors import OmniClientError, RequestAbortedError
-
-
-class Conditioning(Protocol):
-    """A family's per-group transformer inputs besides latents and timestep (text embeddings, CFG rows, ...)."""
-
-    def select(self, rows: torch.Tensor) -> Self:
-        """The conditioning of the latent rows `rows` only (indices into the current latent rows, in order)."""
-        ...
-
-
-@dataclass
-class DenoiseState:
-    """One group of co-batched requests from `prepare` to `finish`: everything a denoise step reads or advances.
-
-    Latent rows are request-major: request `i` owns rows `i * outputs_per_request` up to the next request's.
-    """
-
-    requests: list[OmniDiffusionRequest]
-    latents: torch.Tensor
-    scheduler: Any
-    """A fresh diffusers scheduler of this group only, its timesteps set."""
-    conditioning: Conditioning
-    outputs_per_request: int = 1
-    durations: dict[str, float] = field(default_factory=dict)
-    step_index: int = 0
-    aborted: list[OmniDiffusionRequest] = field(default_factory=list)
-    """Requests dropped by an abort; they leave with `RequestAbortedError`."""
-    timesteps: torch.Tensor = field(init=False)
-    normalized_timesteps: list[float] = field(init=False)
-    """Host copy of the timesteps in [0, 1] (1.0 = pure noise), read once instead of syncing every step."""
-    cache: CacheState = field(default_factory=CacheState)
-    """This group's cache policy, residuals and counters (docs/cache.md); the default caches nothing."""
-
-    def __post_init__(self) -> None:
-        self.timesteps = self.scheduler.timesteps
-        num_train = self.scheduler.config.get("num_train_timesteps", 1000)
-        self.normalized_timesteps = [t / num_train for t in self.timesteps.tolist()]
-
-    @property
-    def done(self) -> bool:
-        return not self.requests or self.step_index >= len(self.timesteps)
-
-    @property
-    def request_ids(self) -> list[str]:
-        return [r.request_id for r in self.requests]
-
-    def drop(self, request_ids: set[str]) -> None:
-        """Remove the requests `request_ids`, their latent and conditioning rows; the other rows are unchanged."""
-        keep = [i for i, r in enumerate(self.requests) if r.request_id not in request_ids]
-        if len(keep) == len(self.requests):
-            return
-        self.aborted += [r for r in self.requests if r.request_id in request_ids]
-        self.requests = [self.requests[i] for i in keep]
-        self.cache.invalidate()  # its residuals hold the dropped rows too: the next step computes
-        if not keep:
-            self.latents = self.latents[:0]
-            return
-        per = self.outputs_per_request
-        rows = torch.tensor([i * per + j for i in keep for j in range(per)], device=self.latents.device)
-        self.latents = self.latents.index_select(0, rows)
-        self.conditioning = self.conditioning.select(rows)
-        _select_scheduler_rows(self.scheduler, rows)
 
 
 class NativeDiffusionPipeline(nn.Module):
@@ -458,17 +396,3 @@ def refuse_pipeline_kwargs(requests: list[OmniDiffusionRequest]) -> None:
 
 def _aborted_output() -> DiffusionOutput:
     return DiffusionOutput.from_exception(RequestAbortedError())
-
-
-_SCHEDULER_ROW_STATE = ("model_outputs", "last_sample")
-"""Per-row history that diffusers' multistep schedulers (UniPC for Wan, DPM-Solver) keep between steps."""
-
-
-def _select_scheduler_rows(scheduler: Any, rows: torch.Tensor) -> None:
-    """Keep only latent rows `rows` in the scheduler's per-row history (stateless schedulers have none)."""
-    for name in _SCHEDULER_ROW_STATE:
-        value = getattr(scheduler, name, None)
-        if isinstance(value, torch.Tensor):
-            setattr(scheduler, name, value.index_select(0, rows))
-        elif isinstance(value, list):
-            setattr(scheduler, name, [v.index_select(0, rows) if isinstance(v, torch.Tensor) else v for v in value])

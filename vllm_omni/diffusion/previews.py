@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.pipeline_base import DenoiseState
+    from vllm_omni.diffusion.state import DenoiseState
     from vllm_omni.diffusion.step_context import StepContext
 
 

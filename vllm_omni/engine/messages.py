@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
-from vllm_omni.models.spec import Modality
+from vllm_omni.catalog.spec import Modality
 
 if TYPE_CHECKING:
     from vllm import SamplingParams

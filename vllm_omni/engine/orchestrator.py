@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_omni.catalog.edges import StageInputContext, processor_reads
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.connectors.base import OmniConnector, PayloadHandle, StagePayload, make_connector
@@ -26,7 +27,7 @@ from vllm_omni.engine.messages import (
     ErrorMessage,
     ShutdownMessage,
 )
-from vllm_omni.engine.stage_input_processors import StageInputContext, get_stage_input_processor, processor_reads
+from vllm_omni.engine.stage_input_processors import get_stage_input_processor
 from vllm_omni.engine.stage_pool import StagePool
 from vllm_omni.errors import EngineDeadError, OmniClientError, OmniError
 from vllm_omni.logger import init_logger

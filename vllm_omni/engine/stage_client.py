@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
+from vllm_omni.catalog.shapes import ShapeRule
+from vllm_omni.catalog.spec import Modality
 from vllm_omni.config.stage_config import StageConfig
 from vllm_omni.config.stage_kind import StageKind
-from vllm_omni.models.shapes import ShapeRule
-from vllm_omni.models.spec import Modality
 from vllm_omni.outputs import OmniRequestOutput
 
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_omni.catalog.tiny import build_tiny
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
-from vllm_omni.models.tiny import build_tiny
 
 MODEL = "tiny/qwen-image"
 PROMPT = {"prompt": "a cat holding a sign that says hello world", "negative_prompt": "blurry"}

@@ -21,7 +21,7 @@ from vllm_omni.inputs.cache_config import check_refresh_hint
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.data import OmniDiffusionConfig
-    from vllm_omni.diffusion.pipeline_base import DenoiseState
+    from vllm_omni.diffusion.state import DenoiseState
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 

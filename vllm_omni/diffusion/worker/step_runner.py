@@ -31,16 +31,17 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from vllm_omni.diffusion.data import DiffusionOutput, StepStats
+from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.distributed.rank_errors import RanksDesynchronized, agree_on_failures
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.sched.step_policy import DEFAULT_STEPS, ShapeKey, StepPolicy, shape_key, shape_label
 from vllm_omni.diffusion.step_context import PartialSink, StepContext
 from vllm_omni.errors import RequestAbortedError
 from vllm_omni.logger import init_logger
+from vllm_omni.outputs import StepStats
 
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.pipeline_base import DenoiseState
+    from vllm_omni.diffusion.state import DenoiseState
     from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
     from vllm_omni.diffusion.worker.step_sync import JobKey, RankSync
 
