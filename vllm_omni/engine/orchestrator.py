@@ -1,6 +1,7 @@
 """Cross-stage request state: routes stage i -> i+1, orders final outputs, handles abort and control RPC.
 
-Runs on the AsyncOmniEngine's background event loop. It never picks models or placement.
+Runs on the caller's event loop (as vLLM's `AsyncLLM`): each request is a task on that loop, its outputs go
+to the sink the caller gave (`OutputSink`), in order. It never picks models or placement.
 """
 
 from __future__ import annotations
@@ -17,18 +18,9 @@ import numpy as np
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.connectors.base import OmniConnector, PayloadHandle, StagePayload, make_connector
-from vllm_omni.engine.messages import (
-    AbortRequestMessage,
-    AbortResultMessage,
-    AddRequestMessage,
-    CollectiveRPCRequestMessage,
-    CollectiveRPCResultMessage,
-    ErrorMessage,
-    ShutdownMessage,
-)
 from vllm_omni.engine.stage_input_processors import StageInputContext, get_stage_input_processor, processor_reads
 from vllm_omni.engine.stage_pool import StagePool
-from vllm_omni.errors import EngineDeadError, OmniClientError, OmniError
+from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError, OmniError, StageRestartingError
 from vllm_omni.logger import init_logger
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -36,10 +28,14 @@ logger = init_logger(__name__)
 
 DEATH_POLL_INTERVAL_S = 0.5
 
+OutputSink = Callable[[OmniRequestOutput | BaseException], None]
+"""Takes one request's outputs in order, then at most one exception (the request failed; nothing follows)."""
+
 
 @dataclass
 class OrchestratorRequestState:
     request_id: str
+    sink: OutputSink
     task: asyncio.Task | None = None
     current_stage: int = 0
     handles: dict[tuple[int, int], PayloadHandle] = field(default_factory=dict)
@@ -60,12 +56,9 @@ class _StreamedEdge:
 
 
 class Orchestrator:
-    def __init__(self, request_async_queue: Any, output_queue: Any, rpc_queue: Any, stage_pools: list[StagePool],
-                 config: VllmOmniConfig | None = None, stage_modalities: list[str] | None = None) -> None:
+    def __init__(self, stage_pools: list[StagePool], config: VllmOmniConfig | None = None,
+                 stage_modalities: list[str] | None = None) -> None:
         """`stage_modalities`: the output modality of each stage (for requests that ask for some of them)."""
-        self.request_queue = request_async_queue
-        self.output_queue = output_queue
-        self.rpc_queue = rpc_queue
         self.stage_pools = stage_pools
         self.stages = config.stages if config is not None else None
         self.request_states: dict[str, OrchestratorRequestState] = {}
@@ -79,75 +72,75 @@ class Orchestrator:
         self.stage_modalities = stage_modalities
         self._last_final_stage = max((i for i in range(len(stage_pools)) if self._is_final(i)), default=0)
         self.dead_error: str | None = None
+        self._monitor: asyncio.Task | None = None
+        self._aborting: set[asyncio.Task] = set()
+        """Aborts nobody waits for (kept referenced until they end)."""
 
-    # ---- main loop -------------------------------------------------------------------------------------
-    async def run(self) -> None:
-        monitor = asyncio.create_task(self._monitor_stages())
-        try:
-            while True:
-                msg = await self.request_queue.get()
-                if isinstance(msg, AddRequestMessage):
-                    self._handle_add(msg)
-                elif isinstance(msg, AbortRequestMessage):
-                    asyncio.create_task(self._handle_abort_logged(msg))
-                elif isinstance(msg, CollectiveRPCRequestMessage):
-                    asyncio.create_task(self._handle_collective_rpc(msg))
-                elif isinstance(msg, ShutdownMessage):
-                    return
-                else:
-                    logger.error("[Orchestrator] unknown message %r", msg)
-        finally:
-            monitor.cancel()
-            for state in list(self.request_states.values()):
-                if state.task is not None:
-                    state.task.cancel()
-            for connector in self.connectors.values():
-                connector.close()
+    # ---- lifecycle -------------------------------------------------------------------------------------
+    def start_monitor(self) -> None:
+        """Watch the stages' liveness from the running loop (the one that drives the stages)."""
+        if self._monitor is None:
+            self._monitor = asyncio.create_task(self._monitor_stages(), name="omni-stage-monitor")
 
-    def _handle_add(self, msg: AddRequestMessage) -> None:
-        rid = msg.request_id
+    def close(self) -> None:
+        """Stop every request and the monitor, and free the connectors (on the loop, or after it ended)."""
+        tasks = [state.task for state in self.request_states.values()] + [self._monitor]
+        for task in tasks:
+            if task is not None and not task.done():
+                task.cancel()
+        self.request_states.clear()
+        for connector in self.connectors.values():
+            connector.close()
+
+    def add_request(self, request_id: str, prompt: Any, sampling_params_list: list[Any], sink: OutputSink,
+                    output_modalities: list[str] | None = None, arrival_time: float | None = None) -> None:
+        """Start the request on the running loop; its outputs (or its error) go to `sink`."""
+        rid = request_id
         if self.dead_error is not None:
-            self._emit_error(rid, EngineDeadError(self.dead_error))
+            sink(EngineDeadError(self.dead_error))
             return
         if rid in self.request_states:
-            self._emit_error(rid, OmniClientError(f"request id {rid!r} is already in flight", param="request_id"))
+            sink(OmniClientError(f"request id {rid!r} is already in flight", param="request_id"))
             return
-        if len(msg.sampling_params_list) != len(self.stage_pools):
-            self._emit_error(rid, OmniClientError(
-                f"sampling_params_list has {len(msg.sampling_params_list)} entries but the pipeline has "
+        if len(sampling_params_list) != len(self.stage_pools):
+            sink(OmniClientError(
+                f"sampling_params_list has {len(sampling_params_list)} entries but the pipeline has "
                 f"{len(self.stage_pools)} stages", param="sampling_params_list"))
             return
-        state = OrchestratorRequestState(rid, arrival_time=msg.arrival_time or time.time())
+        state = OrchestratorRequestState(rid, sink, arrival_time=arrival_time or time.time())
         self.request_states[rid] = state
-        state.task = asyncio.create_task(self._run_request(state, msg))
+        state.task = asyncio.create_task(self._run_request(state, prompt, list(sampling_params_list),
+                                                           output_modalities))
 
     # ---- one request through the stage graph -----------------------------------------------------------
-    async def _run_request(self, state: OrchestratorRequestState, msg: AddRequestMessage) -> None:
+    async def _run_request(self, state: OrchestratorRequestState, prompt: Any, params_list: list[Any],
+                           output_modalities: list[str] | None) -> None:
         rid = state.request_id
+        msg = _Request(prompt, params_list)
         try:
-            last_stage = self._last_stage(msg.output_modalities)
+            last_stage = self._last_stage(output_modalities)
             if any(self._streamed_source(i) is not None for i in range(last_stage + 1)):
                 await self._run_streamed(state, msg, last_stage)
             else:
                 for stage_id in range(last_stage + 1):
                     state.current_stage = stage_id
                     prompt, params = self._stage_input(state, stage_id, msg.prompt,
-                                                       msg.sampling_params_list[stage_id])
+                                                       msg.params_list[stage_id])
                     await self._run_segment(state, stage_id, prompt, params, last_stage, {})
         except asyncio.CancelledError:
             raise
         except EngineDeadError as e:
             self._mark_dead(str(e))
-            self._emit_error(rid, e)
+            self._emit_error(state, e)
         except Exception as e:
             logger.info("[Orchestrator] request %s failed in stage %d: %s", rid, state.current_stage, e)
-            self._emit_error(rid, e)
+            self._emit_error(state, e)
         finally:
             self._drop_payloads(rid)
             if self.request_states.get(rid) is state:
                 del self.request_states[rid]
 
-    async def _run_streamed(self, state: OrchestratorRequestState, msg: AddRequestMessage, last_stage: int) -> None:
+    async def _run_streamed(self, state: OrchestratorRequestState, msg: _Request, last_stage: int) -> None:
         """Every stage of the request runs as its own task: a streamed edge's chunks go through its connector
         and a queue while the upstream runs; other edges wait for the upstream to finish. The first failure
         cancels every stage (cancelling vLLM's `generate` aborts the request in its EngineCore)."""
@@ -166,7 +159,7 @@ class Orchestrator:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _stage_task(self, state: OrchestratorRequestState, msg: AddRequestMessage, stage_id: int,
+    async def _stage_task(self, state: OrchestratorRequestState, msg: _Request, stage_id: int,
                           last_stage: int, edges: dict[tuple[int, int], _StreamedEdge],
                           done: list[asyncio.Event]) -> None:
         try:
@@ -175,7 +168,7 @@ class Orchestrator:
             for upstream in stage.inputs:
                 if upstream != src:
                     await done[upstream].wait()
-            params = msg.sampling_params_list[stage_id]
+            params = msg.params_list[stage_id]
             if src is None:
                 prompt, params = self._stage_input(state, stage_id, msg.prompt, params)
                 await self._run_segment(state, stage_id, prompt, params, last_stage, edges)
@@ -411,37 +404,33 @@ class Orchestrator:
             out.peak_memory_mb = max(state.peak_memory_mb, out.peak_memory_mb)
             out.stage_durations["e2e"] = time.time() - state.arrival_time
         out.finished = out.finished and stage_id == last_stage
-        self.output_queue.put_nowait(out)
+        state.sink(out)
 
-    def _emit_error(self, request_id: str | None, exc: BaseException, fatal: bool = False) -> None:
-        status = exc.status_code if isinstance(exc, OmniError) else 500
-        self.output_queue.put_nowait(ErrorMessage(error=str(exc) or type(exc).__name__, request_id=request_id,
-                                                  status_code=status, error_type=type(exc).__name__, fatal=fatal,
-                                                  param=getattr(exc, "param", None)))
+    @staticmethod
+    def _emit_error(state: OrchestratorRequestState, exc: BaseException) -> None:
+        state.sink(_request_error(exc))
 
     def _drop_payloads(self, request_id: str) -> None:
         for connector in self.connectors.values():
             connector.drop_request(request_id)
 
     # ---- abort -----------------------------------------------------------------------------------------
-    async def _handle_abort_logged(self, msg: AbortRequestMessage) -> None:
-        try:
-            await self._handle_abort(msg)
-        except Exception:
-            logger.exception("[Orchestrator] Abort failed for request(s) %s", msg.request_ids)
+    async def abort(self, request_ids: list[str]) -> None:
+        """Free the requests in every stage that holds them; return once each stage has (raises otherwise)."""
+        await self._cleanup_request_ids(list(request_ids), abort=True)
+        logger.debug("[Orchestrator] Aborted request(s) %s", request_ids)
 
-    async def _handle_abort(self, msg: AbortRequestMessage) -> None:
+    def abort_soon(self, request_ids: list[str]) -> None:
+        """`abort` in a task of its own (the caller cannot wait: its own task is being cancelled)."""
+        task = asyncio.create_task(self._abort_logged(request_ids))
+        self._aborting.add(task)
+        task.add_done_callback(self._aborting.discard)
+
+    async def _abort_logged(self, request_ids: list[str]) -> None:
         try:
-            await self._cleanup_request_ids(list(msg.request_ids), abort=True)
-        except Exception as e:
-            if msg.rpc_id is None:
-                raise
-            logger.warning("[Orchestrator] Abort failed for request(s) %s: %s", msg.request_ids, e)
-            self.rpc_queue.put_nowait(AbortResultMessage(rpc_id=msg.rpc_id, success=False, error=str(e)))
-            return
-        logger.debug("[Orchestrator] Aborted request(s) %s", msg.request_ids)
-        if msg.rpc_id is not None:
-            self.rpc_queue.put_nowait(AbortResultMessage(rpc_id=msg.rpc_id, success=True))
+            await self.abort(request_ids)
+        except Exception:
+            logger.exception("[Orchestrator] Abort failed for request(s) %s", request_ids)
 
     async def _cleanup_request_ids(self, request_ids: list[str], *, abort: bool = False) -> None:
         """Stop the requests' tasks, free them in every stage that holds them and drop their payloads."""
@@ -456,16 +445,14 @@ class Orchestrator:
             self._drop_payloads(rid)
 
     # ---- control RPC and liveness ----------------------------------------------------------------------
-    async def _handle_collective_rpc(self, msg: CollectiveRPCRequestMessage) -> None:
-        stage_ids = msg.stage_ids if msg.stage_ids is not None else list(range(len(self.stage_pools)))
-        try:
-            results = await asyncio.gather(*(
-                self.stage_pools[sid].collective_rpc_all(msg.method, msg.timeout, msg.args, msg.kwargs)
-                for sid in stage_ids))
-            result = CollectiveRPCResultMessage(rpc_id=msg.rpc_id, results=dict(zip(stage_ids, results, strict=False)))
-        except Exception as e:
-            result = CollectiveRPCResultMessage(rpc_id=msg.rpc_id, error=f"{type(e).__name__}: {e}")
-        self.rpc_queue.put_nowait(result)
+    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
+                             kwargs: dict[str, Any] | None = None,
+                             stage_ids: list[int] | None = None) -> dict[int, list[Any]]:
+        """Stage id -> one result per replica (the method's return value, or a `StageRpcError`)."""
+        stage_ids = stage_ids if stage_ids is not None else list(range(len(self.stage_pools)))
+        results = await asyncio.gather(*(self.stage_pools[sid].collective_rpc_all(method, timeout, args, kwargs)
+                                         for sid in stage_ids))
+        return dict(zip(stage_ids, results, strict=True))
 
     async def _monitor_stages(self) -> None:
         while self.dead_error is None:
@@ -480,14 +467,31 @@ class Orchestrator:
             return
         self.dead_error = reason
         logger.error("[Orchestrator] engine is dead: %s", reason)
-        for rid, state in list(self.request_states.items()):
+        for state in list(self.request_states.values()):
             if state.task is not None:
                 state.task.cancel()
-            self._emit_error(rid, EngineDeadError(reason))
+            self._emit_error(state, EngineDeadError(reason))
         self.request_states.clear()
-        self._emit_error(None, EngineDeadError(reason), fatal=True)
-        self.rpc_queue.put_nowait(ErrorMessage(error=reason, fatal=True, status_code=503,
-                                               error_type="EngineDeadError"))
+
+
+@dataclass
+class _Request:
+    prompt: Any
+    params_list: list[Any]
+
+
+def _request_error(exc: BaseException) -> BaseException:
+    """What the caller of a failed request gets: client errors (with their field), the engine's death, a
+    restarting stage's 503 as they are; any other failure as the request's own 500."""
+    if isinstance(exc, OmniClientError | EngineDeadError | StageRestartingError | EngineGenerateError):
+        return exc
+    message = str(exc) or type(exc).__name__
+    status = exc.status_code if isinstance(exc, OmniError) else 500
+    if 400 <= status < 500:
+        return OmniClientError(message, status_code=status, param=getattr(exc, "param", None))
+    if status == StageRestartingError.status_code:
+        return StageRestartingError(message)
+    return EngineGenerateError(message)
 
 
 def _payload(out: OmniRequestOutput) -> StagePayload:

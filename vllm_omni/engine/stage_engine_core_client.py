@@ -61,6 +61,13 @@ class StageEngineCoreClient(StageClientBase):
 
     async def start(self) -> None:
         await self._start_llm()
+        self.on_loop()
+
+    def on_loop(self) -> None:
+        """The death watch and vLLM's stats log line run on the driving loop (moved there from `start`'s)."""
+        for task in (self._watch_task, self._stats_task):
+            if task is not None:
+                task.cancel()
         self._watch_task = asyncio.create_task(self._watch(), name=f"{self.name}-watch")
         if not self.config.make_engine_args().disable_log_stats:
             self._stats_task = asyncio.create_task(self._log_stats(), name=f"{self.name}-stats")
@@ -285,7 +292,7 @@ class StageEngineCoreClient(StageClientBase):
     def shutdown(self) -> None:
         self._dead = True
         for task in (self._watch_task, self._restart_task, self._stats_task):
-            if task is not None:
+            if task is not None and not task.done():
                 task.cancel()
         building, self._building = self._building, None
         if building is not None:  # mid-restart: wait for the EngineCore being started, then shut it down
