@@ -26,15 +26,24 @@ def two_stage_config(connector: str = "inproc") -> VllmOmniConfig:
         connectors={"0->1": {"name": connector, "shm_threshold_bytes": 0}})
 
 
+def chain_config(n: int) -> VllmOmniConfig:
+    """`n` text stages in a row, the last one final."""
+    return VllmOmniConfig(model="m", model_path="m", pipeline_name=f"chain-{n}", stages=[
+        VllmOmniARStageConfig(stage_id=i, model="m", inputs=[i - 1] if i else [],
+                              input_processor="text_to_prompt" if i else None, final_output=i == n - 1)
+        for i in range(n)])
+
+
 class Harness:
     """The Orchestrator on the test's loop; every request's outputs (and errors) land in one queue."""
 
-    def __init__(self, clients: list[FakeStageClient], config: VllmOmniConfig | None,
+    def __init__(self, clients: list[FakeStageClient], config: VllmOmniConfig | None = None,
                  stage_modalities: list[str] | None = None) -> None:
         self.outputs: asyncio.Queue = asyncio.Queue()
         self.clients = clients
         pools = [StagePool(c.stage_id, [c], c.kind) for c in clients]
-        self.orch = Orchestrator(pools, config, stage_modalities)
+        self.orch = Orchestrator(pools, config or chain_config(len(clients)),
+                                 stage_modalities or ["text"] * len(clients))
         self.orch.start_monitor()
 
     def add(self, request_id: str, prompt, params: list, output_modalities: list[str] | None = None) -> None:
@@ -65,7 +74,7 @@ async def test_two_stages_route_text_and_stream_only_final_stage(connector):
     assert outs[-1].text == "hello|s0|s1"  # stage 1 got stage 0's text through the connector
     assert h.clients[1].add_request_calls == [("r1", "hello|s0")]
     assert {"stage0", "stage1", "e2e"} <= set(outs[-1].stage_durations)
-    assert "r1" not in h.orch.request_states and len(h.orch.connectors[(0, 1)]) == 0
+    assert "r1" not in h.orch.request_states and len(h.orch.graph.connectors[(0, 1)]) == 0
     await h.close()
 
 
@@ -77,7 +86,7 @@ async def test_requested_modalities_decide_how_far_a_request_runs():
     h.add("t", "hi", [None, None], ["text"])
     out = await h.next_output()
     assert (out.stage_id, out.finished, out.text) == (0, True, "hi|s0")
-    assert h.clients[1].add_request_calls == [] and len(h.orch.connectors[(0, 1)]) == 0
+    assert h.clients[1].add_request_calls == [] and len(h.orch.graph.connectors[(0, 1)]) == 0
     h.add("a", "hi", [None, None], ["audio"])
     outs = [await h.next_output() for _ in range(2)]
     assert [(o.stage_id, o.finished) for o in outs] == [(0, False), (1, True)]
@@ -89,7 +98,7 @@ async def test_requested_modalities_decide_how_far_a_request_runs():
 
 
 async def test_outputs_of_concurrent_requests_stay_per_request():
-    h = Harness([FakeStageClient(0, delay=0.05)], None)
+    h = Harness([FakeStageClient(0, delay=0.05)])
     for i in range(5):
         h.add(f"r{i}", f"p{i}", [None])
     outs = {o.request_id: o for o in [await h.next_output() for _ in range(5)]}
@@ -119,7 +128,7 @@ async def test_background_abort_frees_only_the_active_stage():
 
 
 async def test_awaited_abort_returns_after_stage_abort():
-    h = Harness([FakeStageClient(0, delay=10)], None)
+    h = Harness([FakeStageClient(0, delay=10)])
     h.add("r", "x", [None])
     await asyncio.sleep(0.05)
     await asyncio.wait_for(h.orch.abort(["r"]), 5)
@@ -128,7 +137,7 @@ async def test_awaited_abort_returns_after_stage_abort():
 
 
 async def test_cleanup_failure_is_raised_to_the_awaiting_caller_and_logged_in_the_background(monkeypatch, caplog):
-    h = Harness([FakeStageClient(0)], None)
+    h = Harness([FakeStageClient(0)])
 
     async def explode(*args, **kwargs):
         raise RuntimeError("cleanup exploded")
@@ -146,7 +155,7 @@ async def test_stage_failure_fails_only_that_request():
     from vllm_omni.errors import OmniClientError
 
     bad = FakeStageClient(0, fail_with=OmniClientError("prompt too long", param="prompt"))
-    h = Harness([bad], None)
+    h = Harness([bad])
     h.add("r", "x", [None])
     rid, err = await h.next_item()
     assert isinstance(err, OmniClientError) and rid == "r" and err.status_code == 400 and err.param == "prompt"
@@ -156,7 +165,7 @@ async def test_stage_failure_fails_only_that_request():
 
 async def test_dead_stage_fails_inflight_requests_and_marks_engine_dead():
     client = FakeStageClient(0, delay=30)
-    h = Harness([client], None)
+    h = Harness([client])
     h.add("r", "x", [None])
     await asyncio.sleep(0.05)
     client.dead = True

@@ -124,7 +124,7 @@ async def run(stream: bool, upstream: TokenStage | None = None, downstream: Audi
             break
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.01)  # the aborted stages' tasks end
-    assert not orch.request_states and all(len(c) == 0 for c in orch.connectors.values())
+    assert not orch.request_states and all(len(c) == 0 for c in orch.graph.connectors.values())
     orch.close()
     return seen, upstream, downstream
 
