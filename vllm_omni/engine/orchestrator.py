@@ -7,6 +7,7 @@ The graph is `stage_graph.py`, the walk and its edge drivers `edges.py`. It neve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -43,7 +44,8 @@ class Orchestrator:
         """Stop every request and the monitor, and free the connectors (on the loop, or after it ended)."""
         for task in [state.task for state in self.request_states.values()] + [self._monitor]:
             if task is not None and not task.done():
-                task.cancel()
+                with contextlib.suppress(RuntimeError):  # its loop is closed: it will never run again
+                    task.cancel()
         self.request_states.clear()
         self.graph.close()
 
