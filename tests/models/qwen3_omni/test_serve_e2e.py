@@ -88,27 +88,6 @@ def test_chat_text_and_audio_equal_transformers(client, reference):
     assert audio.std() > 1e-3
 
 
-def thread_kinds(pid: int) -> dict[str, int]:
-    """The kinds of thread a process runs (its threads' names without their numbers) and how many of each."""
-    import re
-    from collections import Counter
-    from pathlib import Path
-
-    names = [Path(comm).read_text().strip() for comm in Path(f"/proc/{pid}/task").glob("*/comm")]
-    return dict(Counter(re.sub(r"([-_.]?\d+)+$", "", name) for name in names))
-
-
-def test_api_process_threads_after_a_chat_with_audio(server, client):
-    """The engine adds no thread of its own to the API process: no orchestrator thread, no result router, no
-    output hand-off (the Orchestrator and the stage clients run on uvicorn's loop, as vLLM's AsyncLLM)."""
-    client.chat.completions.create(model=MODEL, messages=MESSAGES, modalities=["text", "audio"],
-                                   extra_body={"sampling_params_list": PARAMS_LIST})
-    kinds = thread_kinds(server.proc.pid)
-    print(f"API process thread kinds ({len(kinds)}): {kinds}")
-    assert not {"OmniOrchestrator", "OmniStageStart", "RpcResultRouter"} & set(kinds), kinds
-    assert len(kinds) <= 8, kinds
-
-
 def test_text_only_chat_skips_talker_and_vocoder(server, client, reference):
     """modalities=["text"]: the thinker's answer alone; the talker and the vocoder never see the request."""
     count = "vllm_omni:stage_duration_seconds_count"
