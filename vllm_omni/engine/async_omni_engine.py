@@ -18,7 +18,8 @@ from typing import Any
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.capabilities import ModelCapabilities
-from vllm_omni.engine.orchestrator import Orchestrator, OutputSink
+from vllm_omni.engine.edges import OutputSink
+from vllm_omni.engine.orchestrator import Orchestrator
 from vllm_omni.engine.stage_runtime import StageClientFactory, StageRuntime, make_stage_client
 from vllm_omni.logger import init_logger
 from vllm_omni.plugins import ENGINE_CORE_FORKS_WORKERS
