@@ -41,9 +41,20 @@ def config(fail_stage: int | None = None) -> VllmOmniConfig:
     return VllmOmniConfig(model="echo", model_path="echo", pipeline_name="echo", stages=stages)
 
 
-def test_three_stages_run_and_shut_down_last_first():
+class SideBySide(Echo):
+    """Each stage's shutdown returns only once all three are inside theirs: one after another never gets there."""
+
+    barrier = threading.Barrier(3, timeout=10)
+
+    def shutdown(self) -> None:
+        SideBySide.barrier.wait()
+        super().shutdown()
+
+
+def test_three_stages_run_and_shut_down_side_by_side():
     Echo.started, Echo.stopped = [], []
-    engine = AsyncOmniEngine(config(), stage_client_factory=Echo)
+    SideBySide.barrier.reset()
+    engine = AsyncOmniEngine(config(), stage_client_factory=SideBySide)
     try:
         assert [m["stage_type"] for m in engine.stage_metadata] == ["llm"] * 3 and not engine.is_dead
         # Only stage 0 takes the user's prompt; only stage 2 is final.
@@ -55,7 +66,7 @@ def test_three_stages_run_and_shut_down_last_first():
         assert out.finished and out.text == "x>0>1>2"
     finally:
         engine.shutdown()
-    assert Echo.started == [0, 1, 2] and Echo.stopped == [2, 1, 0]
+    assert Echo.started == [0, 1, 2] and sorted(Echo.stopped) == [0, 1, 2]
     assert not any(t.name == "OmniOrchestrator" and t.is_alive() for t in threading.enumerate())
 
 

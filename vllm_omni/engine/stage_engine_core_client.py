@@ -23,7 +23,7 @@ from typing import Any
 
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.output_collectors import get_output_collector
-from vllm_omni.engine.stage_client import StageClientBase
+from vllm_omni.engine.stage_client import StageClientBase, cancel_task
 from vllm_omni.engine.stage_runtime import stage_environ
 from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError, StageRestartingError
 from vllm_omni.logger import init_logger
@@ -286,7 +286,7 @@ class StageEngineCoreClient(StageClientBase):
         self._dead = True
         for task in (self._watch_task, self._restart_task, self._stats_task):
             if task is not None:
-                task.cancel()
+                cancel_task(task)
         building, self._building = self._building, None
         if building is not None:  # mid-restart: wait for the EngineCore being started, then shut it down
             try:

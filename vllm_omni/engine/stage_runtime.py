@@ -1,9 +1,10 @@
-"""Starts every stage's replicas in order, with a readiness timeout, and shuts them down in reverse order."""
+"""Starts every stage's replicas in order, with a readiness timeout, and shuts them all down side by side."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable
 
@@ -50,6 +51,10 @@ def stage_environ(env: dict[str, str]):
 
 StageClientFactory = Callable[[StageConfig, int], StageClientBase]
 
+SHUTDOWN_TIMEOUT_S = 30.0
+"""How long `StageRuntime.shutdown` waits for all stages together. Each client bounds its own stop (vLLM kills an
+EngineCore that outlives its 10 s grace); a stage still stopping after this is logged and left to that."""
+
 
 class StageRuntime:
     def __init__(self, config: VllmOmniConfig, client_factory: StageClientFactory = make_stage_client) -> None:
@@ -78,12 +83,31 @@ class StageRuntime:
         return self.pools
 
     def shutdown(self) -> None:
-        for pool in reversed(self.pools):
-            for client in pool.clients:
-                if client is None:
-                    continue
-                try:
-                    client.shutdown()
-                except Exception:
-                    logger.exception("[StageRuntime] %s failed to shut down cleanly", client.name)
+        """Every replica of every stage stops at once, each in a thread of its own: no stage's process teardown
+        (seconds of vLLM's EngineCore and worker exit on a CPU) waits for another's. The Orchestrator has stopped
+        sending by then, so no order between stages is needed."""
+        clients = [client for pool in reversed(self.pools) for client in pool.clients if client is not None]
         self.pools = []
+        if len(clients) == 1:
+            _shutdown_client(clients[0])
+            return
+        threads = [threading.Thread(target=_shutdown_client, args=(client,), name=f"shutdown-{client.name}",
+                                    daemon=True) for client in clients]
+        start = time.monotonic()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=max(0.0, start + SHUTDOWN_TIMEOUT_S - time.monotonic()))
+        late = [client.name for client, thread in zip(clients, threads, strict=True) if thread.is_alive()]
+        if late:
+            logger.error("[StageRuntime] %s still shutting down after %.0f s", late, SHUTDOWN_TIMEOUT_S)
+        else:
+            logger.info("[StageRuntime] %d stage client(s) shut down in %.1f s", len(clients),
+                        time.monotonic() - start)
+
+
+def _shutdown_client(client: StageClientBase) -> None:
+    try:
+        client.shutdown()
+    except Exception:
+        logger.exception("[StageRuntime] %s failed to shut down cleanly", client.name)
