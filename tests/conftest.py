@@ -160,6 +160,8 @@ class SetupBudget:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.times:
+            return
         tr = terminalreporter
         slowest = sorted(self.times.items(), key=lambda kv: -sum(kv[1].values()))[:25]
         tr.write_sep("=", "slowest 25 modules (set-up / calls / teardown, s)")
