@@ -37,7 +37,7 @@ TIMEOUT_S = 600.0
 MARKERS = {
     "first_log": re.compile(r"\bINFO\b|\bWARNING\b"),
     "vllm_config": re.compile(r"vLLM config in"),
-    "weights_loaded": re.compile(r"Loading weights took|loaded weights|weights loaded", re.I),
+    "weights_loaded": re.compile(r"Loading weights took|\[diffusion rank \d+\] loaded "),
     "vllm_warmup_done": re.compile(r"init engine \(profile, create kv cache, warmup model\) took"),
     "first_stage_ready": re.compile(r"\[StageRuntime\] .* ready in"),
     "all_stages_ready": re.compile(r"\[AsyncOmniEngine\] \d+ stage\(s\) .* ready in"),
