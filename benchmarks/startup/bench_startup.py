@@ -1,12 +1,13 @@
 """Start-up and shutdown phases a user waits for: `vllm serve tiny/qwen-image --omni`, `vllm serve tiny/qwen3-omni
 --omni` (3 stages) and `Omni("tiny/qwen2")`, each in a fresh process as a user starts it (issue 30).
 
-For a server: seconds from the spawn to each start-up log line that marks a phase (vLLM's imports done, config,
-weights loaded, vLLM's warm-up, each stage ready, all stages ready, HTTP up), to `/health` answering 200 (ready),
-then SIGTERM on the idle server to its exit. For `Omni(...)`: its import, construction and `close()`, timed inside
-the process, and the process's whole life. The 1-minute load average before and after each run is kept: on a
-shared machine it decides the numbers. Writes benchmarks/results/bench_startup-<UTC>.json and a PNG (ready and
-stop seconds per target, with the issue's targets).
+For a server: seconds from the spawn to each start-up log line that marks a phase (the first log line, after the
+imports; weights loaded; vLLM's warm-up; the first EngineCore ready; each stage ready; all stages ready; HTTP up),
+to `/health` answering 200 (ready), then SIGTERM on the idle server to its exit. For `Omni(...)`: its import,
+construction and `close()`, timed inside the process, and the process's whole life; the reference is vLLM's own
+`AsyncLLM` on the same checkpoint. The 1-minute load average before and after each run is kept: on a shared
+machine it decides the numbers. Writes benchmarks/results/bench_startup-<UTC>.json and a PNG (ready and stop
+seconds per target, with the issue's targets).
 
     .venv/bin/python benchmarks/startup/bench_startup.py [--rounds 2] [--only serve-qwen-image]
 """
@@ -36,7 +37,7 @@ TIMEOUT_S = 600.0
 
 MARKERS = {
     "first_log": re.compile(r"\bINFO\b|\bWARNING\b"),
-    "vllm_config": re.compile(r"vLLM config in"),
+    "first_engine_core_ready": re.compile(r"vLLM config in .* EngineCore ready in"),
     "weights_loaded": re.compile(r"Loading weights took|\[diffusion rank \d+\] loaded "),
     "vllm_warmup_done": re.compile(r"init engine \(profile, create kv cache, warmup model\) took"),
     "first_stage_ready": re.compile(r"\[StageRuntime\] .* ready in"),
