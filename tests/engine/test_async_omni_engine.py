@@ -4,6 +4,7 @@ orchestrator loop reported as fatal to every waiter, and shutdown joining the ba
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -91,3 +92,25 @@ def test_crashed_orchestrator_is_fatal_for_waiters(monkeypatch):
         assert engine.is_dead and "bug in routing" in engine.dead_error
     finally:
         engine.shutdown()
+
+
+def test_cancel_task_from_another_thread_wakes_the_loop():
+    """Why: stages stop side by side from threads of their own; a task cancelled there with `Task.cancel()` (not
+    thread-safe) would not wake the loop, and under asyncio debug raises."""
+    from vllm_omni.engine.stage_client import cancel_task
+
+    async def main():
+        task = asyncio.create_task(asyncio.sleep(60))
+        await asyncio.sleep(0)
+        canceller = threading.Thread(target=cancel_task, args=(task,))
+        canceller.start()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, timeout=5)
+        canceller.join(timeout=5)
+
+    loop = asyncio.new_event_loop()
+    loop.set_debug(True)
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()

@@ -101,7 +101,7 @@ class AsyncOmniEngine:
                                              self.rpc_output_queue.sync_q, pools, self.config,
                                              stage_modalities=[m["output_modality"] for m in self.stage_metadata])
         except BaseException as e:
-            self._runtime.shutdown()
+            await self._runtime.shutdown_async()
             self._ready.set_exception(e)
             return
         self._ready.set_result(None)
@@ -117,7 +117,7 @@ class AsyncOmniEngine:
             self.rpc_output_queue.sync_q.put(fatal)
         finally:
             self.output_queue.flush()  # the loop ends with this coroutine: send what it would have sent
-            self._runtime.shutdown()
+            await self._runtime.shutdown_async()
 
     def _capabilities(self) -> ModelCapabilities:
         entry = [c for c, stage in zip(self.stage_clients, self.config.stages, strict=True) if not stage.inputs]
