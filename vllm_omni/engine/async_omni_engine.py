@@ -230,7 +230,7 @@ class AsyncOmniEngine:
         return result.results
 
     def shutdown(self) -> None:
-        """Stop the orchestrator, shut the stages down (last stage first) and join the thread."""
+        """Stop the orchestrator, shut the stages down (side by side) and join the thread."""
         if self._closed:
             return
         self._closed = True
