@@ -18,11 +18,14 @@ Every ratio is per seed against request FCFS on the same arrivals, then mean +- 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -258,6 +261,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--only", default="", help="regex: simulate only the policies it matches (+ request-fcfs)")
     parser.add_argument("--no-cost-model-phases", dest="cost_model_phases", action="store_false",
                         help="the policy's cost model ignores encode / decode (steps only)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON of the table: the command and each policy's per-seed rows (the printed columns)")
     return parser.parse_args(argv)
 
 
@@ -265,6 +270,11 @@ def main(argv: list[str] | None = None) -> dict[str, np.ndarray]:
     args = parse_args(argv)
     rows = table(args)
     print_table(rows)
+    if args.out:
+        report = {"command": " ".join(sys.argv), "args": {k: str(v) for k, v in vars(args).items()},
+                  "rows": {name: r.tolist() for name, r in rows.items()}}
+        args.out.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out}")
     return rows
 
 
