@@ -61,8 +61,9 @@ class DiffusionEngine:
         pipeline_cls = MODEL_REGISTRY.load_pipeline_class(target)
         self.step_execution = od_config.step_execution and supports_step_execution(pipeline_cls)
         if od_config.step_execution and not self.step_execution:
-            logger.info("%s cannot step; step_execution is off and requests run in request mode",
-                        pipeline_cls.__name__)
+            logger.warning("%s cannot step: --step-execution is off for this stage and requests run in request "
+                           "mode (docs/execution_modes.md)", pipeline_cls.__name__)
+        _refuse_inert_flags(od_config, self.step_execution)
         # Resolved once here: the workers get the checkpoint directory and our class as "module:Class".
         self.od_config = dataclasses.replace(od_config, model=str(model_dir), model_class_name=target,
                                              step_execution=self.step_execution)
@@ -493,6 +494,23 @@ def _with_budget(rule: ShapeRule | None, od_config: OmniDiffusionConfig, worker_
     elif free := [info["free_memory_bytes"] for info in worker_info if "free_memory_bytes" in info]:
         budget = min(free)
     return dataclasses.replace(rule, dtype_bytes=4 if dtype == "float32" else 2, memory_budget_bytes=budget)
+
+
+_STEP_MODE_ONLY = ("diffusion_max_tokens_per_forward", "slo_starvation_factor", "max_paused_states")
+_REQUEST_MODE_ONLY = ("request_batch_max_wait_ms",)
+
+
+def _refuse_inert_flags(od_config: OmniDiffusionConfig, step_execution: bool) -> None:
+    """A scheduler setting the stage's mode has no use for is refused, not ignored (its default is fine): a
+    request-mode batch runs whole requests (nothing to pause, split or starve), and a step-mode request joins at
+    the next step boundary (no batch to wait for)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(OmniDiffusionConfig)}
+    mode, other = ("step", "request") if step_execution else ("request", "step")
+    cannot_step = " (its pipeline cannot step)" if od_config.step_execution and not step_execution else ""
+    for name in _REQUEST_MODE_ONLY if step_execution else _STEP_MODE_ONLY:
+        if getattr(od_config, name) != defaults[name]:
+            raise ValueError(f"--{name.replace('_', '-')} applies to {other} mode only; this diffusion stage runs "
+                             f"in {mode} mode{cannot_step}")
 
 
 def _validated(request: OmniDiffusionRequest) -> OmniDiffusionRequest:
