@@ -144,7 +144,7 @@ class StepResult(msgspec.Struct, tag="step_result", array_like=True, gc=False):
     outputs: dict[str, DiffusionOutput] = {}
     """Requests that left this round: decoded, failed or aborted."""
     progress: dict[str, tuple[int, int]] = {}
-    """(steps done, total steps) of every state that is still resident after the round."""
+    """(steps done, total steps) of every state the ranks still hold after the round (resident or paused)."""
     forwards: list[tuple[list[str], float]] = []
     """The round's transformer forwards: the request ids that shared each, and its seconds."""
     encode_seconds: dict[str, float] = {}

@@ -163,6 +163,7 @@ class StepScheduler:
                 continue
             self.resident = [j for j in self.resident if j is not job]
             self.paused = [j for j in self.paused if j is not job]
+            self._leaving.pop(rid, None)  # aborted while its last round ran: it left anyway
             left.append((job, output))
         now = time.perf_counter()
         for job, output in left:
