@@ -2,8 +2,8 @@
 
     .venv/bin/python examples/offline_inference/qwen_image.py                      # tiny/qwen-image, CPU
     .venv/bin/python examples/offline_inference/qwen_image.py --edit               # tiny/qwen-image-edit
-    python examples/offline_inference/qwen_image.py --model Qwen/Qwen-Image --height 1024 --width 1024 --steps 50 \
-        --no-enforce-eager                     # GPU: compiled blocks, fused kernels, CUDA graphs
+    python examples/offline_inference/qwen_image.py --model Qwen/Qwen-Image --height 1024 --width 1024 --steps 50
+                                           # GPU: compiled blocks, fused kernels, CUDA graphs (--enforce-eager: not)
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--attention-backend", default=None, help="TORCH_SDPA, CUDNN_ATTN, FLASH_ATTN, ...")
-    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                        help="--no-enforce-eager accelerates the transformer on CUDA (docs/diffusion_runtime.md)")
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                        help="unset: compiled on CUDA, eager on CPU (docs/diffusion_runtime.md)")
     parser.add_argument("--out", default="qwen_image.png")
     args = parser.parse_args()
 
@@ -43,7 +43,8 @@ def main() -> None:
     params = OmniDiffusionSamplingParams(height=args.height, width=args.width, num_inference_steps=args.steps,
                                          true_cfg_scale=args.cfg, negative_prompt=args.negative_prompt,
                                          seed=args.seed)
-    omni = Omni(model=model, diffusion_attention_backend=args.attention_backend, enforce_eager=args.enforce_eager)
+    eager = {} if args.enforce_eager is None else {"enforce_eager": args.enforce_eager}
+    omni = Omni(model=model, diffusion_attention_backend=args.attention_backend, **eager)
     try:
         output = omni.generate([prompt], params)[0]
         if output.error:

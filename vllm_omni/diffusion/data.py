@@ -74,6 +74,30 @@ def check_diffusion_args(engine_args: dict[str, Any]) -> None:
         check_attention_backend(envs.DIFFUSION_ATTENTION_BACKEND, "env DIFFUSION_ATTENTION_BACKEND")
 
 
+def resolve_device_kind(device: str | None) -> str:
+    """The device type a stage's workers run on: `device`, else cuda when available, else cpu."""
+    if device is not None:
+        return device.split(":")[0]
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def parse_warmup_shapes(text: str | None) -> list[tuple[int, int]] | None:
+    """`"512x512,1024x768"` -> [(512, 512), (1024, 768)] as (width, height); None stays None (the model's
+    default size). OmniClientError naming the field when an entry is not WxH with positive sizes."""
+    if text is None:
+        return None
+    shapes = []
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        width, sep, height = entry.lower().partition("x")
+        if not (sep and width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
+            raise OmniClientError(f"diffusion_warmup_shapes={text!r} (--diffusion-warmup-shapes): {entry!r} is not "
+                                  "WxH (e.g. 1024x1024)", param="diffusion_warmup_shapes")
+        shapes.append((int(width), int(height)))
+    return shapes
+
+
 @dataclass
 class DiffusionParallelConfig:
     """How one diffusion stage splits its work over devices: world = TP x Ulysses x ring x CFG ranks (or the
@@ -232,8 +256,17 @@ class OmniDiffusionConfig:
     """The default cache settings of requests that name no quality: {"quality": "high" | "fast"} picks the
     family preset it starts from ({} = high), other keys override it (e.g. {"rel_l1_thresh": 0.2} for
     adaptive TeaCache, {"Fn_compute_blocks": 1, "residual_diff_threshold": 0.12} for cache-dit)."""
-    enforce_eager: bool = True
-    """Eager transformer; False compiles it on CUDA (+ CUDA graphs where the pipeline supports them)."""
+    enforce_eager: bool | None = None
+    """Eager transformer. None (default) resolves by the stage's device as vLLM does: False on CUDA (compiled
+    blocks + CUDA graphs where the pipeline supports them, warmed up at start-up), True on CPU (nothing there
+    compiles). An explicit False on CPU also runs eager."""
+    diffusion_warmup_shapes: str | None = None
+    """Compiled path: comma-separated WxH sizes (e.g. "512x512,1024x1024") that start-up compiles and captures at
+    every batch bucket the stage can form (powers of two up to --max-num-seqs), before the server says ready;
+    None = the model's default size; "" = no warm-up (the first request of each shape compiles)."""
+    diffusion_compile_cache_dir: str | None = None
+    """Compiled path: where torch.compile keeps its Inductor / FX graph caches, so a restart loads the compiled
+    blocks instead of compiling them; None = $VLLM_CACHE_ROOT/torch_compile_cache/diffusion."""
     fa_deterministic: bool = False
     """Deterministic FlashAttention on the dense diffusion path (slower; for accuracy CI)."""
     num_gpus: int = 1
@@ -266,6 +299,9 @@ class OmniDiffusionConfig:
 
     def __post_init__(self) -> None:
         refuse_unimplemented({f.name: getattr(self, f.name) for f in fields(self)})
+        if self.enforce_eager is None:
+            self.enforce_eager = resolve_device_kind(self.device) != "cuda"
+        parse_warmup_shapes(self.diffusion_warmup_shapes)
         check_cache_args({"cache_backend": self.cache_backend, "cache_config": self.cache_config,
                           "step_execution": self.step_execution})
         check_attention_backend(self.diffusion_attention_backend)

@@ -35,10 +35,12 @@ from tqdm.auto import tqdm
 from vllm_omni.diffusion.cache.runtime import cache_group, cache_state_for, request_policy
 from vllm_omni.diffusion.cache.state import CacheState
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.layers.compile import accelerated_forwards
 from vllm_omni.diffusion.previews import emit_previews
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.step_context import StepContext
-from vllm_omni.diffusion.timing import elapsed_since
+from vllm_omni.diffusion.timing import elapsed_since, synchronized_now
+from vllm_omni.diffusion.warmup import batch_buckets, step_bucket
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.errors import OmniClientError, RequestAbortedError
 
@@ -207,7 +209,11 @@ class NativeDiffusionPipeline(nn.Module):
         if not live:
             return errors
         try:
-            preds = self.forward_step_inputs([inputs[i] for i in live], [states[i] for i in live])
+            batch = [inputs[i] for i in live]
+            # Compiled path: run as the next captured batch bucket (the last inputs repeated, their rows dropped),
+            # so no composition of states compiles or captures while serving (diffusion/warmup.py).
+            padding = [batch[-1]] * (step_bucket(len(batch), self.step_buckets) - len(batch))
+            preds = self.forward_step_inputs(batch + padding, [states[i] for i in live])[:len(batch)]
         except Exception as exc:
             if len(live) == 1:
                 errors[live[0]] = exc
@@ -218,6 +224,15 @@ class NativeDiffusionPipeline(nn.Module):
         for i, pred in zip(live, preds, strict=True):
             errors[i] = _attempt(lambda i=i, pred=pred: self.advance(states[i], ctxs[i], self.guide(states[i], pred)))
         return errors
+
+    @property
+    def step_buckets(self) -> list[int]:
+        """Batch sizes a co-batched step forward is padded up to: the warm-up's buckets on the compiled path,
+        none (no padding) when every DiT runs eager."""
+        if "_step_buckets" not in self.__dict__:
+            compiled = bool(accelerated_forwards(self))
+            self.__dict__["_step_buckets"] = batch_buckets(self.od_config.max_num_seqs) if compiled else []
+        return self.__dict__["_step_buckets"]
 
     def advance(self, state: DenoiseState, ctx: StepContext, noise_pred: torch.Tensor) -> None:
         """The scheduler step of `state` with its guided prediction, then progress and any asked-for preview."""
@@ -233,7 +248,7 @@ class NativeDiffusionPipeline(nn.Module):
         A family that decodes in chunks (video) overrides this and may `state.drop` aborted requests between
         chunks; it returns one output per request still in `state.requests` at the end.
         """
-        start = time.perf_counter()
+        start = synchronized_now(self.device)  # step mode: the last steps may still be queued
         decoded = self.decode(state)
         state.durations["vae_decode"] = elapsed_since(start, self.device)
         per = state.outputs_per_request

@@ -13,3 +13,11 @@ def elapsed_since(start: float, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
+
+
+def synchronized_now(device: torch.device) -> float:
+    """`time.perf_counter()` once `device` has finished its queued work: the start of a stage whose caller did
+    not wait for the stage before it (a step-mode state's last denoise steps are still queued when it decodes)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

@@ -108,6 +108,8 @@ class OmniEngineArgs(EngineArgs):
     fa_deterministic: bool = False
     diffusers_load_kwargs: dict[str, Any] | None = None
     use_diffusers_adapter: bool = False
+    diffusion_warmup_shapes: str | None = None
+    diffusion_compile_cache_dir: str | None = None
     model_class_name: str | None = None
     cache_backend: Literal["cache_dit", "tea_cache", "none"] | None = None
     cache_config: dict[str, Any] | None = None
@@ -138,8 +140,8 @@ class OmniEngineArgs(EngineArgs):
         own = [f.name for f in dataclasses.fields(cls) if f.name in OMNI_ARG_NAMES]
         docs = attr_help(cls, OmniDiffusionConfig, DiffusionParallelConfig)
         add_dataclass_args(group, cls, own, docs, {"diffusion_attention_backend": available_backends()})
-        # Unset unless given: diffusion stages default to eager and AR stages to compiled, so both
-        # --enforce-eager and --no-enforce-eager must reach the stages.
+        # Unset unless given: a diffusion stage resolves an unset value by its device (compiled on CUDA, eager on
+        # CPU), so only a flag the user gave reaches the stages.
         parser.set_defaults(enforce_eager=None)
         return parser
 

@@ -95,14 +95,14 @@ def test_cuda_graph_runner_replays_and_resets_on_move():
             x = torch.randn(*shape, device="cuda")
             shift = (torch.randn(4, device="cuda"),)  # a fresh keyword tensor every call
             torch.testing.assert_close(model(x, scale=scale, shift=shift), eager(x, scale=scale, shift=shift))
-        assert len(model.forward.graphs) == 3
+        assert len(model.forward.runner.graphs) == 3
         model.to("cpu").to("cuda")  # sleep / wake: weights land on new addresses
-        assert not model.forward.graphs
+        assert not model.forward.runner.graphs
         x = torch.randn(2, 4, device="cuda")
         torch.testing.assert_close(model(x), eager(x))
-        model.forward.max_graphs = 2
+        model.forward.runner.max_graphs = 2
         for rows in (1, 2, 3, 1):
             x = torch.randn(rows, 4, device="cuda")
             torch.testing.assert_close(model(x), eager(x))
         # Least recently used signatures were evicted (and recaptured on return), never run uncaptured.
-        assert len(model.forward.graphs) == 2
+        assert len(model.forward.runner.graphs) == 2

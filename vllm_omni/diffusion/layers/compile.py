@@ -6,13 +6,21 @@ the elementwise work around the GEMMs (adaLN modulation, gating, RoPE, GELU, q/k
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from vllm_omni.diffusion.layers.cuda_graph import CUDAGraphRunner
+from vllm_omni.logger import init_logger
+
 if TYPE_CHECKING:
     from vllm_omni.diffusion.data import OmniDiffusionConfig
+
+logger = init_logger(__name__)
 
 
 def compile_repeated_blocks(model: nn.Module, **compile_kwargs: Any) -> int:
@@ -36,17 +44,63 @@ def compile_repeated_blocks(model: nn.Module, **compile_kwargs: Any) -> int:
     return count
 
 
+class AcceleratedForward:
+    """What `accelerate_transformer` puts in `model.forward`: the compiled forward (through a CUDA graph per input
+    signature when `runner` is set), counting the graphs Dynamo compiles and the CUDA graphs captured. Once
+    `serving` is set (after the start-up warm-up), each call that compiles or captures logs a WARNING naming its
+    input shapes: such a call stalls every request in its batch."""
+
+    def __init__(self, forward: Callable[..., Any], runner: CUDAGraphRunner | None) -> None:
+        self.forward = forward
+        self.runner = runner
+        self.serving = False
+        self.compiles = 0
+        self.captures = 0
+        self.serving_compiles = 0
+        self.serving_captures = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        compiled, captured = dynamo_graphs(), self.runner.captures if self.runner is not None else 0
+        start = time.perf_counter()
+        out = (self.runner or self.forward)(*args, **kwargs)
+        new_compiles = dynamo_graphs() - compiled
+        new_captures = (self.runner.captures if self.runner is not None else 0) - captured
+        self.compiles += new_compiles
+        self.captures += new_captures
+        if self.serving and (new_compiles or new_captures):
+            self.serving_compiles += new_compiles
+            self.serving_captures += new_captures
+            logger.warning("compile while serving: %d graph(s) compiled, %d CUDA graph(s) captured "
+                           "in %.2f s for inputs %s (add this shape to --diffusion-warmup-shapes)", new_compiles,
+                           new_captures, time.perf_counter() - start, describe_inputs(args, kwargs))
+        return out
+
+
+def dynamo_graphs() -> int:
+    """Graphs Dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def describe_inputs(args: tuple, kwargs: dict[str, Any]) -> str:
+    """`name=BxNxC` for every tensor argument (batch rows first), `name=value` for short other ones."""
+    parts = [f"arg{i}" for i in range(len(args))]
+    items = [*zip(parts, args, strict=True), *sorted(kwargs.items())]
+    return ", ".join(f"{name}={'x'.join(map(str, value.shape))}" if isinstance(value, torch.Tensor)
+                     else f"{name}={value!r}" for name, value in items if isinstance(value, torch.Tensor)
+                     or len(repr(value)) <= 80)
+
+
 def accelerate_transformer(model: nn.Module, *, compile_blocks: bool = True, cuda_graphs: bool = True,
                            compile_mode: str = "default") -> nn.Module:
     """Lossless speed-ups for a CUDA DiT: compiled repeated blocks, and the whole forward replayed as a CUDA
     graph per static input signature (one capture per image size / batch / text length bucket)."""
-    from vllm_omni.diffusion.layers.cuda_graph import CUDAGraphRunner
-
     if compile_blocks:
         compile_repeated_blocks(model, mode=compile_mode)
-    if cuda_graphs:
-        runner = CUDAGraphRunner(model.forward)
-        model.forward = runner
+    runner = CUDAGraphRunner(model.forward) if cuda_graphs else None
+    model.forward = AcceleratedForward(model.forward, runner)
+    if runner is not None:
         apply = model._apply
 
         def _apply_and_drop_graphs(fn, *args, **kwargs):
@@ -58,9 +112,32 @@ def accelerate_transformer(model: nn.Module, *, compile_blocks: bool = True, cud
     return model
 
 
+def accelerated_forwards(module: nn.Module) -> list[AcceleratedForward]:
+    """The `AcceleratedForward`s of `module`'s submodules (its DiTs on the compiled path; [] when eager)."""
+    return [m.forward for m in module.modules() if isinstance(m.forward, AcceleratedForward)]
+
+
+def configure_compile_cache(od_config: OmniDiffusionConfig) -> str:
+    """Point Inductor's on-disk caches (FX graphs, AOTAutograd, Triton kernels) at the stage's cache directory,
+    so that a restart loads the compiled blocks instead of compiling them; returns the directory. Called in the
+    worker process before anything compiles."""
+    import torch._functorch.config
+    import torch._inductor.config
+    from vllm import envs as vllm_envs
+
+    path = od_config.diffusion_compile_cache_dir or os.path.join(vllm_envs.VLLM_CACHE_ROOT, "torch_compile_cache",
+                                                                "diffusion")
+    os.makedirs(path, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path  # read by Inductor at each cache lookup, in this process only
+    torch._inductor.config.fx_graph_cache = True
+    torch._functorch.config.enable_autograd_cache = True
+    return path
+
+
 def accelerate_if_requested(model: nn.Module, od_config: OmniDiffusionConfig, device: torch.device, *,
                             cuda_graphs: bool = True) -> None:
-    """`accelerate_transformer` when the stage asks for it (`enforce_eager=False`) and `model` runs on CUDA;
-    elsewhere the flag changes nothing."""
+    """`accelerate_transformer` when the stage runs compiled (`enforce_eager` False, the default on CUDA) and
+    `model` runs on CUDA; elsewhere the model stays eager."""
     if not od_config.enforce_eager and device.type == "cuda":
+        configure_compile_cache(od_config)
         accelerate_transformer(model, cuda_graphs=cuda_graphs)

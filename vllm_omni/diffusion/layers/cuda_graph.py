@@ -83,6 +83,8 @@ class CUDAGraphRunner:
         self.max_graphs = max_graphs
         self.graphs: OrderedDict[Any, _Captured] = OrderedDict()
         self.pool = None
+        self.captures = 0
+        """Graphs captured so far (a signature evicted and seen again is captured again)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         inputs = flatten_call(args, kwargs)
@@ -94,6 +96,7 @@ class CUDAGraphRunner:
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             captured = self.graphs[key] = _Captured(self.fn, inputs, self.pool, self.warmup)
+            self.captures += 1
         else:
             self.graphs.move_to_end(key)
         return captured.replay(inputs)

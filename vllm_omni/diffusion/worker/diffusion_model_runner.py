@@ -17,6 +17,7 @@ import torch
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.rank_errors import RanksDesynchronized, agree_on_failures
 from vllm_omni.diffusion.step_context import PartialSink, StepContext
+from vllm_omni.diffusion.warmup import warm_up
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.logger import init_logger
 from vllm_omni.models.registry import MODEL_REGISTRY
@@ -62,6 +63,17 @@ class DiffusionModelRunner:
             "[diffusion rank %d] loaded %s as %s on %s (%s) in %.2f s",
             self.rank, model_dir, cls.__name__, self.device, self.dtype, time.perf_counter() - start,
         )
+        self.warm_up()
+
+    @torch.inference_mode()  # as serving runs: Dynamo guards on the grad mode
+    def warm_up(self) -> None:
+        """Compile and capture every configured (shape, batch bucket) before the worker reports itself loaded
+        (`diffusion/warmup.py`); nothing on the eager path."""
+        start = time.perf_counter()
+        warmed = warm_up(self.pipeline, self.od_config, self.rank)
+        if warmed:
+            logger.info("[diffusion rank %d] warm-up of %d signatures done in %.2f s", self.rank, len(warmed),
+                        time.perf_counter() - start)
 
     def unload_model(self) -> None:
         self.pipeline = None

@@ -15,7 +15,6 @@ Requests whose sampling-params keys agree (the scheduler guarantees it) share ev
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -29,7 +28,7 @@ from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.distributed.sequence import cfg_branch_rows, cfg_gather_rows
 from vllm_omni.diffusion.distributed.vae_patch import vae_patch_group
 from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
-from vllm_omni.diffusion.timing import elapsed_since
+from vllm_omni.diffusion.timing import elapsed_since, synchronized_now
 from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, to_uint8_frames
 from vllm_omni.errors import OmniClientError
 from vllm_omni.logger import init_logger
@@ -297,7 +296,7 @@ class WanPipeline(NativeDiffusionPipeline):
         streamed = {r.request_id for r in state.requests if r.sampling_params.stream_partial_outputs} \
             if ctx.partials_enabled else set()
         latents = self.model_input(state.latents, cond) if cond.first_frame_mask is not None else state.latents
-        start = time.perf_counter()
+        start = synchronized_now(self.device)  # step mode: the last steps may still be queued
         frames = self.decode_chunks(state, latents, ctx, streamed, fps)
         state.durations["vae_decode"] = elapsed_since(start, self.device)
         per = state.outputs_per_request

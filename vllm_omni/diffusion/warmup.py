@@ -1,0 +1,131 @@
+"""Start-up warm-up of the compiled path: compile and capture what serving will run before the stage says ready.
+
+A compiled DiT compiles (seconds) and captures a CUDA graph (a few forwards) the first time it sees an input
+signature: image size x transformer rows x text length. Left to serving, that stall lands on whichever request
+first brings the signature, and on every request batched with it. So the worker runs, after loading and before
+it reports itself loaded, a short generation for each configured size (`--diffusion-warmup-shapes`, default the
+model's own) at every batch bucket the stage can form: powers of two up to `--max-num-seqs`, as vLLM's CUDA-graph
+capture sizes, in step mode only those whose tokens fit one co-batched forward. Prompts of two lengths make Dynamo
+compile its symbolic-size graph here rather than at the first request with another prompt length. Afterwards every
+compile or capture logs a WARNING (`AcceleratedForward`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_omni.diffusion.data import OmniDiffusionConfig, parse_warmup_shapes
+from vllm_omni.diffusion.layers.compile import AcceleratedForward, accelerated_forwards
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.step_context import StepContext
+from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.logger import init_logger
+
+logger = init_logger(__name__)
+
+WARMUP_STEPS = 2
+"""Denoise steps per warm-up generation: the first step compiles and captures, the second replays."""
+WARMUP_WORDS = ("a", "watercolor", "painting", "of", "a", "lighthouse", "on", "a", "cliff", "above", "the", "sea",
+                "at", "dusk", "with", "gulls", "in", "the", "wind", "and", "warm", "light")
+"""Warm-up prompts are prefixes of this text: each row of a batch gets its own length, and each bucket runs twice
+with other lengths. A compiled block first specializes on the text lengths it saw (and on which of them were
+equal): only a second, different set makes Dynamo compile the symbolic-length graph that later prompts reuse."""
+
+
+@dataclass
+class WarmedSignature:
+    """One (size, batch) the warm-up ran, with what it cost."""
+
+    size: tuple[int, int] | None
+    """(width, height); None = the model's default size."""
+    batch: int
+    seconds: float
+    compiles: int
+    captures: int
+
+    @property
+    def label(self) -> str:
+        size = "default size" if self.size is None else f"{self.size[0]}x{self.size[1]}"
+        return f"{size} batch {self.batch}"
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, ... below `max_num_seqs`, then `max_num_seqs`: the batch sizes a stage captures (vLLM's capture
+    sizes likewise end at the largest batch)."""
+    buckets = [1]
+    while buckets[-1] * 2 < max_num_seqs:
+        buckets.append(buckets[-1] * 2)
+    return buckets if max_num_seqs <= 1 else [*buckets, max_num_seqs]
+
+
+def step_bucket(count: int, buckets: list[int]) -> int:
+    """The smallest of `buckets` that holds `count` states (`count` itself beyond the largest)."""
+    return next((bucket for bucket in buckets if bucket >= count), count)
+
+
+def warm_up(pipeline: Any, od_config: OmniDiffusionConfig, rank: int = 0) -> list[WarmedSignature]:
+    """Run the warm-up on a loaded pipeline (nothing when it has no compiled DiT or the shapes are ""); then
+    mark its compiled forwards as serving. Every rank of a stage runs the same warm-up (same collectives)."""
+    forwards = accelerated_forwards(pipeline)
+    shapes = parse_warmup_shapes(od_config.diffusion_warmup_shapes)
+    warmed: list[WarmedSignature] = []
+    if forwards and shapes != []:
+        step_mode = od_config.step_execution and pipeline.supports_step_execution
+        for size in shapes or [None]:
+            buckets = batch_buckets(od_config.max_num_seqs)
+            for smaller, batch in zip([0, *buckets], buckets, strict=False):
+                before = _counts(forwards)
+                start = time.perf_counter()
+                ran = True
+                for lengths_set in range(2):
+                    requests = [_request(size, i, lengths_set) for i in range(batch)]
+                    if step_mode:
+                        ran = _step_batch(pipeline, od_config, requests, smaller + 1)
+                    else:
+                        pipeline.forward(DiffusionRequestBatch(requests))
+                    if not ran:
+                        break
+                if not ran:
+                    break  # larger buckets never co-batch either
+                compiles, captures = (after - prior for after, prior in zip(_counts(forwards), before, strict=True))
+                signature = WarmedSignature(size, batch, time.perf_counter() - start, compiles, captures)
+                warmed.append(signature)
+                logger.info("[diffusion rank %d] warm-up %s: %.2f s (%d graphs compiled, %d CUDA graphs captured)",
+                            rank, signature.label, signature.seconds, compiles, captures)
+    for forward in forwards:
+        forward.serving = True
+    return warmed
+
+
+def _request(size: tuple[int, int] | None, index: int, lengths_set: int = 0) -> OmniDiffusionRequest:
+    width, height = size or (None, None)
+    params = OmniDiffusionSamplingParams(width=width, height=height, num_inference_steps=WARMUP_STEPS, seed=index)
+    words = (2 + 3 * index + lengths_set) % len(WARMUP_WORDS) + 1
+    return OmniDiffusionRequest(" ".join(WARMUP_WORDS[:words]), params, f"warmup-{index}")
+
+
+def _counts(forwards: list[AcceleratedForward]) -> tuple[int, int]:
+    return sum(f.compiles for f in forwards), sum(f.captures for f in forwards)
+
+
+def _step_batch(pipeline: Any, od_config: OmniDiffusionConfig, requests: list[OmniDiffusionRequest],
+                fewest: int) -> bool:
+    """The step executor's arithmetic for one co-batched group: one state per request, every step ONE forward
+    over all of them (`denoise_step_batch` pads a smaller group up to this bucket), then each decodes. False
+    (nothing run) when not even `fewest` states (one more than the bucket below) fit one forward."""
+    ctxs = [StepContext(od_config, request_ids=[r.request_id]) for r in requests]
+    states = [pipeline.prepare([r], ctx) for r, ctx in zip(requests, ctxs, strict=True)]
+    cap = od_config.diffusion_max_tokens_per_forward
+    if len(states) > 1 and (pipeline.forward_group_key(states[0]) is None
+                            or (cap is not None and sum(map(pipeline.step_tokens, states[:fewest])) > cap)):
+        return False
+    while not states[0].done:
+        for error in pipeline.denoise_step_batch(states, ctxs):
+            if error is not None:
+                raise error
+    for state, ctx in zip(states, ctxs, strict=True):
+        pipeline.finish(state, ctx)
+    return True
