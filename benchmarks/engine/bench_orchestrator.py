@@ -1,7 +1,8 @@
 """Control-plane overheads with trivial stages, and connector throughput vs a plain memcpy.
 
 1. Hop latency: an `AsyncOmniEngine` whose stages echo their input instantly (no model), 1 vs 3 stages
-   chained with `text_to_prompt`; round trip = add_request -> final output on the frontend thread.
+   chained with `text_to_prompt`; round trip = add_request -> final output on the caller's loop (the engine
+   runs there; before it ran on a thread of its own and the round trip crossed to it and back).
    Per hop = (t3 - t1) / 2.
 2. Connector throughput: shared-memory put + get of one tensor vs `empty_like(x).copy_(x)` of the same bytes
    (the in-process connector hands the object over and copies nothing).
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import os
@@ -72,16 +74,21 @@ def chain(n: int) -> VllmOmniConfig:
 
 def round_trips(num_stages: int, requests: int) -> list[float]:
     engine = AsyncOmniEngine(chain(num_stages), stage_client_factory=EchoStage)
-    try:
+
+    async def run() -> list[float]:
+        outputs: asyncio.Queue = asyncio.Queue()
         times = []
         for i in range(requests + 50):
             start = time.perf_counter()
-            engine.add_request(f"r{i}", "hello", [None] * num_stages)
-            out = engine.output_queue.get(timeout=10)
+            engine.add_request(f"r{i}", "hello", [None] * num_stages, outputs.put_nowait)
+            out = await asyncio.wait_for(outputs.get(), 10)
             assert out.finished and out.text == "hello", out
             if i >= 50:
                 times.append(time.perf_counter() - start)
         return times
+
+    try:
+        return asyncio.run(run())
     finally:
         engine.shutdown()
 

@@ -1,9 +1,10 @@
-"""AsyncOmniEngine lifecycle with in-process stages: readiness, start-up failure naming the stage, a crashed
-orchestrator loop reported as fatal to every waiter, and shutdown joining the background thread.
+"""AsyncOmniEngine lifecycle with in-process stages: readiness, start-up failure naming the stage, the engine
+on the caller's loop (no thread of its own left running; a second loop refused), and shutdown last stage first.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -14,7 +15,7 @@ from vllm_omni.config.stage_config import VllmOmniARStageConfig
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
 from vllm_omni.engine.capabilities import ModelCapabilities
-from vllm_omni.engine.messages import ErrorMessage
+from vllm_omni.errors import EngineDeadError
 from vllm_omni.outputs import OmniRequestOutput
 
 
@@ -50,13 +51,21 @@ def test_three_stages_run_and_shut_down_last_first():
         assert engine.capabilities == ModelCapabilities(stage_kinds=(StageKind.AR,) * 3,
                                                         input_modalities=frozenset({"text"}),
                                                         output_modalities=frozenset({"text"}))
-        engine.add_request("r", "x", [None] * 3)
-        out = engine.output_queue.get(timeout=5)
+        threads = {t.name for t in threading.enumerate()}
+        assert "OmniStageStart" not in threads  # the start-up thread ended with the start-up
+
+        async def request():
+            outputs = asyncio.Queue()
+            engine.add_request("r", "x", [None] * 3, outputs.put_nowait)
+            return await asyncio.wait_for(outputs.get(), 5)
+
+        out = asyncio.run(request())
         assert out.finished and out.text == "x>0>1>2"
+        with pytest.raises(RuntimeError, match="bound to the event loop"):
+            asyncio.run(request())
     finally:
         engine.shutdown()
     assert Echo.started == [0, 1, 2] and Echo.stopped == [2, 1, 0]
-    assert not any(t.name == "OmniOrchestrator" and t.is_alive() for t in threading.enumerate())
 
 
 def test_start_failure_names_stage_and_stops_started_ones():
@@ -66,17 +75,33 @@ def test_start_failure_names_stage_and_stops_started_ones():
     assert Echo.started == [0] and Echo.stopped == [0]
 
 
-def test_crashed_orchestrator_is_fatal_for_waiters(monkeypatch):
-    engine = AsyncOmniEngine(config(), stage_client_factory=Echo)
-    try:
-        def explode(msg):
-            raise RuntimeError("bug in routing")
+def test_stage_monitor_marks_the_engine_dead_for_every_waiter():
+    """A stage that dies under a running request: the request gets EngineDeadError, so do later ones."""
 
-        monkeypatch.setattr(engine.orchestrator, "_handle_add", explode)
-        engine.add_request("r", "x", [None] * 3)
-        msg = engine.output_queue.get(timeout=5)
-        assert isinstance(msg, ErrorMessage) and msg.fatal and "bug in routing" in msg.error
-        engine._thread.join(timeout=10)
-        assert engine.is_dead and "bug in routing" in engine.dead_error
+    class Stuck(Echo):
+        dead = False
+
+        async def generate(self, request_id, prompt, sampling_params):
+            await asyncio.sleep(30)
+            yield  # an async generator
+
+        @property
+        def is_dead(self) -> bool:
+            return Stuck.dead
+
+    engine = AsyncOmniEngine(config(), stage_client_factory=Stuck)
+    try:
+        async def scenario():
+            outputs = asyncio.Queue()
+            engine.add_request("r", "x", [None] * 3, outputs.put_nowait)
+            await asyncio.sleep(0.05)
+            Stuck.dead = True
+            err = await asyncio.wait_for(outputs.get(), 5)
+            engine.add_request("late", "x", [None] * 3, outputs.put_nowait)
+            return err, await asyncio.wait_for(outputs.get(), 5)
+
+        err, late = asyncio.run(scenario())
+        assert isinstance(err, EngineDeadError) and isinstance(late, EngineDeadError)
+        assert engine.is_dead and "stage 0 (llm) died" in engine.dead_error
     finally:
         engine.shutdown()

@@ -13,7 +13,6 @@ from tests.engine.fakes import FakeStageClient
 from tests.engine.test_orchestrator import Harness
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import VllmOmniARStageConfig
-from vllm_omni.engine.messages import AddRequestMessage
 from vllm_omni.engine.output_collectors import get_output_collector
 from vllm_omni.engine.stage_input_processors import StageInput
 from vllm_omni.models.registry import register_output_collector, register_stage_input_processor
@@ -57,7 +56,7 @@ async def test_context_processor_sets_downstream_params_and_reads_stage_data(con
                                       final_output=True)],
         connectors={"0->1": {"name": connector, "shm_threshold_bytes": 0}})
     h = Harness([ParamsRecordingClient(0, final_output=False), ParamsRecordingClient(1)], config)
-    await h.requests.put(AddRequestMessage(request_id="r1", prompt="hi", sampling_params_list=["p0", "p1"]))
+    h.add("r1", "hi", ["p0", "p1"])
     out = await h.next_output()
     assert out.finished and out.text == "from-stage-0|s1"
     assert seen_contexts == [("r1", 1, "/ckpt", "p1")]

@@ -5,7 +5,6 @@ the AR upstream still runs; ordering; same result as store-and-forward; a failur
 from __future__ import annotations
 
 import asyncio
-import queue
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,7 +14,6 @@ from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.pipeline_config import EdgeStreamConfig, PipelineConfig, PipelineStageConfig
 from vllm_omni.config.stage_config import VllmOmniARStageConfig, VllmOmniGenerationStageConfig
 from vllm_omni.config.stage_kind import StageKind
-from vllm_omni.engine.messages import AbortRequestMessage, AddRequestMessage, ErrorMessage, ShutdownMessage
 from vllm_omni.engine.orchestrator import Orchestrator
 from vllm_omni.engine.stage_input_processors import reads
 from vllm_omni.engine.stage_pool import StagePool
@@ -113,25 +111,21 @@ def config(stream: bool, chunk_tokens: int = 3, first_chunk_tokens: int | None =
 async def run(stream: bool, upstream: TokenStage | None = None, downstream: AudioStage | None = None,
               abort_after: float | None = None, **edge) -> tuple[list, TokenStage, AudioStage]:
     upstream, downstream = upstream or TokenStage(), downstream or AudioStage()
-    requests, outputs = asyncio.Queue(), queue.Queue()
     pools = [StagePool(0, [upstream], StageKind.AR), StagePool(1, [downstream], StageKind.GENERATION)]
-    orch = Orchestrator(requests, outputs, queue.Queue(), pools, config(stream, **edge), ["text", "audio"])
-    task = asyncio.create_task(orch.run())
-    await requests.put(AddRequestMessage(request_id="r", prompt="p", sampling_params_list=[None, None]))
+    orch = Orchestrator(pools, config(stream, **edge), ["text", "audio"])
+    seen = []
+    orch.add_request("r", "p", [None, None], seen.append)
     if abort_after is not None:
         await asyncio.sleep(abort_after)
-        await requests.put(AbortRequestMessage(request_ids=["r"]))
-    seen = []
+        orch.abort_soon(["r"])
     for _ in range(500):
-        while not outputs.empty():
-            seen.append(outputs.get_nowait())
-        if (seen and (isinstance(seen[-1], ErrorMessage) or (seen[-1].finished and seen[-1].stage_id == 1))
+        if (seen and (isinstance(seen[-1], Exception) or (seen[-1].finished and seen[-1].stage_id == 1))
                 or (abort_after is not None and not orch.request_states)):
             break
         await asyncio.sleep(0.01)
-    await requests.put(ShutdownMessage())
-    await asyncio.wait_for(task, 5)
-    assert not orch.request_states and all(len(c) == 0 for c in orch.connectors.values())
+    await asyncio.sleep(0.01)  # the aborted stages' tasks end
+    assert not orch.request_states and all(len(c) == 0 for c in orch.graph.connectors.values())
+    orch.close()
     return seen, upstream, downstream
 
 
@@ -172,8 +166,8 @@ async def test_partial_stage_data_is_collected_per_hand_off_unless_read_once(pro
 
 async def test_a_failing_downstream_segment_cancels_the_upstream():
     seen, upstream, _ = await run(stream=True, upstream=TokenStage(delay=0.05), downstream=AudioStage(fail=True))
-    assert isinstance(seen[-1], ErrorMessage) and "vocoder failed" in seen[-1].error
-    assert upstream.cancelled and not any(o.finished for o in seen if not isinstance(o, ErrorMessage))
+    assert isinstance(seen[-1], Exception) and "vocoder failed" in str(seen[-1])
+    assert upstream.cancelled and not any(o.finished for o in seen if not isinstance(o, Exception))
 
 
 async def test_abort_reaches_every_stage_holding_the_request():

@@ -1,123 +1,83 @@
-"""Composition root: resolves nothing, owns everything.
+"""Composition root: starts the stages, then drives them from the caller's event loop (as vLLM's `AsyncLLM`).
 
-Starts a background thread running the Orchestrator's event loop, and talks to it through two queues and a
-hand-off: requests in, RPC results out (correlated by `CorrelatedRpcClient`), outputs out in batches
-(`OutputHandOff`: one wake-up of the frontend's loop per orchestrator loop iteration, not per token).
+The constructor blocks until every stage is ready, as AsyncLLM's does, and may be called from inside a running
+loop (the server's): the stages start on a short-lived loop of a start-up thread that ends with it. From then
+on everything runs on the loop that first uses the engine: the Orchestrator's request tasks and stage monitor,
+and each stage client's own tasks (`StageClientBase.on_loop`). No thread of ours sits between the caller and
+the stages, and no message queue: requests are calls, outputs go to the sink each request was given.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
 import threading
 import time
-import uuid
 from typing import Any
-
-import janus
 
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.capabilities import ModelCapabilities
-from vllm_omni.engine.messages import (
-    AbortRequestMessage,
-    AbortResultMessage,
-    AddRequestMessage,
-    CollectiveRPCRequestMessage,
-    CollectiveRPCResultMessage,
-    ErrorMessage,
-    ShutdownMessage,
-)
+from vllm_omni.engine.edges import OutputSink
 from vllm_omni.engine.orchestrator import Orchestrator
-from vllm_omni.engine.output_handoff import OutputHandOff
-from vllm_omni.engine.rpc_result_router import CorrelatedRpcClient
 from vllm_omni.engine.stage_runtime import StageClientFactory, StageRuntime, make_stage_client
 from vllm_omni.logger import init_logger
 from vllm_omni.plugins import ENGINE_CORE_FORKS_WORKERS
 
 logger = init_logger(__name__)
 
-SHUTDOWN_JOIN_TIMEOUT_S = 60.0
+START_JOIN_GRACE_S = 30.0
+"""How long past the readiness timeout the start-up thread may take to shut down what it started."""
 
 
 class AsyncOmniEngine:
-    def __init__(self, config: VllmOmniConfig, *, request_queue_size: int = 0,
-                 stage_client_factory: StageClientFactory | None = None) -> None:
-        # Stage processes are started from a thread of a process that runs several threads: fork is unsafe.
+    def __init__(self, config: VllmOmniConfig, *, stage_client_factory: StageClientFactory | None = None) -> None:
+        # Stage processes are started from a process that runs several threads: fork is unsafe.
         # Where the user chose no start method, their EngineCores may fork their own workers (plugins.py).
         if "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
             os.environ[ENGINE_CORE_FORKS_WORKERS] = "1"
         self.config = config
-        self.request_queue: janus.Queue[Any] = janus.Queue(maxsize=request_queue_size)
-        self.output_queue = OutputHandOff()
-        self.rpc_output_queue: janus.Queue[Any] = janus.Queue()
-        self.stage_clients: list[Any] = []
-        self.stage_metadata: list[dict[str, Any]] = []
-        self.capabilities: ModelCapabilities | None = None
-        """Set once the stages are up (what the served model can do, for the HTTP layer)."""
-        self.orchestrator: Orchestrator | None = None
         self._runtime = StageRuntime(config, stage_client_factory or make_stage_client)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._closed = False
-        self._thread = threading.Thread(target=self._run_loop, name="OmniOrchestrator", daemon=True)
         start = time.perf_counter()
-        self._thread.start()
         timeout = config.init_timeout or sum(s.stage_init_timeout * s.num_replicas for s in config.stages) + 30.0
+        pools = self._start_stages(timeout)
         try:
-            self._ready.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
-            self.shutdown()
-            raise RuntimeError(f"engine did not become ready within {timeout:.0f} s") from None
+            self.stage_clients: list[Any] = [pool.clients[0] for pool in pools]
+            self.stage_metadata: list[dict[str, Any]] = [self._describe(client) for client in self.stage_clients]
+            self.capabilities = self._capabilities()
+            """What the served model can do (for the HTTP layer)."""
+            self.orchestrator = Orchestrator(pools, config,
+                                             stage_modalities=[m["output_modality"] for m in self.stage_metadata])
         except BaseException:
-            self.shutdown()
+            self._runtime.shutdown()
             raise
-        self._correlated_rpc_client = CorrelatedRpcClient(self.request_queue.sync_q, self.rpc_output_queue.sync_q)
         logger.info("[AsyncOmniEngine] %d stage(s) %s ready in %.1f s", len(config.stages), config.stage_types,
                     time.perf_counter() - start)
 
-    # ---- background loop -------------------------------------------------------------------------------
-    def _run_loop(self) -> None:
-        self._loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_until_complete(self._main())
-        finally:
-            self._loop.close()
+    def _start_stages(self, timeout: float) -> list:
+        """Start every stage on a loop of its own thread (the caller's loop, if any, is blocked meanwhile);
+        past `timeout` the start is cancelled and what started is shut down (`StageRuntime.start`)."""
+        outcome: dict[str, Any] = {}
 
-    async def _main(self) -> None:
-        try:
-            pools = await self._runtime.start()
-        except BaseException as e:
-            self._ready.set_exception(e)
-            return
-        try:
-            self.stage_clients = [pool.clients[0] for pool in pools]
-            self.stage_metadata = [self._describe(client) for client in self.stage_clients]
-            self.capabilities = self._capabilities()
-            self.orchestrator = Orchestrator(self.request_queue.async_q, self.output_queue,
-                                             self.rpc_output_queue.sync_q, pools, self.config,
-                                             stage_modalities=[m["output_modality"] for m in self.stage_metadata])
-        except BaseException as e:
-            self._runtime.shutdown()
-            self._ready.set_exception(e)
-            return
-        self._ready.set_result(None)
-        try:
-            await self.orchestrator.run()
-        except Exception as e:
-            # Waiters must not hang on a loop that is gone: tell every frontend and RPC caller.
-            logger.exception("[AsyncOmniEngine] orchestrator loop crashed")
-            self.orchestrator.dead_error = f"orchestrator crashed: {type(e).__name__}: {e}"
-            fatal = ErrorMessage(error=self.orchestrator.dead_error, fatal=True, status_code=503,
-                                 error_type="EngineDeadError")
-            self.output_queue.put_nowait(fatal)
-            self.rpc_output_queue.sync_q.put(fatal)
-        finally:
-            self.output_queue.flush()  # the loop ends with this coroutine: send what it would have sent
-            self._runtime.shutdown()
+        def run() -> None:
+            try:
+                outcome["pools"] = asyncio.run(asyncio.wait_for(self._runtime.start(), timeout))
+            except TimeoutError:
+                outcome["error"] = RuntimeError(f"engine did not become ready within {timeout:.0f} s")
+            except BaseException as e:
+                outcome["error"] = e
+
+        thread = threading.Thread(target=run, name="OmniStageStart", daemon=True)
+        thread.start()
+        thread.join(timeout + START_JOIN_GRACE_S)
+        if thread.is_alive():
+            raise RuntimeError(f"engine did not become ready within {timeout:.0f} s (start-up still running)")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["pools"]
 
     def _capabilities(self) -> ModelCapabilities:
         entry = [c for c, stage in zip(self.stage_clients, self.config.stages, strict=True) if not stage.inputs]
@@ -139,15 +99,35 @@ class AsyncOmniEngine:
             "default_sampling_params": client.default_sampling_params(),
         }
 
-    # ---- frontend API (thread-safe) ----------------------------------------------------------------------
+    # ---- the caller's loop -------------------------------------------------------------------------------
+    def bind_loop(self) -> None:
+        """Bind the engine to the running loop on first use (stage clients' tasks, the stage monitor); another
+        loop later is refused: vLLM's AsyncLLM inside an AR stage is bound to the loop it first served."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return
+        if self._loop is not None:
+            raise RuntimeError(
+                "this AsyncOmni is bound to the event loop it was first used in; create one AsyncOmni per event "
+                "loop (for example inside the coroutine given to asyncio.run), or use Omni for blocking calls"
+            )
+        self._loop = loop
+        for pool in self._runtime.pools:
+            pool.on_loop()
+        self.orchestrator.start_monitor()
+
+    # ---- frontend API (on the bound loop) ----------------------------------------------------------------
     @property
     def stage_vllm_configs(self) -> list[Any]:
         return [getattr(c, "vllm_config", None) if c.kind is StageKind.AR else None for c in self.stage_clients]
 
     @property
     def is_dead(self) -> bool:
-        orch = self.orchestrator
-        return not self._thread.is_alive() or (orch is not None and orch.dead_error is not None)
+        return self.orchestrator.dead_error is not None
+
+    @property
+    def dead_error(self) -> str | None:
+        return self.orchestrator.dead_error
 
     @property
     def restarting_stages(self) -> list[int]:
@@ -168,77 +148,40 @@ class AsyncOmniEngine:
                 for replica, client in enumerate(pool.clients)
                 if (registry := getattr(client, "metrics_registry", None)) is not None]
 
-    @property
-    def dead_error(self) -> str | None:
-        if self.orchestrator is not None and self.orchestrator.dead_error is not None:
-            return self.orchestrator.dead_error
-        return None if self._thread.is_alive() else "the engine's orchestrator thread stopped"
-
-    def run_in_loop(self, coro: Any) -> concurrent.futures.Future:
-        """Run `coro` on the orchestrator's loop, where the stage clients live (vLLM's AsyncLLM is bound to
-        the loop it started on)."""
-        if self._loop is None or self._loop.is_closed():
-            coro.close()
-            raise RuntimeError("the engine's loop is not running")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    def add_request(self, request_id: str, prompt: Any, sampling_params_list: list[Any],
+    def add_request(self, request_id: str, prompt: Any, sampling_params_list: list[Any], sink: OutputSink,
                     output_modalities: list[str] | None = None) -> None:
-        self.request_queue.sync_q.put(AddRequestMessage(request_id=request_id, prompt=prompt,
-                                                        sampling_params_list=list(sampling_params_list),
-                                                        arrival_time=time.time(),
-                                                        output_modalities=output_modalities))
+        """Start the request; its outputs, in order, then at most one exception go to `sink`."""
+        self.bind_loop()
+        self.orchestrator.add_request(request_id, prompt, sampling_params_list, sink, output_modalities)
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Fire and forget: the orchestrator frees the requests in every stage; no result is sent."""
-        if self.request_queue is None:
-            raise RuntimeError("request_queue is not initialized")
-        self.request_queue.sync_q.put(AbortRequestMessage(request_ids=list(request_ids)))
+    async def abort(self, request_ids: list[str], timeout: float | None = None) -> None:
+        """Abort and return once every stage freed the requests."""
+        self.bind_loop()
+        try:
+            await asyncio.wait_for(self.orchestrator.abort(list(request_ids)), timeout)
+        except TimeoutError:
+            raise RuntimeError(f"abort timed out after {timeout} seconds") from None
 
-    async def abort_async(self, request_ids: list[str], timeout: float | None = None) -> None:
-        """Abort and wait for the orchestrator's acknowledgement (every stage freed the requests)."""
-        client = getattr(self, "_correlated_rpc_client", None)
-        if client is None:
-            raise RuntimeError("correlated RPC client is not initialized")
-        rpc_id = uuid.uuid4().hex
-        msg = AbortRequestMessage(request_ids=list(request_ids), rpc_id=rpc_id)
-        result = await asyncio.get_running_loop().run_in_executor(None, lambda: client.execute(
-            ("abort", rpc_id), msg, timeout=timeout, timeout_message=f"abort timed out after {timeout} seconds",
-            block_on_submit=True))
-        if isinstance(result, ErrorMessage):
-            raise RuntimeError(result.error)
-        if not isinstance(result, AbortResultMessage):
-            raise RuntimeError(f"unexpected abort result type: {type(result).__name__}")
-        if not result.success:
-            raise RuntimeError(result.error or "abort failed")
+    def abort_soon(self, request_ids: list[str]) -> None:
+        """Abort without waiting (a caller that stopped reading: its task is being cancelled)."""
+        self.orchestrator.abort_soon(list(request_ids))
 
     async def collective_rpc_async(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
                                    stage_ids: list[int] | None = None,
                                    timeout: float | None = None) -> dict[int, list[Any]]:
-        rpc_id = uuid.uuid4().hex
-        msg = CollectiveRPCRequestMessage(rpc_id=rpc_id, method=method, args=tuple(args), kwargs=kwargs,
-                                          stage_ids=stage_ids, timeout=timeout)
+        self.bind_loop()
         wait = None if timeout is None else timeout + 5.0
-        result = await asyncio.get_running_loop().run_in_executor(None, lambda: self._correlated_rpc_client.execute(
-            ("collective_rpc", rpc_id), msg, timeout=wait,
-            timeout_message=f"collective_rpc {method} timed out after {wait} seconds"))
-        if isinstance(result, ErrorMessage):
-            raise RuntimeError(result.error)
-        assert isinstance(result, CollectiveRPCResultMessage)
-        if result.error is not None:
-            raise RuntimeError(f"{method} failed: {result.error}")
-        return result.results
+        try:
+            return await asyncio.wait_for(self.orchestrator.collective_rpc(method, timeout, tuple(args), kwargs,
+                                                                           stage_ids), wait)
+        except TimeoutError:
+            raise RuntimeError(f"collective_rpc {method} timed out after {wait} seconds") from None
 
     def shutdown(self) -> None:
-        """Stop the orchestrator, shut the stages down (last stage first) and join the thread."""
+        """Stop every request, shut the stages down (last stage first). Call it on the bound loop's thread, or
+        once that loop stopped."""
         if self._closed:
             return
         self._closed = True
-        if self._thread.is_alive() and self._ready.done() and self._ready.exception() is None:
-            self.request_queue.sync_q.put(ShutdownMessage())
-        self._thread.join(timeout=SHUTDOWN_JOIN_TIMEOUT_S)
-        if self._thread.is_alive():
-            logger.error("[AsyncOmniEngine] orchestrator thread did not stop within %.0f s", SHUTDOWN_JOIN_TIMEOUT_S)
-        client = getattr(self, "_correlated_rpc_client", None)
-        if client is not None:
-            client.close()
+        self.orchestrator.close()
+        self._runtime.shutdown()

@@ -13,7 +13,11 @@ from vllm_omni.outputs import OmniRequestOutput
 
 
 class StageClientBase:
-    """One replica of one stage, driven from the Orchestrator's event loop.
+    """One replica of one stage, driven from the event loop of whoever calls the engine (as vLLM's AsyncLLM).
+
+    `start` may run on another loop than the one that drives the client afterwards (the engine starts its
+    stages on a start-up loop of its own): loop-bound state (tasks, events) belongs in `on_loop`, which the
+    engine calls once on the driving loop before any other call.
 
     `generate` yields the stage's outputs for one request (the last one has `finished=True`); a failure of
     that request alone raises; the death of the stage raises `EngineDeadError` and sets `is_dead`.
@@ -50,6 +54,9 @@ class StageClientBase:
     async def start(self) -> None:
         """Start the stage's engine; return when it can take requests."""
         raise NotImplementedError
+
+    def on_loop(self) -> None:
+        """Called on the loop that drives this client from now on: start its loop-bound tasks there."""
 
     def generate(self, request_id: str, prompt: Any, sampling_params: Any) -> AsyncIterator[OmniRequestOutput]:
         raise NotImplementedError

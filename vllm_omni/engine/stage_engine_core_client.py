@@ -51,7 +51,6 @@ class StageEngineCoreClient(StageClientBase):
         self._watch_task: asyncio.Task | None = None
         self._dead = False
         self._core_segments: set[str] = set()
-        self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-build")
         self._building: Future | None = None
         """An AsyncLLM being constructed (its EngineCore starting); `shutdown` takes it over so that a
         shutdown during a restart never leaves a half-built engine running."""
@@ -61,6 +60,13 @@ class StageEngineCoreClient(StageClientBase):
 
     async def start(self) -> None:
         await self._start_llm()
+        self.on_loop()
+
+    def on_loop(self) -> None:
+        """The death watch and vLLM's stats log line run on the driving loop (moved there from `start`'s)."""
+        for task in (self._watch_task, self._stats_task):
+            if task is not None:
+                task.cancel()
         self._watch_task = asyncio.create_task(self._watch(), name=f"{self.name}-watch")
         if not self.config.make_engine_args().disable_log_stats:
             self._stats_task = asyncio.create_task(self._log_stats(), name=f"{self.name}-stats")
@@ -79,7 +85,10 @@ class StageEngineCoreClient(StageClientBase):
         registry = CollectorRegistry()
         # The EngineCore (spawned while AsyncLLM is built, also on a restart) takes this replica's OpenMP CPU set.
         with stage_environ(self.config.omp_env(self.replica_id)):
-            built = self._builder.submit(self._build_llm, AsyncLLM, vllm_config, engine_args, registry)
+            # A thread per build, ending with it: no idle thread stays in the API process.
+            builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-build")
+            built = builder.submit(self._build_llm, AsyncLLM, vllm_config, engine_args, registry)
+            builder.shutdown(wait=False)
             self._building = built
             try:
                 llm = await asyncio.wait_for(asyncio.wrap_future(built), timeout=self.config.stage_init_timeout)
@@ -285,7 +294,7 @@ class StageEngineCoreClient(StageClientBase):
     def shutdown(self) -> None:
         self._dead = True
         for task in (self._watch_task, self._restart_task, self._stats_task):
-            if task is not None:
+            if task is not None and not task.done():
                 task.cancel()
         building, self._building = self._building, None
         if building is not None:  # mid-restart: wait for the EngineCore being started, then shut it down
@@ -297,7 +306,6 @@ class StageEngineCoreClient(StageClientBase):
                 building.add_done_callback(_discard_built)
             except Exception:  # the build failed: nothing to shut down
                 pass
-        self._builder.shutdown(wait=False)
         self._shutdown_llm()
 
 

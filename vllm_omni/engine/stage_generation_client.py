@@ -50,6 +50,12 @@ class StageGenerationClient(StageClientBase):
         self.model = await asyncio.wait_for(loop.run_in_executor(
             self._executor, lambda: model_cls.from_pretrained(self.config.model, device=device, dtype=dtype)),
             timeout=self.config.stage_init_timeout)
+        self.on_loop()
+
+    def on_loop(self) -> None:
+        """The batcher runs on the loop that drives the stage (moved there from `start`'s)."""
+        if self._batcher is not None:
+            self._batcher.cancel()
         self._wakeup = asyncio.Event()
         self._batcher = asyncio.create_task(self._run_batches())
 
@@ -130,10 +136,10 @@ class StageGenerationClient(StageClientBase):
 
     @property
     def is_dead(self) -> bool:
-        return self._batcher is not None and self._batcher.done()
+        return self._batcher is not None and self._batcher.done() and not self._batcher.cancelled()
 
     def shutdown(self) -> None:
-        if self._batcher is not None:
+        if self._batcher is not None and not self._batcher.done():
             self._batcher.cancel()
         self._executor.shutdown(wait=True, cancel_futures=True)
         self.model = None

@@ -61,6 +61,12 @@ class StagePool:
         """At least one replica takes requests now."""
         return "serving" in self.replica_states()
 
+    def on_loop(self) -> None:
+        """Each replica's `on_loop` (duck-typed clients may leave it out)."""
+        for client in self.clients:
+            if (hook := getattr(client, "on_loop", None)) is not None:
+                hook()
+
     def active_replica(self, request_id: str) -> int | None:
         return self._inflight.get(request_id)
 

@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from vllm_omni.config.stage_kind import StageKind
-from vllm_omni.engine.messages import AckMetadata, CuMemTag, ErrorMessage, OmniACK, PauseMode, StageRpcError
+from vllm_omni.engine.messages import AckMetadata, CuMemTag, OmniACK, PauseMode, StageRpcError
 from vllm_omni.entrypoints.omni_base import OmniBase
-from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError, StageRestartingError
+from vllm_omni.errors import EngineDeadError, OmniClientError, StageRestartingError
 from vllm_omni.logger import init_logger
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -51,7 +51,6 @@ class AsyncOmni(OmniBase):
     def __init__(self, model: str, **kwargs: Any) -> None:
         super().__init__(model, **kwargs)
         self.request_states: dict[str, _RequestState] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._pause_cond: asyncio.Condition | None = None
         self._paused = False
         self._hold_admission_until_resume = False
@@ -79,6 +78,7 @@ class AsyncOmni(OmniBase):
     async def check_health(self) -> None:
         """Raises while the engine is dead, or while a stage has no serving replica because it is restarting
         its workers (503 until back). A stage with another replica serving is degraded, not unhealthy."""
+        self.engine.bind_loop()
         if self.engine.is_dead:
             raise self.dead_error
         if restarting := self.engine.restarting_stages:
@@ -107,7 +107,7 @@ class AsyncOmni(OmniBase):
         """Stream the request's outputs (partial text from streaming AR stages, then final media).
 
         `output_modalities` (e.g. ["text"]) stops the request after the last stage making one of them."""
-        self._check_loop()
+        self.engine.bind_loop()
         if sampling_params_list is None and sampling_params is not None:
             sampling_params_list = sampling_params
         params = self._resolve_sampling_params(sampling_params_list)
@@ -118,20 +118,20 @@ class AsyncOmni(OmniBase):
             raise OmniClientError(f"request id {request_id!r} is already in flight", param="request_id")
         state = _RequestState(request_id)
         self.request_states[request_id] = state
-        self.engine.add_request(request_id, prompt, params, output_modalities)
+        self.engine.add_request(request_id, prompt, params, state.put, output_modalities)
         finished = False
         try:
             while not finished:
                 item = await state.get()
                 if item is _ABORTED:
                     return
-                if isinstance(item, ErrorMessage):
-                    raise _to_exception(item)
+                if isinstance(item, BaseException):
+                    raise item
                 finished = item.finished
                 yield item
         except (asyncio.CancelledError, GeneratorExit):
             if not finished:
-                self.engine.abort([request_id])
+                self.engine.abort_soon([request_id])
             raise
         finally:
             if self.request_states.get(request_id) is state:
@@ -143,32 +143,11 @@ class AsyncOmni(OmniBase):
         await self._abort(ids)
 
     async def _abort(self, request_ids: list[str]) -> None:
-        await self.engine.abort_async(request_ids, timeout=ABORT_TIMEOUT_S)
+        await self.engine.abort(request_ids, timeout=ABORT_TIMEOUT_S)
         for rid in request_ids:
             state = self.request_states.pop(rid, None)
             if state is not None:
                 state.put(_ABORTED)
-
-    def _check_loop(self) -> None:
-        # The engine's outputs go to the loop that first used this AsyncOmni; a second loop would wait forever.
-        loop = asyncio.get_running_loop()
-        if self._loop is None:
-            self._loop = loop
-            self.engine.output_queue.subscribe(loop, self._deliver)
-        elif loop is not self._loop:
-            raise RuntimeError(
-                "this AsyncOmni is bound to the event loop it was first used in; create one AsyncOmni per event "
-                "loop (for example inside the coroutine given to asyncio.run), or use Omni for blocking calls"
-            )
-
-    def _deliver(self, batch: list[Any]) -> None:
-        """One orchestrator loop iteration's outputs (on this loop): each to its request, in order."""
-        for msg in batch:
-            if isinstance(msg, ErrorMessage) and msg.fatal:
-                for state in self.request_states.values():
-                    state.put(msg)
-            elif (state := self.request_states.get(msg.request_id)) is not None:
-                state.put(msg)
 
     # ---- control RPC ------------------------------------------------------------------------------------
     def _validate_stage_ids(self, stage_ids: list[int] | None) -> list[int]:
@@ -312,12 +291,3 @@ class AsyncOmni(OmniBase):
     def shutdown(self) -> None:
         self.close()
 
-
-def _to_exception(msg: ErrorMessage) -> BaseException:
-    if msg.fatal or msg.error_type == "EngineDeadError":
-        return EngineDeadError(msg.error)
-    if 400 <= msg.status_code < 500:
-        return OmniClientError(msg.error, status_code=msg.status_code, param=msg.param)
-    if msg.status_code == StageRestartingError.status_code:
-        return StageRestartingError(msg.error)
-    return EngineGenerateError(msg.error)

@@ -65,6 +65,27 @@ def test_text_frames_and_audio_equal_transformers(omni, hf_model, tiny_path, tal
         assert {"stage-0-llm", "stage-1-llm", "stage-2-generation", "e2e"} <= set(audio_out.stage_durations)
 
 
+def test_engine_threads_after_a_request_with_audio(omni, tiny_path):
+    """The engine's threads in this process once a request ran every stage: `Omni`'s loop (the sync API's, as
+    vLLM's `LLM` drives its engine) and the vocoder's executor; no orchestrator thread, result router, output
+    hand-off or idle start-up thread (the engine runs on its caller's loop, as vLLM's AsyncLLM)."""
+    import re
+    import threading
+    from collections import Counter
+
+    from vllm import SamplingParams
+
+    (ids,) = chat_prompt_ids(tiny_path, PROMPTS[0])[:1]
+    params = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=6), None]
+    outputs = omni.generate([{"prompt_token_ids": ids.tolist()}], params, use_tqdm=False)
+    assert outputs[-1].final_output_type == "audio"
+    kinds = Counter(re.sub(r"([-_.]?\d+)+$", "", t.name) for t in threading.enumerate())
+    print(f"Python thread kinds ({len(kinds)}): {dict(kinds)}")
+    engine_made = {k for k in kinds if k.startswith(("Omni", "generation-stage", "stage-", "qwen3"))}
+    assert engine_made == {"OmniLoop", "generation-stage"}, kinds
+
+
 def test_text_only_request_stops_after_the_thinker(omni, tiny_path):
     """`output_modalities=["text"]`: only the thinker runs; its text equals that of a full text + audio run."""
     from vllm import SamplingParams

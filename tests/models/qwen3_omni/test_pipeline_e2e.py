@@ -63,7 +63,7 @@ def talker_generate(omni, requests: list[tuple], keys: list[str]) -> tuple[list,
         (frames,) = await talker.collective_rpc("take_talker_frames", args=(keys,))
         return finals, frames
 
-    return omni.engine.run_in_loop(run()).result(timeout=TALKER_TIMEOUT_S)
+    return omni.run_in_loop(run()).result(timeout=TALKER_TIMEOUT_S)
 
 
 @pytest.mark.slow

@@ -5,8 +5,8 @@ Requests go through the Orchestrator like every other request (abort, admission,
 omni metrics stay in one place): `generate` submits the prompt with the given SamplingParams for the AR stage
 (every other stage keeps its default) and asks only for text, so a Qwen3-Omni server answers
 `/v1/completions` from its thinker without running the talker. The stage's vLLM objects that the serving
-classes read (config, renderer, input processor) are the stage's own `AsyncLLM`'s; calls that must run where
-that `AsyncLLM` lives are sent to the orchestrator's loop.
+classes read (config, renderer, input processor) are the stage's own `AsyncLLM`'s, which runs on the caller's
+(the server's) loop like every stage: calls on it are awaited here, each bounded in time.
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ class OmniStageEngineClient(EngineClient):
     def input_processor(self) -> Any:
         return self._llm.input_processor
 
-    async def _on_engine_loop(self, coro: Any) -> Any:
-        future = self.omni.engine.run_in_loop(coro)
-        return await asyncio.wait_for(asyncio.wrap_future(future), LOOP_CALL_TIMEOUT_S)
+    async def _call_stage(self, coro: Any) -> Any:
+        """A call on the stage's AsyncLLM (which runs on this, the caller's, loop), bounded in time."""
+        return await asyncio.wait_for(coro, LOOP_CALL_TIMEOUT_S)
 
     # State ------------------------------------------------------------------------------------------
     @property
@@ -89,7 +89,7 @@ class OmniStageEngineClient(EngineClient):
     async def get_supported_tasks(self) -> tuple[str, ...]:
         """vLLM's tasks for the stage that this path carries: text generation. Transcription / realtime (audio
         input) and pooling are not routed through the pipeline, so vLLM's routes for them are not mounted."""
-        tasks = await self._on_engine_loop(self._llm.get_supported_tasks())
+        tasks = await self._call_stage(self._llm.get_supported_tasks())
         return tuple(task for task in tasks if task in SERVED_TASKS)
 
     # Requests ---------------------------------------------------------------------------------------
@@ -125,19 +125,19 @@ class OmniStageEngineClient(EngineClient):
 
     async def notify_kv_transfer_request_rejected(self, request_id: str, kv_transfer_params: dict[str, Any],
                                                   data_parallel_rank: int | None = None) -> None:
-        await self._on_engine_loop(self._llm.notify_kv_transfer_request_rejected(
+        await self._call_stage(self._llm.notify_kv_transfer_request_rejected(
             request_id, kv_transfer_params, data_parallel_rank=data_parallel_rank))
 
     async def do_log_stats(self) -> None:
         """The stage logs its own stats periodically (it owns the AsyncLLM); an extra call logs now."""
-        await self._on_engine_loop(self._llm.do_log_stats())
+        await self._call_stage(self._llm.do_log_stats())
 
     # Control: the pipeline-wide operations of AsyncOmni ----------------------------------------------
     async def start_profile(self, *args: Any, **kwargs: Any) -> None:
-        await self._on_engine_loop(self._llm.start_profile(*args, **kwargs))
+        await self._call_stage(self._llm.start_profile(*args, **kwargs))
 
     async def stop_profile(self) -> None:
-        await self._on_engine_loop(self._llm.stop_profile())
+        await self._call_stage(self._llm.stop_profile())
 
     async def reset_mm_cache(self) -> None:
         await self.omni.reset_mm_cache()
@@ -152,7 +152,7 @@ class OmniStageEngineClient(EngineClient):
         await self.omni.sleep(level=level)
 
     async def release_kv_cache_memory(self) -> None:
-        await self._on_engine_loop(self._llm.release_kv_cache_memory())
+        await self._call_stage(self._llm.release_kv_cache_memory())
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
         await self.omni.wake_up(tags=tags)
