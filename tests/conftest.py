@@ -1,10 +1,14 @@
 """Shared test setup: markers, the tiny-checkpoint cache, CPU-friendly vLLM defaults, and the process-group
 fixture `dist_world` of every test that builds a diffusion model (tests/diffusion and tests/models alike), and
-`shared_server`, the live `vllm serve` processes that several modules share."""
+`shared_server`, the live `vllm serve` processes that several modules share; and the per-module set-up budget
+(tests/setup_budget.toml), which fails the run when a module's set-up grows past it."""
 
 from __future__ import annotations
 
+import json
 import os
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +113,64 @@ def stop_later():
     yield stop
     unclean = [str(srv.log) for srv in stopping if not srv.close()]
     assert not unclean, f"servers did not shut down cleanly on SIGTERM; logs: {unclean}"
+
+
+SETUP_BUDGET = Path(__file__).with_name("setup_budget.toml")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("setup budget")
+    group.addoption("--setup-budget-scale", type=float, default=float(os.environ.get("SETUP_BUDGET_SCALE", "1")),
+                    help="Multiply every per-module set-up budget of tests/setup_budget.toml (0 turns the check "
+                         "off); for a machine slower than CI's. Default: $SETUP_BUDGET_SCALE or 1.")
+    group.addoption("--setup-times-json", default=os.environ.get("SETUP_TIMES_JSON"),
+                    help="Write each module's set-up, call and teardown seconds to this JSON file.")
+
+
+class SetupBudget:
+    """A plugin: seconds each test module spent in set-up, calls and teardown (the report phases of its tests; a
+    shared session fixture counts in the module that first asks for it), against tests/setup_budget.toml.
+
+    A module whose set-up outgrows its budget fails the run, so a new server start or a slower fixture is a
+    decision someone writes into the table, not CI minutes that creep in."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        table = tomllib.loads(SETUP_BUDGET.read_text())
+        self.default_s = float(table["default_s"])
+        self.budgets = {name: float(s) for name, s in table.get("modules", {}).items()}
+        self.scale = config.getoption("--setup-budget-scale")
+        self.json_path = config.getoption("--setup-times-json")
+        self.times: dict[str, dict[str, float]] = {}
+        self.over: list[tuple[str, float, float]] = []
+
+    def budget(self, module: str) -> float:
+        return self.budgets.get(module, self.default_s) * self.scale
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        phases = self.times.setdefault(report.nodeid.split("::", 1)[0], {"setup": 0.0, "call": 0.0, "teardown": 0.0})
+        phases[report.when] += report.duration
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if self.json_path:
+            Path(self.json_path).write_text(json.dumps(self.times, indent=1, sort_keys=True))
+        if self.scale > 0:
+            self.over = [(module, t["setup"], self.budget(module)) for module, t in self.times.items()
+                         if t["setup"] > self.budget(module)]
+        if self.over and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.times:
+            return
+        tr = terminalreporter
+        slowest = sorted(self.times.items(), key=lambda kv: -sum(kv[1].values()))[:25]
+        tr.write_sep("=", "slowest 25 modules (set-up / calls / teardown, s)")
+        for module, t in slowest:
+            tr.write_line(f"{t['setup']:8.1f} {t['call']:8.1f} {t['teardown']:8.1f}  {module}")
+        for module, setup_s, budget_s in self.over:
+            tr.write_line(f"SET-UP BUDGET EXCEEDED: {module} spent {setup_s:.1f} s in set-up, budget {budget_s:.1f} s "
+                          f"(tests/setup_budget.toml; --setup-budget-scale={self.scale:g})", red=True, bold=True)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(SetupBudget(config), "setup-budget")

@@ -1,5 +1,6 @@
 """Every fenced block marked `<!-- runnable -->` in README.md and docs/ runs as written (tools/check_docs.py):
-help pages and tiny offline snippets, each in a fresh directory."""
+help pages and tiny offline snippets, each in a fresh directory; blocks of `vllm ...` lines only through vLLM's CLI
+entry point in this process."""
 
 from __future__ import annotations
 
@@ -27,3 +28,13 @@ def test_pages_have_marked_blocks():
 def test_block_runs(page, lang, body):
     out = check_docs.run_block(lang, body)
     assert out.returncode == 0, f"{page} {lang} block failed:\n{body}\n{(out.stdout + out.stderr)[-4000:]}"
+
+
+def test_cli_block_runs_in_process_and_fails_like_the_cli():
+    """A `vllm` line runs in this process and keeps the CLI's exit status and output: an unknown flag is argparse's
+    exit 2 naming it; anything beyond plain `vllm` lines (a pipe) goes to bash."""
+    assert check_docs.cli_lines("vllm --version\nvllm serve --omni --help=all > /dev/null\n") == [
+        ["vllm", "--version"], ["vllm", "serve", "--omni", "--help=all"]]
+    assert check_docs.cli_lines("vllm --version | head -1") is None
+    out = check_docs.run_block("bash", "vllm --version\nvllm serve --omni --no-such-flag\n")
+    assert out.returncode == 2 and "--no-such-flag" in out.stderr, out

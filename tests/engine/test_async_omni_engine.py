@@ -42,9 +42,20 @@ def config(fail_stage: int | None = None) -> VllmOmniConfig:
     return VllmOmniConfig(model="echo", model_path="echo", pipeline_name="echo", stages=stages)
 
 
-def test_three_stages_run_and_shut_down_last_first():
+class SideBySide(Echo):
+    """Each stage's shutdown returns only once all three are inside theirs: one after another never gets there."""
+
+    barrier = threading.Barrier(3, timeout=10)
+
+    def shutdown(self) -> None:
+        SideBySide.barrier.wait()
+        super().shutdown()
+
+
+def test_three_stages_run_and_shut_down_side_by_side():
     Echo.started, Echo.stopped = [], []
-    engine = AsyncOmniEngine(config(), stage_client_factory=Echo)
+    SideBySide.barrier.reset()
+    engine = AsyncOmniEngine(config(), stage_client_factory=SideBySide)
     try:
         assert [m["stage_type"] for m in engine.stage_metadata] == ["llm"] * 3 and not engine.is_dead
         # Only stage 0 takes the user's prompt; only stage 2 is final.
@@ -65,7 +76,8 @@ def test_three_stages_run_and_shut_down_last_first():
             asyncio.run(request())
     finally:
         engine.shutdown()
-    assert Echo.started == [0, 1, 2] and Echo.stopped == [2, 1, 0]
+    assert Echo.started == [0, 1, 2] and sorted(Echo.stopped) == [0, 1, 2]
+    assert not any(t.name == "OmniOrchestrator" and t.is_alive() for t in threading.enumerate())
 
 
 def test_start_failure_names_stage_and_stops_started_ones():
@@ -105,3 +117,25 @@ def test_stage_monitor_marks_the_engine_dead_for_every_waiter():
         assert engine.is_dead and "stage 0 (llm) died" in engine.dead_error
     finally:
         engine.shutdown()
+
+
+def test_cancel_task_from_another_thread_wakes_the_loop():
+    """Why: stages stop side by side from threads of their own; a task cancelled there with `Task.cancel()` (not
+    thread-safe) would not wake the loop, and under asyncio debug raises."""
+    from vllm_omni.engine.stage_client import cancel_task
+
+    async def main():
+        task = asyncio.create_task(asyncio.sleep(60))
+        await asyncio.sleep(0)
+        canceller = threading.Thread(target=cancel_task, args=(task,))
+        canceller.start()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, timeout=5)
+        canceller.join(timeout=5)
+
+    loop = asyncio.new_event_loop()
+    loop.set_debug(True)
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()

@@ -177,9 +177,18 @@ class AsyncOmniEngine:
         except TimeoutError:
             raise RuntimeError(f"collective_rpc {method} timed out after {wait} seconds") from None
 
+    async def shutdown_async(self) -> None:
+        """Stop every request and shut the stages down side by side, on the bound loop: it keeps running meanwhile,
+        so the tasks the clients cancel from their stop threads do end."""
+        if self._closed:
+            return
+        self._closed = True
+        self.orchestrator.close()
+        await self._runtime.shutdown_async()
+
     def shutdown(self) -> None:
-        """Stop every request, shut the stages down (last stage first). Call it on the bound loop's thread, or
-        once that loop stopped."""
+        """Stop every request and shut the stages down one after another, where no loop can be awaited: after the
+        bound loop stopped (on a running loop use `shutdown_async`)."""
         if self._closed:
             return
         self._closed = True

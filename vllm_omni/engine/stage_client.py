@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
@@ -10,6 +12,21 @@ from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.models.shapes import ShapeRule
 from vllm_omni.models.spec import Modality
 from vllm_omni.outputs import OmniRequestOutput
+
+
+def cancel_task(task: asyncio.Task) -> None:
+    """`task.cancel()` from any thread: `StageRuntime.shutdown` stops several stages side by side, from threads
+    other than the event loop's (asyncio's own calls are not thread-safe)."""
+    loop = task.get_loop()
+    try:
+        here = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        here = False
+    if here:
+        task.cancel()
+    else:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the task will never run again
+            loop.call_soon_threadsafe(task.cancel)
 
 
 class StageClientBase:

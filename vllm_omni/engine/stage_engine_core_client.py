@@ -23,7 +23,7 @@ from typing import Any
 
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.output_collectors import get_output_collector
-from vllm_omni.engine.stage_client import StageClientBase
+from vllm_omni.engine.stage_client import StageClientBase, cancel_task
 from vllm_omni.engine.stage_runtime import stage_environ
 from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError, StageRestartingError
 from vllm_omni.logger import init_logger
@@ -294,8 +294,8 @@ class StageEngineCoreClient(StageClientBase):
     def shutdown(self) -> None:
         self._dead = True
         for task in (self._watch_task, self._restart_task, self._stats_task):
-            if task is not None and not task.done():
-                task.cancel()
+            if task is not None:
+                cancel_task(task)
         building, self._building = self._building, None
         if building is not None:  # mid-restart: wait for the EngineCore being started, then shut it down
             try:

@@ -19,7 +19,7 @@ import numpy as np
 
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.messages import StageRpcError
-from vllm_omni.engine.stage_client import StageClientBase
+from vllm_omni.engine.stage_client import StageClientBase, cancel_task
 from vllm_omni.errors import OmniClientError
 from vllm_omni.outputs import OmniRequestOutput
 
@@ -139,7 +139,7 @@ class StageGenerationClient(StageClientBase):
         return self._batcher is not None and self._batcher.done() and not self._batcher.cancelled()
 
     def shutdown(self) -> None:
-        if self._batcher is not None and not self._batcher.done():
-            self._batcher.cancel()
+        if self._batcher is not None:
+            cancel_task(self._batcher)
         self._executor.shutdown(wait=True, cancel_futures=True)
         self.model = None

@@ -114,10 +114,7 @@ class Omni(OmniBase):
         if loop is None or loop.is_closed():
             return super().close()
         if self._thread.is_alive():
-            async def shutdown() -> None:
-                self.engine.shutdown()
-
-            self.run_in_loop(shutdown()).result(timeout=_LOOP_CALL_TIMEOUT_S)
+            self.run_in_loop(self.engine.shutdown_async()).result(timeout=_LOOP_CALL_TIMEOUT_S)
             loop.call_soon_threadsafe(loop.stop)
             self._thread.join(timeout=_LOOP_CALL_TIMEOUT_S)
         if not self._thread.is_alive():

@@ -106,6 +106,12 @@ class OmniBase:
         if engine is not None:
             engine.shutdown()
 
+    async def close_async(self) -> None:
+        """`close` on the loop that drives the engine: the stages stop side by side while it keeps running."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            await engine.shutdown_async()
+
     def __enter__(self):
         return self
 

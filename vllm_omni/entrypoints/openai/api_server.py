@@ -26,7 +26,7 @@ from vllm_omni.entrypoints.openai.errors import register_exception_handlers
 from vllm_omni.entrypoints.openai.metrics import OmniMetrics
 from vllm_omni.entrypoints.openai.middleware import add_omni_middleware
 from vllm_omni.entrypoints.openai.playground import router as playground_router
-from vllm_omni.entrypoints.openai.serving_base import ServerLimits, maybe_await
+from vllm_omni.entrypoints.openai.serving_base import ServerLimits
 from vllm_omni.entrypoints.openai.serving_chat import OmniOpenAIServingChat
 from vllm_omni.entrypoints.openai.serving_images import OmniOpenAIServingImages
 from vllm_omni.entrypoints.openai.serving_speech import OmniOpenAIServingSpeech
@@ -202,7 +202,7 @@ async def run_server(args: argparse.Namespace, **uvicorn_kwargs: Any) -> None:
         )
         await shutdown
     finally:
-        await maybe_await(engine.close())
+        await engine.close_async()
         sock.close()
 
 
