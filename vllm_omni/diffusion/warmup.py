@@ -16,8 +16,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from vllm_omni.diffusion.data import OmniDiffusionConfig, parse_warmup_shapes
 from vllm_omni.diffusion.layers.compile import AcceleratedForward, accelerated_forwards
 from vllm_omni.diffusion.request import OmniDiffusionRequest
@@ -71,8 +69,7 @@ def step_bucket(count: int, buckets: list[int]) -> int:
 def warm_up(pipeline: Any, od_config: OmniDiffusionConfig, rank: int = 0) -> list[WarmedSignature]:
     """Run the warm-up on a loaded pipeline (nothing when it has no compiled DiT or the shapes are ""); then
     mark its compiled forwards as serving. Every rank of a stage runs the same warm-up (same collectives)."""
-    # The diffusers adapter's pipeline is not a module: no compiled DiT of ours to warm.
-    forwards = accelerated_forwards(pipeline) if isinstance(pipeline, torch.nn.Module) else []
+    forwards = accelerated_forwards(pipeline)
     shapes = parse_warmup_shapes(od_config.diffusion_warmup_shapes)
     warmed: list[WarmedSignature] = []
     if forwards and shapes != []:
