@@ -2,9 +2,11 @@
 
 Builds the real-size configs (FLUX.1-dev 11.9B, Qwen-Image 20.4B) with random bf16 weights directly on the GPU,
 copies diffusers' state_dict into ours through our name-mapping loaders, then times every variant of ours
-(attention kernels, regional torch.compile, CUDA-graph replay) against diffusers' eager forward. Prints a table
-(ms, TFLOP/s from FlopCounterMode, % of a bf16 matmul peak measured in the same run, speed-up, PSNR vs
-diffusers and vs our eager path) and writes JSON. `--smoke` runs tiny configs on the CPU in seconds.
+(attention kernels, regional torch.compile, CUDA-graph replay) against diffusers' eager forward and, on CUDA
+(`--diffusers-compiled`, on by default), against diffusers with `compile_repeated_blocks` (its own regional
+torch.compile, what a user who knows diffusers runs). Prints a table (ms, TFLOP/s from FlopCounterMode, % of a
+bf16 matmul peak measured in the same run, speed-up against both references, PSNR vs diffusers and vs our eager
+path) and writes JSON. `--smoke` runs tiny configs on the CPU in seconds.
 
   python benchmarks/diffusion/bench_dit_forward.py --models flux qwen-image --sizes 1024 512 --out res.json
 """
@@ -55,6 +57,7 @@ class Row:
     tflops: float | None = None
     pct_peak: float | None = None
     speedup_vs_diffusers: float | None = None
+    speedup_vs_diffusers_compiled: float | None = None
     psnr_vs_diffusers: float | None = None
     psnr_vs_ours_eager: float | None = None
     note: str = ""
@@ -330,8 +333,30 @@ class Bench:
                     self._attention_variants(name, size, batch, ours, our_call, tflop, ref_ms, ref_out, eager)
                     self._graph_variant(name, size, batch, "ours eager + CUDA graph", ours, our_call, tflop,
                                         ref_ms, ref_out, eager)
+            compiled_ms = self._diffusers_compiled(name, reference, plans, config, text_tokens, ours, ref_info) \
+                if args.diffusers_compiled and device.type == "cuda" else {}
             if args.compile:
                 self._compiled_variants(name, ours, plans, config, text_tokens, ref_info, eager_outs)
+        for row in self.rows:  # every row of ours, against the second reference too
+            if row.model == name and compiled_ms.get((row.size, row.batch)) and row.ms_median \
+                    and not row.variant.startswith("diffusers"):
+                row.speedup_vs_diffusers_compiled = compiled_ms[(row.size, row.batch)] / row.ms_median
+
+    def _diffusers_compiled(self, name, reference, plans, config, text_tokens, ours, ref_info
+                            ) -> dict[tuple[int, int], float]:
+        """diffusers' transformer with `compile_repeated_blocks` (in place: after every eager diffusers row), per
+        plan: its median ms."""
+        reference.compile_repeated_blocks(fullgraph=True, mode=self.args.compile_mode)
+        out: dict[tuple[int, int], float] = {}
+        for size, batch in plans:
+            ref_ms, tflop, ref_out = ref_info[(size, batch)]
+            ref_call, _ = make_inputs(name, config, size, batch, text_tokens, self.device, self.dtype, ours)
+            t0 = time.perf_counter()
+            row = Row(name, size, batch, "diffusers compile_repeated_blocks")
+            if self.measure(row, functools.partial(ref_call, reference), tflop, ref_ms, ref_out, None) is not None:
+                out[(size, batch)] = row.ms_median
+            row.extra["first_call_s"] = round(time.perf_counter() - t0, 1)
+        return out
 
     def _attention_variants(self, name, size, batch, ours, our_call, tflop, ref_ms, ref_out, eager) -> None:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -399,11 +424,12 @@ def print_table(rows: list[Row]) -> None:
         return format("-", f">{spec.split('.')[0]}") if value is None else format(value, spec)
 
     header = f"{'model':<11}{'size':>6}{'bs':>4}  {'variant':<36}{'ms':>9}{'TFLOP/s':>9}{'%peak':>7}{'x diff':>8}"
-    print("\n" + header + f"{'PSNR/diff':>11}{'PSNR/eager':>11}")
+    print("\n" + header + f"{'x comp':>8}{'PSNR/diff':>11}{'PSNR/eager':>11}")
     for r in rows:
         print(f"{r.model:<11}{r.size:>6}{r.batch:>4}  {r.variant:<36}{fmt(r.ms_median, '9.2f')}"
               f"{fmt(r.tflops, '9.1f')}{fmt(r.pct_peak, '7.1f')}{fmt(r.speedup_vs_diffusers, '8.2f')}"
-              f"{fmt(r.psnr_vs_diffusers, '11.1f')}{fmt(r.psnr_vs_ours_eager, '11.1f')}  {r.note[:60]}")
+              f"{fmt(r.speedup_vs_diffusers_compiled, '8.2f')}{fmt(r.psnr_vs_diffusers, '11.1f')}"
+              f"{fmt(r.psnr_vs_ours_eager, '11.1f')}  {r.note[:60]}")
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -439,6 +465,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also time eager SDPA kernels and eager + CUDA graph (CUDA)")
     parser.add_argument("--attention-backends", nargs="+", default=["CUDNN_ATTN", "TORCH_SDPA"],
                         help="our attention backends to time the compiled variants with (CUDA)")
+    parser.add_argument("--diffusers-compiled", action=argparse.BooleanOptionalAction, default=True,
+                        help="CUDA: also time diffusers with compile_repeated_blocks (the second reference)")
     parser.add_argument("--profile", action="store_true",
                         help="also record a per-kernel-category GPU time breakdown of each compiled variant (CUDA)")
     parser.add_argument("--smoke", action="store_true", help="tiny configs on the CPU (fp32), seconds")

@@ -11,7 +11,8 @@ and the server's per-stage durations. Start the server first, e.g.
 `--offline-images-per-s` (from bench_pipeline.py on the same machine) adds the serving/offline ratio.
 
 `--compare-modes MODEL` instead starts `vllm serve MODEL --omni` itself, once per execution mode (`--modes`:
-request-mode FCFS, step-mode FCFS, step-mode SLO; same build, same flags otherwise), and replays one seeded
+request-mode FCFS, step-mode FCFS, step-mode SLO; same build, same flags otherwise, the same `--max-num-seqs`
+for all three: request mode co-batches too), and replays one seeded
 Poisson schedule of a mix of sizes and step counts against each (`--num-prompts`, 40 by default). The offered
 rate is `--request-rate`, else `--load` x the capacity given by the mix's mean solo latency, measured on the
 idle request-mode server (median of `--calibration-reps` after a warm-up). Each request's deadline is 2x its
@@ -143,7 +144,7 @@ def summarize(args: argparse.Namespace, results: list[RequestResult], duration: 
 # ---- --compare-modes -------------------------------------------------------------------------------------------
 
 MODES = {
-    "request-fcfs": ["--max-num-seqs", "1"],
+    "request-fcfs": [],
     "step-fcfs": ["--step-execution", "--diffusion-scheduler-policy", "fcfs"],
     "step-slo": ["--step-execution", "--diffusion-scheduler-policy", "slo"],
 }
@@ -303,8 +304,7 @@ async def serve_mode(args: argparse.Namespace, mode: str, mix: list[tuple[str, i
     """One mode's server replays `plan`; with no plan yet (the run's first mode, request FCFS) it first measures
     the solo latencies that set the plan and deadlines. (results, plan, deadlines, duration, 1-min loadavg
     before and after)."""
-    step_flags = ["--max-num-seqs", str(args.step_max_num_seqs)] if mode.startswith("step") else []
-    server = Server(args.compare_modes, _free_port(), [*MODES[mode], *step_flags, *shlex.split(args.server_args)],
+    server = Server(args.compare_modes, _free_port(), mode_flags(args, mode),
                     Path(tempfile.gettempdir()) / f"serving_modes-{stamp}-{mode}.log")
     try:
         server.wait_ready()
@@ -319,6 +319,12 @@ async def serve_mode(args: argparse.Namespace, mode: str, mix: list[tuple[str, i
     finally:
         server.close()
     return results, plan, deadlines, duration, [load_before, os.getloadavg()[0]]
+
+
+def mode_flags(args: argparse.Namespace, mode: str) -> list[str]:
+    """The `vllm serve` flags of `mode`: every mode gets the same --max-num-seqs (request mode co-batches
+    compatible requests too), so the modes differ in how they schedule only."""
+    return [*MODES[mode], "--max-num-seqs", str(args.max_num_seqs), *shlex.split(args.server_args)]
 
 
 def pooled_summary(runs: list[tuple[list[RequestResult], list[tuple[float, int]], float, list[float]]],
@@ -440,8 +446,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mix", default="128x128:8,128x128:24,256x256:12",
                         help="compare-modes: request classes SIZE:STEPS, drawn uniformly")
     parser.add_argument("--load", type=float, default=0.8, help="compare-modes: offered load / measured capacity")
-    parser.add_argument("--step-max-num-seqs", type=int, default=2,
-                        help="compare-modes: --max-num-seqs of the step modes (resident states / co-batch size)")
+    parser.add_argument("--max-num-seqs", "--step-max-num-seqs", dest="max_num_seqs", type=int, default=2,
+                        help="compare-modes: --max-num-seqs of every mode (request mode: requests co-batched per "
+                        "forward; step modes: resident states / co-batch size); the old name still works")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="compare-modes: which modes, request-fcfs first (it calibrates the load)")
     parser.add_argument("--min-throughput-ratio", type=float, default=0.98,

@@ -1,7 +1,7 @@
 """What step-boundary scheduling can buy: the step policies replayed on a fake clock, over many seeds.
 
 Replays seeded Poisson arrivals of a mix of (size, steps) classes, deadline = 2x solo, with the real
-`StepPolicy` (or a candidate ordering below) deciding every round, as `StepExecutor` runs it: a job is encoded
+`StepPolicy` (or a candidate ordering below) deciding every round, as the `StepScheduler` runs it: a job is encoded
 when first admitted, every chosen job takes one step, a finished job is decoded, all on one clock. A step costs
 fixed seconds per size; k co-run states of a size cost (1 + (k - 1) x gain) solo steps, the gain derived from
 a measured per-request speed-up at batch 8 (`--batch-speedup`). Request FCFS = one request at a time, encode
@@ -18,11 +18,14 @@ Every ratio is per seed against request FCFS on the same arrivals, then mean +- 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -258,6 +261,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--only", default="", help="regex: simulate only the policies it matches (+ request-fcfs)")
     parser.add_argument("--no-cost-model-phases", dest="cost_model_phases", action="store_false",
                         help="the policy's cost model ignores encode / decode (steps only)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON of the table: the command and each policy's per-seed rows (the printed columns)")
     return parser.parse_args(argv)
 
 
@@ -265,6 +270,11 @@ def main(argv: list[str] | None = None) -> dict[str, np.ndarray]:
     args = parse_args(argv)
     rows = table(args)
     print_table(rows)
+    if args.out:
+        report = {"command": " ".join(sys.argv), "args": {k: str(v) for k, v in vars(args).items()},
+                  "rows": {name: r.tolist() for name, r in rows.items()}}
+        args.out.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out}")
     return rows
 
 

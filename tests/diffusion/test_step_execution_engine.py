@@ -11,6 +11,7 @@ reach the stage's `OmniDiffusionConfig`.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -102,14 +103,31 @@ def test_a_request_failing_inside_a_step_fails_alone(step_engine, request_engine
     assert step_engine.submit(make("after", 2, 7)).result(120).error is None  # the worker lives on
 
 
-def test_a_pipeline_that_cannot_step_serves_in_request_mode(tmp_path):
+def test_a_pipeline_that_cannot_step_serves_in_request_mode(tmp_path, caplog):
     engine = make_engine(tmp_path, FakeBatchPipeline, step_execution=True, max_num_seqs=2)
     try:
         assert not engine.step_execution and not engine.od_config.step_execution
+        assert any(r.levelname == "WARNING" and "--step-execution is off" in r.getMessage() for r in caplog.records)
         out = engine.submit(OmniDiffusionRequest("x", SP(num_inference_steps=2, height=16), "r")).result(60)
         assert out.error is None
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_paused_states": 2}, "--max-paused-states applies to step mode only"),
+    ({"slo_starvation_factor": 1.0}, "--slo-starvation-factor applies to step mode only"),
+    ({"diffusion_max_tokens_per_forward": 1}, "--diffusion-max-tokens-per-forward applies to step mode only"),
+    ({"step_execution": True, "max_paused_states": 2}, "request mode (its pipeline cannot step)"),
+    ({"step_execution": True, "request_batch_max_wait_ms": 5.0}, "--request-batch-max-wait-ms applies to request"),
+])
+def test_a_scheduler_flag_the_stage_mode_has_no_use_for_is_refused(tmp_path, kwargs, message):
+    """Refused before any worker starts; the flag's default is accepted in either mode (the tests above)."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        if kwargs.get("request_batch_max_wait_ms"):  # needs a pipeline that steps
+            DiffusionEngine(OmniDiffusionConfig(**MODEL, **kwargs))
+        else:
+            make_engine(tmp_path, FakeBatchPipeline, **kwargs)
 
 
 def test_step_execution_knobs_reach_the_stage_config():

@@ -216,13 +216,15 @@ class OmniDiffusionConfig:
     max_num_seqs: int = 1
     """Most requests co-batched into one forward (request-batch mode)."""
     request_batch_max_wait_ms: float = 0.0
-    """Milliseconds the scheduler waits for compatible requests to fill a batch."""
+    """Request mode: milliseconds the scheduler waits for compatible requests to fill a batch (refused in step
+    mode, where a request joins at the next step boundary)."""
     step_execution: bool = False
     """Admit and retire requests at every denoise-step boundary (up to max_num_seqs resident; compatible
     resident states share one transformer forward per step): a new request starts at the next step instead of
     behind a whole request, and an abort or a failure inside a step ends only its own request. Pipelines that
-    cannot step (the diffusers adapter) serve in request mode. With TP / sequence / CFG ranks every rank runs the
-    same step batch, rank 0 deciding admission, preemption, retirement and aborts."""
+    cannot step (the diffusers adapter) serve in request mode (with a warning). With TP / sequence / CFG ranks
+    the engine's scheduler decides admission, preemption, retirement and aborts, and every rank executes the
+    same plan each step."""
     diffusion_max_tokens_per_forward: int | None = 16384
     """Step mode: most tokens (transformer rows incl. CFG x image + text tokens) in one co-batched forward;
     a larger group of compatible states is split into several forwards, a state larger than the cap runs
@@ -244,7 +246,7 @@ class OmniDiffusionConfig:
     sustained load it is not starved. Lower = shorter worst-case wait (p95/p99), fewer deadlines met; inf = no
     bound. The default is from benchmarks/diffusion/sim_step_policies.py (docs/execution_modes.md)."""
     max_paused_states: int = 4
-    """Most states a step-mode worker keeps paused by preemption (each holds its latents and prompt embeddings);
+    """Step mode: most states the workers keep paused by preemption (each holds its latents and prompt embeddings);
     when that many are paused, an urgent request waits for a free step slot instead of pausing one more."""
     cache_backend: Literal["cache_dit", "tea_cache", "none"] | None = None
     """Cache acceleration of the native DiTs (docs/cache.md): tea_cache (ours, per-request state, any mode) or

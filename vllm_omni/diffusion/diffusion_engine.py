@@ -5,8 +5,9 @@ request's partial results (`PartialResult`: denoise progress, decoded video chun
 thread, all of them before the future resolves. A scheduler thread forms batches with
 `RequestScheduler` and keeps one batch in flight; the batch's results resolve the request futures directly
 from the executor's result thread, so a request pays one thread hand-off on the way back. In step mode
-(`step_execution`) every request goes to the workers as it arrives, as a batch of its own with many in
-flight, and the worker's `StepExecutor` admits it at the next denoise-step boundary.
+(`step_execution`) the same thread runs the rounds of the `StepScheduler` (`core/scheduler.py`): it sends each
+round's `StepPlan` to every rank, and rank 0's `StepResult` updates the scheduler and resolves the requests that
+left the round.
 
 `abort` resolves the request's future at once and tells the workers, which stop it at the next denoise
 step. When a worker dies, the requests it ran fail with `StageRestartingError` (503) and the engine
@@ -28,10 +29,11 @@ from vllm_omni.catalog.registry import MODEL_REGISTRY
 from vllm_omni.catalog.resolution import resolve_model_dir, resolve_pipeline_class_name
 from vllm_omni.catalog.shapes import ShapeRule
 from vllm_omni.catalog.spec import import_target
+from vllm_omni.diffusion.core.scheduler import StepScheduler
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.executor.multiproc_executor import MultiprocDiffusionExecutor
 from vllm_omni.diffusion.interface import supports_request_batch, supports_step_execution
-from vllm_omni.diffusion.ipc import PartialResult
+from vllm_omni.diffusion.ipc import PartialResult, StepPlan, StepResult
 from vllm_omni.diffusion.model_loader.dummy import check_weights_present
 from vllm_omni.diffusion.prompt_bound import PromptBound
 from vllm_omni.diffusion.request import OmniDiffusionRequest
@@ -59,8 +61,9 @@ class DiffusionEngine:
         pipeline_cls = MODEL_REGISTRY.load_pipeline_class(target)
         self.step_execution = od_config.step_execution and supports_step_execution(pipeline_cls)
         if od_config.step_execution and not self.step_execution:
-            logger.info("%s cannot step; step_execution is off and requests run in request mode",
-                        pipeline_cls.__name__)
+            logger.warning("%s cannot step: --step-execution is off for this stage and requests run in request "
+                           "mode (docs/execution_modes.md)", pipeline_cls.__name__)
+        _refuse_inert_flags(od_config, self.step_execution)
         # Resolved once here: the workers get the checkpoint directory and our class as "module:Class".
         self.od_config = dataclasses.replace(od_config, model=str(model_dir), model_class_name=target,
                                              step_execution=self.step_execution)
@@ -75,10 +78,11 @@ class DiffusionEngine:
                 f"{pipeline_cls.__name__} (serving {self.model_class_name}) does not support request-level "
                 f"batching. Use max_num_seqs=1 (got {od_config.max_num_seqs})."
             )
-        # Step mode: every request goes to the worker as it arrives, which admits it at a step boundary.
-        self.scheduler = (RequestScheduler() if self.step_execution
-                          else RequestScheduler(od_config.max_num_seqs, od_config.request_batch_max_wait_ms,
-                                                od_config.diffusion_scheduler_policy, od_config.default_deadline_ms))
+        self.scheduler = None if self.step_execution else RequestScheduler(
+            od_config.max_num_seqs, od_config.request_batch_max_wait_ms, od_config.diffusion_scheduler_policy,
+            od_config.default_deadline_ms)
+        self.steps = StepScheduler(self.od_config) if self.step_execution else None
+        """Step mode's scheduler (request mode's is `scheduler`)."""
         self._cond = threading.Condition()
         self._waiting: dict[str, tuple[Future[DiffusionOutput], float]] = {}
         self._running: dict[str, Future[DiffusionOutput]] = {}
@@ -94,6 +98,8 @@ class DiffusionEngine:
         self._failure_callbacks: list[Callable[[], None]] = []
         self._reserved: dict[str, int] = {}
         """Estimated bytes of each request on the workers (memory admission)."""
+        self._queued: dict[str, float] = {}
+        """Step mode: seconds each request on the workers waited in the engine's queue."""
         self.executor = MultiprocDiffusionExecutor(self.od_config)
         self.shape_rule = _with_budget(rule, od_config, self.executor.worker_info)
         """The sizes the pipeline makes and the memory budget of its requests; the API process checks both
@@ -137,7 +143,10 @@ class DiffusionEngine:
             rid = request.request_id
             if rid in self._waiting or rid in self._running:
                 raise OmniClientError(f"request_id {rid!r} is already in flight", param="request_id")
-            self.scheduler.add_request(request)
+            if self.steps is not None:
+                self.steps.add(request, stream=on_partial is not None)
+            else:
+                self.scheduler.add_request(request)
             self._waiting[rid] = (future, time.perf_counter())
             if on_partial is not None:
                 self._partial_callbacks[rid] = on_partial
@@ -150,7 +159,9 @@ class DiffusionEngine:
         with self._cond:
             for rid in request_ids:
                 self._partial_callbacks.pop(rid, None)
-            for request in self.scheduler.abort(request_ids):
+            dropped = (self.scheduler.abort(request_ids) if self.steps is None
+                       else [job.request for job in self.steps.abort(request_ids)])
+            for request in dropped:
                 self._waiting.pop(request.request_id)[0].cancel()
                 self._counters["num_aborted"] += 1
             running = [rid for rid in request_ids if rid in self._running]
@@ -158,7 +169,8 @@ class DiffusionEngine:
                 if self._running[rid].cancel():
                     self._counters["num_aborted"] += 1
             executor = self.executor
-        if running:
+            self._cond.notify_all()  # step mode: the next round drops them
+        if running and self.steps is None:
             executor.abort(running)
 
     def wait_stopped(self, request_ids: list[str], timeout: float) -> bool:
@@ -190,7 +202,7 @@ class DiffusionEngine:
                 "num_aborted": self._counters["num_aborted"],
                 "batch_sizes": dict(self._batch_sizes),
                 "num_running": len(self._running),
-                "num_waiting": self.scheduler.num_waiting,
+                "num_waiting": (self.steps or self.scheduler).num_waiting,
                 "num_restarts": self._restarts,
                 "is_restarting": self._restarting,
                 "is_dead": self.is_dead,
@@ -220,7 +232,10 @@ class DiffusionEngine:
 
     def _schedule_loop(self) -> None:
         try:
-            self._schedule_forever()
+            if self.steps is not None:
+                self._step_forever()
+            else:
+                self._schedule_forever()
         except Exception as exc:  # a bug here must not leave callers waiting forever
             logger.exception("diffusion scheduler thread crashed")
             self._give_up(f"diffusion scheduler thread crashed: {exc}")  # no restart: the scheduler is gone
@@ -234,7 +249,7 @@ class DiffusionEngine:
                     if self._stopping or self._dead:
                         return
                     wait = _SCHEDULER_IDLE_WAIT_S
-                    if (self.step_execution or not self._batch_in_flight) and not self._restarting:
+                    if not self._batch_in_flight and not self._restarting:
                         batch, due = self.scheduler.schedule(fits=self._fits)
                         wait = due if due is not None else wait
                     if not batch:
@@ -261,6 +276,87 @@ class DiffusionEngine:
                 if aborted := [rid for rid, (future, _) in futures.items() if future.cancelled()]:
                     executor.abort(aborted)
             batch_future.add_done_callback(lambda f, futures=futures: self._finish_batch(f, futures))
+
+    def _step_forever(self) -> None:
+        """Step mode: one round in flight; schedule, the workers execute the plan, update, until stopped."""
+        while True:
+            with self._cond:
+                plan = None
+                while plan is None:
+                    if self._stopping or self._dead:
+                        return
+                    if not (self._restarting or self.executor.is_failed) and self.steps.has_work:
+                        plan = self.steps.schedule(fits=self._fits)
+                        if not (plan.step or plan.abort):  # nothing fits yet: wait for memory to free
+                            plan = None
+                    if plan is None:
+                        self._cond.wait(_SCHEDULER_IDLE_WAIT_S)
+                now = time.perf_counter()
+                for request in plan.new:
+                    future, arrival = self._waiting.pop(request.request_id)
+                    self._running[request.request_id] = future
+                    self._queued[request.request_id] = now - arrival
+                    if self.shape_rule is not None:
+                        self._reserved[request.request_id] = self.shape_rule.estimate_bytes(request.sampling_params)
+                    self._batch_sizes[1] += 1
+                    self._counters["num_forwards"] += 1
+                executor = self.executor
+            try:
+                result = self._await_round(executor.execute_plan(plan, self._on_partial))
+            except EngineDeadError as exc:
+                self._fail_on_workers(exc)
+                continue
+            if result is None:
+                return
+            self._finish_round(plan, result)
+
+    def _await_round(self, future: Future[StepResult]) -> StepResult | None:
+        """The round's result; None once the engine is closing (close fails what ran)."""
+        while True:
+            try:
+                return future.result(timeout=_SCHEDULER_IDLE_WAIT_S)
+            except TimeoutError:
+                if self._stopping:
+                    return None
+
+    def _finish_round(self, plan: StepPlan, result: StepResult) -> None:
+        for rid in [*plan.step, *plan.abort]:  # a request the workers do not account for must not wait forever
+            if rid not in result.outputs and rid not in result.progress:
+                result.outputs[rid] = DiffusionOutput.from_exception(
+                    RuntimeError(f"the diffusion workers lost request {rid} (round {plan.round_id})"))
+        resolved = []
+        with self._cond:
+            for job, output in self.steps.update(plan, result):
+                rid = job.request_id
+                future = self._running.pop(rid, None)
+                self._reserved.pop(rid, None)
+                self._partial_callbacks.pop(rid, None)
+                output.stage_durations["queue"] = self._queued.pop(rid, 0.0)
+                if future is not None and not future.cancelled():
+                    self._counters["num_failed" if output.error else "num_finished"] += 1
+                    resolved.append((future, output))
+            self._cond.notify_all()  # `wait_stopped` callers
+        for future, output in resolved:
+            _set(future, result=output)
+
+    def _fail_on_workers(self, exc: EngineDeadError) -> None:
+        """The workers died mid-round: their requests fail (503 while the stage restarts); waiting ones stay."""
+        if self._can_restart():
+            exc = StageRestartingError(f"{exc}; the diffusion stage is restarting its workers")
+        failed = []
+        with self._cond:
+            for job in self.steps.forget_workers():
+                rid = job.request_id
+                future = self._running.pop(rid, None)
+                self._reserved.pop(rid, None)
+                self._partial_callbacks.pop(rid, None)
+                self._queued.pop(rid, None)
+                if future is not None and not future.cancelled():
+                    self._counters["num_failed"] += 1
+                    failed.append(future)
+            self._cond.notify_all()
+        for future in failed:
+            _set(future, exception=exc)
 
     def _fits(self, requests: list[OmniDiffusionRequest]) -> bool:
         """Memory admission (called under the lock): what runs plus these requests' estimates fit the budget.
@@ -372,7 +468,13 @@ class DiffusionEngine:
             waiting = [future for future, _ in self._waiting.values()]
             self._waiting.clear()
             self._partial_callbacks.clear()
-            self.scheduler.drain()
+            if self.steps is not None:  # the step thread no longer resolves what ran on the workers
+                self.steps.drain()
+                waiting += self._running.values()
+                self._running.clear()
+                self._reserved.clear()
+            else:
+                self.scheduler.drain()
             self._cond.notify_all()
         for future in waiting:
             _set(future, exception=error)
@@ -392,6 +494,23 @@ def _with_budget(rule: ShapeRule | None, od_config: OmniDiffusionConfig, worker_
     elif free := [info["free_memory_bytes"] for info in worker_info if "free_memory_bytes" in info]:
         budget = min(free)
     return dataclasses.replace(rule, dtype_bytes=4 if dtype == "float32" else 2, memory_budget_bytes=budget)
+
+
+_STEP_MODE_ONLY = ("diffusion_max_tokens_per_forward", "slo_starvation_factor", "max_paused_states")
+_REQUEST_MODE_ONLY = ("request_batch_max_wait_ms",)
+
+
+def _refuse_inert_flags(od_config: OmniDiffusionConfig, step_execution: bool) -> None:
+    """A scheduler setting the stage's mode has no use for is refused, not ignored (its default is fine): a
+    request-mode batch runs whole requests (nothing to pause, split or starve), and a step-mode request joins at
+    the next step boundary (no batch to wait for)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(OmniDiffusionConfig)}
+    mode, other = ("step", "request") if step_execution else ("request", "step")
+    cannot_step = " (its pipeline cannot step)" if od_config.step_execution and not step_execution else ""
+    for name in _REQUEST_MODE_ONLY if step_execution else _STEP_MODE_ONLY:
+        if getattr(od_config, name) != defaults[name]:
+            raise ValueError(f"--{name.replace('_', '-')} applies to {other} mode only; this diffusion stage runs "
+                             f"in {mode} mode{cannot_step}")
 
 
 def _validated(request: OmniDiffusionRequest) -> OmniDiffusionRequest:

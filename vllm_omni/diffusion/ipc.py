@@ -99,12 +99,71 @@ class EncodedBatchResult(msgspec.Struct, tag="result", array_like=True, gc=False
 class PartialResult(msgspec.Struct, tag="partial", array_like=True, gc=False):
     """Something a request produced before its final output: kind "progress" ({step, total}) or
     "video_chunk" ({video: uint8 frames, fps, frame_start}). Sent on the same socket as, and before, the
-    `BatchResult`, so a request's partials never arrive after its final output."""
+    `BatchResult` / `StepResult`, so a request's partials never arrive after its final output."""
 
     batch_id: int
+    """The batch's id, or in step mode the round's."""
     request_id: str
     kind: str
     data: dict[str, Any] = {}
+
+
+class StepPlan(msgspec.Struct, tag="plan", array_like=True, gc=False):
+    """One step-mode round, decided by the engine's `StepScheduler` and executed alike by every rank.
+
+    The ranks keep each admitted request's `DenoiseState` by request id between rounds; a resident request left
+    out of `step` stays paused with its latents. A state whose last step ran is decoded in the same round."""
+
+    round_id: int
+    new: list[OmniDiffusionRequest] = []
+    """Requests admitted this round: encoded and given initial latents before they step."""
+    stream: list[str] = []
+    """Of `new`, the requests whose submitter listens for `PartialResult`s (rank 0 sends them)."""
+    step: list[str] = []
+    """The requests that take one denoise step this round, most urgent first."""
+    abort: list[str] = []
+    """Resident or paused requests to drop (their states are freed) before anything steps."""
+
+
+class EncodedStepPlan(msgspec.Struct, tag="plan", array_like=True, gc=False):
+    """`StepPlan` as the engine sends it: each new request encoded on its own (one that cannot be encoded fails
+    alone)."""
+
+    round_id: int
+    new: list[msgspec.Raw] = []
+    stream: list[str] = []
+    step: list[str] = []
+    abort: list[str] = []
+
+
+class StepResult(msgspec.Struct, tag="step_result", array_like=True, gc=False):
+    """What a round did (rank 0's; every rank's when the ranks fell out of step), for the scheduler's update."""
+
+    round_id: int
+    rank: int
+    outputs: dict[str, DiffusionOutput] = {}
+    """Requests that left this round: decoded, failed or aborted."""
+    progress: dict[str, tuple[int, int]] = {}
+    """(steps done, total steps) of every state the ranks still hold after the round (resident or paused)."""
+    forwards: list[tuple[list[str], float]] = []
+    """The round's transformer forwards: the request ids that shared each, and its seconds."""
+    encode_seconds: dict[str, float] = {}
+    decode_seconds: dict[str, float] = {}
+    out_of_step: str | None = None
+    """Set when the ranks failed differently (`distributed/rank_errors.py`): the workers exit after this."""
+
+
+class EncodedStepResult(msgspec.Struct, tag="step_result", array_like=True, gc=False):
+    """`StepResult` as a worker sends it: each output encoded on its own (one that cannot be sent fails alone)."""
+
+    round_id: int
+    rank: int
+    outputs: dict[str, msgspec.Raw] = {}
+    progress: dict[str, tuple[int, int]] = {}
+    forwards: list[tuple[list[str], float]] = []
+    encode_seconds: dict[str, float] = {}
+    decode_seconds: dict[str, float] = {}
+    out_of_step: str | None = None
 
 
 class RpcResult(msgspec.Struct, tag="rpc_result", array_like=True, gc=False):
@@ -114,9 +173,9 @@ class RpcResult(msgspec.Struct, tag="rpc_result", array_like=True, gc=False):
     error: str | None = None
 
 
-WorkerInput = ExecuteBatch | RpcCall | Shutdown
+WorkerInput = ExecuteBatch | StepPlan | RpcCall | Shutdown
 AbortInput = AbortRequests
-WorkerOutput = WorkerReady | WorkerInitFailed | BatchResult | PartialResult | RpcResult
+WorkerOutput = WorkerReady | WorkerInitFailed | BatchResult | StepResult | PartialResult | RpcResult
 
 
 def new_shm_prefix() -> str:

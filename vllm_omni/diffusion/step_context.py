@@ -2,7 +2,7 @@
 
 The runner builds one `StepContext` per `pipeline.forward`: the partial-output sink (`report_progress` /
 `emit_partial` reach the requests' submitters while the forward still runs; no-ops when nobody listens), the
-abort flag the denoise loop polls between steps (rank 0's decision on every rank), and the current step and
+abort flag the denoise loop polls between steps (the same answer on every rank), and the current step and
 normalized timestep the loop records so that step-gated layers (cache, sparse attention) can act on them.
 """
 
@@ -33,8 +33,8 @@ class StepContext:
     abort_requested: Callable[[str], bool] = _never
     """True once the request was aborted; the worker sets it from its abort side channel between steps."""
     abort_agreed: bool = False
-    """`abort_requested` already answers the same on every rank (step mode's round decision, step_sync.py), so
-    `aborted` needs no broadcast of its own."""
+    """`abort_requested` already answers the same on every rank (step mode: the round's plan), so `aborted` needs
+    no broadcast of its own."""
     step_index: int | None = None
     timestep: float | None = None
     """Normalized timestep of the running step, 1.0 = pure noise down to 0.0."""
@@ -59,9 +59,9 @@ class StepContext:
     def aborted(self, request_ids: list[str]) -> list[str]:
         """The subset of `request_ids` aborted by now, as rank 0 sees it on every rank of a multi-rank worker.
 
-        Each rank reads the abort channel on its own, so an abort reaches the ranks at different steps; ranks that
-        acted on their own view would leave a forward's collectives at different steps and hang. Rank 0 decides
-        and broadcasts, at each check (every rank checks at the same points of the same loop)."""
+        In request mode each rank reads the abort channel on its own, so an abort reaches the ranks at different
+        steps; ranks that acted on their own view would leave a forward's collectives at different steps and hang.
+        Rank 0 decides and broadcasts, at each check (every rank checks at the same points of the same loop)."""
         aborted = [request_id for request_id in request_ids if self.abort_requested(request_id)]
         return aborted if self.abort_agreed else _rank0_decides(aborted)
 

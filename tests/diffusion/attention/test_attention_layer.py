@@ -108,3 +108,17 @@ def test_cuda_backend_matches_naive_reference(name, masked):
     out = Attention(4, 64, attn_config=DiffusionAttentionConfig(name))(q, k, v, attn_mask=mask)
     ref = _naive(q.float(), k.float(), v.float(), mask)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_fa_deterministic_is_refused_by_backends_without_deterministic_kernels():
+    """`--fa-deterministic` reached only FLASH_ATTN's kernels: under the CPU / Hopper defaults it was accepted and
+    ignored. Now it is refused, naming the flag and the backend; FLASH_ATTN (the one with the switch) keeps it."""
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+
+    with pytest.raises(ValueError, match="--fa-deterministic .* backend is TORCH_SDPA"):
+        Attention(2, 32, attn_config=DiffusionAttentionConfig("TORCH_SDPA", fa_deterministic=True))
+    with pytest.raises(ValueError, match="--fa-deterministic .*--diffusion-attention-backend FLASH_ATTN"):
+        DiffusionAttentionConfig.from_od_config(OmniDiffusionConfig(model="m", diffusion_attention_backend="TORCH_SDPA",
+                                                                    fa_deterministic=True))
+    assert load_backend("FLASH_ATTN").has_deterministic_mode
+    assert not any(load_backend(n).has_deterministic_mode for n in ("TORCH_SDPA", "CUDNN_ATTN", "FLASHINFER_ATTN"))

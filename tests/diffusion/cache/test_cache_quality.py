@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from vllm_omni.catalog.tiny import build_tiny
+from vllm_omni.diffusion.core.scheduler import StepScheduler
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
-from vllm_omni.diffusion.worker.step_runner import StepExecutor
+from vllm_omni.diffusion.worker.step_runner import StepWorker
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
 from vllm_omni.models.flux.pipeline import FluxPipeline
 from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
@@ -109,14 +110,6 @@ class _Runner:
         return 0.0
 
 
-class _NoAborts:
-    def contains(self, batch_id: int, request_id: str) -> bool:
-        return False
-
-    def forget_through(self, batch_id: int) -> None:
-        pass
-
-
 def test_a_step_wave_of_mixed_qualities_gives_each_request_its_solo_output(pipes):
     name = "qwen-image"
     _, cached = pipes[name]
@@ -124,19 +117,25 @@ def test_a_step_wave_of_mixed_qualities_gives_each_request_its_solo_output(pipes
                 make(name, "fast", 3, quality="fast"),
                 make(name, "adaptive", 4, cache_config={"rel_l1_thresh": 0.5, "max_cached_steps": 2})]
     outputs: dict[int, DiffusionOutput] = {}
-    executor = StepExecutor(_Runner(cached, max_num_seqs=3), lambda b, outs: outputs.__setitem__(b, outs[0]),
-                            _NoAborts())
-    for batch_id, request in enumerate(requests):
-        executor.add(batch_id, [request], None)
-    executor.run_round()
-    assert len(executor.resident) == 3  # lossless, high and fast share every round
-    signatures = {job.state.cache.step_signature(2) for job in executor.resident}
+    runner = _Runner(cached, max_num_seqs=3)
+    scheduler, worker = StepScheduler(runner.od_config), StepWorker(runner)  # the engine's and one rank's side
+
+    def run_round() -> None:
+        plan = scheduler.schedule()
+        for job, out in scheduler.update(plan, worker.execute(plan)):
+            outputs[requests.index(job.request)] = out
+
+    for request in requests:
+        scheduler.add(request)
+    run_round()
+    assert len(scheduler.resident) == 3  # lossless, high and fast share every round
+    signatures = {worker.states[job.request_id].state.cache.step_signature(2) for job in scheduler.resident}
     assert len(signatures) == 3 and None in signatures  # the co-batching key tells the decisions apart
     for _ in range(4 * STEPS):
-        if not executor.has_work:
+        if not scheduler.has_work:
             break
-        executor.run_round()
-    assert not executor.has_work
+        run_round()
+    assert not scheduler.has_work
     for batch_id, request in enumerate(requests):
         out = outputs[batch_id]
         assert out.error is None, out.error

@@ -3,9 +3,9 @@ mid-flight is sharded as in request mode.
 
 What it pins: three tiny Qwen-Image requests (true CFG) on a worker that keeps up to three resident states
 sharing one transformer forward per round: `a` (4 steps) and `c` (2 steps) start together, `b` (4 steps)
-joins at rank 0's round 1 (it reaches rank 1's socket only at its round 3, so rank 1 must read it early), and
-`c` leaves after round 2 while `a` and `b` go on. Every request's output on both ranks equals its single-rank
-request-mode output (PSNR >= 60 dB, fp32), and both ranks run the same rounds. (Ulysses 2 and CFG 2 with
+joins at the engine's round 1 (both ranks get it in that round's plan), and `c` leaves after round 2 while `a`
+and `b` go on. Every request's output on both ranks equals its single-rank request-mode output (PSNR >= 60 dB,
+fp32), both ranks run the same rounds, and neither makes an object broadcast. (Ulysses 2 and CFG 2 with
 staggered arrivals and aborts: test_vae_patch_and_step_ranks.py.)
 """
 
@@ -46,6 +46,7 @@ def test_step_batch_that_changes_mid_flight_equals_request_mode_on_every_rank(re
     request_mode, step_mode = results
     ranks = step_mode[layout]
     assert ranks[0]["rounds"] == ranks[1]["rounds"] == 5  # b joins at round 1 and takes 4 steps
+    assert [rank["broadcasts"] for rank in ranks] == [0, 0]  # every rank executes the plan: no rank decides
     for rank in ranks:
         for rid in REQUESTS:
             want = request_mode[rid]["output"]

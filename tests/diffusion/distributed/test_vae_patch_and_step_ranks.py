@@ -119,6 +119,7 @@ def test_vae_patch_degree_reuses_or_extends_the_ranks():
 def test_step_mode_staggered_requests_equal_request_mode_on_every_rank(results, layout):
     ranks = results[("step", layout, "staggered")]
     assert ranks[0]["rounds"] == ranks[1]["rounds"] >= 5  # b joined a round after a started
+    assert [rank["broadcasts"] for rank in ranks] == [0, 0]
     for rank in ranks:
         for rid in STEP_REQUESTS:
             want = results[("request_mode", rid)]["output"]

@@ -109,11 +109,21 @@ def test_vllm_serve_refuses_exactly_the_omni_flags_of_unbuilt_features():
     assert set(NOT_IMPLEMENTED) <= OMNI_ARG_NAMES
 
 
-@pytest.mark.parametrize("flags", [["--ring-degree", "1"], ["--cache-backend", "none"], ["--num-gpus", "1"]])
-def test_off_values_are_not_refused(parser, flags):
+@pytest.mark.parametrize(("flags", "read"), [
+    (["--ring-degree", "1"], lambda od: od.parallel_config.ring_degree),
+    (["--cache-backend", "none"], lambda od: od.cache_backend),
+    (["--num-gpus", "1"], lambda od: od.num_gpus),
+])
+def test_off_values_are_not_refused(parser, flags, read):
+    """The "off" value of a refused feature passes validation and reaches the stage's diffusion config."""
     from vllm_omni.entrypoints.cli.serve import OmniServeCommand
 
-    OmniServeCommand().validate(parser.parse_args(["tiny/qwen-image", *flags]))
+    args = parser.parse_args(["tiny/qwen-image", "--omni", *flags])
+    OmniServeCommand().validate(args)
+    kwargs = OmniEngineArgs.omni_kwargs_from_cli(args, parser.parse_args([]))
+    assert kwargs  # the flag was set, so it is passed on
+    (stage,) = StageConfigFactory.create_from_model("tiny/qwen-image", **kwargs).stages
+    assert str(read(stage.make_od_config())) == flags[1]
 
 
 def test_configs_refuse_unimplemented_values_and_keep_the_implemented_ones():

@@ -72,8 +72,16 @@ def test_decoded_media_over_a_bound(mm_data, needle):
         check_decoded_media(mm_data, LIMITS)
 
 
-def test_decoded_media_within_bounds():
-    check_decoded_media({"audio": [(np.zeros(16000), 16000)], "image": [Image.new("RGB", (64, 64))],
-                         "video": [np.zeros((4, 64, 64, 3), np.uint8)]}, LIMITS)
+def test_decoded_media_bounds_are_inclusive():
+    """Media exactly at each bound passes (the call returns, nothing raised); one more second, pixel row or frame
+    than the bound is refused, naming the flag."""
+    at_bound = {"audio": [(np.zeros(32000), 16000)], "image": [Image.new("RGB", (64, 64))],
+                "video": [np.zeros((4, 64, 64, 3), np.uint8)]}
+    assert check_decoded_media(at_bound, LIMITS) is None
+    for key, over, needle in (("audio", (np.zeros(32001), 16000), "--max-input-audio-seconds"),
+                              ("image", Image.new("RGB", (64, 65)), "--max-input-image-pixels"),
+                              ("video", np.zeros((5, 64, 64, 3), np.uint8), "--max-input-video-frames")):
+        with pytest.raises(OmniClientError, match=needle):
+            check_decoded_media({**at_bound, key: [over]}, LIMITS)
 
 

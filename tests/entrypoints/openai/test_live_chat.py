@@ -181,14 +181,20 @@ def test_tool_choice_required_and_named(client):
 
 
 def test_tool_results_in_history_and_auto_choice(client):
-    """A conversation carrying an assistant tool call and its result renders and runs; under "auto" the
-    random model may or may not call a tool, and the answer is well-formed either way."""
+    """A conversation carrying an assistant tool call and its result renders and runs: the tool turns reach the
+    prompt (it has more tokens than the conversation without them) and greedy decoding answers it the same way
+    twice. Under "auto" the random model may or may not call a tool; the answer is well-formed either way."""
     history = WEATHER + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
     ]
     out = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=8, temperature=0)
+    again = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=8, temperature=0)
+    without = client.chat.completions.create(model=MODEL, messages=WEATHER, tools=TOOLS, max_tokens=1, temperature=0)
+    assert out.usage.prompt_tokens > without.usage.prompt_tokens  # the call and its result were rendered
+    assert (again.choices[0].message.content, _calls(again.choices[0].message)) == (
+        out.choices[0].message.content, _calls(out.choices[0].message))
     choice = out.choices[0]
     assert choice.finish_reason in ("stop", "length", "tool_calls")
     assert choice.message.content or choice.message.tool_calls

@@ -60,8 +60,10 @@ def test_chat_logprobs(client):
 
 def test_store_and_metadata_are_ignored_with_a_warning(client, server):
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, store=True,
-                                         metadata={"team": "a"})
-    assert out.choices[0].message.content is not None
+                                         metadata={"team": "a"}, temperature=0, extra_body=NO_EOS)
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0,
+                                           extra_body=NO_EOS)
+    assert out.usage.completion_tokens == 2 and out.choices[0].message.content == plain.choices[0].message.content
     assert "ignoring unknown request field(s) ['metadata', 'store']" in server.log.read_text()
 
 

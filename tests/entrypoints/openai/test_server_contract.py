@@ -130,6 +130,32 @@ def test_batch_chat(ar):
     assert ids == {"abc-idx-0", "abc-idx-1"}
 
 
+@pytest.mark.parametrize("path,extra,field", [
+    ("/v1/chat/completions", {"size": "64x64"}, "size"),
+    ("/v1/chat/completions", {"num_inference_steps": 4, "quality": "fast"}, "num_inference_steps"),
+    ("/v1/chat/completions", {"priority": -1}, "priority"),
+    ("/v1/chat/completions/batch", {"guidance_scale": 3.0}, "guidance_scale"),
+])
+def test_chat_refuses_what_no_stage_takes(ar, path, extra, field):
+    """A pipeline without a diffusion stage (tiny/qwen2, Qwen3-Omni) would drop the diffusion fields and a
+    priority (the AR stage is not given one): refused, named (docs/serving.md); vLLM's default priority 0 passes."""
+    _, client = ar
+    messages = [CHAT] if path.endswith("batch") else CHAT
+    err = assert_error(client.post(path, json={"messages": messages, "modalities": ["text"], **extra}), 400,
+                       "no diffusion stage")
+    assert err["param"] == field
+    assert client.post(path, json={"messages": messages, "modalities": ["text"], "max_tokens": 1,
+                                   "priority": 0}).status_code == 200
+
+
+def test_images_user_is_logged_with_the_request(dit, caplog):
+    engine, client = dit
+    with caplog.at_level("INFO", logger="vllm_omni.entrypoints.openai.serving_base"):
+        assert client.post("/v1/images/generations", json={"prompt": "x", "user": "alice-42"}).status_code == 200
+    request_id = engine.seen[-1][1]
+    assert f"request {request_id}: user 'alice-42'" in [r.getMessage() for r in caplog.records]
+
+
 def test_images_generate_and_chat_image(dit):
     engine, client = dit
     res = oai(client).images.generate(prompt="a cat", n=2, size="64x48",

@@ -152,6 +152,10 @@ def test_bad_input_is_400_naming_the_field(video):
     # an unknown field is ignored with a warning (vLLM's policy; --strict-request-fields: test_server_contract)
     assert client.post("/v1/videos", json={"prompt": "x", "colour": "red"}).status_code == 200
     assert_400(client.post("/v1/videos", json={"prompt": "x", "generate_sound": True}), "generate_sound")
+    for name, value in (("sound_duration", 2.0), ("frame_interpolation_exp", 1), ("frame_interpolation_scale", 1.0)):
+        resp = client.post("/v1/videos", json={"prompt": "x", name: value})  # valid values, never read: refused
+        assert_400(resp, name)
+        assert resp.json()["error"]["param"] == name
     assert_400(client.post("/v1/videos", data={"prompt": "x", "seed": "many"}), "seed")
     assert_400(client.post("/v1/videos", data={"prompt": "x"},
                            files={"input_reference": ("ref.png", io.BytesIO(b"not an image"), "image/png")}),

@@ -2,7 +2,8 @@
 
 What it pins: through our runtime a diffusers pipeline gives exactly the pixels plain diffusers gives with
 the same seed (single and multiple outputs per prompt); a parameter the pipeline does not accept is a 422
-naming it; the engine reports the model's class and modality.
+naming it; the engine reports the model's class and modality; audio outputs are converted for the audio
+encoders, and what cannot be converted is refused at load.
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from diffusers import DanceDiffusionPipeline
 
 from vllm_omni.catalog.tiny import build_tiny
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
 
 MODEL = "tiny/qwen-image"
@@ -103,3 +106,63 @@ def test_adapter_progress_and_abort_through_step_callback(reference):
     assert len(decodes) == 1
     expected = reference(**PROMPT, **COMMON, generator=torch.Generator("cpu").manual_seed(2)).images
     assert np.array_equal(np.asarray(ok.output[0]), np.asarray(expected[0]))
+
+
+def _tiny_dance_unet(sample_rate: int | None = 16_000):
+    from diffusers import UNet1DModel
+
+    torch.manual_seed(0)
+    return UNet1DModel(block_out_channels=(32, 32, 64), extra_in_channels=64, sample_size=128, sample_rate=sample_rate,
+                       in_channels=2, out_channels=2, flip_sin_to_cos=True, use_timestep_embedding=False,
+                       time_embedding_type="fourier", mid_block_type="UNetMidBlock1D",
+                       down_block_types=("DownBlock1DNoSkip", "DownBlock1D", "AttnDownBlock1D"),
+                       up_block_types=("AttnUpBlock1D", "UpBlock1D", "UpBlock1DNoSkip"))
+
+
+def test_adapter_converts_audio_for_the_speech_encoders():
+    """An `audios` pipeline (here diffusers' Dance Diffusion, real UNet1D and scheduler; a prompt-taking
+    subclass, as the adapter's routes always send a prompt) answers one waveform with the rate its UNet declares,
+    the shape the speech route's and chat's encoders take; it used to raise NotImplementedError (a 500)."""
+    import io
+    import wave
+
+    from diffusers import IPNDMScheduler
+
+    from vllm_omni.catalog.registry import MODEL_REGISTRY
+    from vllm_omni.entrypoints.openai.media import encode_wav
+    from vllm_omni.models.diffusers_adapter.pipeline import DiffusersAdapterPipeline
+
+    assert MODEL_REGISTRY.output_modality("DanceDiffusionPipeline") == "audio"
+    pipe = PromptedDanceDiffusion(unet=_tiny_dance_unet(), scheduler=IPNDMScheduler())
+    pipe.set_progress_bar_config(disable=True)
+    adapter = DiffusersAdapterPipeline(pipe, OmniDiffusionConfig(model="dance", use_diffusers_adapter=True))
+    out = adapter._generate(OmniDiffusionRequest("a drum loop", SP(seed=3, num_inference_steps=2), "audio"), None)
+    expected = DanceDiffusionPipeline.__call__(pipe, num_inference_steps=2,
+                                               generator=torch.Generator("cpu").manual_seed(3)).audios
+    assert out.output["sample_rate"] == 16_000
+    assert out.output["audio"].shape == (2, 128) and np.array_equal(out.output["audio"], expected[0])
+    with wave.open(io.BytesIO(encode_wav(out.output["audio"], out.output["sample_rate"]))) as wav:
+        assert (wav.getframerate(), wav.getnchannels(), wav.getnframes()) == (16_000, 2, 128)
+    with pytest.raises(OmniClientError, match="one waveform") as info:
+        adapter.call_kwargs(OmniDiffusionRequest("x", SP(num_outputs_per_prompt=2), "two"))
+    assert info.value.param == "num_outputs_per_prompt"
+
+
+def test_adapter_refuses_at_load_what_it_cannot_convert():
+    from diffusers import IPNDMScheduler
+
+    from vllm_omni.models.diffusers_adapter.pipeline import DiffusersAdapterPipeline
+
+    od = OmniDiffusionConfig(model="dance", use_diffusers_adapter=True)
+    no_rate = PromptedDanceDiffusion(unet=_tiny_dance_unet(sample_rate=None), scheduler=IPNDMScheduler())
+    with pytest.raises(ValueError, match="makes audio, but the adapter finds its sample rate in none of"):
+        DiffusersAdapterPipeline(no_rate, od)
+    with pytest.raises(ValueError, match=r"returns no declared output dataclass; .* converts \['frames'"):
+        DiffusersAdapterPipeline(torch.nn.Identity(), od)
+
+
+class PromptedDanceDiffusion(DanceDiffusionPipeline):
+    """Dance Diffusion (unconditional) with the `prompt` argument the adapter always passes, ignored here."""
+
+    def __call__(self, prompt=None, num_inference_steps=100, generator=None, output_type="np"):
+        return super().__call__(num_inference_steps=num_inference_steps, generator=generator)

@@ -22,10 +22,17 @@ def frames(count: int, seed: int = 0) -> np.ndarray:
 
 
 def test_processor_types(processor):
+    """transformers' processor with our video processor in it, and the two agree: a video placeholder in the text
+    expands to one token per merged patch of the grid the video processor reports."""
     from transformers import Qwen3OmniMoeProcessor
 
     assert isinstance(processor, Qwen3OmniMoeProcessor)
     assert isinstance(processor.video_processor, Qwen2VLVideoProcessorPil)
+    out = processor(text=[processor.video_token], videos=[frames(2)], return_tensors="np")
+    grid = out["video_grid_thw"][0]
+    video_id = processor.tokenizer.convert_tokens_to_ids(processor.video_token)
+    assert tuple(grid) == (1, 18, 30)  # 2 frames: 1 temporal patch; 48x80 frames resized up to 18x30 patches
+    assert (out["input_ids"] == video_id).sum() == grid.prod() // processor.video_processor.merge_size**2
 
 
 def test_still_video_equals_image(processor):

@@ -1,7 +1,8 @@
 """Our Wan text-to-video pipelines vs diffusers' WanPipeline on the same tiny weights and seed.
 
-Why it matters: this is the acceptance bar for native Wan (issue #7): decoded frames within PSNR >= 35 dB
-of diffusers for Wan2.1 T2V and for Wan2.2 A14B (two experts switched at boundary_ratio with
+Why it matters: this is the acceptance bar for native Wan (issue #7): decoded frames within PSNR >= 60 dB
+(issue #7's bar was 35 dB; CPU fp32 reaches 88 dB to bit-identical, measured 2026-12-02) of diffusers for Wan2.1 T2V
+and for Wan2.2 A14B (two experts switched at boundary_ratio with
 guidance_scale_2), including request batching with true CFG batched into one DiT forward.
 """
 
@@ -63,7 +64,7 @@ def test_wan21_t2v_batched_matches_diffusers(wan21):
         assert set(out.stage_durations) == {"text_encoder", "denoise", "vae_decode"}
         expected = reference_frames(ref, prompt, None, seed, guidance_scale=5.0)
         assert video.std() > 1.0, "frames must not be constant, or PSNR would prove nothing"
-        assert psnr(video, expected) >= 35.0
+        assert psnr(video, expected) >= 60.0
     assert psnr(outputs[0].output["video"], outputs[1].output["video"]) < 30.0, "different prompts/seeds differ"
 
 
@@ -77,7 +78,7 @@ def test_wan21_t2v_negative_prompt_and_outputs_per_prompt(wan21):
     expected = ref(prompt="A dog runs through a field.", negative_prompt="blurry", num_videos_per_prompt=2,
                    generator=torch.Generator("cpu").manual_seed(3), output_type="np", guidance_scale=4.0,
                    **SIZE).frames
-    assert psnr(out.output["video"], (expected * 255).round().astype(np.uint8)) >= 35.0
+    assert psnr(out.output["video"], (expected * 255).round().astype(np.uint8)) >= 60.0
 
 
 def test_invalid_request_fails_alone(wan21):
@@ -114,8 +115,9 @@ def test_wan22_a14b_two_experts_match_diffusers(dist_world, wan22_a14b_dir):
                   **steps, **params).frames[0]
     expected = (ref_out * 255).round().astype(np.uint8)
     assert out.output["video"].std() > 1.0
-    assert psnr(out.output["video"], expected) >= 35.0
-    # The low-noise expert matters: a different guidance_scale_2 changes the frames.
+    assert psnr(out.output["video"], expected) >= 60.0
+    # Negative control: the low-noise expert matters. A different guidance_scale_2 (only the steps past the boundary
+    # use it) lands far below the 60 dB bar (measured 44.2 dB; the right one is bit-identical on CPU fp32).
     sp_other = OmniDiffusionSamplingParams(seed=seed, **steps, guidance_scale=4.0, guidance_scale_2=1.0)
     (other,) = ours.forward(DiffusionRequestBatch([OmniDiffusionRequest(prompt, sp_other, "a14b-2")]))
-    assert not np.array_equal(other.output["video"], out.output["video"])
+    assert psnr(other.output["video"], expected) < 50.0

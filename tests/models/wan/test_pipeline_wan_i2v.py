@@ -1,6 +1,6 @@
 """Our Wan image-to-video pipeline vs diffusers' WanImageToVideoPipeline on the same tiny weights and seed.
 
-Why it matters: I2V adds the CLIP image branch and the first-frame latent/mask conditioning; PSNR >= 35 dB
+Why it matters: I2V adds the CLIP image branch and the first-frame latent/mask conditioning; PSNR >= 60 dB
 against diffusers pins both, with two requests (different images) batched into one forward.
 """
 
@@ -60,7 +60,9 @@ def test_wan21_i2v_batched_matches_diffusers(pipelines):
         assert video.shape == (9, 32, 48, 3) and video.std() > 1.0
         expected = ref(image=image, prompt=prompt, generator=torch.Generator("cpu").manual_seed(seed),
                        output_type="np", guidance_scale=5.0, **SIZE).frames[0]
-        assert psnr(video, (expected * 255).round().astype(np.uint8)) >= 35.0
+        assert psnr(video, (expected * 255).round().astype(np.uint8)) >= 60.0
+    # Negative control: another image, prompt and seed give other frames (measured 17.8 dB, the bar is 60).
+    assert psnr(outputs[0].output["video"], outputs[1].output["video"]) < 30.0
 
 
 def test_i2v_without_image_fails_alone(pipelines):
@@ -95,4 +97,4 @@ def test_wan22_i2v_a14b_two_experts_without_clip_match_diffusers(dist_world):
     expected = ref(image=image, prompt="A dog runs.", generator=torch.Generator("cpu").manual_seed(4),
                    output_type="np", **size, **params).frames[0]
     assert out.output["video"].std() > 1.0
-    assert psnr(out.output["video"], (expected * 255).round().astype(np.uint8)) >= 35.0
+    assert psnr(out.output["video"], (expected * 255).round().astype(np.uint8)) >= 60.0

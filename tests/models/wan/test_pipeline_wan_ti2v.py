@@ -2,7 +2,7 @@
 
 Why it matters: TI2V takes a different path through the DiT (a timestep per token, so the given first frame's
 tokens stay clean) and through the VAE (2x2 patchify); text-to-video and image-to-video must both match
-diffusers' WanPipeline / WanImageToVideoPipeline at PSNR >= 35 dB.
+diffusers' WanPipeline / WanImageToVideoPipeline at PSNR >= 60 dB (measured 90-96 dB on CPU fp32).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_ti2v_text_to_video_matches_diffusers(dist_world, ti2v_dir):
                    guidance_scale=5.0, **SIZE).frames[0]
     video = out.output["video"]
     assert video.shape == (9, 64, 96, 3) and video.std() > 1.0
-    assert psnr(video, (expected * 255).round()) >= 35.0
+    assert psnr(video, (expected * 255).round()) >= 60.0
 
 
 def test_ti2v_image_to_video_matches_diffusers(dist_world, ti2v_dir):
@@ -91,4 +91,4 @@ def test_ti2v_image_to_video_matches_diffusers(dist_world, ti2v_dir):
     expected = ref(image=image, prompt="A dog.", generator=torch.Generator("cpu").manual_seed(5), output_type="np",
                    guidance_scale=5.0, **SIZE).frames[0]
     assert out.output["video"].std() > 1.0
-    assert psnr(out.output["video"], (expected * 255).round()) >= 35.0
+    assert psnr(out.output["video"], (expected * 255).round()) >= 60.0

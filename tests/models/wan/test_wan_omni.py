@@ -1,7 +1,8 @@
 """Wan through the whole runtime: `Omni("tiny/wan2.1-t2v").generate(...)` (engine + worker process) vs diffusers.
 
 Why it matters: the acceptance bar of issue #7 is that our runtime, not just the pipeline object, returns
-frames within PSNR >= 35 dB of diffusers' WanPipeline; it also pins the video output format
+frames within PSNR >= 60 dB of diffusers' WanPipeline (issue #7's bar was 35 dB; the pipelines reach 88 dB
+to bit-identical on CPU fp32); it also pins the video output format
 ({"video": uint8 (T, H, W, 3), "fps"}), per-stage durations, and that the two prompts shared one forward.
 """
 
@@ -45,7 +46,7 @@ def test_omni_generate_video_matches_diffusers(omni):
         expected = ref(prompt=prompt, generator=torch.Generator("cpu").manual_seed(21), output_type="np",
                        guidance_scale=5.0, **SIZE).frames[0]
         mse = np.mean((video.astype(np.float64) - (expected * 255).round()) ** 2)
-        assert mse == 0 or 10 * np.log10(255.0**2 / mse) >= 35.0
+        assert mse == 0 or 10 * np.log10(255.0**2 / mse) >= 60.0
 
 
 def test_omni_image_to_video_matches_diffusers():
@@ -71,7 +72,7 @@ def test_omni_image_to_video_matches_diffusers():
                    **size).frames[0]
     video = out.multimodal_output["video"]
     mse = np.mean((video.astype(np.float64) - (expected * 255).round()) ** 2)
-    assert video.std() > 1.0 and (mse == 0 or 10 * np.log10(255.0**2 / mse) >= 35.0)
+    assert video.std() > 1.0 and (mse == 0 or 10 * np.log10(255.0**2 / mse) >= 60.0)
 
 
 def test_omni_wan22_a14b_matches_diffusers():
@@ -96,7 +97,7 @@ def test_omni_wan22_a14b_matches_diffusers():
                    **size, **params).frames[0]
     video = out.multimodal_output["video"]
     mse = np.mean((video.astype(np.float64) - (expected * 255).round()) ** 2)
-    assert video.std() > 1.0 and (mse == 0 or 10 * np.log10(255.0**2 / mse) >= 35.0)
+    assert video.std() > 1.0 and (mse == 0 or 10 * np.log10(255.0**2 / mse) >= 60.0)
 
 
 def test_omni_wan_honours_diffusion_attention_backend(monkeypatch):

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from vllm_omni.diffusion.attention.parallel import sequence_parallel_attention
-from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig, get_attn_backend
+from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig, check_deterministic, get_attn_backend
 from vllm_omni.diffusion.distributed.parallel_state import get_diffusion_groups
 
 
@@ -50,6 +50,7 @@ class Attention(nn.Module):
         self.prefix = prefix
         attn_config = attn_config or DiffusionAttentionConfig()
         self.attn_backend = get_attn_backend(attn_config.backend)
+        check_deterministic(self.attn_backend, attn_config.fa_deterministic)
         self.impl = self.attn_backend.get_impl_cls()(
             num_heads, head_dim, num_kv_heads, self.softmax_scale, causal, deterministic=attn_config.fa_deterministic
         )

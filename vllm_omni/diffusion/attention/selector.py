@@ -39,14 +39,27 @@ class DiffusionAttentionConfig:
     backend: str | None = None
     """Backend name; None falls back to env `DIFFUSION_ATTENTION_BACKEND`, then the platform default."""
     fa_deterministic: bool = False
-    """Deterministic FlashAttention kernels (slower), for reproducible accuracy runs."""
+    """Deterministic FlashAttention kernels (slower), for reproducible accuracy runs; refused by backends without
+    such kernels (`check_deterministic`)."""
 
     @classmethod
     def from_od_config(cls, od_config: OmniDiffusionConfig) -> DiffusionAttentionConfig:
         """The stage's settings with the backend resolved now: a name that is unknown or cannot run here fails
         at load, naming the flag, rather than at the first request."""
         backend = get_attn_backend(od_config.diffusion_attention_backend)
+        check_deterministic(backend, od_config.fa_deterministic)
         return cls(backend=backend.get_name(), fa_deterministic=od_config.fa_deterministic)
+
+
+def check_deterministic(backend: type[AttentionBackend], fa_deterministic: bool) -> None:
+    """`--fa-deterministic` switches FlashAttention's kernels to their deterministic variant. The SDPA-based
+    backends (TORCH_SDPA, CUDNN_ATTN: the CPU and Hopper defaults) have no such switch, so the flag is refused
+    there instead of being accepted and ignored."""
+    if fa_deterministic and not backend.has_deterministic_mode:
+        with_mode = [name for name in _BACKENDS if load_backend(name).has_deterministic_mode]
+        raise ValueError(f"--fa-deterministic selects the deterministic kernels of {with_mode}; this stage's "
+                         f"attention backend is {backend.get_name()}, which has none: leave the flag off or pass "
+                         f"{FLAG} {with_mode[0]}")
 
 
 def available_backends() -> list[str]:

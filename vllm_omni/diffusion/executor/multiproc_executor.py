@@ -31,11 +31,14 @@ from vllm_omni.diffusion.ipc import (
     AbortRequests,
     BatchResult,
     EncodedBatch,
+    EncodedStepPlan,
     MsgCodec,
     PartialResult,
     RpcCall,
     RpcResult,
     Shutdown,
+    StepPlan,
+    StepResult,
     WorkerInitFailed,
     WorkerOutput,
     WorkerReady,
@@ -72,6 +75,14 @@ class _PendingBatch:
         missing = DiffusionOutput.from_exception(RuntimeError("the worker returned too few outputs"))
         return [self.failed[i] if i in self.failed else next(sent_iter, missing)
                 for i in range(len(self.request_ids))]
+
+
+class _PendingPlan:
+    """A step round on the workers: its future, and the outputs of the new requests that could not be sent."""
+
+    def __init__(self, failed: dict[str, DiffusionOutput]) -> None:
+        self.future: Future[StepResult] = Future()
+        self.failed = failed
 
 
 class _RpcWait:
@@ -111,6 +122,9 @@ class MultiprocDiffusionExecutor:
         self._ids = itertools.count()
         self._batches: dict[int, _PendingBatch] = {}
         self._partial_handlers: dict[int, Callable[[PartialResult], None]] = {}
+        self._plans: dict[int, _PendingPlan] = {}
+        self._step_partials: Callable[[PartialResult], None] | None = None
+        """Step mode: where every round's partials go (a request streams across rounds)."""
         self._rpc_waits: dict[int, _RpcWait] = {}
         self._failure_callbacks: list[Callable[[], None]] = []
         self._is_failed = False
@@ -231,6 +245,27 @@ class MultiprocDiffusionExecutor:
         self._broadcast(data)
         return pending.future
 
+    def execute_plan(self, plan: StepPlan, on_partial: Callable[[PartialResult], None] | None = None
+                     ) -> Future[StepResult]:
+        """Send one step round to every rank; the future holds rank 0's result. A new request that cannot be
+        encoded leaves the plan and fails alone (its output is in the result). `on_partial` gets the partials of
+        the plan's streamed requests, in every later round too, on the result thread; it must not block."""
+        encoded, errors = self._codec.encode_each(plan.new)
+        failed = {request.request_id: _unsendable(exc)
+                  for request, exc in zip(plan.new, errors, strict=True) if exc is not None}
+        msg = EncodedStepPlan(round_id=plan.round_id, new=[raw for raw in encoded if raw is not None],
+                              stream=[rid for rid in plan.stream if rid not in failed],
+                              step=[rid for rid in plan.step if rid not in failed], abort=list(plan.abort))
+        pending = _PendingPlan(failed)
+        data = self._codec.encode(msg)
+        with self._lock:
+            self._check_alive()
+            self._plans[plan.round_id] = pending
+            if on_partial is not None:
+                self._step_partials = on_partial
+        self._broadcast(data)
+        return pending.future
+
     def abort(self, request_ids: list[str]) -> None:
         """Ask the workers to stop these requests inside their running forward (the pipeline checks between
         steps); their batch's result still comes, with the aborted requests' outputs marked as aborted."""
@@ -302,7 +337,8 @@ class MultiprocDiffusionExecutor:
                 return
             if isinstance(msg, PartialResult):
                 with self._lock:
-                    handler = self._partial_handlers.get(msg.batch_id)
+                    handler = (self._step_partials if self.od_config.step_execution
+                               else self._partial_handlers.get(msg.batch_id))
                 if handler is not None:
                     try:
                         handler(msg)
@@ -316,6 +352,14 @@ class MultiprocDiffusionExecutor:
                     self.fail(f"diffusion worker rank {msg.rank}: {msg.out_of_step}")
                 if pending is not None:
                     pending.future.set_result(pending.outputs(msg.outputs))
+            elif isinstance(msg, StepResult):
+                with self._lock:
+                    pending = self._plans.pop(msg.round_id, None)
+                if msg.out_of_step is not None:
+                    self.fail(f"diffusion worker rank {msg.rank}: {msg.out_of_step}")
+                if pending is not None:
+                    msg.outputs.update(pending.failed)
+                    pending.future.set_result(msg)
             elif isinstance(msg, RpcResult):
                 with self._lock:
                     pending = self._rpc_waits.get(msg.call_id)
@@ -354,8 +398,9 @@ class MultiprocDiffusionExecutor:
             if self._is_failed:
                 return
             self._is_failed = True
-            futures = [pending.future for pending in self._batches.values()]
+            futures = [pending.future for pending in [*self._batches.values(), *self._plans.values()]]
             self._batches.clear()
+            self._plans.clear()
             self._partial_handlers.clear()
             waits = list(self._rpc_waits.values())
         for future in futures:

@@ -112,8 +112,11 @@ def accelerate_transformer(model: nn.Module, *, compile_blocks: bool = True, cud
     return model
 
 
-def accelerated_forwards(module: nn.Module) -> list[AcceleratedForward]:
-    """The `AcceleratedForward`s of `module`'s submodules (its DiTs on the compiled path; [] when eager)."""
+def accelerated_forwards(module: Any) -> list[AcceleratedForward]:
+    """The `AcceleratedForward`s of `module`'s submodules (its DiTs on the compiled path; [] when eager, and for
+    a pipeline that is no `nn.Module`: the interface asks only for `forward`)."""
+    if not isinstance(module, nn.Module):
+        return []
     return [m.forward for m in module.modules() if isinstance(m.forward, AcceleratedForward)]
 
 

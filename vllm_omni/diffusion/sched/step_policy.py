@@ -1,7 +1,7 @@
-"""Step scheduling policies: which requests a step-mode worker serves first (`--diffusion-scheduler-policy`).
+"""Step scheduling policies: which requests a step-mode stage serves first (`--diffusion-scheduler-policy`).
 
-At every step boundary the `StepExecutor` asks its `StepPolicy` which jobs (resident, paused or waiting) take a
-step in the next round (at most `max_num_seqs`):
+At every step boundary the engine's `StepScheduler` asks its `StepPolicy` which jobs (resident, paused or
+waiting) take a step in the next round (at most `max_num_seqs`):
 
     fcfs      arrival order; a resident state is never paused (the resident states share the rounds)
     priority  vLLM's priority scheduling: lower `priority` first, then arrival; the `max_num_seqs` most urgent

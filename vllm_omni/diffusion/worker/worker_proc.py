@@ -10,11 +10,10 @@ process (sweeping the engine's shared memory and socket files) within a second o
 a SIGKILL. A parent watchdog rather than PR_SET_PDEATHSIG: the death signal fires when the *thread* that
 spawned us exits, and engines are built and restarted from short-lived threads.
 
-In step mode (`od_config.step_execution`) a batch message is handed to the `StepExecutor` instead of run at
-once: between two denoise-step rounds the loop reads every message that arrived, so new requests join at the
-next step boundary and each request's output leaves as soon as it is decoded. On more than one rank, rank 0
-decides each round and the others follow (`step_sync.py`): a rank that has not read a batch rank 0 steps reads
-its input until it has (at most `_FETCH_TIMEOUT_S`).
+In step mode (`od_config.step_execution`) the engine's scheduler sends one `StepPlan` per denoise-step round to
+every rank and this rank's `StepWorker` executes it on the states it keeps by request id: every rank runs the same
+plan, so no rank decides for the others and the ranks exchange nothing but the step's own collectives and the
+per-phase failure comparison. Rank 0 sends the round's `StepResult`.
 
 Nothing one request brings can end the loop: a message that cannot be decoded, a forward that raises, an
 output that cannot be encoded each fail the requests concerned, and the worker serves the next message. The one
@@ -43,12 +42,15 @@ from vllm_omni.diffusion.ipc import (
     AbortInput,
     AbortRequests,
     EncodedBatchResult,
+    EncodedStepResult,
     ExecuteBatch,
     MsgCodec,
     PartialResult,
     RpcCall,
     RpcResult,
     Shutdown,
+    StepPlan,
+    StepResult,
     WorkerInitFailed,
     WorkerInput,
     WorkerReady,
@@ -59,13 +61,6 @@ from vllm_omni.logger import configure_process_logging
 _POLL_INTERVAL_MS = 200
 _PARENT_CHECK_INTERVAL_S = 0.5
 _SEND_LINGER_MS = 2000
-_FETCH_TIMEOUT_S = 60.0
-"""Step mode, ranks > 0: how long a batch rank 0 already steps may take to reach this rank's socket."""
-
-
-class _ShutdownRequested(Exception):
-    """A Shutdown message read while a step round waited for a batch."""
-
 
 @dataclass
 class WorkerSpec:
@@ -118,7 +113,7 @@ class WorkerProc:
         self.decoder = MsgCodec(WorkerInput, spec.shm_prefix).decoder()
         self.worker = None
         self.steps = None
-        """The `StepExecutor` in step mode; None in request mode."""
+        """The `StepWorker` in step mode; None in request mode."""
         self.aborted = AbortedRequests()
         self._stop = threading.Event()
         self._abort_thread = threading.Thread(target=self._read_aborts, name="abort-reader", daemon=True)
@@ -154,12 +149,9 @@ class WorkerProc:
             self._send(WorkerInitFailed(rank=self.rank, error=traceback.format_exc()))
             return False
         if spec.od_config.step_execution:
-            from vllm_omni.diffusion.worker.step_runner import StepExecutor
-            from vllm_omni.diffusion.worker.step_sync import RankSync
+            from vllm_omni.diffusion.worker.step_runner import StepWorker
 
-            sync = RankSync(self._fetch_batches) if spec.world_size > 1 else None
-            send = self._send_outputs if self.rank == 0 else lambda batch_id, outputs: None
-            self.steps = StepExecutor(self.worker.model_runner, send, self.aborted, sync)
+            self.steps = StepWorker(self.worker.model_runner, self.rank, multi_rank=spec.world_size > 1)
         info = {**self.worker.ping(), "pipeline_class": self.worker.model_runner.pipeline_class_name}
         if self.worker.device.type == "cuda":  # what requests may use: the engine's memory admission budget
             import torch
@@ -170,12 +162,7 @@ class WorkerProc:
 
     def serve(self) -> None:
         while True:
-            stepping = self.steps is not None and self.steps.has_work
-            if not self.input.poll(0 if stepping else _POLL_INTERVAL_MS):
-                if stepping and not self._run_round():  # every message that arrived is read before the next step
-                    return
-                continue
-            if not self._handle_next():
+            if self.input.poll(_POLL_INTERVAL_MS) and not self._handle_next():
                 return
 
     def _handle_next(self) -> bool:
@@ -189,8 +176,8 @@ class WorkerProc:
         if isinstance(msg, Shutdown):
             return False
         try:
-            if isinstance(msg, ExecuteBatch) and self.steps is not None:
-                self.steps.add(msg.batch_id, msg.requests, self._partial_sink(msg))
+            if isinstance(msg, StepPlan):
+                self._step(msg)
             elif isinstance(msg, ExecuteBatch):
                 self._execute(msg)
             elif isinstance(msg, RpcCall):
@@ -201,45 +188,36 @@ class WorkerProc:
             traceback.print_exc()
         return True
 
-    def _run_round(self) -> bool:
-        """One step round; False when a Shutdown arrived during it."""
-        try:
-            self.steps.run_round()
-        except _ShutdownRequested:
-            return False
-        except RanksDesynchronized:
-            raise
-        except Exception:  # the executor retires failing requests itself; this is a bug in the round
-            traceback.print_exc()
-        return True
-
-    def _fetch_batches(self, batch_ids: set[int]) -> None:
-        """Step mode, ranks > 0: handle this rank's messages in order until the batches rank 0 steps are in."""
-        deadline = time.monotonic() + _FETCH_TIMEOUT_S
-        while batch_ids - self.steps.batch_ids:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError(f"[diffusion rank {self.rank}] batches {sorted(batch_ids)} that rank 0 steps "
-                                   f"did not arrive within {_FETCH_TIMEOUT_S:.0f} s")
-            if self.input.poll(min(left * 1000, _POLL_INTERVAL_MS)) and not self._handle_next():
-                raise _ShutdownRequested()
-
-    def _partial_sink(self, msg: ExecuteBatch):
-        """The partial-output sink of a batch's streamed requests (None when none streams)."""
-        if self.rank != 0 or not msg.stream_request_ids:
+    def _partial_sink(self, batch_id: int, stream_request_ids: list[str]):
+        """The partial-output sink of a batch's (or round's) streamed requests (None when none streams)."""
+        if self.rank != 0 or not stream_request_ids:
             return None
-        wanted = frozenset(msg.stream_request_ids)
+        wanted = frozenset(stream_request_ids)
 
         def sink(request_id: str, kind: str, data: dict) -> None:
             if request_id in wanted:
-                self._send_partial(PartialResult(msg.batch_id, request_id, kind, data))
+                self._send_partial(PartialResult(batch_id, request_id, kind, data))
 
         return sink
+
+    def _step(self, plan: StepPlan) -> None:
+        """Execute one round; a round whose ranks fell out of step is reported by every rank, then we exit."""
+        if self.steps is None:
+            raise RuntimeError("a step plan reached a worker that runs in request mode")
+        try:
+            result = self.steps.execute(plan, self._partial_sink(plan.round_id, plan.stream))
+        except Exception:  # a bug in the round: the engine fails the requests this result does not account for
+            traceback.print_exc()
+            result = StepResult(round_id=plan.round_id, rank=self.rank)
+        if self.rank == 0 or result.out_of_step is not None:
+            self._send_step_result(result)
+        if result.out_of_step is not None:
+            raise RanksDesynchronized(result.out_of_step, {})
 
     def _execute(self, msg: ExecuteBatch) -> None:
         from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
-        sink = self._partial_sink(msg)
+        sink = self._partial_sink(msg.batch_id, msg.stream_request_ids)
         try:
             outputs = self.worker.execute_model(
                 DiffusionRequestBatch(msg.requests), partial_sink=sink,
@@ -262,6 +240,19 @@ class WorkerProc:
                 encoded[i] = msgspec.Raw(self.codec.encode(error))
         self._send(EncodedBatchResult(batch_id=batch_id, rank=self.rank, outputs=encoded, out_of_step=out_of_step))
 
+    def _send_step_result(self, result: StepResult) -> None:
+        encoded, errors = self.codec.encode_each(list(result.outputs.values()))
+        outputs = {}
+        for rid, raw, exc in zip(result.outputs, encoded, errors, strict=True):
+            if exc is not None:
+                error = DiffusionOutput.from_exception(RuntimeError(f"pipeline output cannot be sent: {exc!r}"))
+                raw = msgspec.Raw(self.codec.encode(error))
+            outputs[rid] = raw
+        self._send(EncodedStepResult(round_id=result.round_id, rank=self.rank, outputs=outputs,
+                                     progress=result.progress, forwards=result.forwards,
+                                     encode_seconds=result.encode_seconds, decode_seconds=result.decode_seconds,
+                                     out_of_step=result.out_of_step))
+
     def _undecodable(self, buffer: memoryview, exc: Exception) -> None:
         """Fail the batch (or RPC) whose message could not be decoded, if its envelope says which it was."""
         try:
@@ -272,6 +263,8 @@ class WorkerProc:
         if tag == "batch" and self.rank == 0:
             error = DiffusionOutput.from_exception(RuntimeError(f"request cannot be decoded by the worker: {exc!r}"))
             self._send_outputs(call_id, [error] * len(rest[0] if rest and isinstance(rest[0], list) else []))
+        elif tag == "plan" and self.rank == 0:  # the engine fails the requests the result does not account for
+            self._send(EncodedStepResult(round_id=call_id, rank=self.rank))
         elif tag == "rpc":
             self._send(RpcResult(call_id=call_id, rank=self.rank, error=f"undecodable call: {exc!r}"))
 

@@ -100,6 +100,12 @@ class OmniServingBase:
             raise OmniClientError(f"`{self.model_name}` does not take input images: it "
                                   f"{self.capabilities.describe()}", param=param)
 
+    @staticmethod
+    def log_user(request_id: str, user: str | None) -> None:
+        """OpenAI's `user` (an end-user id for abuse tracking): logged with the request id, not used otherwise."""
+        if user is not None:
+            logger.info("request %s: user %r", request_id, user)
+
     # Sampling params -----------------------------------------------------------------------------
 
     def default_params(self, stage_id: int) -> Any:

@@ -194,6 +194,7 @@ class OmniOpenAIServingChat(OmniServingBase):
             raise OmniClientError(f"{asked[0]} is answered by vLLM's chat serving for a text-only answer from AR "
                                   "stage 0 of a single conversation", param=asked[0])
         if self.has_ar_stage:
+            self.check_stage_fields(request)
             return
         set_fields = request.model_fields_set - DIFFUSION_CHAT_FIELDS
         if request.n == 1:
@@ -202,6 +203,21 @@ class OmniOpenAIServingChat(OmniServingBase):
             names = sorted(set_fields)
             raise OmniClientError(f"`{self.model_name}` has no text-generation (AR) stage; these fields do not "
                                   f"apply to it: {names}", param=names[0])
+
+    def check_stage_fields(self, request: OmniChatFields) -> None:
+        """Without a diffusion stage the diffusion fields, `priority` included, would be dropped: refused, named.
+        (The omni stage path carries no vLLM priority to an AR stage, as on vLLM's own routes:
+        `engine_client._REFUSED_DEFAULTS`.)"""
+        if StageKind.DIFFUSION in self.capabilities.stage_kinds:
+            return
+        diffusion = sorted(name for name in DIFFUSION_FIELD_NAMES & request.model_fields_set
+                           if getattr(request, name) is not None)
+        if request.priority == 0 and "priority" in diffusion:  # vLLM's default, what the OpenAI SDK may send
+            diffusion.remove("priority")
+        if diffusion:
+            raise OmniClientError(f"`{self.model_name}` has no diffusion stage; these fields do not apply to it: "
+                                  f"{diffusion} (priority: its AR stages are not given one, leave it 0)",
+                                  param=diffusion[0])
 
     def resolve_modalities(self, request: OmniChatCompletionRequest) -> set[str]:
         modalities = self.requested_modalities(request)

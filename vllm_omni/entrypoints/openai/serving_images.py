@@ -46,8 +46,10 @@ class OmniOpenAIServingImages(OmniServingBase):
     async def _events(self, request: ImageGenerationRequest, prompt: dict[str, Any], params: list[Any]
                       ) -> AsyncIterator[str]:
         sent_any = False
+        request_id = f"img-{random_uuid()}"
+        self.log_user(request_id, request.user)
         try:
-            async for output in self.generate(prompt, f"img-{random_uuid()}", params):
+            async for output in self.generate(prompt, request_id, params):
                 partial = None if output.finished else output.multimodal_output.get("partial_image")
                 images = output.images if output.finished else (partial or {}).get("images", [])
                 for image in images:
@@ -98,7 +100,9 @@ class OmniOpenAIServingImages(OmniServingBase):
         prompt: dict[str, Any] = {"prompt": request.prompt, **self._negative(request)}
         if images:
             prompt["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
-        finals = await self.generate_final(prompt, f"img-{random_uuid()}", params)
+        request_id = f"img-{random_uuid()}"
+        self.log_user(request_id, request.user)
+        finals = await self.generate_final(prompt, request_id, params)
         outputs = [img for o in finals for img in o.images]
         if not outputs:
             raise OmniClientError(f"`{self.model_name}` returned no image for this request", status_code=422)

@@ -120,6 +120,12 @@ class OmniOpenAIServingVideo(OmniServingBase):
         if request.enable_frame_interpolation:
             raise OmniClientError("frame interpolation is not supported by this server",
                                   param="enable_frame_interpolation")
+        # The knobs of those features: accepted alone they would be validated and never read.
+        for name, feature in (("sound_duration", "generate_sound"), ("frame_interpolation_exp", "frame interpolation"),
+                              ("frame_interpolation_scale", "frame interpolation")):
+            if getattr(request, name) is not None:
+                raise OmniClientError(f"{name} configures {feature}, which this server does not support",
+                                      param=name)
         for name in ("short_edge", "start_time_seconds"):
             if getattr(request, name) is not None:
                 raise OmniClientError(f"{name} applies to reference videos, which this model does not take",
@@ -187,9 +193,10 @@ class OmniOpenAIServingVideo(OmniServingBase):
     async def create_sync(self, request: VideoGenerationRequest, upload: bytes | None) -> bytes:
         """Generate and return the first video as MP4 bytes (the route answers with the body directly)."""
         prompt, params = await self.build_inputs(request, upload)
+        request_id = f"video-{random_uuid()}"
+        self.log_user(request_id, request.user)
         try:
-            videos, _, _ = await asyncio.wait_for(self.generate_videos(prompt, f"video-{random_uuid()}", params),
-                                               SYNC_TIMEOUT_S)
+            videos, _, _ = await asyncio.wait_for(self.generate_videos(prompt, request_id, params), SYNC_TIMEOUT_S)
         except TimeoutError as exc:
             raise OmniError(f"video generation took longer than {SYNC_TIMEOUT_S:g} s "
                             "(VLLM_OMNI_VIDEO_SYNC_TIMEOUT)", status_code=504) from exc
@@ -201,6 +208,7 @@ class OmniOpenAIServingVideo(OmniServingBase):
         prompt, params = await self.build_inputs(request, upload)
         seconds, size = self.describe(params)
         video_id = f"video_{random_uuid()}"
+        self.log_user(video_id, request.user)
         job = _VideoJob(video_response_from_request(self.model_name, request, video_id, seconds=seconds, size=size))
         self._jobs[video_id] = job
         self._evict()

@@ -5,6 +5,10 @@ sets but the pipeline does not accept is a client error naming it, never silentl
 seed the output is pixel-identical to calling diffusers directly. Progress and abort go through diffusers'
 public `callback_on_step_end`: an aborted request stops after the step it is in (raised out of the callback,
 so nothing more is denoised or decoded).
+
+Outputs: `images` (PIL images), `frames` / `videos` (uint8 frames and fps: the video routes), `audios` (one
+waveform and its sample rate: the speech route's and chat's audio encoders). A pipeline whose output is none of
+these, or whose audio has no sample rate the adapter can read, is refused when it is loaded.
 """
 
 from __future__ import annotations
@@ -25,8 +29,37 @@ from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.errors import OmniClientError, RequestAbortedError
 from vllm_omni.inputs.data import knob_names
 
-_OUTPUT_COUNT_PARAMS = ("num_images_per_prompt", "num_videos_per_prompt", "num_waveforms_per_prompt")
+_OUTPUT_COUNT_PARAMS = ("num_images_per_prompt", "num_videos_per_prompt")
 _DEFAULT_FPS = 16
+_OUTPUT_FIELDS = ("frames", "videos", "audios", "images")
+"""The output dataclass fields the adapter converts, in the order the registry picks the output modality."""
+_SAMPLE_RATES = (("vocoder", "sampling_rate"), ("vae", "sampling_rate"), ("unet", "sample_rate"))
+"""Where diffusers' audio pipelines keep their output rate (AudioLDM / MusicLDM, Stable Audio, Dance Diffusion)."""
+
+
+def output_fields(pipe: Any) -> set[str]:
+    """The fields of the output dataclasses that the module of the pipeline's class declares (what its
+    `__call__` returns, as the registry reads the output modality), else the first of its bases' modules that
+    declares any (a subclass defined elsewhere)."""
+    import sys
+
+    from diffusers.utils import BaseOutput
+
+    for cls in type(pipe).__mro__:
+        fields = {name for value in vars(sys.modules[cls.__module__]).values()
+                  if isinstance(value, type) and issubclass(value, BaseOutput) and value is not BaseOutput
+                  for name in getattr(value, "__dataclass_fields__", {})}
+        if fields:
+            return fields
+    return set()
+
+
+def audio_sample_rate(pipe: Any) -> int | None:
+    for component, key in _SAMPLE_RATES:
+        config = getattr(getattr(pipe, component, None), "config", None)
+        if config is not None and config.get(key):
+            return int(config[key])
+    return None
 
 
 class DiffusersAdapterPipeline:
@@ -39,6 +72,16 @@ class DiffusersAdapterPipeline:
         self.pipe = pipe
         self.od_config = od_config
         self._accepted = set(inspect.signature(pipe.__call__).parameters)
+        fields = output_fields(pipe)
+        self.output_field = next((name for name in _OUTPUT_FIELDS if name in fields), None)
+        """What `__call__`'s output carries that is converted (the output modality)."""
+        if self.output_field is None:
+            raise ValueError(f"{type(pipe).__name__} returns {sorted(fields) or 'no declared output dataclass'}; "
+                             f"the generic diffusers adapter converts {list(_OUTPUT_FIELDS)} only")
+        self.sample_rate = audio_sample_rate(pipe) if self.output_field == "audios" else None
+        if self.output_field == "audios" and self.sample_rate is None:
+            raise ValueError(f"{type(pipe).__name__} makes audio, but the adapter finds its sample rate in none of "
+                             f"{[f'{c}.config.{k}' for c, k in _SAMPLE_RATES]}")
 
     @classmethod
     def from_pretrained(
@@ -84,6 +127,10 @@ class DiffusersAdapterPipeline:
             if getattr(sp, name) is not None:
                 kwargs[name] = getattr(sp, name)
         if sp.num_outputs_per_prompt != 1:
+            if self.output_field == "audios":  # an audio answer is one waveform
+                raise OmniClientError(f"{type(self.pipe).__name__} answers with one waveform: "
+                                      "num_outputs_per_prompt must be 1", status_code=422,
+                                      param="num_outputs_per_prompt")
             name = next((n for n in _OUTPUT_COUNT_PARAMS if n in self._accepted), "num_outputs_per_prompt")
             kwargs[name] = sp.num_outputs_per_prompt
         images = request.multi_modal_data.get("image")
@@ -98,7 +145,8 @@ class DiffusersAdapterPipeline:
         seed = sp.seed if sp.seed is not None else secrets.randbits(63)
         kwargs["generator"] = torch.Generator(device="cpu").manual_seed(seed)
         if "output_type" in self._accepted:
-            kwargs["output_type"] = "np" if sp.output_type == "pil" and self._returns_frames() else sp.output_type
+            as_arrays = sp.output_type == "pil" and self.output_field != "images"  # frames / audio: arrays
+            kwargs["output_type"] = "np" if as_arrays else sp.output_type
         return kwargs
 
     def _generate(self, request: OmniDiffusionRequest, ctx: StepContext) -> DiffusionOutput:
@@ -123,18 +171,17 @@ class DiffusersAdapterPipeline:
 
         return on_step_end
 
-    def _returns_frames(self) -> bool:
-        return "num_frames" in self._accepted
-
     def _convert(self, result: Any, request: OmniDiffusionRequest) -> Any:
-        if hasattr(result, "frames"):
-            frames = result.frames
+        if self.output_field == "audios":
+            audio = result.audios
+            audio = audio.detach().float().cpu().numpy() if hasattr(audio, "detach") else np.asarray(audio)
+            return {"audio": audio[0], "sample_rate": self.sample_rate}  # (samples,) or (channels, samples)
+        if self.output_field in ("frames", "videos"):
+            frames = getattr(result, self.output_field)
             if isinstance(frames, np.ndarray) and frames.dtype != np.uint8:
                 frames = (frames * 255).round().clip(0, 255).astype(np.uint8)
             if isinstance(frames, np.ndarray) and frames.ndim == 5 and frames.shape[0] == 1:
                 frames = frames[0]
             return {"video": frames, "fps": request.sampling_params.fps or _DEFAULT_FPS}
-        if hasattr(result, "images"):
-            images = result.images
-            return list(images) if isinstance(images, list) else images
-        raise NotImplementedError(f"{type(result).__name__} outputs are not supported by the diffusers adapter")
+        images = result.images
+        return list(images) if isinstance(images, list) else images

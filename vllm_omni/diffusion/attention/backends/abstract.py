@@ -32,6 +32,8 @@ class AttentionBackend(ABC):
     requires_package: ClassVar[str | None] = None
     """Import name of the kernel package, named in the error when it is missing."""
     install_hint: ClassVar[str] = ""
+    has_deterministic_mode: ClassVar[bool] = False
+    """Whether the kernels take a `deterministic` switch (`--fa-deterministic`); backends without one refuse it."""
 
     @classmethod
     def get_name(cls) -> str:

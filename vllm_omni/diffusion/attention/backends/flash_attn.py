@@ -46,6 +46,7 @@ class FlashAttentionBackend(AttentionBackend):
     name = "FLASH_ATTN"
     requires_package = "flash_attn"
     install_hint = "pip install flash-attn --no-build-isolation"
+    has_deterministic_mode = True
 
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:

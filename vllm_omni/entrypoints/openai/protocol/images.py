@@ -36,7 +36,7 @@ class ImageGenerationRequest(DiffusionFields):
     moderation: Literal["low"] | None = None
     """No content moderation runs on this server: only `low` (the least filtering) is honest to accept."""
     user: str | None = None
-    """An end-user id for abuse tracking, as in OpenAI's API; logged with the request, not used otherwise."""
+    """An end-user id for abuse tracking, as in OpenAI's API; logged with the request id (INFO), not used otherwise."""
     stream: bool = False
     """Server-sent events: `image_generation.partial_image` previews, then `image_generation.completed`
     (generations only, n=1)."""

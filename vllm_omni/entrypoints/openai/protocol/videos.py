@@ -39,14 +39,20 @@ class VideoGenerationRequest(_VideoKnobs):
     input_reference: str | dict[str, Any] | None = None
     """JSON form: a `data:` URL or {"image_url": "data:..."}; multipart sends it as a file."""
     user: str | None = None
+    """An end-user id for abuse tracking, as in OpenAI's API; logged with the job id, not used otherwise."""
     num_outputs_per_prompt: int = Field(default=1, ge=1, le=MAX_VIDEO_OUTPUTS)
     short_edge: int | None = Field(default=None, ge=1)
     start_time_seconds: float | None = Field(default=None, ge=0.0)
     generate_sound: bool = False
+    """Refused when true: no served video pipeline makes audio."""
     sound_duration: float | None = Field(default=None, gt=0)
+    """Refused when set (a knob of `generate_sound`)."""
     enable_frame_interpolation: bool | None = None
+    """Refused when true: this server does not interpolate frames."""
     frame_interpolation_exp: int | None = Field(default=None, ge=1)
+    """Refused when set (a knob of frame interpolation)."""
     frame_interpolation_scale: float | None = Field(default=None, gt=0)
+    """Refused when set (a knob of frame interpolation)."""
 
 
 class VideoError(BaseModel):

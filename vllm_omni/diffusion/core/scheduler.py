@@ -1,0 +1,201 @@
+"""The step-mode scheduler: one place decides, every worker rank executes (vLLM's Scheduler beside EngineCore).
+
+Each round `schedule` returns a `StepPlan` that the engine sends to every rank alike; rank 0's `StepResult` comes
+back to `update`. The scheduler holds no tensors, only what its policy reads of each request:
+
+    abort    requests aborted on the workers leave at the start of the next round (their states are freed)
+    admit    the scheduling policy (`sched/step_policy.py`) picks the requests (at most `max_num_seqs`) that
+             step next: waiting ones join (memory admission: only while `fits`), paused ones resume, and a
+             resident one left out is paused (the ranks keep its latents; no recompute), at most
+             `max_paused_states` at a time
+    update   the ranks report each state's steps, the round's forwards and the encode/decode seconds: the cost
+             model learns from them, and the requests that left get their stats
+
+Because the ranks read nothing but the plan (no clock, no socket timing, no abort channel), they stay in step with
+no object broadcast between them; what fails where is still compared once per phase (`distributed/rank_errors.py`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.ipc import StepPlan, StepResult
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.sched.step_policy import DEFAULT_STEPS, ShapeKey, StepPolicy, shape_key, shape_label
+from vllm_omni.outputs import StepStats
+
+Fits = Callable[[list[OmniDiffusionRequest]], bool]
+"""Memory admission: whether these requests may join what already runs on the workers."""
+
+
+@dataclass(eq=False)
+class StepJob:
+    """One request from `add` to its output, as the policy sees it (`Schedulable`)."""
+
+    request: OmniDiffusionRequest
+    stream: bool
+    deadline_ms: float
+    arrival: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None
+    """When a plan first sent it to the workers (prepared there from then on)."""
+    steps_done: int = 0
+    total_steps: int | None = None
+    """Known once the workers prepared its timesteps."""
+    stats: StepStats = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stats = StepStats(shape_label(shape_key(self.request)))
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def deadline(self) -> float:
+        return self.arrival + self.deadline_ms / 1000.0
+
+    @property
+    def prepared(self) -> bool:
+        return self.admitted is not None
+
+    @property
+    def remaining_steps(self) -> int:
+        total = self.total_steps or self.request.sampling_params.num_inference_steps or DEFAULT_STEPS
+        return total - self.steps_done
+
+
+class StepScheduler:
+    def __init__(self, od_config: OmniDiffusionConfig) -> None:
+        self.max_resident = od_config.max_num_seqs
+        self.max_paused = od_config.max_paused_states
+        self.default_deadline_ms = od_config.default_deadline_ms
+        self.policy = StepPolicy(od_config.diffusion_scheduler_policy,
+                                 starvation_factor=od_config.slo_starvation_factor)
+        self.waiting: list[StepJob] = []
+        """Not admitted yet, in arrival order."""
+        self.paused: list[StepJob] = []
+        """Prepared on the workers, left out of the last round."""
+        self.resident: list[StepJob] = []
+        """The requests that stepped in the last round, most urgent first."""
+        self._leaving: dict[str, StepJob] = {}
+        """Aborted while on the workers: the next plan drops them, its result reports them."""
+        self._rounds = itertools.count()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.paused or self.resident or self._leaving)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def on_workers(self) -> list[StepJob]:
+        return [*self.resident, *self.paused, *self._leaving.values()]
+
+    def add(self, request: OmniDiffusionRequest, stream: bool = False) -> StepJob:
+        deadline_ms = request.sampling_params.deadline_ms or self.default_deadline_ms
+        job = StepJob(request, stream, deadline_ms)
+        self.waiting.append(job)
+        return job
+
+    def abort(self, request_ids: list[str]) -> list[StepJob]:
+        """Drop the waiting requests at once (returned: they never reached the workers); mark the others, which
+        the next plan drops."""
+        wanted = set(request_ids)
+        dropped = [job for job in self.waiting if job.request_id in wanted]
+        self.waiting = [job for job in self.waiting if job.request_id not in wanted]
+        for job in [job for job in self.resident + self.paused if job.request_id in wanted]:
+            self._leaving[job.request_id] = job
+        self.resident = [job for job in self.resident if job.request_id not in wanted]
+        self.paused = [job for job in self.paused if job.request_id not in wanted]
+        return dropped
+
+    def drain(self) -> list[StepJob]:
+        """Forget every request (the engine fails them)."""
+        jobs = [*self.waiting, *self.on_workers()]
+        self.waiting, self.paused, self.resident, self._leaving = [], [], [], {}
+        return jobs
+
+    def forget_workers(self) -> list[StepJob]:
+        """The workers died: the requests they held are gone (returned), the waiting ones wait for new workers."""
+        jobs = self.on_workers()
+        self.paused, self.resident, self._leaving = [], [], {}
+        return jobs
+
+    def schedule(self, now: float | None = None, fits: Fits | None = None) -> StepPlan:
+        """The next round: drops, then the policy's choice (newcomers only while `fits`) as the resident set."""
+        now = time.perf_counter() if now is None else now
+        chosen = self.policy.choose(self.resident, self.paused, self.waiting, self.max_resident, self.max_paused,
+                                    now)
+        new: list[StepJob] = []
+        for job in [job for job in chosen if not job.prepared]:
+            if fits is not None and not fits([j.request for j in [*new, job]]):
+                chosen.remove(job)  # it keeps its place in the queue
+                continue
+            new.append(job)
+            job.admitted = now
+        chosen_ids = {id(job) for job in chosen}
+        for job in self.resident:
+            if id(job) not in chosen_ids:
+                job.stats.preemptions += 1
+        self.paused = [job for job in self.paused + self.resident if id(job) not in chosen_ids]
+        self.waiting = [job for job in self.waiting if id(job) not in chosen_ids]
+        self.resident = list(chosen)
+        return StepPlan(round_id=next(self._rounds), new=[job.request for job in new],
+                        stream=[job.request_id for job in new if job.stream],
+                        step=[job.request_id for job in chosen], abort=list(self._leaving))
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[tuple[StepJob, DiffusionOutput]]:
+        """Learn from the round; returns the requests that left it with their outputs (stats filled in)."""
+        jobs = {job.request_id: job for job in [*self.resident, *self.paused, *self._leaving.values()]}
+        self._leaving = {rid: job for rid, job in self._leaving.items() if rid not in plan.abort}
+        for rid, (done, total) in result.progress.items():
+            if rid in jobs:
+                jobs[rid].steps_done, jobs[rid].total_steps = done, total
+        self._observe(jobs, result)
+        left: list[tuple[StepJob, DiffusionOutput]] = []
+        for rid, output in result.outputs.items():
+            job = jobs.get(rid)
+            if job is None:
+                continue
+            self.resident = [j for j in self.resident if j is not job]
+            self.paused = [j for j in self.paused if j is not job]
+            self._leaving.pop(rid, None)  # aborted while its last round ran: it left anyway
+            left.append((job, output))
+        now = time.perf_counter()
+        for job, output in left:
+            output.stage_durations.setdefault("forward", now - job.arrival)
+            output.stage_durations["step_admission_wait"] = job.admitted - job.arrival
+            job.stats.deadline_missed = output.error is None and now > job.deadline and (
+                job.request.sampling_params.deadline_ms is not None or self.policy.policy == "slo")
+            job.stats.waiting, job.stats.running = len(self.waiting) + len(self.paused), len(self.resident)
+            output.step_stats = job.stats
+        return left
+
+    def _observe(self, jobs: dict[str, StepJob], result: StepResult) -> None:
+        """The cost model learns what one step of the round's states of each shape cost (the seconds of their
+        forwards; each state of a shared forward waited for all of it), and each shape's encode and decode."""
+        states: dict[ShapeKey, int] = {}
+        seconds_by_shape: dict[ShapeKey, float] = {}
+        for request_ids, seconds in result.forwards:
+            keys = set()
+            for rid in request_ids:
+                job = jobs.get(rid)
+                if job is None:
+                    continue
+                job.stats.step_seconds.append(seconds)
+                key = shape_key(job.request)
+                states[key] = states.get(key, 0) + 1
+                keys.add(key)
+            for key in keys:
+                seconds_by_shape[key] = seconds_by_shape.get(key, 0.0) + seconds
+        for key, count in states.items():
+            self.policy.cost.observe(key, seconds_by_shape[key], batch=count)
+        for phase, measured in (("encode", result.encode_seconds), ("decode", result.decode_seconds)):
+            for rid, seconds in measured.items():
+                if rid in jobs:
+                    self.policy.cost.observe_phase(shape_key(jobs[rid].request), phase, seconds)
