@@ -11,10 +11,10 @@ import sys
 
 
 def main(model: str) -> str:
+    from vllm_omni.catalog.registry import MODEL_REGISTRY
+    from vllm_omni.catalog.tiny import resolve_model
     from vllm_omni.config.omni_config import _read_json, pipeline_for_model
     from vllm_omni.config.stage_kind import StageKind
-    from vllm_omni.models.registry import MODEL_REGISTRY
-    from vllm_omni.models.tiny import resolve_model
 
     path = resolve_model(model)
     index = _read_json(path, "model_index.json")

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from vllm_omni.diffusion.data import StepStats
+from typing import Any
 
 
 @dataclass
@@ -41,3 +38,20 @@ class OmniRequestOutput:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+@dataclass
+class StepStats:
+    """How a step-mode request was scheduled; travels with its output to the server's Prometheus metrics."""
+
+    shape: str
+    """`shape_label` of the request (e.g. "512x512+cfg")."""
+    step_seconds: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    """Times the request was paused at a step boundary for a more urgent one."""
+    deadline_missed: bool = False
+    """Finished after its deadline (requests with a `deadline_ms`, or any request under the slo policy)."""
+    waiting: int = 0
+    """Requests waiting (queued or paused) in the worker when this one left."""
+    running: int = 0
+    """Resident states stepping in the worker when this one left."""

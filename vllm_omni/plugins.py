@@ -8,7 +8,7 @@ cheap.
 import multiprocessing
 import os
 
-from vllm_omni.models.registry import MODEL_REGISTRY
+from vllm_omni.catalog.registry import MODEL_REGISTRY
 
 
 def register_models() -> None:

@@ -93,7 +93,7 @@ def _make_paths(model_dir: Path, side: int, with_omni: bool) -> tuple[dict[str, 
 
 
 def bench_config(name: str, iters: int, with_omni: bool) -> dict:
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     overrides, side = CONFIGS[name]
     model_dir = build_tiny("qwen-image", **overrides)

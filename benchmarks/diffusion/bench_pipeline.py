@@ -68,7 +68,7 @@ def flux_components(device, dtype, smoke: bool) -> dict[str, Any]:
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
     from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     tiny = build_tiny("flux")
     if smoke:
@@ -112,7 +112,7 @@ def qwen_components(device, dtype, smoke: bool) -> dict[str, Any]:
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     from transformers import AutoConfig, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     tiny = build_tiny("qwen-image")
     scheduler_config = json.loads((tiny / "scheduler" / "scheduler_config.json").read_text())
@@ -280,7 +280,7 @@ def quality_pipeline(name: str, args, device, dtype):
     if name == "wan":
         from bench_wan import WAN21_13B, build_pipelines, build_transformers
 
-        from vllm_omni.models.tiny import build_tiny
+        from vllm_omni.catalog.tiny import build_tiny
 
         config = WAN21_13B
         if args.smoke:

@@ -54,12 +54,12 @@ def _init_dist() -> None:
 def bench_config(name: str, iters: int, with_omni: bool) -> dict:
     from diffusers import QwenImagePipeline as Reference
 
+    from vllm_omni.catalog.tiny import build_tiny
     from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.diffusion.request import OmniDiffusionRequest
     from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
     from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
-    from vllm_omni.models.tiny import build_tiny
 
     overrides, side = CONFIGS[name]
     model_dir = build_tiny("qwen-image", **overrides)

@@ -114,9 +114,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
     args = parser.parse_args()
 
+    from vllm_omni.catalog.tiny import build_tiny
     from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
-    from vllm_omni.models.tiny import build_tiny
 
     torch.manual_seed(0)
     _init_dist()

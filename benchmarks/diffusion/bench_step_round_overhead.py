@@ -42,11 +42,11 @@ class NoopStepPipeline(QwenImagePipeline):
 
 def run(ranks: int, states: int, steps: int) -> float:
     """Seconds from submitting `states` requests to the last output."""
+    from vllm_omni.catalog.tiny import build_tiny
     from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig
     from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
     from vllm_omni.diffusion.request import OmniDiffusionRequest
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-    from vllm_omni.models.tiny import build_tiny
 
     config = OmniDiffusionConfig(model=str(build_tiny("qwen-image")),
                                  model_class_name=f"{Path(__file__).stem}:{NoopStepPipeline.__qualname__}",

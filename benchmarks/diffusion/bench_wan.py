@@ -116,8 +116,8 @@ def build_pipelines(args, device, dtype, reference, ours):
     from diffusers import WanPipeline as RefPipeline
     from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
+    from vllm_omni.catalog.tiny import build_tiny
     from vllm_omni.diffusion.data import OmniDiffusionConfig
-    from vllm_omni.models.tiny import build_tiny
     from vllm_omni.models.wan.pipeline import WanPipeline
 
     tiny = build_tiny("wan2.1-t2v")
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     with vllm_single_rank(device):
         if args.smoke:
-            from vllm_omni.models.tiny import build_tiny
+            from vllm_omni.catalog.tiny import build_tiny
 
             config = json.loads((build_tiny("wan2.1-t2v") / "transformer" / "config.json").read_text())
             config = {k: v for k, v in config.items() if not k.startswith("_")}

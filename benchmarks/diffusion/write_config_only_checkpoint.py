@@ -62,8 +62,8 @@ REAL_SIZES: dict[str, dict[str, Any]] = {
 
 def write_checkpoint(model: str, out: Path, tiny: bool = False) -> Path:
     """Copy the tiny checkpoint's layout minus weights to `out`, then (unless `tiny`) set the real sizes."""
-    from vllm_omni.diffusion.model_loader.diffusers_loader import INDEX_FILES, WEIGHT_FILE_PATTERNS
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.resolution import INDEX_FILES, WEIGHT_FILE_PATTERNS
+    from vllm_omni.catalog.tiny import build_tiny
 
     if model not in REAL_SIZES:
         raise ValueError(f"--model must be one of {sorted(REAL_SIZES)}, got {model!r}")

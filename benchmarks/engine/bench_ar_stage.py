@@ -36,7 +36,7 @@ async def run(args: argparse.Namespace) -> dict:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from vllm_omni import AsyncOmni
-    from vllm_omni.models.tiny import resolve_model
+    from vllm_omni.catalog.tiny import resolve_model
 
     path = resolve_model("tiny/qwen2")
     params = SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16, ignore_eos=True)

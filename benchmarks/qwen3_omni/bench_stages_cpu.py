@@ -89,10 +89,10 @@ def main() -> None:
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
     from vllm import LLM, SamplingParams
 
+    from vllm_omni.catalog.tiny import build_tiny
     from vllm_omni.models.qwen3_omni.code2wav import Qwen3OmniCode2Wav
     from vllm_omni.models.qwen3_omni.stage_input_processors import Qwen3OmniTokenIds
     from vllm_omni.models.qwen3_omni.talker import Qwen3OmniTalker
-    from vllm_omni.models.tiny import build_tiny
 
     path = build_tiny("qwen3-omni")
     tok = AutoTokenizer.from_pretrained(path)

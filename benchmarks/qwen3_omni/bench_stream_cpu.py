@@ -183,7 +183,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     path = build_tiny("qwen3-omni", **(MID if args.size == "mid" else {}))
     tok = AutoTokenizer.from_pretrained(path)

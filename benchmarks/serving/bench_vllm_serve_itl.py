@@ -210,7 +210,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=16)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from vllm_omni.models.tiny import resolve_model
+    from vllm_omni.catalog.tiny import resolve_model
 
     model_path = resolve_model(MODEL)
     servers: dict[str, Server] = {}

@@ -67,7 +67,7 @@ t0 = time.perf_counter()
 if "vllm" in sys.argv[1:]:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
-    from vllm_omni.models.tiny import resolve_model
+    from vllm_omni.catalog.tiny import resolve_model
 else:
     from vllm_omni import Omni
 t1 = time.perf_counter()

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from vllm import SamplingParams
 
 from vllm_omni import Omni
-from vllm_omni.models.tiny import resolve_model
+from vllm_omni.catalog.tiny import resolve_model
 
 
 def main() -> None:

@@ -33,6 +33,7 @@ def main() -> None:
     from transformers import AutoConfig, AutoTokenizer
     from vllm import LLM, SamplingParams
 
+    from vllm_omni.catalog.tiny import resolve_model
     from vllm_omni.models.qwen3_omni.code2wav import Qwen3OmniCode2Wav
     from vllm_omni.models.qwen3_omni.stage_input_processors import (
         Qwen3OmniTokenIds,
@@ -40,7 +41,6 @@ def main() -> None:
         thinker_to_talker,
     )
     from vllm_omni.models.qwen3_omni.talker import Qwen3OmniTalker, TalkerSamplingParams
-    from vllm_omni.models.tiny import resolve_model
 
     model = resolve_model(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,6 +10,7 @@ import pickle
 import pytest
 from pydantic import ValidationError
 
+from vllm_omni.catalog.registry import MODEL_REGISTRY
 from vllm_omni.config import (
     DeployConfig,
     PipelineConfig,
@@ -20,7 +21,6 @@ from vllm_omni.config import (
     register_pipeline,
 )
 from vllm_omni.errors import OmniClientError
-from vllm_omni.models.registry import MODEL_REGISTRY
 
 TWO_STAGE_YAML = """
 name: rewrite-then-draw

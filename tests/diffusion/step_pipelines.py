@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_omni.diffusion.pipeline_base import DenoiseState
+from vllm_omni.diffusion.state import DenoiseState
 from vllm_omni.models.flux.pipeline import FluxPipeline
 from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
 from vllm_omni.models.wan.pipeline import WanPipeline

@@ -14,13 +14,13 @@ import threading
 
 import pytest
 
+from vllm_omni.catalog.shapes import ShapeRule
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.sched.request_scheduler import RequestScheduler
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
-from vllm_omni.models.shapes import ShapeRule
 
 QWEN_IMAGE = ShapeRule(size_multiple=16, min_size=16, hidden_size=3072, latent_channels=16, vae_channels=96,
                        text_tokens=1024, step_table_width=12 * 60, dtype_bytes=2)

@@ -12,13 +12,13 @@ import pytest
 import torch
 from test_step_execution import Harness, make
 
+from vllm_omni.catalog.tiny import build_tiny
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.previews import preview_steps
 from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.models.flux.pipeline import FluxPipeline
 from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
-from vllm_omni.models.tiny import build_tiny
 
 PIPELINES = {"qwen-image": QwenImagePipeline, "flux": FluxPipeline}
 

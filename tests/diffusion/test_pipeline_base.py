@@ -15,13 +15,13 @@ import pytest
 import torch
 from PIL import Image
 
+from vllm_omni.catalog.tiny import build_tiny
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-from vllm_omni.models.tiny import build_tiny
 
 pytestmark = pytest.mark.usefixtures("dist_world")
 

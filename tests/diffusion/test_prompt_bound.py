@@ -11,10 +11,10 @@ import time
 
 import pytest
 
+from vllm_omni.catalog.registry import MODEL_REGISTRY
+from vllm_omni.catalog.tiny import build_tiny
 from vllm_omni.diffusion.prompt_bound import PromptBound
 from vllm_omni.errors import OmniClientError
-from vllm_omni.models.registry import MODEL_REGISTRY
-from vllm_omni.models.tiny import build_tiny
 
 
 @pytest.fixture(scope="module")

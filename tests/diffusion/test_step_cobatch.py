@@ -19,6 +19,7 @@ from PIL import Image
 from step_harness import Harness
 from step_pipelines import FaultyQwenImagePipeline, FaultyWanPipeline
 
+from vllm_omni.catalog.tiny import build_tiny
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
@@ -27,7 +28,6 @@ from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
 from vllm_omni.models.flux.pipeline import FluxPipeline
 from vllm_omni.models.qwen_image import pipeline_edit
 from vllm_omni.models.qwen_image.pipeline_edit import QwenImageEditPipeline
-from vllm_omni.models.tiny import build_tiny
 from vllm_omni.models.wan.pipeline_i2v import WanImageToVideoPipeline
 
 CPU = torch.device("cpu")

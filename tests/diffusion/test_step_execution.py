@@ -18,11 +18,11 @@ import torch
 from step_harness import Harness
 from step_pipelines import FaultyFluxPipeline, FaultyQwenImagePipeline
 
+from vllm_omni.catalog.tiny import build_tiny
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
-from vllm_omni.models.tiny import build_tiny
 
 CPU = torch.device("cpu")
 PIPELINES = {"qwen-image": FaultyQwenImagePipeline, "flux": FaultyFluxPipeline}

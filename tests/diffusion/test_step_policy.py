@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_step_execution import Harness, make, solo
 
+from vllm_omni.catalog.tiny import build_tiny
 from vllm_omni.config import StageConfigFactory
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
@@ -24,7 +25,6 @@ from vllm_omni.entrypoints.cli import docs
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
 from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
-from vllm_omni.models.tiny import build_tiny
 
 
 @pytest.fixture(scope="module")

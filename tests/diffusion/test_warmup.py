@@ -21,7 +21,7 @@ from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 @pytest.fixture(scope="module")
 def qwen_image_dir():
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     return build_tiny("qwen-image")
 

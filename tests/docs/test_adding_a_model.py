@@ -1,7 +1,8 @@
 """docs/adding_a_model.md is followed literally: its code blocks become a package, and its run script serves the
 toy family through `Omni` (real engine, real worker process).
 
-What it pins: a family outside the tree needs only a spec, a pipeline on the skeleton's hooks and a tiny builder;
+What it pins: a family outside the tree needs only a spec, a pipeline on the skeleton's hooks, a tiny builder and
+(for `quality=high/fast`) its cache presets;
 `register_family` makes `tiny/<name>` and its `_class_name` resolve; the page cannot drift from the code.
 """
 
@@ -23,7 +24,8 @@ def _doc_files() -> dict[str, str]:
 
 def test_walkthrough_runs_as_written(tmp_path):
     files = _doc_files()
-    assert {"toy_family/spec.py", "toy_family/tiny.py", "toy_family/pipeline.py", "run_toy.py"} <= set(files)
+    assert {"toy_family/spec.py", "toy_family/cache.py", "toy_family/tiny.py", "toy_family/pipeline.py",
+            "run_toy.py"} <= set(files)
     for name, body in files.items():
         path = tmp_path / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -37,3 +39,4 @@ def test_walkthrough_runs_as_written(tmp_path):
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("(16, 16)"), proc.stdout
     assert "diffusion" in last and "diffusion.denoise" in last, last
+    assert last.endswith("reused steps: 1"), last  # quality=high from the presets in its folder: 4 steps, 1 reused

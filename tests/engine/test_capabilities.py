@@ -80,8 +80,8 @@ def test_capability_questions():
 
 
 def test_ar_stage_inputs_come_from_its_family_spec(monkeypatch):
-    from vllm_omni.models import registry
-    from vllm_omni.models.spec import ModelSpec
+    from vllm_omni.catalog import registry
+    from vllm_omni.catalog.spec import ModelSpec
 
     fresh = registry.OmniModelRegistry({})
     fresh.register_family(ModelSpec(family="test-vlm", description="", architectures=("SeeingLM",),

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from vllm_omni import AsyncOmni
+from vllm_omni.catalog.tiny import build_tiny
 from vllm_omni.errors import OmniClientError
-from vllm_omni.models.tiny import build_tiny
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 CODE2WAV = "vllm_omni.models.qwen3_omni.code2wav:Qwen3OmniCode2Wav"

@@ -11,11 +11,11 @@ import pytest
 
 from tests.engine.fakes import FakeStageClient
 from tests.engine.test_orchestrator import Harness
+from vllm_omni.catalog.edges import StageInput
+from vllm_omni.catalog.registry import register_output_collector, register_stage_input_processor
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import VllmOmniARStageConfig
 from vllm_omni.engine.output_collectors import get_output_collector
-from vllm_omni.engine.stage_input_processors import StageInput
-from vllm_omni.models.registry import register_output_collector, register_stage_input_processor
 
 seen_contexts: list = []
 

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from vllm_omni.catalog.edges import reads
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.pipeline_config import EdgeStreamConfig, PipelineConfig, PipelineStageConfig
 from vllm_omni.config.stage_config import VllmOmniARStageConfig, VllmOmniGenerationStageConfig
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.orchestrator import Orchestrator
-from vllm_omni.engine.stage_input_processors import reads
 from vllm_omni.engine.stage_pool import StagePool
 from vllm_omni.outputs import OmniRequestOutput
 

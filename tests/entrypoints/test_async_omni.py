@@ -18,8 +18,8 @@ from vllm.sampling_params import RequestOutputKind
 
 from tests.entrypoints.leak_checks import shm_segments, wait_until_clean
 from vllm_omni import AsyncOmni
+from vllm_omni.catalog.tiny import build_tiny
 from vllm_omni.errors import EngineDeadError, OmniClientError
-from vllm_omni.models.tiny import build_tiny
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 PROMPTS = ["A photo of a cat sitting on a red chair", "hello world"]

@@ -67,7 +67,7 @@ def hf_greedy_text(prompt: str, n: int) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     path = build_tiny("qwen2")
     tok = AutoTokenizer.from_pretrained(path)

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from vllm_omni.models.tiny import available, build_tiny, resolve_model
+from vllm_omni.catalog.tiny import available, build_tiny, resolve_model
 
 PROMPT = "A photo of a cat sitting on a red chair"
 

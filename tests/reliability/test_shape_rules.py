@@ -14,10 +14,10 @@ import pytest
 
 from tests.entrypoints.openai.fake_engine import FakeOmni
 from tests.reliability.conftest import assert_client_error, make_client, png
-from vllm_omni.models.registry import MODEL_REGISTRY
-from vllm_omni.models.shapes import ShapeRule
-from vllm_omni.models.spec import import_target
-from vllm_omni.models.tiny import build_tiny
+from vllm_omni.catalog.registry import MODEL_REGISTRY
+from vllm_omni.catalog.shapes import ShapeRule
+from vllm_omni.catalog.spec import import_target
+from vllm_omni.catalog.tiny import build_tiny
 
 
 @pytest.mark.parametrize("tiny,class_name,multiple,min_size,frame_stride", [

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.entrypoints.openai.live_server import QWEN2
-from vllm_omni.models.tiny import resolve_model
+from vllm_omni.catalog.tiny import resolve_model
 
 MODEL = QWEN2[0]
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,6 @@
 """Configuration layers: PipelineConfig + DeployConfig -> (resolve once) -> VllmOmniConfig."""
 
+from vllm_omni.catalog.registry import register_pipeline  # the public extension point, kept here too
 from vllm_omni.config.deploy_config import ConnectorConfig, DeployConfig, StageDeployConfig
 from vllm_omni.config.omni_config import StageConfigFactory, VllmOmniConfig
 from vllm_omni.config.pipeline_config import PipelineConfig, PipelineStageConfig, StageExecutionType
@@ -10,7 +11,6 @@ from vllm_omni.config.stage_config import (
     VllmOmniGenerationStageConfig,
 )
 from vllm_omni.config.stage_kind import StageKind
-from vllm_omni.models.registry import register_pipeline  # the public extension point, kept here too
 
 __all__ = [
     "BaseVllmOmniStageConfig",

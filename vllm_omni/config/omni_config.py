@@ -158,7 +158,7 @@ def _bind_cpu_threads(stages: list[StageConfig], deploy: DeployConfig) -> None:
 def _check_edge_fields(spec: PipelineStageConfig) -> None:
     """Refuse an edge field that nothing reads on its edge (it would be accepted and ignored): the hand-off
     sizes apply to a streamed edge, anything else only to an input processor that declares it reads it."""
-    from vllm_omni.engine.stage_input_processors import processor_reads
+    from vllm_omni.catalog.edges import processor_reads
 
     for src, edge in spec.stream_inputs.items():
         unused = [f for f in edge.set_fields() if not (edge.stream and f in HAND_OFF_FIELDS)]
@@ -197,7 +197,7 @@ class StageConfigFactory:
 
     @classmethod
     def create_from_model(cls, model: str, **kwargs: Any) -> VllmOmniConfig:
-        from vllm_omni.models.tiny import resolve_model
+        from vllm_omni.catalog.tiny import resolve_model
 
         pipeline = kwargs.pop("pipeline_config", None)
         deploy = kwargs.pop("deploy_config", None)
@@ -238,7 +238,7 @@ def pipeline_for_model(model_path: str) -> PipelineConfig:
     if hf_config is None:
         raise OmniClientError(f"{model_path} is not a model checkpoint: it has neither model_index.json (a diffusers "
                               "pipeline) nor config.json (a transformers model)", param="model")
-    from vllm_omni.models.registry import MODEL_REGISTRY
+    from vllm_omni.catalog.registry import MODEL_REGISTRY
 
     factory = MODEL_REGISTRY.topology_for([*hf_config.get("architectures", []), hf_config.get("model_type")])
     if factory is not None:
@@ -252,7 +252,7 @@ def _read_json(model_path: str, filename: str) -> dict[str, Any] | None:
         return json.loads(local.read_text()) if local.exists() else None
     if model_path.startswith((".", "/", "~")):
         raise OmniClientError(f"model {model_path!r} is not a directory", param="model")
-    from vllm_omni.models.resolution import fetch_hub_file
+    from vllm_omni.catalog.resolution import fetch_hub_file
 
     try:
         path = fetch_hub_file(model_path, filename)
@@ -263,7 +263,7 @@ def _read_json(model_path: str, filename: str) -> dict[str, Any] | None:
 
 def _stage_model(model_path: str, stage_model: str | None, subfolder: str | None) -> str:
     if stage_model is not None:
-        from vllm_omni.models.tiny import resolve_model
+        from vllm_omni.catalog.tiny import resolve_model
 
         return resolve_model(stage_model)
     return str(Path(model_path) / subfolder) if subfolder else model_path

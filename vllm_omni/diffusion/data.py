@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from vllm_omni import envs
 from vllm_omni.errors import OmniClientError, OmniError, RequestAbortedError
 from vllm_omni.inputs.data import MAX_DEADLINE_MS
+from vllm_omni.outputs import StepStats
 
 if TYPE_CHECKING:
     from vllm.config.logging import LoggingConfig
@@ -339,23 +340,6 @@ class OmniDiffusionConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass
-class StepStats:
-    """How a step-mode request was scheduled; travels with its output to the server's Prometheus metrics."""
-
-    shape: str
-    """`shape_label` of the request (e.g. "512x512+cfg")."""
-    step_seconds: list[float] = field(default_factory=list)
-    preemptions: int = 0
-    """Times the request was paused at a step boundary for a more urgent one."""
-    deadline_missed: bool = False
-    """Finished after its deadline (requests with a `deadline_ms`, or any request under the slo policy)."""
-    waiting: int = 0
-    """Requests waiting (queued or paused) in the worker when this one left."""
-    running: int = 0
-    """Resident states stepping in the worker when this one left."""
 
 
 @dataclass

@@ -25,6 +25,10 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
+from vllm_omni.catalog.registry import MODEL_REGISTRY
+from vllm_omni.catalog.resolution import resolve_model_dir, resolve_pipeline_class_name
+from vllm_omni.catalog.shapes import ShapeRule
+from vllm_omni.catalog.spec import import_target
 from vllm_omni.diffusion.core.scheduler import StepScheduler
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.executor.multiproc_executor import MultiprocDiffusionExecutor
@@ -37,10 +41,6 @@ from vllm_omni.diffusion.sched.request_scheduler import RequestScheduler
 from vllm_omni.errors import EngineDeadError, OmniClientError, StageRestartingError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.logger import init_logger
-from vllm_omni.models.registry import MODEL_REGISTRY
-from vllm_omni.models.resolution import resolve_model_dir, resolve_pipeline_class_name
-from vllm_omni.models.shapes import ShapeRule
-from vllm_omni.models.spec import import_target
 
 logger = init_logger(__name__)
 

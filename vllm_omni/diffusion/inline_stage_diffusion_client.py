@@ -17,14 +17,14 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from vllm_omni.catalog.shapes import ShapeRule
+from vllm_omni.catalog.spec import Modality
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, join_streamed_video
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.errors import EngineDeadError, client_error_from_metadata
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.logger import init_logger
-from vllm_omni.models.shapes import ShapeRule
-from vllm_omni.models.spec import Modality
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = init_logger(__name__)

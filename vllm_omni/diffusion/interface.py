@@ -6,7 +6,7 @@ with one output per request in batch order (a request that fails alone carries `
 a pipeline that sets `supports_step_execution` (every `NativeDiffusionPipeline`) may instead be driven one
 denoise step at a time by the worker's step executor (`prepare` / `denoise_step` / `finish`);
 `ctx` (a `StepContext`) carries the partial-output sink and the abort flag polled between denoise steps.
-The model registry (`vllm_omni/models/registry.py`) maps a checkpoint's `_class_name` to the pipeline class.
+The model registry (`vllm_omni/catalog/registry.py`) maps a checkpoint's `_class_name` to the pipeline class.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ group as
     finish(state, ctx)                  # decode -> one output per request
 
 A family overrides named hooks (`group_key`, `check_inputs`, `encode_prompt`, `prepare_latents`,
-`make_scheduler`, `prepare_step_tables`, `step_inputs`, `forward_step_inputs`, `guide`, `step_group_key`,
+`make_scheduler`, `prepare_step_tables`, `step_inputs`, `transformer_forward`, `guide`, `step_group_key`,
 `step_tokens`, `scheduler_step`, `decode`), never the loop. All per-request state lives in a `DenoiseState`,
 none on the pipeline, so that the worker's step executor (`vllm_omni/diffusion/worker/step_runner.py`) can
 advance many states one step at a time.
@@ -19,92 +19,40 @@ A step's prediction is `guide(state, forward_step_inputs([step_inputs(state)])[0
 rows at its own step, one transformer forward, its own guidance. The step executor runs states with equal
 `step_group_key`s through `denoise_step_batch`, which concatenates their rows into ONE forward and splits the
 prediction back, so co-batched and solo steps share every line of arithmetic but the batching.
+
+The execution strategy is the skeleton's, not the family's: a family's step input is a dataclass whose
+row-wise fields are declared with `rows()`, and `transformer_forward` maps one (possibly merged) input onto its
+transformer's signature. `forward_step_inputs` then concatenates co-batched states' rows, or under CFG
+parallel keeps this rank's branch and gathers the other's, and every transformer call goes through the cache
+(`cache/runtime.call_transformer_rows`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, Self
+from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from vllm_omni.diffusion.cache.runtime import cache_group, cache_state_for, request_policy
-from vllm_omni.diffusion.cache.state import CacheState
+from vllm_omni.diffusion.cache.policy import FamilyPresets
+from vllm_omni.diffusion.cache.runtime import cache_group, cache_state_for, call_transformer_rows, request_policy
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.distributed.sequence import cfg_branch_rows, cfg_gather_rows
 from vllm_omni.diffusion.layers.compile import accelerated_forwards
 from vllm_omni.diffusion.previews import emit_previews
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.state import Conditioning, DenoiseState
 from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.timing import elapsed_since, synchronized_now
 from vllm_omni.diffusion.warmup import batch_buckets, step_bucket
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.errors import OmniClientError, RequestAbortedError
-
-
-class Conditioning(Protocol):
-    """A family's per-group transformer inputs besides latents and timestep (text embeddings, CFG rows, ...)."""
-
-    def select(self, rows: torch.Tensor) -> Self:
-        """The conditioning of the latent rows `rows` only (indices into the current latent rows, in order)."""
-        ...
-
-
-@dataclass
-class DenoiseState:
-    """One group of co-batched requests from `prepare` to `finish`: everything a denoise step reads or advances.
-
-    Latent rows are request-major: request `i` owns rows `i * outputs_per_request` up to the next request's.
-    """
-
-    requests: list[OmniDiffusionRequest]
-    latents: torch.Tensor
-    scheduler: Any
-    """A fresh diffusers scheduler of this group only, its timesteps set."""
-    conditioning: Conditioning
-    outputs_per_request: int = 1
-    durations: dict[str, float] = field(default_factory=dict)
-    step_index: int = 0
-    aborted: list[OmniDiffusionRequest] = field(default_factory=list)
-    """Requests dropped by an abort; they leave with `RequestAbortedError`."""
-    timesteps: torch.Tensor = field(init=False)
-    normalized_timesteps: list[float] = field(init=False)
-    """Host copy of the timesteps in [0, 1] (1.0 = pure noise), read once instead of syncing every step."""
-    cache: CacheState = field(default_factory=CacheState)
-    """This group's cache policy, residuals and counters (docs/cache.md); the default caches nothing."""
-
-    def __post_init__(self) -> None:
-        self.timesteps = self.scheduler.timesteps
-        num_train = self.scheduler.config.get("num_train_timesteps", 1000)
-        self.normalized_timesteps = [t / num_train for t in self.timesteps.tolist()]
-
-    @property
-    def done(self) -> bool:
-        return not self.requests or self.step_index >= len(self.timesteps)
-
-    @property
-    def request_ids(self) -> list[str]:
-        return [r.request_id for r in self.requests]
-
-    def drop(self, request_ids: set[str]) -> None:
-        """Remove the requests `request_ids`, their latent and conditioning rows; the other rows are unchanged."""
-        keep = [i for i, r in enumerate(self.requests) if r.request_id not in request_ids]
-        if len(keep) == len(self.requests):
-            return
-        self.aborted += [r for r in self.requests if r.request_id in request_ids]
-        self.requests = [self.requests[i] for i in keep]
-        self.cache.invalidate()  # its residuals hold the dropped rows too: the next step computes
-        if not keep:
-            self.latents = self.latents[:0]
-            return
-        per = self.outputs_per_request
-        rows = torch.tensor([i * per + j for i in keep for j in range(per)], device=self.latents.device)
-        self.latents = self.latents.index_select(0, rows)
-        self.conditioning = self.conditioning.select(rows)
-        _select_scheduler_rows(self.scheduler, rows)
 
 
 class NativeDiffusionPipeline(nn.Module):
@@ -168,7 +116,8 @@ class NativeDiffusionPipeline(nn.Module):
                              outputs_per_request=requests[0].sampling_params.num_outputs_per_prompt,
                              durations=durations)
         self.prepare_step_tables(state)
-        state.cache = cache_state_for(self.cache_policy(requests[0]), self.cache_transformers, len(state.timesteps))
+        state.cache = cache_state_for(self.cache_policy(requests[0]), self.cache_transformers, len(state.timesteps),
+                                      self.cache_presets())
         return state
 
     def denoise(self, state: DenoiseState, ctx: StepContext) -> None:
@@ -240,7 +189,7 @@ class NativeDiffusionPipeline(nn.Module):
         state.latents = self.scheduler_step(state, noise_pred)
         state.step_index += 1
         ctx.report_progress(state.step_index, len(state.timesteps), state.request_ids)
-        emit_previews(self, state, ctx, latents_before, noise_pred)
+        emit_previews(self.decode, state, ctx, latents_before, noise_pred)
 
     def finish(self, state: DenoiseState, ctx: StepContext) -> list[DiffusionOutput]:
         """Decode and split: one output per remaining request, `outputs_per_request` items each.
@@ -262,10 +211,10 @@ class NativeDiffusionPipeline(nn.Module):
 
     # ---- cache ---------------------------------------------------------------------------------------------
 
-    @property
-    def cache_transformer(self) -> nn.Module | None:
-        """The DiT whose class picks the cache presets (docs/cache.md); None = no cache hooks."""
-        return getattr(self, "transformer", None)
+    def cache_presets(self) -> FamilyPresets | None:
+        """The family's quality presets for this pipeline's transformer, declared in the family's folder
+        (`models/<family>/cache.py`, docs/cache.md); None = no cache hooks (`quality=high/fast` is a 400)."""
+        return None
 
     @property
     def cache_transformers(self) -> dict[str, nn.Module]:
@@ -275,7 +224,7 @@ class NativeDiffusionPipeline(nn.Module):
 
     def cache_policy(self, request: OmniDiffusionRequest):
         """The request's cache policy on this stage (OmniClientError naming the field when it has none)."""
-        return request_policy(self.od_config, self.cache_transformer, request.sampling_params)
+        return request_policy(self.od_config, self.cache_presets(), request.sampling_params)
 
     # ---- hooks ---------------------------------------------------------------------------------------------
 
@@ -326,9 +275,24 @@ class NativeDiffusionPipeline(nn.Module):
         raise NotImplementedError
 
     def forward_step_inputs(self, inputs: list[Any], states: list[DenoiseState]) -> list[torch.Tensor]:
-        """ONE transformer forward over the rows of all `inputs` (text padded to the longest where the
-        transformer takes per-row text lengths); the raw prediction rows of each input, in order. `states` are
-        the inputs' states, for their caches (`call_transformer_rows`)."""
+        """ONE transformer forward over the rows of all `inputs` (their `rows()` fields concatenated, padded to
+        the longest where declared); the raw prediction rows of each input, in order. One input under CFG
+        parallel: this rank computes its branch's rows and the branches are gathered. `states` are the inputs'
+        states, for their caches."""
+        def call(slot: str, *args: Any, **kwargs: Any) -> Any:
+            return call_transformer_rows(getattr(self, slot), states, slot, *args, **kwargs)
+
+        if len(inputs) == 1:
+            num_positive, num_rows = states[0].latents.shape[0], step_rows(inputs[0])
+            branch = select_rows(inputs[0], cfg_branch_rows(num_positive, num_rows))
+            return [cfg_gather_rows(self.transformer_forward(branch, call), num_positive, num_rows)]
+        pred = self.transformer_forward(concat_rows(inputs), call)
+        return list(pred.split([step_rows(inp) for inp in inputs]))
+
+    def transformer_forward(self, inp: Any, call: Callable[..., Any]) -> torch.Tensor:
+        """The raw prediction rows of step input `inp` (one state's, one CFG branch's, or co-batched states'
+        rows merged): `call(slot, *args, **kwargs)` runs the pipeline's transformer named `slot` through the
+        cache; the family passes its fields in its transformer's signature."""
         raise NotImplementedError
 
     def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
@@ -342,6 +306,68 @@ class NativeDiffusionPipeline(nn.Module):
     def decode(self, state: DenoiseState) -> Any:
         """Final latents -> a sequence with one item per latent row (images, arrays, or latents)."""
         raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class RowInput:
+    """How a step input's field splits by transformer row."""
+
+    dim: int = 0
+    """The row axis."""
+    pad: int | None = None
+    """An axis zero-padded to the longest when states are concatenated (per-row text lengths)."""
+
+
+def rows(dim: int = 0, pad: int | None = None) -> Any:
+    """Declares a step-input dataclass field row-wise: a tensor with one entry per transformer row along `dim`
+    (one entry stands for every row, as in broadcasting), or a tuple with one item per row. None (an optional
+    input that is absent) stays None. Fields not declared are the same for every row and taken from the first
+    input."""
+    return field(metadata={"rows": RowInput(dim, pad)})
+
+
+def _row_fields(inp: Any) -> list[tuple[str, RowInput]]:
+    return [(f.name, f.metadata["rows"]) for f in dataclasses.fields(inp) if "rows" in f.metadata]
+
+
+def step_rows(inp: Any) -> int:
+    """The transformer rows of step input `inp`: the length of its first row-wise field."""
+    name, spec = _row_fields(inp)[0]
+    value = getattr(inp, name)
+    return len(value) if isinstance(value, tuple) else value.shape[spec.dim]
+
+
+def select_rows(inp: Any, keep: slice) -> Any:
+    """`inp` with only the rows `keep` (a broadcast field stays whole)."""
+    changes = {}
+    for name, spec in _row_fields(inp):
+        value = getattr(inp, name)
+        if isinstance(value, tuple):
+            changes[name] = value[keep]
+        elif value is not None and value.shape[spec.dim] != 1:
+            changes[name] = value[(slice(None),) * spec.dim + (keep,)]
+    return dataclasses.replace(inp, **changes)
+
+
+def concat_rows(inputs: list[Any]) -> Any:
+    """One step input holding the rows of all `inputs` in order (each broadcast field expanded to its rows)."""
+    counts = [step_rows(inp) for inp in inputs]
+    changes: dict[str, Any] = {}
+    for name, spec in _row_fields(inputs[0]):
+        values = [getattr(inp, name) for inp in inputs]
+        if values[0] is None:
+            changes[name] = None
+        elif isinstance(values[0], tuple):
+            changes[name] = sum(values, ())
+        else:
+            if spec.pad is not None:
+                longest = max(v.shape[spec.pad] for v in values)
+                values = [F.pad(v, (0, 0) * (v.dim() - 1 - spec.pad) + (0, longest - v.shape[spec.pad]))
+                          for v in values]
+            values = [v.expand(*v.shape[:spec.dim], n, *v.shape[spec.dim + 1:]) if v.shape[spec.dim] != n else v
+                      for v, n in zip(values, counts, strict=True)]
+            changes[name] = torch.cat(values, dim=spec.dim)
+    return dataclasses.replace(inputs[0], **changes)
 
 
 def _enter_step(state: DenoiseState, ctx: StepContext) -> None:
@@ -370,17 +396,3 @@ def refuse_pipeline_kwargs(requests: list[OmniDiffusionRequest]) -> None:
 
 def _aborted_output() -> DiffusionOutput:
     return DiffusionOutput.from_exception(RequestAbortedError())
-
-
-_SCHEDULER_ROW_STATE = ("model_outputs", "last_sample")
-"""Per-row history that diffusers' multistep schedulers (UniPC for Wan, DPM-Solver) keep between steps."""
-
-
-def _select_scheduler_rows(scheduler: Any, rows: torch.Tensor) -> None:
-    """Keep only latent rows `rows` in the scheduler's per-row history (stateless schedulers have none)."""
-    for name in _SCHEDULER_ROW_STATE:
-        value = getattr(scheduler, name, None)
-        if isinstance(value, torch.Tensor):
-            setattr(scheduler, name, value.index_select(0, rows))
-        elif isinstance(value, list):
-            setattr(scheduler, name, [v.index_select(0, rows) if isinstance(v, torch.Tensor) else v for v in value])

@@ -10,12 +10,13 @@ previews its current latents. The final output is unaffected: nothing here write
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
+    from vllm_omni.diffusion.state import DenoiseState
     from vllm_omni.diffusion.step_context import StepContext
 
 
@@ -24,9 +25,10 @@ def preview_steps(total: int, count: int) -> list[int]:
     return sorted({round(total * (k + 1) / (count + 1)) for k in range(count)} - {0, total})
 
 
-def emit_previews(pipeline: NativeDiffusionPipeline, state: DenoiseState, ctx: StepContext,
+def emit_previews(decode: Callable[[DenoiseState], Sequence[Any]], state: DenoiseState, ctx: StepContext,
                   latents_before: torch.Tensor, noise_pred: torch.Tensor) -> None:
-    """Called right after a step; a no-op unless a request of `state` asked for a preview at this step."""
+    """Called right after a step; a no-op unless a request of `state` asked for a preview at this step.
+    `decode`: the pipeline's, applied to a copy of `state` holding the one request's clean-image estimate."""
     if not ctx.partials_enabled:
         return
     per = state.outputs_per_request
@@ -39,7 +41,7 @@ def emit_previews(pipeline: NativeDiffusionPipeline, state: DenoiseState, ctx: S
         preview.requests = [request]
         preview.latents = _clean_estimate(state, latents_before, noise_pred).index_select(0, rows)
         preview.conditioning = state.conditioning.select(rows)
-        images = list(pipeline.decode(preview))
+        images = list(decode(preview))
         ctx.emit_partial(request.request_id, "partial_image", {"images": images, "index": steps.index(
             state.step_index)})
 

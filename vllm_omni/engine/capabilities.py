@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm_omni.catalog.shapes import ShapeRule
+from vllm_omni.catalog.spec import Modality
 from vllm_omni.config.stage_kind import StageKind
-from vllm_omni.models.shapes import ShapeRule
-from vllm_omni.models.spec import Modality
 
 
 @dataclass(frozen=True)

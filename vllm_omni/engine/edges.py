@@ -19,10 +19,11 @@ from typing import Any
 
 import numpy as np
 
+from vllm_omni.catalog.edges import StageInputContext, processor_reads
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.connectors.base import PayloadHandle
 from vllm_omni.engine.stage_graph import StageGraph
-from vllm_omni.engine.stage_input_processors import StageInputContext, get_stage_input_processor, processor_reads
+from vllm_omni.engine.stage_input_processors import get_stage_input_processor
 from vllm_omni.engine.stage_pool import StagePool
 from vllm_omni.outputs import OmniRequestOutput
 

@@ -17,6 +17,6 @@ OutputCollector = Callable[[Any, str, Any], Awaitable[dict[str, Any]]]
 
 
 def get_output_collector(name: str) -> OutputCollector:
-    from vllm_omni.models.registry import MODEL_REGISTRY
+    from vllm_omni.catalog.registry import MODEL_REGISTRY
 
     return MODEL_REGISTRY.output_collector(name)

@@ -7,10 +7,10 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any, ClassVar
 
+from vllm_omni.catalog.shapes import ShapeRule
+from vllm_omni.catalog.spec import Modality
 from vllm_omni.config.stage_config import StageConfig
 from vllm_omni.config.stage_kind import StageKind
-from vllm_omni.models.shapes import ShapeRule
-from vllm_omni.models.spec import Modality
 from vllm_omni.outputs import OmniRequestOutput
 
 

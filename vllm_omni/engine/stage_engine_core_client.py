@@ -21,13 +21,13 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from multiprocessing import shared_memory
 from typing import Any
 
+from vllm_omni.catalog.spec import Modality
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.output_collectors import get_output_collector
 from vllm_omni.engine.stage_client import StageClientBase, cancel_task
 from vllm_omni.engine.stage_runtime import stage_environ
 from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError, StageRestartingError
 from vllm_omni.logger import init_logger
-from vllm_omni.models.spec import Modality
 from vllm_omni.outputs import OmniRequestOutput
 
 logger = init_logger(__name__)
@@ -152,7 +152,7 @@ class StageEngineCoreClient(StageClientBase):
     @property
     def input_modalities(self) -> frozenset[Modality]:
         """The family spec's declaration for a topology we define (e.g. Qwen3-Omni); text for any other LM."""
-        from vllm_omni.models.registry import MODEL_REGISTRY
+        from vllm_omni.catalog.registry import MODEL_REGISTRY
 
         spec = MODEL_REGISTRY.family_for(list(self.vllm_config.model_config.architectures))
         return spec.input_modalities if spec is not None else frozenset({"text"})

@@ -18,8 +18,8 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from vllm_omni.diffusion.cache.policy import check_request_cache_config
 from vllm_omni.errors import OmniClientError
+from vllm_omni.inputs.cache_config import check_request_cache_config
 
 Quality = Literal["lossless", "high", "fast"]
 OutputType = Literal["pil", "np", "pt", "latent"]

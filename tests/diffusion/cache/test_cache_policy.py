@@ -10,8 +10,10 @@ from vllm_omni.diffusion.cache.state import CacheState
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
+from vllm_omni.models.qwen_image.cache import PRESETS
 
-QWEN = "QwenImageTransformer2DModel"
+QWEN = PRESETS
+COEFFS = PRESETS.coefficients
 
 
 def policy(backend="none", server=None, quality=None, override=None, family=QWEN):
@@ -83,16 +85,16 @@ def test_server_errors_name_the_field(kwargs, param):
 
 
 def test_step_signature_is_the_co_batching_key():
-    high = CacheState.create(policy(quality="high"), 6, QWEN)
-    fast = CacheState.create(policy(quality="fast"), 6, QWEN)
-    adaptive = CacheState.create(policy(override={"rel_l1_thresh": 0.3}), 6, QWEN)
-    assert CacheState.create(LOSSLESS, 6, QWEN).step_signature(2) is None
+    high = CacheState.create(policy(quality="high"), 6, COEFFS)
+    fast = CacheState.create(policy(quality="fast"), 6, COEFFS)
+    adaptive = CacheState.create(policy(override={"rel_l1_thresh": 0.3}), 6, COEFFS)
+    assert CacheState.create(LOSSLESS, 6, COEFFS).step_signature(2) is None
     # Fixed schedules: high computes steps 0, 1, 3, 5; fast 0, 1, 4, 5.
     assert [high.scheduled(i) for i in range(6)] == [True, True, False, True, False, True]
     assert [fast.scheduled(i) for i in range(6)] == [True, True, False, False, True, True]
     assert high.step_signature(2) != fast.step_signature(2) and high.step_signature(2) != high.step_signature(3)
-    assert high.step_signature(2) == CacheState.create(policy(quality="high"), 6, QWEN).step_signature(2)
-    assert adaptive.step_signature(2) != CacheState.create(adaptive.policy, 6, QWEN).step_signature(2)
+    assert high.step_signature(2) == CacheState.create(policy(quality="high"), 6, COEFFS).step_signature(2)
+    assert adaptive.step_signature(2) != CacheState.create(adaptive.policy, 6, COEFFS).step_signature(2)
     refresh = CacheState.create(policy(quality="fast", override={"force_refresh_step_hint": 2,
-                                                                 "force_refresh_step_policy": "repeat"}), 6, QWEN)
+                                                                 "force_refresh_step_policy": "repeat"}), 6, COEFFS)
     assert [refresh.scheduled(i) for i in range(6)] == [True, True, True, False, True, True]

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_omni.catalog.tiny import build_tiny
 from vllm_omni.diffusion.core.scheduler import StepScheduler
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
@@ -21,7 +22,6 @@ from vllm_omni.diffusion.worker.step_runner import StepWorker
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
 from vllm_omni.models.flux.pipeline import FluxPipeline
 from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
-from vllm_omni.models.tiny import build_tiny
 from vllm_omni.models.wan.pipeline import WanPipeline
 
 CPU = torch.device("cpu")

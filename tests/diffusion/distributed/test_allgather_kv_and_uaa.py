@@ -38,7 +38,7 @@ PARAMS = dict(height=64, width=64, num_inference_steps=2, seed=0, true_cfg_scale
 
 @pytest.fixture(scope="module")
 def results():
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     model = str(build_tiny("qwen-image"))
     jobs = [(parallel, sharded_attention_errors, (cases,)) for parallel, cases in LAYOUTS.values()]

@@ -119,8 +119,8 @@ def test_sequence_parallel_attention_on_cuda(groups, front):
 def test_vae_strip_decode_on_cuda(groups):
     from diffusers import AutoencoderKLQwenImage
 
+    from vllm_omni.catalog.tiny import build_tiny
     from vllm_omni.diffusion.distributed.vae_patch import patch_parallel_decode
-    from vllm_omni.models.tiny import build_tiny
 
     vae = AutoencoderKLQwenImage.from_pretrained(str(build_tiny("qwen-image")), subfolder="vae",
                                                  torch_dtype=torch.float32).to("cuda").eval()
@@ -149,10 +149,10 @@ def _run(pipe, od_config, prompt: dict, params: dict) -> np.ndarray:
 
 @pytest.mark.parametrize("model", list(PIPELINES))
 def test_pipeline_on_the_parallel_attention_path_equals_plain_run(groups, model):
+    from vllm_omni.catalog.tiny import build_tiny
     from vllm_omni.diffusion.attention.layer import Attention
     from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
-    from vllm_omni.models.tiny import build_tiny
 
     od_config = OmniDiffusionConfig(model=str(build_tiny(model)), dtype="float32",
                                     diffusion_attention_backend="TORCH_SDPA")

@@ -20,7 +20,7 @@ PARAMS = dict(height=64, width=64, num_inference_steps=2, seed=3, true_cfg_scale
 @pytest.mark.slow
 def test_omni_ulysses2_image_equals_single_rank(dist_world):
     from vllm_omni import Omni, OmniDiffusionSamplingParams
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     prompt = "a red cube"
     want = run_pipeline(str(build_tiny("qwen-image")), {}, prompt, PARAMS)["output"][0]

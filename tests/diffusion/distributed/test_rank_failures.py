@@ -26,7 +26,7 @@ TIMEOUT_S = 15
 
 @pytest.fixture(scope="module", params=["request_mode", "step_mode"])
 def engine(request):
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     config = OmniDiffusionConfig(
         model=str(build_tiny("qwen-image")),

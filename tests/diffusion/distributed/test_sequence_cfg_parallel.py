@@ -36,7 +36,7 @@ MODELS = {
 
 @pytest.fixture(scope="module")
 def results():
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     dirs = {name: str(build_tiny(name, num_heads=4)) for name in MODELS}  # 4 heads: TP 2 x Ulysses 2
     jobs, keys = [], []

@@ -29,7 +29,7 @@ ARRIVALS = {0: {"a": 0, "c": 0, "b": 1}, 1: {"a": 0, "c": 0, "b": 3}}
 
 @pytest.fixture(scope="module")
 def results():
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     model = str(build_tiny("qwen-image"))
     jobs = [({}, run_pipeline, (model, {}, prompt, params)) for prompt, params in REQUESTS.values()]

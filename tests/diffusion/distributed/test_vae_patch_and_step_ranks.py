@@ -60,7 +60,7 @@ STEP_SCRIPTS = {  # (arrivals, aborts): rank -> request -> the rank's local roun
 
 @pytest.fixture(scope="module")
 def results():
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     dirs = {name: str(build_tiny(name)) for name in {*PIPELINES, *(m for m, _ in DECODES.values())}}
     jobs, keys = [], []

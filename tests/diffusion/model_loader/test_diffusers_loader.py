@@ -103,7 +103,7 @@ def test_hub_download_fetches_only_indexed_shards(tmp_path: Path, monkeypatch):
 
     import huggingface_hub
 
-    from vllm_omni.diffusion.model_loader.diffusers_loader import WEIGHT_FILE_PATTERNS, download_diffusers_checkpoint
+    from vllm_omni.catalog.resolution import WEIGHT_FILE_PATTERNS, download_diffusers_checkpoint
 
     remote, local = tmp_path / "remote", tmp_path / "snapshot"
     (remote / "transformer").mkdir(parents=True)

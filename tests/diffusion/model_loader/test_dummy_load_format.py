@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
+from vllm_omni.catalog.resolution import INDEX_FILES, WEIGHT_FILE_PATTERNS
+from vllm_omni.catalog.tiny import build_tiny
 from vllm_omni.diffusion.data import OmniDiffusionConfig
-from vllm_omni.diffusion.model_loader.diffusers_loader import INDEX_FILES, WEIGHT_FILE_PATTERNS
 from vllm_omni.diffusion.model_loader.dummy import DUMMY_HIGH, DUMMY_LOW
-from vllm_omni.models.tiny import build_tiny
 
 PIPELINES = {"qwen-image": "QwenImagePipeline", "qwen-image-edit": "QwenImageEditPipeline", "flux": "FluxPipeline",
              "wan2.1-t2v": "WanPipeline", "wan2.1-i2v": "WanImageToVideoPipeline"}
@@ -61,7 +61,7 @@ def test_omni_serves_config_only_checkpoint(config_dirs, name):
     # diffusers' QwenImageEditPipeline needs torchvision for its processor, which this environment lacks.
     (name, True) for name in PIPELINES if name != "qwen-image-edit"])
 def test_every_parameter_gets_dummy_values(config_dirs, dist_world, name, adapter):
-    from vllm_omni.models.registry import MODEL_REGISTRY
+    from vllm_omni.catalog.registry import MODEL_REGISTRY
 
     cls = MODEL_REGISTRY.load_pipeline_class(PIPELINES[name], adapter)
     od_config = OmniDiffusionConfig(model=str(config_dirs[name]), load_format="dummy")
@@ -94,7 +94,7 @@ def test_unknown_load_format_names_the_field():
 def test_hub_model_in_dummy_mode_fetches_no_weights(tmp_path, monkeypatch):
     import huggingface_hub
 
-    from vllm_omni.models.resolution import resolve_model_dir
+    from vllm_omni.catalog.resolution import resolve_model_dir
 
     calls = []
 

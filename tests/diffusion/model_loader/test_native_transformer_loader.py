@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_omni.catalog.tiny import build_tiny
 from vllm_omni.diffusion.attention.backends.sdpa import TorchSDPABackend, TorchSDPAImpl
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-from vllm_omni.models.tiny import build_tiny
 
 COUNTING = "COUNTING_SDPA"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_omni.diffusion.data import StepStats
 from vllm_omni.entrypoints.openai.metrics import OmniMetrics
+from vllm_omni.outputs import StepStats
 
 
 def samples(metrics: OmniMetrics) -> dict[tuple[str, tuple], float]:

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from tests.entrypoints.openai.live_server import QWEN2
-from vllm_omni.models.tiny import resolve_model
+from vllm_omni.catalog.tiny import resolve_model
 
 MODEL = QWEN2[0]
 MESSAGES = [{"role": "user", "content": "hello"}]

@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 def vllm_config():
     from vllm.engine.arg_utils import EngineArgs
 
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     return EngineArgs(model=str(build_tiny("qwen2")), max_model_len=128, enforce_eager=True).create_engine_config()
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 from diffusers import DanceDiffusionPipeline
 
+from vllm_omni.catalog.tiny import build_tiny
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
-from vllm_omni.models.tiny import build_tiny
 
 MODEL = "tiny/qwen-image"
 PROMPT = {"prompt": "a cat holding a sign that says hello world", "negative_prompt": "blurry"}
@@ -128,9 +128,9 @@ def test_adapter_converts_audio_for_the_speech_encoders():
 
     from diffusers import IPNDMScheduler
 
+    from vllm_omni.catalog.registry import MODEL_REGISTRY
     from vllm_omni.entrypoints.openai.media import encode_wav
     from vllm_omni.models.diffusers_adapter.pipeline import DiffusersAdapterPipeline
-    from vllm_omni.models.registry import MODEL_REGISTRY
 
     assert MODEL_REGISTRY.output_modality("DanceDiffusionPipeline") == "audio"
     pipe = PromptedDanceDiffusion(unet=_tiny_dance_unet(), scheduler=IPNDMScheduler())

@@ -9,6 +9,6 @@ import pytest
 
 @pytest.fixture(scope="session")
 def flux_dir() -> Path:
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     return build_tiny("flux")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_omni.models.tiny import build_tiny
+from vllm_omni.catalog.tiny import build_tiny
 
 
 def chat_prompt_ids(path: Path, user_text: str) -> torch.Tensor:

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from vllm_omni.catalog.edges import StageInputContext
 from vllm_omni.config.pipeline_config import EdgeStreamConfig
 from vllm_omni.connectors.base import StagePayload
-from vllm_omni.engine.stage_input_processors import StageInputContext
 from vllm_omni.models.qwen3_omni.pipeline import (
     CODE2WAV_CHUNK_SCHEDULE,
     CODE2WAV_LEFT_CONTEXT,

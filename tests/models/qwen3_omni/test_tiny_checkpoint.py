@@ -10,7 +10,7 @@ import json
 
 import torch
 
-from vllm_omni.models.tiny import build_tiny
+from vllm_omni.catalog.tiny import build_tiny
 
 from .conftest import chat_prompt_ids
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoConfig, PretrainedConfig
 
+from vllm_omni.catalog.registry import MODEL_REGISTRY
 from vllm_omni.models.qwen3_omni.stage_input_processors import Qwen3OmniTokenIds, thinker_to_talker
 from vllm_omni.models.qwen3_omni.vllm_talker import (
     ARCHITECTURE,
@@ -17,7 +18,6 @@ from vllm_omni.models.qwen3_omni.vllm_talker import (
     talker_hf_overrides,
     talker_request,
 )
-from vllm_omni.models.registry import MODEL_REGISTRY
 
 
 def test_overrides_hand_vllm_the_talker_config(tiny_path) -> None:

@@ -9,14 +9,14 @@ import pytest
 
 @pytest.fixture(scope="session")
 def qwen_image_dir() -> Path:
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     return build_tiny("qwen-image")
 
 
 @pytest.fixture(scope="session")
 def qwen_image_edit_dir() -> Path:
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     return build_tiny("qwen-image-edit")
 

@@ -78,7 +78,7 @@ def test_i2v_without_image_fails_alone(pipelines):
 def test_wan22_i2v_a14b_two_experts_without_clip_match_diffusers(dist_world):
     from diffusers import WanImageToVideoPipeline as RefPipeline
 
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
     from vllm_omni.models.wan.pipeline_i2v import WanImageToVideoPipeline
 
     model_dir = build_tiny("wan2.2-i2v-a14b")

@@ -27,7 +27,7 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def ti2v_dir():
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     return build_tiny("wan2.2-ti2v-5b")
 

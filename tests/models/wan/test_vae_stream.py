@@ -18,7 +18,7 @@ from vllm_omni.models.wan.vae_stream import WanVaeStream
 def vae():
     from diffusers import AutoencoderKLWan
 
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     return AutoencoderKLWan.from_pretrained(build_tiny("wan2.1-t2v") / "vae", dtype=torch.float32).eval()
 

@@ -29,7 +29,7 @@ def omni():
 def test_omni_generate_video_matches_diffusers(omni):
     from diffusers import WanPipeline as RefPipeline
 
-    from vllm_omni.models.tiny import build_tiny
+    from vllm_omni.catalog.tiny import build_tiny
 
     assert omni.stage_types == ["diffusion"] and omni.output_modalities == {"video"}
     prompts = ["A cat walks on the grass, camera slowly pans left.", "Ocean waves crash against the rocks."]
@@ -54,8 +54,8 @@ def test_omni_image_to_video_matches_diffusers():
     from diffusers import WanImageToVideoPipeline as RefPipeline
     from PIL import Image
 
+    from vllm_omni.catalog.tiny import build_tiny
     from vllm_omni.entrypoints.omni import Omni
-    from vllm_omni.models.tiny import build_tiny
 
     image = Image.fromarray((np.random.default_rng(0).random((40, 64, 3)) * 255).astype(np.uint8))
     size = {**SIZE, "max_sequence_length": 512}  # diffusers' Wan I2V attention assumes 512 text tokens
@@ -79,8 +79,8 @@ def test_omni_wan22_a14b_matches_diffusers():
     """Both experts (switch at boundary_ratio, guidance_scale_2) through the runtime equal diffusers."""
     from diffusers import WanPipeline as RefPipeline
 
+    from vllm_omni.catalog.tiny import build_tiny
     from vllm_omni.entrypoints.omni import Omni
-    from vllm_omni.models.tiny import build_tiny
 
     size = {**SIZE, "num_inference_steps": 8}  # with flow_shift 12 the timesteps straddle 875: both experts run
     params = dict(guidance_scale=4.0, guidance_scale_2=3.0)

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm_omni.diffusion.cache.policy import CACHE_DIT_KEYS, CachePolicy
+from vllm_omni.diffusion.cache.policy import CachePolicy
+from vllm_omni.inputs.cache_config import CACHE_DIT_KEYS
 
 
 class IndexedBlock(nn.Module):

@@ -10,29 +10,27 @@ from torch import nn
 
 from vllm_omni.diffusion.cache import cachedit
 from vllm_omni.diffusion.cache.policy import (
-    FAMILY_PRESETS,
-    WAN_14B_COEFFICIENTS,
     CacheDefaults,
     CachePolicy,
-    check_refresh_hint,
+    FamilyPresets,
     resolve_policy,
 )
 from vllm_omni.diffusion.cache.state import CacheState
 from vllm_omni.errors import OmniClientError
+from vllm_omni.inputs.cache_config import check_refresh_hint
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.data import OmniDiffusionConfig
-    from vllm_omni.diffusion.pipeline_base import DenoiseState
+    from vllm_omni.diffusion.state import DenoiseState
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 
 
-def request_policy(od_config: OmniDiffusionConfig, transformer: nn.Module | None,
+def request_policy(od_config: OmniDiffusionConfig, presets: FamilyPresets | None,
                    sp: OmniDiffusionSamplingParams) -> CachePolicy:
     """The request's policy on this stage (OmniClientError naming the field when it cannot have one)."""
-    family = type(transformer).__name__ if transformer is not None else None
     defaults = CacheDefaults(od_config.cache_backend or "none", od_config.cache_config)
-    return resolve_policy(defaults, family, sp.quality, sp.cache_config)
+    return resolve_policy(defaults, presets, sp.quality, sp.cache_config)
 
 
 def cache_group(policy: CachePolicy, request: Any) -> Hashable:
@@ -41,11 +39,11 @@ def cache_group(policy: CachePolicy, request: Any) -> Hashable:
     return ("alone", id(request)) if policy.adaptive else policy
 
 
-def cache_state_for(policy: CachePolicy, transformers: dict[str, nn.Module], num_steps: int) -> CacheState:
+def cache_state_for(policy: CachePolicy, transformers: dict[str, nn.Module], num_steps: int,
+                    presets: FamilyPresets | None) -> CacheState:
     """A request group's cache state; a cache-dit group gets fresh cache-dit contexts with its config."""
     check_refresh_hint(policy, num_steps)
-    transformer = transformers.get("transformer")
-    state = CacheState.create(policy, num_steps, type(transformer).__name__, _coefficients(transformer))
+    state = CacheState.create(policy, num_steps, presets.coefficients if presets is not None else ())
     if policy.backend == "cache_dit":
         if len(transformers) > 1:  # its stats stayed empty on Wan2.2's second expert: not counted, not offered
             raise OmniClientError("cache_backend='cache_dit' does not support two-expert models (Wan2.2 A14B) yet; "
@@ -53,15 +51,6 @@ def cache_state_for(policy: CachePolicy, transformers: dict[str, nn.Module], num
                                   status_code=422, param="quality")
         state.backend_state = cachedit.refresh(transformers, policy, num_steps)
     return state
-
-
-def _coefficients(transformer: nn.Module | None) -> tuple[float, ...] | None:
-    family = type(transformer).__name__
-    if family not in FAMILY_PRESETS:
-        return None
-    if family == "WanTransformer3DModel" and transformer.config.inner_dim >= 5120:
-        return WAN_14B_COEFFICIENTS  # TeaCache4Wan2.1's 14B calibration
-    return FAMILY_PRESETS[family].coefficients
 
 
 def call_transformer(model: nn.Module, cache: CacheState, step: int, slot: str, *args: Any, **kwargs: Any) -> Any:

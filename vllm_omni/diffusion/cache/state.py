@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni.diffusion.cache.policy import FAMILY_PRESETS, LOSSLESS, CachePolicy
+from vllm_omni.diffusion.cache.policy import LOSSLESS, CachePolicy
 
 
 @dataclass
@@ -45,10 +45,8 @@ class CacheState:
     """A backend's own per-request object (the cache-dit runtime's context), if it keeps one."""
 
     @classmethod
-    def create(cls, policy: CachePolicy, num_steps: int, family: str | None,
-               coefficients: tuple[float, ...] | None = None) -> CacheState:
-        if coefficients is None:
-            coefficients = FAMILY_PRESETS[family].coefficients if family in FAMILY_PRESETS else ()
+    def create(cls, policy: CachePolicy, num_steps: int, coefficients: tuple[float, ...] = ()) -> CacheState:
+        """`coefficients`: the family's TeaCache polynomial (`FamilyPresets`), unless the policy sets its own."""
         custom = policy.get("coefficients")
         return cls(policy, num_steps, tuple(custom) if custom else coefficients)
 

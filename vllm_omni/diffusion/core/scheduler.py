@@ -22,10 +22,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig, StepStats
+from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.ipc import StepPlan, StepResult
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.sched.step_policy import DEFAULT_STEPS, ShapeKey, StepPolicy, shape_key, shape_label
+from vllm_omni.outputs import StepStats
 
 Fits = Callable[[list[OmniDiffusionRequest]], bool]
 """Memory admission: whether these requests may join what already runs on the workers."""

@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from vllm_omni.diffusion.model_loader.diffusers_loader import WEIGHT_FILE_PATTERNS, iter_component_weights
+from vllm_omni.catalog.resolution import WEIGHT_FILE_PATTERNS
+from vllm_omni.diffusion.model_loader.diffusers_loader import iter_component_weights
 from vllm_omni.diffusion.model_loader.weight_utils import process_weights_after_loading
 
 DUMMY_LOW, DUMMY_HIGH, DUMMY_SEED = -1e-3, 1e-3, 1234

@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
+from vllm_omni.catalog.registry import MODEL_REGISTRY
+from vllm_omni.catalog.resolution import resolve_model_dir, resolve_pipeline_class_name
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.rank_errors import RanksDesynchronized, agree_on_failures
 from vllm_omni.diffusion.step_context import PartialSink, StepContext
 from vllm_omni.diffusion.warmup import warm_up
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.logger import init_logger
-from vllm_omni.models.registry import MODEL_REGISTRY
-from vllm_omni.models.resolution import resolve_model_dir, resolve_pipeline_class_name
 
 logger = init_logger(__name__)
 

@@ -36,7 +36,7 @@ from vllm_omni.errors import RequestAbortedError
 from vllm_omni.logger import init_logger
 
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.pipeline_base import DenoiseState
+    from vllm_omni.diffusion.state import DenoiseState
     from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
 
 logger = init_logger(__name__)

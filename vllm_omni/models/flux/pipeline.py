@@ -9,6 +9,7 @@ positive rows and the negatives of the requests that have one go through the tra
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -16,14 +17,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
-from vllm_omni.diffusion.cache.runtime import call_transformer_rows
+from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
-from vllm_omni.diffusion.distributed.sequence import cfg_branch_rows, cfg_gather_rows
 from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
-from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
+from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.state import DenoiseState
 from vllm_omni.logger import init_logger
+from vllm_omni.models.flux.cache import PRESETS
 from vllm_omni.models.flux.transformer import FluxTransformer2DModel
 
 if TYPE_CHECKING:
@@ -105,14 +107,17 @@ class FluxConditioning:
 class FluxStepInput:
     """One state's transformer rows at its step (`FluxPipeline.step_inputs`): one entry per row each."""
 
-    x: torch.Tensor
-    embeds: torch.Tensor
-    pooled: torch.Tensor
-    timestep: torch.Tensor
-    guidance: torch.Tensor | None
-    rotary_emb: Any
-    modulation: Any
+    x: torch.Tensor = rows()
+    embeds: torch.Tensor = rows()
+    pooled: torch.Tensor = rows()
+    timestep: torch.Tensor = rows()
+    guidance: torch.Tensor | None = rows()
+    double_modulation: torch.Tensor = rows(dim=2)
+    single_modulation: torch.Tensor = rows(dim=1)
+    final_modulation: torch.Tensor = rows()
     """This step's adaLN parameters per row (`FluxTransformer2DModel.step_slice`)."""
+    rotary_emb: Any
+    """The same for all rows (same grid and text length)."""
 
 
 class FluxPipeline(NativeDiffusionPipeline):
@@ -156,6 +161,9 @@ class FluxPipeline(NativeDiffusionPipeline):
                    text_encoder_2=text_encoder_2, tokenizer=AutoTokenizer.from_pretrained(model_dir / "tokenizer"),
                    tokenizer_2=AutoTokenizer.from_pretrained(model_dir / "tokenizer_2"), vae=vae,
                    scheduler=scheduler, device=device, dtype=dtype)
+
+    def cache_presets(self) -> FamilyPresets:
+        return PRESETS
 
     # ---- hooks of the denoise template ----------------------------------------------------------------------
 
@@ -236,34 +244,15 @@ class FluxPipeline(NativeDiffusionPipeline):
         """Positive rows, then the negatives of the true-CFG rows; this step's timesteps and adaLN rows."""
         cond, latents, i = state.conditioning, state.latents, state.step_index
         x = torch.cat([latents, latents.index_select(0, cond.neg_rows)]) if len(cond.neg_rows) else latents
-        return FluxStepInput(x, cond.embeds, cond.pooled, cond.step_timesteps[i], cond.guidance, cond.rotary_emb,
-                             self.transformer.step_slice(cond.modulation, i))
+        return FluxStepInput(x, cond.embeds, cond.pooled, cond.step_timesteps[i], cond.guidance,
+                             *self.transformer.step_slice(cond.modulation, i), cond.rotary_emb)
 
-    def forward_step_inputs(self, inputs: list[FluxStepInput], states: list[DenoiseState]) -> list[torch.Tensor]:
-        """All rows in one forward (equal text lengths: T5 pads to `max_sequence_length`), each row with its own
-        step's modulation; the rotary table is the same for all (same grid and text length)."""
-        if len(inputs) == 1:  # CFG parallel (one state per forward): this rank's branch only
-            inp, num_positive = inputs[0], states[0].latents.shape[0]
-            rows = cfg_branch_rows(num_positive, inp.x.shape[0])
-            double, single, final = inp.modulation
-            pred = call_transformer_rows(
-                self.transformer, states, "transformer", inp.x[rows], inp.embeds[rows], inp.pooled[rows],
-                inp.timestep[rows], guidance=None if inp.guidance is None else inp.guidance[rows],
-                rotary_emb=inp.rotary_emb, modulation=(double[:, :, rows], single[:, rows], final[rows]))
-            return [cfg_gather_rows(pred, num_positive, inp.x.shape[0])]
-        else:
-            def cat(name: str, dim: int = 0) -> torch.Tensor | None:
-                values = [getattr(inp, name) for inp in inputs]
-                return None if values[0] is None else torch.cat(values, dim=dim)
-
-            doubles, singles, finals = zip(*(inp.modulation for inp in inputs), strict=True)
-            modulation = torch.cat(doubles, dim=2), torch.cat(singles, dim=1), torch.cat(finals)
-            inp = FluxStepInput(cat("x"), cat("embeds"), cat("pooled"), cat("timestep"), cat("guidance"),
-                                inputs[0].rotary_emb, modulation)
-        pred = call_transformer_rows(self.transformer, states, "transformer", inp.x, inp.embeds, inp.pooled,
-                                     inp.timestep, guidance=inp.guidance, rotary_emb=inp.rotary_emb,
-                                     modulation=inp.modulation)
-        return list(pred.split([inp.x.shape[0] for inp in inputs]))
+    def transformer_forward(self, inp: FluxStepInput, call: Callable[..., Any]) -> torch.Tensor:
+        """Equal text lengths in a co-batch (T5 pads to `max_sequence_length`); each row with its own step's
+        modulation."""
+        return call("transformer", inp.x, inp.embeds, inp.pooled, inp.timestep, guidance=inp.guidance,
+                    rotary_emb=inp.rotary_emb,
+                    modulation=(inp.double_modulation, inp.single_modulation, inp.final_modulation))
 
     def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
         cond, rows = state.conditioning, state.latents.shape[0]

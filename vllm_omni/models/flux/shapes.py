@@ -4,7 +4,7 @@ more works; the denoise loop precomputes every block's adaLN rows for all steps.
 
 from pathlib import Path
 
-from vllm_omni.models.shapes import ShapeRule, read_config
+from vllm_omni.catalog.shapes import ShapeRule, read_config
 
 
 def shape_rule(model_dir: Path) -> ShapeRule:

@@ -1,6 +1,6 @@
 """FLUX.1: CLIP + T5 text encoders -> MMDiT (double + single blocks) -> VAE, one diffusion stage."""
 
-from vllm_omni.models.spec import DiffusionPipelineEntry, ModelSpec
+from vllm_omni.catalog.spec import DiffusionPipelineEntry, ModelSpec
 
 SPEC = ModelSpec(
     family="flux",

@@ -12,8 +12,8 @@ import json
 import shutil
 from pathlib import Path
 
-from vllm_omni.models.tiny import tiny_checkpoint
-from vllm_omni.models.tiny_tokenizers import CORPUS
+from vllm_omni.catalog.tiny import tiny_checkpoint
+from vllm_omni.catalog.tiny_tokenizers import CORPUS
 
 # scheduler/scheduler_config.json of the real repo.
 _SCHEDULER_CONFIG = {

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_omni.catalog.edges import StageInputContext
 from vllm_omni.connectors.base import StagePayload
-from vllm_omni.engine.stage_input_processors import StageInputContext
 
 
 def text_to_prompt(upstream: list[StagePayload], original_prompt: Any, context: StageInputContext) -> Any:

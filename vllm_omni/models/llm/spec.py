@@ -3,7 +3,7 @@
 The family also holds the generic stage-input processors any AR stage can feed another stage with.
 """
 
-from vllm_omni.models.spec import ModelSpec
+from vllm_omni.catalog.spec import ModelSpec
 
 SPEC = ModelSpec(
     family="llm",

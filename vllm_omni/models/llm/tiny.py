@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vllm_omni.models.tiny import tiny_checkpoint
-from vllm_omni.models.tiny_tokenizers import build_qwen_bpe, save_qwen_tokenizer
+from vllm_omni.catalog.tiny import tiny_checkpoint
+from vllm_omni.catalog.tiny_tokenizers import build_qwen_bpe, save_qwen_tokenizer
 
 
 def _write_lm(out: Path, model_type: str, *, hidden_size: int, num_layers: int, num_heads: int,

@@ -16,6 +16,7 @@ import functools
 import time
 from typing import TYPE_CHECKING, Any
 
+from vllm_omni.catalog.edges import StageInput, StageInputContext, reads
 from vllm_omni.config.pipeline_config import (
     EdgeStreamConfig,
     PipelineConfig,
@@ -23,7 +24,6 @@ from vllm_omni.config.pipeline_config import (
     StageExecutionType,
 )
 from vllm_omni.connectors.base import StagePayload
-from vllm_omni.engine.stage_input_processors import StageInput, StageInputContext, reads
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.voices import resolve_voice
 from vllm_omni.models.qwen3_omni.stage_input_processors import (

@@ -1,6 +1,6 @@
 """Qwen3-Omni: thinker (AR, vLLM's model) -> talker (AR, our vLLM model) -> Code2Wav (GENERATION)."""
 
-from vllm_omni.models.spec import ModelSpec
+from vllm_omni.catalog.spec import ModelSpec
 
 SPEC = ModelSpec(
     family="qwen3_omni",

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vllm_omni.models.tiny import tiny_checkpoint
-from vllm_omni.models.tiny_tokenizers import CORPUS, build_qwen_bpe, save_qwen_tokenizer
+from vllm_omni.catalog.tiny import tiny_checkpoint
+from vllm_omni.catalog.tiny_tokenizers import CORPUS, build_qwen_bpe, save_qwen_tokenizer
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",

@@ -10,24 +10,25 @@ request gives the same image alone, in a batch, or in diffusers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from vllm_omni.diffusion.cache.runtime import call_transformer_rows
+from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
-from vllm_omni.diffusion.distributed.sequence import cfg_branch_rows, cfg_gather_rows
 from vllm_omni.diffusion.distributed.vae_patch import patch_parallel_decode, vae_patch_group
-from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
+from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.state import DenoiseState
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+from vllm_omni.models.qwen_image.cache import PRESETS
 from vllm_omni.models.qwen_image.transformer import QwenImageTransformer2DModel
 
 DEFAULT_NUM_INFERENCE_STEPS = 50
@@ -81,12 +82,15 @@ class QwenConditioning:
 class QwenStepInput:
     """One state's transformer rows at its step (`QwenImagePipeline.step_inputs`)."""
 
-    x: torch.Tensor
-    prompt: PromptEmbeds
-    timestep: torch.Tensor
+    x: torch.Tensor = rows()
+    embeds: torch.Tensor = rows(pad=1)
+    """Text embeddings (rows, seq, dim), zero-padded at the end."""
+    lengths: tuple[int, ...] = rows()
+    """Real text tokens of each row."""
+    timestep: torch.Tensor = rows()
     """(rows,) in [0, 1]."""
-    modulation: torch.Tensor
-    """This step's adaLN parameters (num_layers, 2, 1, 6 * dim), the same for the state's rows."""
+    modulation: torch.Tensor = rows(dim=2)
+    """This step's adaLN parameters (num_layers, 2, 1, 6 * dim): one entry, the same for the state's rows."""
     img_shapes: list[tuple[int, int, int]]
     img_len: int
     """Generated-image tokens per row (condition tokens follow them)."""
@@ -136,6 +140,9 @@ class QwenImagePipeline(NativeDiffusionPipeline):
     @classmethod
     def needs_processor(cls) -> bool:
         return False
+
+    def cache_presets(self) -> FamilyPresets:
+        return PRESETS
 
     # ---- hooks of the denoise template ----------------------------------------------------------------------
 
@@ -223,31 +230,14 @@ class QwenImagePipeline(NativeDiffusionPipeline):
             image = torch.cat([cond.image_latents, cond.image_latents]) if cond.do_cfg else cond.image_latents
             x = torch.cat([x, image], dim=1)
         timestep = state.timesteps[i].expand(x.shape[0]).to(latents.dtype) / 1000
-        return QwenStepInput(x, cond.prompt, timestep, cond.modulation[:, :, i : i + 1], cond.geometry.img_shapes,
-                             latents.shape[1])
+        return QwenStepInput(x, cond.prompt.embeds, cond.prompt.lengths, timestep, cond.modulation[:, :, i : i + 1],
+                             cond.geometry.img_shapes, latents.shape[1])
 
-    def forward_step_inputs(self, inputs: list[QwenStepInput], states: list[DenoiseState]) -> list[torch.Tensor]:
-        """All rows in one forward: text zero-padded to the longest, each row attending over its real tokens
-        (`txt_lengths`), each row with its own step's modulation."""
-        first = inputs[0]
-        if len(inputs) == 1:  # CFG parallel (one state per forward): this rank's branch only
-            num_positive, num_rows = states[0].latents.shape[0], first.x.shape[0]
-            rows = cfg_branch_rows(num_positive, num_rows)
-            pred = call_transformer_rows(self.transformer, states, "transformer", first.x[rows],
-                                         first.prompt.embeds[rows], None, first.timestep[rows], first.img_shapes,
-                                         first.modulation, first.prompt.lengths[rows])[:, :first.img_len]
-            return [cfg_gather_rows(pred, num_positive, num_rows)]
-        else:
-            seq = max(inp.prompt.embeds.shape[1] for inp in inputs)
-            x = torch.cat([inp.x for inp in inputs])
-            embeds = torch.cat([F.pad(inp.prompt.embeds, (0, 0, 0, seq - inp.prompt.embeds.shape[1]))
-                                for inp in inputs])
-            lengths = tuple(n for inp in inputs for n in inp.prompt.lengths)
-            timestep = torch.cat([inp.timestep for inp in inputs])
-            modulation = torch.cat([inp.modulation.expand(-1, -1, inp.x.shape[0], -1) for inp in inputs], dim=2)
-        pred = call_transformer_rows(self.transformer, states, "transformer", x, embeds, None, timestep,
-                                     first.img_shapes, modulation, lengths)[:, :first.img_len]
-        return list(pred.split([inp.x.shape[0] for inp in inputs]))
+    def transformer_forward(self, inp: QwenStepInput, call: Callable[..., Any]) -> torch.Tensor:
+        """Text zero-padded to the longest row, each row attending over its real tokens (`txt_lengths`), each
+        row with its own step's modulation; the generated image's tokens of the prediction."""
+        return call("transformer", inp.x, inp.embeds, None, inp.timestep, inp.img_shapes, inp.modulation,
+                    inp.lengths)[:, :inp.img_len]
 
     def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
         cond, rows = state.conditioning, state.latents.shape[0]

@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from vllm_omni.diffusion.pipeline_base import DenoiseState
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.state import DenoiseState
 from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.errors import OmniClientError

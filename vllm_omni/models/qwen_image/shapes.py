@@ -4,7 +4,7 @@ of twice the VAE factor; the denoise loop precomputes every block's image and te
 
 from pathlib import Path
 
-from vllm_omni.models.shapes import ShapeRule, read_config
+from vllm_omni.catalog.shapes import ShapeRule, read_config
 
 
 def shape_rule(model_dir: Path) -> ShapeRule:

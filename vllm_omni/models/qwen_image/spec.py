@@ -1,6 +1,6 @@
 """Qwen-Image and Qwen-Image-Edit: Qwen2.5-VL text encoder -> MMDiT -> VAE, one diffusion stage."""
 
-from vllm_omni.models.spec import DiffusionPipelineEntry, ModelSpec
+from vllm_omni.catalog.spec import DiffusionPipelineEntry, ModelSpec
 
 _SHAPES = "vllm_omni.models.qwen_image.shapes:shape_rule"
 

@@ -12,7 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
-from vllm_omni.models.tiny import tiny_checkpoint
+from vllm_omni.catalog.tiny import tiny_checkpoint
 
 # Special tokens of Qwen2.5-VL, in the order of the real vocabulary (ids follow the byte-level base vocab).
 _SPECIAL_TOKENS = (

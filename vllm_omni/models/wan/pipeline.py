@@ -15,6 +15,7 @@ Requests whose sampling-params keys agree (the scheduler guarantees it) share ev
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -22,16 +23,17 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 import torch
 from torch import nn
 
-from vllm_omni.diffusion.cache.runtime import call_transformer_rows
+from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
-from vllm_omni.diffusion.distributed.sequence import cfg_branch_rows, cfg_gather_rows
 from vllm_omni.diffusion.distributed.vae_patch import vae_patch_group
-from vllm_omni.diffusion.pipeline_base import DenoiseState, NativeDiffusionPipeline
+from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
+from vllm_omni.diffusion.state import DenoiseState
 from vllm_omni.diffusion.timing import elapsed_since, synchronized_now
 from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, to_uint8_frames
 from vllm_omni.errors import OmniClientError
 from vllm_omni.logger import init_logger
+from vllm_omni.models.wan.cache import presets_for
 from vllm_omni.models.wan.vae_stream import WanVaeStream
 
 if TYPE_CHECKING:
@@ -100,12 +102,14 @@ class WanConditioning:
 class WanStepInput:
     """One state's DiT rows at its step (`WanPipeline.step_inputs`)."""
 
-    x: torch.Tensor
-    timestep: torch.Tensor
+    x: torch.Tensor = rows()
+    timestep: torch.Tensor = rows()
     """(rows,), or (rows, tokens) for Wan2.2 TI2V."""
-    embeds: torch.Tensor
-    image_embeds: torch.Tensor | None
+    embeds: torch.Tensor = rows()
+    image_embeds: torch.Tensor | None = rows()
     high_noise: bool
+    """Which expert runs the step: `transformer` (else Wan2.2 A14B's `transformer_2`); co-batched states share
+    it (`step_group_key`)."""
 
 
 class WanPipeline(NativeDiffusionPipeline):
@@ -179,6 +183,9 @@ class WanPipeline(NativeDiffusionPipeline):
             boundary_ratio=index.get("boundary_ratio"),
             expand_timesteps=bool(index.get("expand_timesteps")),
         )
+
+    def cache_presets(self) -> FamilyPresets:
+        return presets_for(self.transformer)
 
     # ---- hooks of the denoise template ----------------------------------------------------------------------
 
@@ -265,21 +272,10 @@ class WanPipeline(NativeDiffusionPipeline):
         return WanStepInput(x.to(self.dtype), self.model_timestep(t, x, cond), cond.embeds, image_embeds,
                             self.high_noise(state))
 
-    def forward_step_inputs(self, inputs: list[WanStepInput], states: list[DenoiseState]) -> list[torch.Tensor]:
-        """All rows in one forward of their (common) expert, each row with its own timestep(s)."""
-        high_noise = inputs[0].high_noise
-        model, slot = (self.transformer, "transformer") if high_noise else (self.transformer_2, "transformer_2")
-        if len(inputs) == 1:  # CFG parallel (one state per forward): this rank's branch only
-            inp, num_positive = inputs[0], states[0].latents.shape[0]
-            rows = cfg_branch_rows(num_positive, inp.x.shape[0])
-            pred = call_transformer_rows(model, states, slot, inp.x[rows], inp.timestep[rows], inp.embeds[rows],
-                                         None if inp.image_embeds is None else inp.image_embeds[rows])
-            return [cfg_gather_rows(pred, num_positive, inp.x.shape[0])]
-        image_embeds = None if inputs[0].image_embeds is None else torch.cat([inp.image_embeds for inp in inputs])
-        pred = call_transformer_rows(model, states, slot, torch.cat([inp.x for inp in inputs]),
-                                     torch.cat([inp.timestep for inp in inputs]),
-                                     torch.cat([inp.embeds for inp in inputs]), image_embeds)
-        return list(pred.split([inp.x.shape[0] for inp in inputs]))
+    def transformer_forward(self, inp: WanStepInput, call: Callable[..., Any]) -> torch.Tensor:
+        """The rows through the expert that owns their timestep, each row with its own timestep(s)."""
+        return call("transformer" if inp.high_noise else "transformer_2", inp.x, inp.timestep, inp.embeds,
+                    inp.image_embeds)
 
     def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
         cond = state.conditioning

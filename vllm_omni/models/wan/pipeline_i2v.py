@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from vllm_omni.diffusion.data import OmniDiffusionConfig
-    from vllm_omni.diffusion.pipeline_base import DenoiseState
     from vllm_omni.diffusion.request import OmniDiffusionRequest
+    from vllm_omni.diffusion.state import DenoiseState
     from vllm_omni.diffusion.step_context import StepContext
 
 

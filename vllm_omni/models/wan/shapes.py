@@ -4,7 +4,7 @@ factor times the transformer's spatial patch (16 for Wan2.1, 32 for Wan2.2-TI2V-
 
 from pathlib import Path
 
-from vllm_omni.models.shapes import ShapeRule, read_config
+from vllm_omni.catalog.shapes import ShapeRule, read_config
 
 
 def shape_rule(model_dir: Path) -> ShapeRule:

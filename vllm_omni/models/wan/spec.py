@@ -1,6 +1,6 @@
 """Wan 2.1 / 2.2: UMT5 text encoder -> video DiT (one or two experts) -> video VAE, one diffusion stage."""
 
-from vllm_omni.models.spec import DiffusionPipelineEntry, ModelSpec
+from vllm_omni.catalog.spec import DiffusionPipelineEntry, ModelSpec
 
 _SHAPES = "vllm_omni.models.wan.shapes:shape_rule"
 

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vllm_omni.models.tiny import tiny_checkpoint
+from vllm_omni.catalog.tiny import tiny_checkpoint
 
 _CORPUS = [
     "A cat walks on the grass, camera slowly pans left.",

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from vllm_omni.models.spec import DiffusionPipelineEntry, Modality, ModelSpec, import_target
+from vllm_omni.catalog.spec import DiffusionPipelineEntry, Modality, ModelSpec, import_target
 
 _BUILTIN_FAMILIES: dict[str, str] = {
     "qwen_image": "vllm_omni.models.qwen_image.spec:SPEC",

@@ -37,7 +37,7 @@ class DiffusionPipelineEntry:
     prompt_tokenizer: str = "tokenizer"
     """The checkpoint subfolder of the tokenizer those tokens are counted with."""
     shape_rule: str | None = None
-    """"module:fn" taking the checkpoint directory and returning its `ShapeRule` (models/shapes.py) from the
+    """"module:fn" taking the checkpoint directory and returning its `ShapeRule` (catalog/shapes.py) from the
     config files alone: which sizes the pipeline makes, checked in the API process before queuing."""
 
 

@@ -50,7 +50,7 @@ def cache_root() -> Path:
 
 
 def available() -> dict[str, str]:
-    from vllm_omni.models.registry import MODEL_REGISTRY
+    from vllm_omni.catalog.registry import MODEL_REGISTRY
 
     return {TINY_PREFIX + name: MODEL_REGISTRY.tiny_builder(name).tiny_spec.description
             for name in MODEL_REGISTRY.tiny_names()}
@@ -58,7 +58,7 @@ def available() -> dict[str, str]:
 
 def build_tiny(name: str, *, root: Path | None = None, **overrides: Any) -> Path:
     """Return the directory of `tiny/<name>` (with `overrides` applied), building it once."""
-    from vllm_omni.models.registry import MODEL_REGISTRY
+    from vllm_omni.catalog.registry import MODEL_REGISTRY
 
     name = name.removeprefix(TINY_PREFIX)
     builder = MODEL_REGISTRY.tiny_builder(name)
@@ -95,6 +95,6 @@ def _builder_source(builder: Builder) -> str:
     """Source of the builder's module and the shared tokenizer helpers: a change to either rebuilds."""
     import inspect
 
-    from vllm_omni.models import tiny_tokenizers
+    from vllm_omni.catalog import tiny_tokenizers
 
     return inspect.getsource(inspect.getmodule(builder)) + inspect.getsource(tiny_tokenizers)

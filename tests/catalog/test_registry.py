@@ -13,10 +13,10 @@ import json
 
 import pytest
 
+from vllm_omni.catalog import resolution
+from vllm_omni.catalog.registry import DIFFUSERS_ADAPTER, MODEL_REGISTRY
+from vllm_omni.catalog.spec import import_target
 from vllm_omni.diffusion.data import OmniDiffusionConfig
-from vllm_omni.models import resolution
-from vllm_omni.models.registry import DIFFUSERS_ADAPTER, MODEL_REGISTRY
-from vllm_omni.models.spec import import_target
 
 
 def test_tiny_and_local_dirs(tmp_path):
@@ -68,7 +68,7 @@ def test_specs_are_light_and_every_name_resolves():
     import subprocess
     import sys
 
-    code = ("import sys; from vllm_omni.models.registry import MODEL_REGISTRY; "
+    code = ("import sys; from vllm_omni.catalog.registry import MODEL_REGISTRY; "
             "specs = list(MODEL_REGISTRY.specs()); assert 'torch' not in sys.modules, 'torch imported'; "
             "print(len(specs))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

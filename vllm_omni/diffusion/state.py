@@ -1,0 +1,88 @@
+"""The per-request denoise state a pipeline advances step by step (`DenoiseState`), kept apart from the
+pipeline skeleton so the cache, previews and the step executor read it without importing the skeleton."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Self
+
+import torch
+
+from vllm_omni.diffusion.cache.state import CacheState
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+
+
+class Conditioning(Protocol):
+    """A family's per-group transformer inputs besides latents and timestep (text embeddings, CFG rows, ...)."""
+
+    def select(self, rows: torch.Tensor) -> Self:
+        """The conditioning of the latent rows `rows` only (indices into the current latent rows, in order)."""
+        ...
+
+
+@dataclass
+class DenoiseState:
+    """One group of co-batched requests from `prepare` to `finish`: everything a denoise step reads or advances.
+
+    Latent rows are request-major: request `i` owns rows `i * outputs_per_request` up to the next request's.
+    """
+
+    requests: list[OmniDiffusionRequest]
+    latents: torch.Tensor
+    scheduler: Any
+    """A fresh diffusers scheduler of this group only, its timesteps set."""
+    conditioning: Conditioning
+    outputs_per_request: int = 1
+    durations: dict[str, float] = field(default_factory=dict)
+    step_index: int = 0
+    aborted: list[OmniDiffusionRequest] = field(default_factory=list)
+    """Requests dropped by an abort; they leave with `RequestAbortedError`."""
+    timesteps: torch.Tensor = field(init=False)
+    normalized_timesteps: list[float] = field(init=False)
+    """Host copy of the timesteps in [0, 1] (1.0 = pure noise), read once instead of syncing every step."""
+    cache: CacheState = field(default_factory=CacheState)
+    """This group's cache policy, residuals and counters (docs/cache.md); the default caches nothing."""
+
+    def __post_init__(self) -> None:
+        self.timesteps = self.scheduler.timesteps
+        num_train = self.scheduler.config.get("num_train_timesteps", 1000)
+        self.normalized_timesteps = [t / num_train for t in self.timesteps.tolist()]
+
+    @property
+    def done(self) -> bool:
+        return not self.requests or self.step_index >= len(self.timesteps)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [r.request_id for r in self.requests]
+
+    def drop(self, request_ids: set[str]) -> None:
+        """Remove the requests `request_ids`, their latent and conditioning rows; the other rows are unchanged."""
+        keep = [i for i, r in enumerate(self.requests) if r.request_id not in request_ids]
+        if len(keep) == len(self.requests):
+            return
+        self.aborted += [r for r in self.requests if r.request_id in request_ids]
+        self.requests = [self.requests[i] for i in keep]
+        self.cache.invalidate()  # its residuals hold the dropped rows too: the next step computes
+        if not keep:
+            self.latents = self.latents[:0]
+            return
+        per = self.outputs_per_request
+        rows = torch.tensor([i * per + j for i in keep for j in range(per)], device=self.latents.device)
+        self.latents = self.latents.index_select(0, rows)
+        self.conditioning = self.conditioning.select(rows)
+        _select_scheduler_rows(self.scheduler, rows)
+
+
+_SCHEDULER_ROW_STATE = ("model_outputs", "last_sample")
+"""Per-row history that diffusers' multistep schedulers (UniPC for Wan, DPM-Solver) keep between steps."""
+
+
+def _select_scheduler_rows(scheduler: Any, rows: torch.Tensor) -> None:
+    """Keep only latent rows `rows` in the scheduler's per-row history (stateless schedulers have none)."""
+    for name in _SCHEDULER_ROW_STATE:
+        value = getattr(scheduler, name, None)
+        if isinstance(value, torch.Tensor):
+            setattr(scheduler, name, value.index_select(0, rows))
+        elif isinstance(value, list):
+            setattr(scheduler, name, [v.index_select(0, rows) if isinstance(v, torch.Tensor) else v for v in value])
