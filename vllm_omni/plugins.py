@@ -1,5 +1,5 @@
-"""vLLM plugin hook (entry point group `vllm.general_plugins`): registers our AR model classes, and lets an
-EngineCore fork its workers.
+"""vLLM plugin hook (entry point group `vllm.general_plugins`): registers our AR model classes, lets an
+EngineCore fork its workers, and lets a CPU process use AMX.
 
 vLLM calls this in every process it starts (API server, EngineCore, workers), so it must be idempotent and
 cheap.
@@ -23,6 +23,7 @@ def register_models() -> None:
         if arch not in supported:
             ModelRegistry.register_model(arch, target)
     _fork_workers_in_engine_core()
+    _allow_amx_on_cpu()
 
 
 ENGINE_CORE_FORKS_WORKERS = "VLLM_OMNI_ENGINE_CORE_FORKS_WORKERS"
@@ -40,3 +41,16 @@ def _fork_workers_in_engine_core() -> None:
     if (multiprocessing.current_process().name.startswith("EngineCore")
             and os.environ.get(ENGINE_CORE_FORKS_WORKERS) == "1"):
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+
+def _allow_amx_on_cpu() -> None:
+    """Linux lets a process run AMX tile instructions only after it asked (arch_prctl XTILEDATA); vLLM CPU's
+    kernels for short prefills use AMX without asking, so on an AMX CPU (Sapphire Rapids and later) the worker
+    dies of SIGILL on a 1-3 token prompt. torch's `_init_amx` asks, once per process (a no-op answer False
+    where the CPU has no AMX); every vLLM process runs this hook, forked or spawned."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        import torch
+
+        torch._C._cpu._init_amx()

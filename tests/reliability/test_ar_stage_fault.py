@@ -40,11 +40,6 @@ def engine_processes(srv: LiveServer) -> dict[str, psutil.Process]:
     return found
 
 
-def started(srv: LiveServer) -> float:
-    """Requests that have entered the engine: the ones running plus the ones that ended."""
-    return srv.metric("vllm_omni:requests_running") + srv.metric("vllm_omni:engine_requests_total")
-
-
 def gone(proc: psutil.Process) -> bool:
     """Exited and reaped: a zombie still has a process entry."""
     try:
@@ -65,7 +60,6 @@ def server():
 def test_kill9_of_the_engine_core_fails_fast_and_the_stage_comes_back(server):
     srv, shm_before = server
     errors_before = srv.metric("vllm_omni:engine_requests_total", outcome="error")
-    started_before = started(srv)
     # One sequence at a time (--max-num-seqs 1). A streamed request's first token says the EngineCore is running
     # (a fixed sleep raced the server's first-request set-up in CI); eight 2000-token requests then queue behind
     # it: more work than the tiny model does before the kill (it decodes thousands of tokens a second). Every
@@ -94,12 +88,10 @@ def test_kill9_of_the_engine_core_fails_fast_and_the_stage_comes_back(server):
     assert first_token.wait(60), "no streamed token within 60 s"
     for thread in threads[1:]:
         thread.start()
-    # Kill once the engine holds the streamed request and two more (waiting for all nine let them all finish
-    # first in CI: the poll is slower than the tiny model's decode).
-    deadline = time.monotonic() + 30
-    while started(srv) < started_before + 3:
-        assert time.monotonic() < deadline, "the requests did not reach the engine within 30 s"
-        time.sleep(0.02)
+    # Kill while the engine holds the streamed request (its first token came): polling /metrics until more had
+    # entered let every request finish first (the poll is slower than the tiny model's decode), so the eight
+    # others are only sent; those still in chat preprocessing get the restart's 503 (counted below).
+    time.sleep(0.2)
     old = engine_processes(srv)
     core = old["VLLM::EngineCore"]
     killed_at = time.monotonic()

@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaToolCall, ToolCall
 from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
@@ -92,6 +93,10 @@ def is_text_output(output: OmniRequestOutput) -> bool:
 DIFFUSION_CHAT_FIELDS = frozenset(OmniChatFields.model_fields) | {
     "messages", "model", "seed", "stream", "stream_options", "user", "tools", "tool_choice", "request_id"}
 """The chat fields that mean something to a pipeline without an AR stage (tools get their own error)."""
+
+DIFFUSION_ONLY_CHAT_FIELDS = DIFFUSION_FIELD_NAMES - (frozenset(ChatCompletionRequest.model_fields) - {"priority"})
+"""The diffusion fields an AR stage does not take: `seed` is vLLM's own chat field too (its sampling seed);
+`priority` is vLLM's as well but never reaches an AR stage, so it stays."""
 
 VLLM_CHAT_FIELDS = frozenset({"logprobs", "top_logprobs", "prompt_logprobs", "return_token_ids",
                               "return_tokens_as_token_ids"})
@@ -210,7 +215,7 @@ class OmniOpenAIServingChat(OmniServingBase):
         `engine_client._REFUSED_DEFAULTS`.)"""
         if StageKind.DIFFUSION in self.capabilities.stage_kinds:
             return
-        diffusion = sorted(name for name in DIFFUSION_FIELD_NAMES & request.model_fields_set
+        diffusion = sorted(name for name in DIFFUSION_ONLY_CHAT_FIELDS & request.model_fields_set
                            if getattr(request, name) is not None)
         if request.priority == 0 and "priority" in diffusion:  # vLLM's default, what the OpenAI SDK may send
             diffusion.remove("priority")
