@@ -116,8 +116,8 @@ def test_disconnect_mid_stream_aborts(server):
         seen = 0
         for line in resp.iter_lines():
             seen += line.startswith("data:")
-            if seen >= 3:
-                break  # leave mid-stream: closing the connection is the disconnect
+            if seen >= 1:
+                break  # leave at the first chunk (the tiny model ends 450 tokens within a few chunks' reading)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if server.metric("vllm_omni:requests_running") == 0:
