@@ -100,6 +100,43 @@ def test_step_batch_is_padded_to_the_next_bucket(dist_world, qwen_image_dir):
         torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-4)
 
 
+def test_text_is_padded_to_its_bucket_under_a_mask(dist_world, qwen_image_dir):
+    """Compiled path: co-batched prompts of other lengths run as ONE forward whose text is padded to the next
+    bucket under a key mask, so the graph signature holds no prompt length; every state advances as in the
+    eager forward (lengths, no padding). The warm-up's prompts land in each bucket a default request reaches."""
+    from vllm_omni.diffusion.warmup import TEXT_BUCKETS
+    from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
+
+    config = OmniDiffusionConfig(model=str(qwen_image_dir), max_num_seqs=2)
+    pipes = [QwenImagePipeline.from_pretrained(config, qwen_image_dir, torch.device("cpu"), torch.float32)
+             for _ in range(2)]
+    accelerate_transformer(pipes[1].transformer, compile_blocks=False, cuda_graphs=False)
+    (forward,) = accelerated_forwards(pipes[1])
+    seen, inner = [], forward.forward
+    forward.forward = lambda *args, **kwargs: seen.append((args[1].shape, args[2], kwargs)) or inner(*args, **kwargs)
+    latents = []
+    with torch.inference_mode():
+        for pipe in pipes:
+            requests = [_request("a lighthouse", height=32, width=32), _request("a " * 40, height=32, width=32)]
+            ctxs = [StepContext(pipe.od_config, request_ids=[r.request_id]) for r in requests]
+            states = [pipe.prepare([r], ctx) for r, ctx in zip(requests, ctxs, strict=True)]
+            lengths = [state.conditioning.prompt.lengths[0] for state in states]
+            assert pipe.denoise_step_batch(states, ctxs) == [None] * 2
+            latents.append([state.latents for state in states])
+    assert pipes[0].text_buckets == [] and pipes[1].text_buckets == list(TEXT_BUCKETS)
+    ((shape, mask, kwargs),) = seen
+    assert shape[:2] == (2, TEXT_BUCKETS[0]) and "txt_lengths" not in kwargs
+    assert mask.tolist() == [[i < n for i in range(TEXT_BUCKETS[0])] for n in lengths]
+    for eager, padded in zip(*latents, strict=True):
+        torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-4)
+    texts = pipes[1].warmup_text_lengths()
+    assert len(texts) == 3  # 128, 256, 512: what the default max_sequence_length (512) reaches
+    for text, bucket in zip(texts, TEXT_BUCKETS, strict=False):
+        for index in range(4):
+            prompt = pipes[1].encode_prompt([_warmup_request((32, 32), index, text=text)]).prompt
+            assert step_bucket(prompt.embeds.shape[1], pipes[1].text_buckets) == bucket
+
+
 def _request(prompt: str, **params) -> OmniDiffusionRequest:
     return OmniDiffusionRequest(prompt, OmniDiffusionSamplingParams(num_inference_steps=2, seed=0, **params), "r")
 
@@ -117,18 +154,23 @@ def test_warm_up_runs_each_bucket_then_warns_on_serving_compiles(dist_world, qwe
     (forward,) = accelerated_forwards(pipe)
     with torch.inference_mode():
         request_mode = warm_up(pipe, OmniDiffusionConfig(model="m", max_num_seqs=2, diffusion_warmup_shapes="64x64"))
-        assert [s.label for s in request_mode] == ["64x64 batch 1", "64x64 batch 2"]
+        texts = pipe.warmup_text_lengths()
+        assert [s.label for s in request_mode] == [f"64x64 batch {b} text {t}" for b in (1, 2) for t in texts]
         forward.serving = False
-        tokens = {size: [sum(pipe.step_tokens(pipe.prepare([_warmup_request((size, size), i, lengths)],
-                                                           StepContext(pipe.od_config))) for i in range(2))
-                         for lengths in range(2)] for size in (64, 32)}
-        # A cap of 32x32's batch 2 leaves 64x64 at batch 1, 32x32 below batch 4 (3 states do not fit).
-        assert min(tokens[64]) > max(tokens[32])
-        tokens = {size: max(counts) for size, counts in tokens.items()}
+
+        def tokens(size: int, text: int, batch: int) -> int:
+            return sum(pipe.step_tokens(pipe.prepare([_warmup_request((size, size), i, text=text)],
+                                                     StepContext(pipe.od_config))) for i in range(batch))
+
+        # A cap of 32x32's batch 2 with the shortest text: 64x64 runs alone, 32x32 co-batches 2 short prompts
+        # only (3 states, or longer prompts, do not fit).
+        cap = tokens(32, texts[0], 2)
+        assert tokens(64, texts[0], 2) > cap and tokens(32, texts[1], 2) > cap and tokens(32, texts[0], 3) > cap
         step_mode = warm_up(pipe, OmniDiffusionConfig(model="m", max_num_seqs=4, step_execution=True,
                                                       diffusion_warmup_shapes="64x64,32x32",
-                                                      diffusion_max_tokens_per_forward=tokens[32]))
-        assert [s.label for s in step_mode] == ["64x64 batch 1", "32x32 batch 1", "32x32 batch 2"]
+                                                      diffusion_max_tokens_per_forward=cap))
+        assert [s.label for s in step_mode] == [*(f"{size} batch 1 text {t}" for size in ("64x64", "32x32")
+                                                  for t in texts), f"32x32 batch 2 text {texts[0]}"]
         assert forward.serving and forward.serving_compiles == 0
 
         graphs = iter(range(0, 100, 3))

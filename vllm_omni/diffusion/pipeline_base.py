@@ -50,7 +50,7 @@ from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.state import Conditioning, DenoiseState
 from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.timing import elapsed_since, synchronized_now
-from vllm_omni.diffusion.warmup import batch_buckets, step_bucket
+from vllm_omni.diffusion.warmup import TEXT_BUCKETS, batch_buckets, step_bucket
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.errors import OmniClientError, RequestAbortedError
 
@@ -175,13 +175,28 @@ class NativeDiffusionPipeline(nn.Module):
         return errors
 
     @property
+    def compiled(self) -> bool:
+        """Whether a DiT of this pipeline runs the compiled path (CUDA graphs per input signature)."""
+        if "_compiled" not in self.__dict__:
+            self.__dict__["_compiled"] = bool(accelerated_forwards(self))
+        return self.__dict__["_compiled"]
+
+    @property
     def step_buckets(self) -> list[int]:
         """Batch sizes a co-batched step forward is padded up to: the warm-up's buckets on the compiled path,
         none (no padding) when every DiT runs eager."""
-        if "_step_buckets" not in self.__dict__:
-            compiled = bool(accelerated_forwards(self))
-            self.__dict__["_step_buckets"] = batch_buckets(self.od_config.max_num_seqs) if compiled else []
-        return self.__dict__["_step_buckets"]
+        return batch_buckets(self.od_config.max_num_seqs) if self.compiled else []
+
+    @property
+    def text_buckets(self) -> list[int]:
+        """Text lengths a family pads its prompt tokens up to on the compiled path (under a key mask, so the
+        result is unchanged): one CUDA graph per bucket instead of one per prompt length. None when eager."""
+        return list(TEXT_BUCKETS) if self.compiled else []
+
+    def warmup_text_lengths(self) -> list[int]:
+        """Prompt lengths (tokens) the start-up warm-up runs, one per text bucket a default request can reach;
+        [] = text length makes no signature (fixed-length encoders)."""
+        return []
 
     def advance(self, state: DenoiseState, ctx: StepContext, noise_pred: torch.Tensor) -> None:
         """The scheduler step of `state` with its guided prediction, then progress and any asked-for preview."""
@@ -368,6 +383,16 @@ def concat_rows(inputs: list[Any]) -> Any:
                       for v, n in zip(values, counts, strict=True)]
             changes[name] = torch.cat(values, dim=spec.dim)
     return dataclasses.replace(inputs[0], **changes)
+
+
+def pad_text(embeds: torch.Tensor, lengths: tuple[int, ...], buckets: list[int]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embeds zero-padded along dim 1 to the next of `buckets`, the (rows, bucket) bool mask of each row's
+    `lengths` real tokens), both on the embeddings' device: inputs of one CUDA graph per bucket."""
+    seq = step_bucket(embeds.shape[1], buckets)
+    embeds = F.pad(embeds, (0, 0, 0, seq - embeds.shape[1]))
+    mask = torch.arange(seq, device=embeds.device) < torch.tensor(lengths, device=embeds.device)[:, None]
+    return embeds, mask
 
 
 def _enter_step(state: DenoiseState, ctx: StepContext) -> None:

@@ -5,9 +5,11 @@ signature: image size x transformer rows x text length. Left to serving, that st
 first brings the signature, and on every request batched with it. So the worker runs, after loading and before
 it reports itself loaded, a short generation for each configured size (`--diffusion-warmup-shapes`, default the
 model's own) at every batch bucket the stage can form: powers of two up to `--max-num-seqs`, as vLLM's CUDA-graph
-capture sizes, in step mode only those whose tokens fit one co-batched forward. Prompts of two lengths make Dynamo
-compile its symbolic-size graph here rather than at the first request with another prompt length. Afterwards every
-compile or capture logs a WARNING (`AcceleratedForward`).
+capture sizes, in step mode only those whose tokens fit one co-batched forward, and at every text-length bucket
+a default request can reach (`TEXT_BUCKETS`: a family pads its prompt tokens to the next bucket under a key mask,
+so that prompt lengths make no new signature). A family without text buckets gets prompts of two lengths, which
+make Dynamo compile its symbolic-size graph here rather than at the first request with another prompt length.
+Afterwards every compile or capture logs a WARNING (`AcceleratedForward`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ logger = init_logger(__name__)
 
 WARMUP_STEPS = 2
 """Denoise steps per warm-up generation: the first step compiles and captures, the second replays."""
+TEXT_BUCKETS = (128, 256, 512, 1024)
+"""Prompt-token lengths the compiled path pads text up to: few CUDA graphs per (size, batch), at most 2x the
+text tokens (a 512x512 image has 1024 image tokens, so the padding costs at most ~1/8 of a short prompt's
+forward)."""
 WARMUP_WORDS = ("a", "watercolor", "painting", "of", "a", "lighthouse", "on", "a", "cliff", "above", "the", "sea",
                 "at", "dusk", "with", "gulls", "in", "the", "wind", "and", "warm", "light")
 """Warm-up prompts are prefixes of this text: each row of a batch gets its own length, and each bucket runs twice
@@ -45,11 +51,13 @@ class WarmedSignature:
     seconds: float
     compiles: int
     captures: int
+    text: int | None = None
+    """Prompt words of the warm-up requests (one text bucket); None = the family has no text buckets."""
 
     @property
     def label(self) -> str:
         size = "default size" if self.size is None else f"{self.size[0]}x{self.size[1]}"
-        return f"{size} batch {self.batch}"
+        return f"{size} batch {self.batch}" + ("" if self.text is None else f" text {self.text}")
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -74,37 +82,56 @@ def warm_up(pipeline: Any, od_config: OmniDiffusionConfig, rank: int = 0) -> lis
     warmed: list[WarmedSignature] = []
     if forwards and shapes != []:
         step_mode = od_config.step_execution and pipeline.supports_step_execution
+        texts: list[int | None] = list(pipeline.warmup_text_lengths()) or [None]
+        buckets = batch_buckets(od_config.max_num_seqs)
+        planned = len(shapes or [None]) * len(buckets) * len(texts)
+        for forward in forwards:
+            if forward.runner is not None:  # keep every warmed graph (the LRU bound would evict some)
+                forward.runner.max_graphs = max(forward.runner.max_graphs, planned)
         for size in shapes or [None]:
-            buckets = batch_buckets(od_config.max_num_seqs)
             for smaller, batch in zip([0, *buckets], buckets, strict=False):
-                before = _counts(forwards)
-                start = time.perf_counter()
-                ran = True
-                for lengths_set in range(2):
-                    requests = [_request(size, i, lengths_set) for i in range(batch)]
-                    if step_mode:
-                        ran = _step_batch(pipeline, od_config, requests, smaller + 1)
-                    else:
-                        pipeline.forward(DiffusionRequestBatch(requests))
-                    if not ran:
-                        break
-                if not ran:
+                fits = [_warm_one(pipeline, od_config, forwards, size, batch, text, step_mode, smaller + 1, rank)
+                        for text in texts]
+                warmed += [signature for signature in fits if signature is not None]
+                if fits[0] is None:
                     break  # larger buckets never co-batch either
-                compiles, captures = (after - prior for after, prior in zip(_counts(forwards), before, strict=True))
-                signature = WarmedSignature(size, batch, time.perf_counter() - start, compiles, captures)
-                warmed.append(signature)
-                logger.info("[diffusion rank %d] warm-up %s: %.2f s (%d graphs compiled, %d CUDA graphs captured)",
-                            rank, signature.label, signature.seconds, compiles, captures)
     for forward in forwards:
         forward.serving = True
     return warmed
 
 
-def _request(size: tuple[int, int] | None, index: int, lengths_set: int = 0) -> OmniDiffusionRequest:
+def _warm_one(pipeline: Any, od_config: OmniDiffusionConfig, forwards: list[AcceleratedForward],
+              size: tuple[int, int] | None, batch: int, text: int | None, step_mode: bool, fewest: int,
+              rank: int) -> WarmedSignature | None:
+    """One (size, batch, text bucket) generation; None when step mode cannot co-batch `fewest` such states."""
+    before = _counts(forwards)
+    start = time.perf_counter()
+    for lengths_set in range(2 if text is None else 1):
+        requests = [_request(size, i, lengths_set, text) for i in range(batch)]
+        if step_mode:
+            if not _step_batch(pipeline, od_config, requests, fewest):
+                return None
+        else:
+            pipeline.forward(DiffusionRequestBatch(requests))
+    compiles, captures = (after - prior for after, prior in zip(_counts(forwards), before, strict=True))
+    signature = WarmedSignature(size, batch, time.perf_counter() - start, compiles, captures, text)
+    logger.info("[diffusion rank %d] warm-up %s: %.2f s (%d graphs compiled, %d CUDA graphs captured)",
+                rank, signature.label, signature.seconds, compiles, captures)
+    return signature
+
+
+def _request(size: tuple[int, int] | None, index: int, lengths_set: int = 0,
+             text: int | None = None) -> OmniDiffusionRequest:
+    """Warm-up request `index` of a batch: a prefix of `WARMUP_WORDS`, or (`text`) about `text` one-token words,
+    each row a little shorter than the last (rows of one batch differ in length, as served ones do)."""
     width, height = size or (None, None)
     params = OmniDiffusionSamplingParams(width=width, height=height, num_inference_steps=WARMUP_STEPS, seed=index)
-    words = (2 + 3 * index + lengths_set) % len(WARMUP_WORDS) + 1
-    return OmniDiffusionRequest(" ".join(WARMUP_WORDS[:words]), params, f"warmup-{index}")
+    if text is None:
+        words = (2 + 3 * index + lengths_set) % len(WARMUP_WORDS) + 1
+        prompt = " ".join(WARMUP_WORDS[:words])
+    else:
+        prompt = " ".join(["a"] * max(1, text - 3 * index))
+    return OmniDiffusionRequest(prompt, params, f"warmup-{index}")
 
 
 def _counts(forwards: list[AcceleratedForward]) -> tuple[int, int]:

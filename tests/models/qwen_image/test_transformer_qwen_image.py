@@ -48,13 +48,23 @@ def test_matches_diffusers(models, shapes):
         torch.testing.assert_close(ours(x[:1], txt[:1], None, t[:1], shapes), got[:1], atol=1e-5, rtol=1e-4)
 
 
-def test_mask_must_be_trailing_padding(models):
-    """A mask is read as each row's real-token count; a mask with holes (not diffusers' padding) is refused."""
-    _, ours = models
-    x, txt = torch.randn(1, 16, 64), torch.randn(1, 5, 64)
-    mask = torch.tensor([[True, False, True, True, True]])
-    with pytest.raises(ValueError, match="real tokens first, then padding"), torch.no_grad():
-        ours(x, txt, mask, torch.tensor([0.5]), [(1, 4, 4)])
+def test_mask_is_the_key_mask(models):
+    """A mask runs as the attention's key mask, read on the device only (what a CUDA graph needs): a mask with
+    holes (not trailing padding) still gives diffusers' result, and padding text to a longer length under the
+    mask (the compiled path's length buckets) leaves every prediction as it was."""
+    ref, ours = models
+    assert ours.masks_on_device
+    g = torch.Generator().manual_seed(2)
+    x, txt, t = torch.randn(2, 16, 64, generator=g), torch.randn(2, 5, 64, generator=g), torch.tensor([0.5, 0.3])
+    mask = torch.tensor([[True, False, True, True, True], [True, True, True, False, False]])
+    with torch.no_grad():
+        expected = ref(hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=mask, timestep=t,
+                       img_shapes=[[(1, 4, 4)]] * 2, return_dict=False)[0]
+        torch.testing.assert_close(ours(x, txt, mask, t, [(1, 4, 4)]), expected, atol=1e-5, rtol=1e-4)
+        lengths = ours(x, txt, None, t, [(1, 4, 4)], txt_lengths=(5, 3))
+        padded = torch.cat([txt, torch.randn(2, 11, 64, generator=g)], dim=1)
+        bucket_mask = torch.arange(16) < torch.tensor([5, 3])[:, None]
+        torch.testing.assert_close(ours(x, padded, bucket_mask, t, [(1, 4, 4)]), lengths, atol=1e-5, rtol=1e-4)
 
 
 def test_precomputed_step_modulation_equals_inline(models):

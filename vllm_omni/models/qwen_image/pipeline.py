@@ -23,7 +23,7 @@ from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.distributed.vae_patch import patch_parallel_decode, vae_patch_group
-from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
+from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, pad_text, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.state import DenoiseState
 from vllm_omni.errors import OmniClientError
@@ -235,9 +235,18 @@ class QwenImagePipeline(NativeDiffusionPipeline):
 
     def transformer_forward(self, inp: QwenStepInput, call: Callable[..., Any]) -> torch.Tensor:
         """Text zero-padded to the longest row, each row attending over its real tokens (`txt_lengths`), each
-        row with its own step's modulation; the generated image's tokens of the prediction."""
+        row with its own step's modulation; the generated image's tokens of the prediction. Compiled path: text
+        padded to its length bucket under a key mask, so the CUDA graph does not depend on prompt lengths."""
+        if self.text_buckets and self.transformer.masks_on_device:
+            embeds, mask = pad_text(inp.embeds, inp.lengths, self.text_buckets)
+            return call("transformer", inp.x, embeds, mask, inp.timestep, inp.img_shapes,
+                        inp.modulation)[:, :inp.img_len]
         return call("transformer", inp.x, inp.embeds, None, inp.timestep, inp.img_shapes, inp.modulation,
                     inp.lengths)[:, :inp.img_len]
+
+    def warmup_text_lengths(self) -> list[int]:
+        buckets = [b for b in self.text_buckets if b <= DEFAULT_MAX_SEQUENCE_LENGTH]
+        return [b * 3 // 4 for b in buckets]
 
     def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
         cond, rows = state.conditioning, state.latents.shape[0]

@@ -168,10 +168,12 @@ class QwenEmbedRope(nn.Module):
 class QwenJointAttention(nn.Module):
     """q/k/v of both streams, per-head RMS norm, RoPE, one joint attention, two out projections.
 
-    The joint sequence is image tokens then text tokens, so a row whose prompt is padded attends over a prefix
-    of it (`txt_lengths`): each such row runs its own unmasked attention instead of the batch running a masked
-    one. Attention does not depend on token order (positions are in the RoPE tables), so this equals diffusers'
-    text-first masked attention on every real token.
+    The joint sequence is image tokens then text tokens. Padded text is left out in one of two ways
+    (`txt_padding`): per-row real-token counts (a tuple), each such row then running its own unmasked attention
+    over a prefix of the sequence; or a (batch, joint_seq) boolean key mask, one masked attention for the batch
+    that reads nothing on the host (the compiled path: text padded to a length bucket, so one CUDA graph serves
+    every prompt length in it). Attention does not depend on token order (positions are in the RoPE tables), so
+    both equal diffusers' text-first masked attention on every real token.
     """
 
     def __init__(self, dim: int, num_heads: int, head_dim: int, prefix: str,
@@ -194,7 +196,7 @@ class QwenJointAttention(nn.Module):
                                             prefix=f"{prefix}.to_add_out")
         self.attn = Attention(self.num_heads, head_dim, prefix=f"{prefix}.attn", attn_config=attn_config)
 
-    def forward(self, img: torch.Tensor, txt: torch.Tensor, txt_lengths: tuple[int, ...] | None,
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, txt_padding: tuple[int, ...] | torch.Tensor | None,
                 rope: tuple[RopeTables, RopeTables]) -> tuple[torch.Tensor, torch.Tensor]:
         img_rope, txt_rope = rope
         q, k, v = qk_norm_rope(
@@ -203,15 +205,15 @@ class QwenJointAttention(nn.Module):
             txt_rope=txt_rope, num_heads=self.num_heads, eps=self.norm_q.eps, text_first=False,
         )
         img_len = img.shape[1]
-        if txt_lengths is None:
-            out = self.attn(q, k, v, attn_mask=None, joint_len=txt.shape[1])
+        if txt_padding is None or isinstance(txt_padding, torch.Tensor):
+            out = self.attn(q, k, v, attn_mask=txt_padding, joint_len=txt.shape[1])
         else:
             # Padded positions (past a row's prefix) get zeros; nothing real attends to them.
             out = torch.cat([
                 F.pad(self.attn(q[b : b + 1, :img_len + n], k[b : b + 1, :img_len + n],
                                 v[b : b + 1, :img_len + n], attn_mask=None, joint_len=n),
                       (0, 0, 0, 0, 0, q.shape[1] - img_len - n))
-                for b, n in enumerate(txt_lengths)
+                for b, n in enumerate(txt_padding)
             ])
         out = out.flatten(2)
         return self.to_out[0](out[:, :img_len]), self.to_add_out(out[:, img_len:])
@@ -265,15 +267,16 @@ class QwenImageTransformerBlock(nn.Module):
         self.txt_mlp = FeedForward(dim, prefix=f"{prefix}.txt_mlp")
 
     def forward(self, img: torch.Tensor, txt: torch.Tensor, modulation: torch.Tensor,
-                txt_lengths: tuple[int, ...] | None, rope: tuple[RopeTables, RopeTables]
+                txt_padding: tuple[int, ...] | torch.Tensor | None, rope: tuple[RopeTables, RopeTables]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`modulation` (2, batch or 1, 6 * dim): this block's image and text adaLN parameters."""
+        """`modulation` (2, batch or 1, 6 * dim): this block's image and text adaLN parameters; `txt_padding`
+        as in `QwenJointAttention`."""
         i_shift1, i_scale1, i_gate1, i_shift2, i_scale2, i_gate2 = modulation[0][:, None, :].chunk(6, dim=-1)
         t_shift1, t_scale1, t_gate1, t_shift2, t_scale2, t_gate2 = modulation[1][:, None, :].chunk(6, dim=-1)
         img_attn, txt_attn = self.attn(
             _layer_norm(img) * (1 + i_scale1) + i_shift1,
             _layer_norm(txt) * (1 + t_scale1) + t_shift1,
-            txt_lengths,
+            txt_padding,
             rope,
         )
         img = img + i_gate1 * img_attn
@@ -347,10 +350,11 @@ class QwenImageTransformer2DModel(nn.Module):
         """Predict the flow for packed latents (batch, img_seq, in_channels).
 
         `img_shapes` is shared by the whole batch (the scheduler only co-batches same-size requests).
-        Rows whose prompt is shorter than `txt_seq` are padded at the end: `txt_lengths` gives each row's real
-        text tokens (None = all real). `encoder_hidden_states_mask` (batch, txt_seq) bool is diffusers' way to
-        say the same; it must be such a padding mask and costs a host sync to read, so callers that know
-        the lengths pass them.
+        Rows whose prompt is shorter than `txt_seq` are padded: `encoder_hidden_states_mask` (batch, txt_seq)
+        bool marks each row's real text tokens, as in diffusers; it becomes the attention's key mask, read only
+        on the device (what a CUDA graph needs), when `masks_on_device`. Otherwise (a backend without masks,
+        sequence parallelism) it must mark real tokens first and is read on the host as `txt_lengths`: each
+        row's real text tokens at the start (None = all real), which eager callers that know them pass instead.
         `timestep` is in [0, 1] (diffusers pipelines pass t / 1000). `modulation` is this step's slice of
         `block_modulation(...)` when the caller computed it ahead; None = computed here from `timestep`.
         `cache`: this step's view of the request's cache (TeaCache over the image stream: the blocks run, or the
@@ -362,10 +366,15 @@ class QwenImageTransformer2DModel(nn.Module):
         if modulation is None:
             modulation = self.block_modulation(temb)
         rope = self.pos_embed(img_shapes, txt.shape[1], img.device)
+        txt_padding: tuple[int, ...] | torch.Tensor | None = txt_lengths
         if txt_lengths is None and encoder_hidden_states_mask is not None:
-            txt_lengths = padding_lengths(encoder_hidden_states_mask)
-        if txt_lengths is not None and all(n == txt.shape[1] for n in txt_lengths):
-            txt_lengths = None
+            if self.masks_on_device:
+                # Joint key mask: every image token, then the text's own mask.
+                txt_padding = F.pad(encoder_hidden_states_mask.bool(), (img.shape[1], 0), value=True)
+            else:
+                txt_padding = padding_lengths(encoder_hidden_states_mask)
+        if isinstance(txt_padding, tuple) and all(n == txt.shape[1] for n in txt_padding):
+            txt_padding = None
         # Sequence parallel: this rank's slice of the image tokens (and of their RoPE); text stays whole.
         img, rope = shard_sequence(img), ((shard_sequence(rope[0][0], 0), shard_sequence(rope[0][1], 0)), rope[1])
 
@@ -374,10 +383,10 @@ class QwenImageTransformer2DModel(nn.Module):
             wrapped = self._modules.get("cache_dit_blocks")
             if wrapped is not None:  # the cache-dit backend: inside its forward these are its cached blocks
                 for block in wrapped:
-                    out, stream = block(out, stream, modulation, txt_lengths, rope)
+                    out, stream = block(out, stream, modulation, txt_padding, rope)
                 return out
             for block, block_modulation in zip(self.transformer_blocks, modulation, strict=True):
-                out, stream = block(out, stream, block_modulation, txt_lengths, rope)
+                out, stream = block(out, stream, block_modulation, txt_padding, rope)
             return out
 
         if cache is None:
@@ -385,6 +394,13 @@ class QwenImageTransformer2DModel(nn.Module):
         else:
             img = cache.run(img, blocks, lambda: self._probe(img, modulation[0][0]), len(self.transformer_blocks))
         return gather_sequence(self.proj_out(self.norm_out(img, temb)))
+
+    @property
+    def masks_on_device(self) -> bool:
+        """Whether a text mask runs as the attention's key mask (the backend takes masks, no sequence
+        parallelism) rather than being read on the host as per-row lengths."""
+        attn = self.transformer_blocks[0].attn.attn
+        return attn.attn_backend.supports_attention_mask() and attn.sp_groups is None
 
     @staticmethod
     def _probe(img: torch.Tensor, img_modulation: torch.Tensor) -> torch.Tensor:
