@@ -32,6 +32,8 @@ class OmniRequestOutput:
     peak_memory_mb: float = 0.0
     step_stats: StepStats | None = None
     """How a step-mode diffusion stage scheduled the request (feeds the server's metrics)."""
+    compile_stats: CompileStats | None = None
+    """A compiled diffusion stage's compile/capture counts when the request left (feeds the server's metrics)."""
     error: str | None = None
     error_status_code: int | None = None
 
@@ -47,6 +49,8 @@ class StepStats:
     shape: str
     """`shape_label` of the request (e.g. "512x512+cfg")."""
     step_seconds: list[float] = field(default_factory=list)
+    step_batches: list[int] = field(default_factory=list)
+    """States that shared each of `step_seconds`' forwards (1 = stepped alone)."""
     preemptions: int = 0
     """Times the request was paused at a step boundary for a more urgent one."""
     deadline_missed: bool = False
@@ -55,3 +59,16 @@ class StepStats:
     """Requests waiting (queued or paused) in the worker when this one left."""
     running: int = 0
     """Resident states stepping in the worker when this one left."""
+
+
+@dataclass
+class CompileStats:
+    """A diffusion worker's compiled-path counts since it started (rank 0's; cumulative, so the server exports
+    the increase). Serving-time ones stalled the requests of their forward (`layers/compile.AcceleratedForward`)."""
+
+    compiles: int = 0
+    """Graphs Dynamo compiled, start-up warm-up included."""
+    captures: int = 0
+    """CUDA graphs captured, start-up warm-up included."""
+    serving_compiles: int = 0
+    serving_captures: int = 0

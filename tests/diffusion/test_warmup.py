@@ -100,6 +100,32 @@ def test_step_batch_is_padded_to_the_next_bucket(dist_world, qwen_image_dir):
         torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-4)
 
 
+def test_request_batch_is_padded_to_the_next_bucket(dist_world, qwen_image_dir):
+    """Request mode, compiled path: a batch of 3 requests runs every step as a forward of the bucket 4 (the last
+    row repeated, its prediction dropped) and gives each request the eager pipeline's latents."""
+    from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
+
+    config = OmniDiffusionConfig(model=str(qwen_image_dir), max_num_seqs=4)
+    pipes = [QwenImagePipeline.from_pretrained(config, qwen_image_dir, torch.device("cpu"), torch.float32)
+             for _ in range(2)]
+    accelerate_transformer(pipes[1].transformer, compile_blocks=False, cuda_graphs=False)
+    (forward,) = accelerated_forwards(pipes[1])
+    rows, inner = [], forward.forward
+    forward.forward = lambda *args, **kwargs: rows.append(args[0].shape[0]) or inner(*args, **kwargs)
+    outputs = []
+    with torch.inference_mode():
+        for pipe in pipes:
+            requests = [_request(f"a boat {'at sea ' * i}", height=32, width=32, output_type="latent")
+                        for i in range(3)]
+            for i, r in enumerate(requests):
+                r.request_id, r.sampling_params.seed = f"r{i}", i
+            outputs.append(pipe.forward(DiffusionRequestBatch(requests)))
+    assert rows == [4, 4]  # two steps
+    for eager, padded in zip(*outputs, strict=True):
+        assert eager.error is None and padded.error is None
+        torch.testing.assert_close(padded.output, eager.output, atol=1e-5, rtol=1e-4)
+
+
 def test_text_is_padded_to_its_bucket_under_a_mask(dist_world, qwen_image_dir):
     """Compiled path: co-batched prompts of other lengths run as ONE forward whose text is padded to the next
     bucket under a key mask, so the graph signature holds no prompt length; every state advances as in the
@@ -185,6 +211,8 @@ def test_warm_up_runs_each_bucket_then_warns_on_serving_compiles(dist_world, qwe
             logging.getLogger(compile_mod.__name__).removeHandler(handler)
     assert out.error is None, out.error
     assert forward.serving_compiles == 3 * 2  # one forward per step
+    stats = compile_mod.compile_stats(pipe)  # what the worker attaches to each output (/metrics)
+    assert (stats.serving_compiles, stats.serving_captures, stats.compiles) == (6, 0, forward.compiles)
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and "compile while serving: 3 graph(s) compiled" in warnings[0]
     assert "arg0=1x4x64" in warnings[0]  # the batch rows and image tokens of the forward that compiled

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from vllm_omni import envs
 from vllm_omni.errors import OmniClientError, OmniError, RequestAbortedError
 from vllm_omni.inputs.data import MAX_DEADLINE_MS
-from vllm_omni.outputs import StepStats
+from vllm_omni.outputs import CompileStats, StepStats
 
 if TYPE_CHECKING:
     from vllm.config.logging import LoggingConfig
@@ -356,6 +356,8 @@ class DiffusionOutput:
     extra: dict[str, Any] = field(default_factory=dict)
     step_stats: StepStats | None = None
     """Step mode only."""
+    compile_stats: CompileStats | None = None
+    """The compiled path only: the worker's counts when this output left it."""
 
     @classmethod
     def from_exception(cls, exc: BaseException) -> DiffusionOutput:

@@ -141,7 +141,8 @@ class InlineStageDiffusionClient(StageClientBase):
         modality = self.output_modality
         out = OmniRequestOutput(request_id=request_id, finished=True, stage_id=self.stage_id,
                                 final_output_type=modality, peak_memory_mb=result.peak_memory_mb,
-                                cache=result.extra.get("cache"), step_stats=result.step_stats)
+                                cache=result.extra.get("cache"), step_stats=result.step_stats,
+                                compile_stats=result.compile_stats)
         if isinstance(result.output, dict):
             out.multimodal_output = dict(result.output)
         elif modality == "image":

@@ -300,7 +300,15 @@ class NativeDiffusionPipeline(nn.Module):
         if len(inputs) == 1:
             num_positive, num_rows = states[0].latents.shape[0], step_rows(inputs[0])
             branch = select_rows(inputs[0], cfg_branch_rows(num_positive, num_rows))
-            return [cfg_gather_rows(self.transformer_forward(branch, call), num_positive, num_rows)]
+            rows = step_rows(branch)
+            extra = step_bucket(rows, self.step_buckets) - rows
+            if extra and self.forward_group_key(states[0]) is not None:
+                # Compiled path, a request batch: rows padded to the next captured bucket (the last row repeated,
+                # its predictions dropped), as step mode pads its batches. Not while the state's cache works:
+                # its residuals are per row.
+                branch = concat_rows([branch, *[select_rows(branch, slice(rows - 1, rows))] * extra])
+            pred = self.transformer_forward(branch, call)[:rows]
+            return [cfg_gather_rows(pred, num_positive, num_rows)]
         pred = self.transformer_forward(concat_rows(inputs), call)
         return list(pred.split([step_rows(inp) for inp in inputs]))
 

@@ -188,6 +188,7 @@ class StepScheduler:
                 if job is None:
                     continue
                 job.stats.step_seconds.append(seconds)
+                job.stats.step_batches.append(len(request_ids))
                 key = shape_key(job.request)
                 states[key] = states.get(key, 0) + 1
                 keys.add(key)

@@ -16,6 +16,7 @@ from torch import nn
 
 from vllm_omni.diffusion.layers.cuda_graph import CUDAGraphRunner
 from vllm_omni.logger import init_logger
+from vllm_omni.outputs import CompileStats
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.data import OmniDiffusionConfig
@@ -118,6 +119,15 @@ def accelerated_forwards(module: Any) -> list[AcceleratedForward]:
     if not isinstance(module, nn.Module):
         return []
     return [m.forward for m in module.modules() if isinstance(m.forward, AcceleratedForward)]
+
+
+def compile_stats(module: Any) -> CompileStats | None:
+    """The summed counts of `module`'s compiled forwards; None when it runs eager."""
+    forwards = accelerated_forwards(module)
+    if not forwards:
+        return None
+    return CompileStats(sum(f.compiles for f in forwards), sum(f.captures for f in forwards),
+                        sum(f.serving_compiles for f in forwards), sum(f.serving_captures for f in forwards))
 
 
 def configure_compile_cache(od_config: OmniDiffusionConfig) -> str:

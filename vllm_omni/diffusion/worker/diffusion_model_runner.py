@@ -18,6 +18,7 @@ from vllm_omni.catalog.registry import MODEL_REGISTRY
 from vllm_omni.catalog.resolution import resolve_model_dir, resolve_pipeline_class_name
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.rank_errors import RanksDesynchronized, agree_on_failures
+from vllm_omni.diffusion.layers.compile import compile_stats
 from vllm_omni.diffusion.step_context import PartialSink, StepContext
 from vllm_omni.diffusion.warmup import warm_up
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
@@ -95,10 +96,11 @@ class DiffusionModelRunner:
                                                   abort_requested), 1)[0]
                        for request in batch.requests]
         elapsed = time.perf_counter() - start
-        peak = self.peak_memory_mb()
+        peak, compiled = self.peak_memory_mb(), compile_stats(self.pipeline)
         for out in outputs:
             out.stage_durations.setdefault("forward", elapsed)
             out.peak_memory_mb = peak
+            out.compile_stats = compiled
         return outputs
 
     @staticmethod

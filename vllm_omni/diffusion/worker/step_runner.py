@@ -30,6 +30,7 @@ import torch
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.distributed.rank_errors import RanksDesynchronized, agree_on_failures
 from vllm_omni.diffusion.ipc import StepPlan, StepResult
+from vllm_omni.diffusion.layers.compile import compile_stats
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.step_context import PartialSink, StepContext
 from vllm_omni.errors import RequestAbortedError
@@ -88,9 +89,10 @@ class StepWorker:
         for rid, resident in self.states.items():
             if resident.state is not None:
                 result.progress[rid] = (resident.state.step_index, len(resident.state.timesteps))
-        peak = self.runner.peak_memory_mb()
+        peak, compiled = self.runner.peak_memory_mb(), compile_stats(self.runner.pipeline)
         for output in result.outputs.values():
             output.peak_memory_mb = peak
+            output.compile_stats = compiled
         self._result = None
         return result
 
