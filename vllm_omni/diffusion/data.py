@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -240,6 +241,11 @@ class OmniDiffusionConfig:
     queue of whole requests."""
     default_deadline_ms: float = 60000.0
     """Deadline of a request that sets no `deadline_ms` (slo policy), in milliseconds after its arrival."""
+    slo_deadline_factor: float = 2.0
+    """slo policy, step mode: a request that sets no `deadline_ms` gets arrival + this x its solo time as the
+    cost model estimates it (measured seconds per step of its shape x its steps, plus encode and decode), so a
+    short request overtakes a long one by default; `default_deadline_ms` until its shape (or a solo step of another
+    shape, scaled by pixels) was measured. 0 = always `default_deadline_ms`."""
     slo_starvation_factor: float = 4.0
     """slo policy, step mode: a request that can no longer make its deadline waits behind the ones that can only
     until it is late by this x its deadline window (deadline - arrival); then it runs before them, so under
@@ -314,6 +320,8 @@ class OmniDiffusionConfig:
         if not 0 < self.default_deadline_ms <= MAX_DEADLINE_MS:
             raise ValueError(f"default_deadline_ms must be in (0, {MAX_DEADLINE_MS:.0f}], got "
                              f"{self.default_deadline_ms}")
+        if not 0 <= self.slo_deadline_factor < math.inf:
+            raise ValueError(f"slo_deadline_factor must be >= 0 and finite, got {self.slo_deadline_factor}")
         if not self.slo_starvation_factor >= 0:
             raise ValueError(f"slo_starvation_factor must be >= 0, got {self.slo_starvation_factor}")
         if self.max_paused_states < 0:

@@ -496,7 +496,8 @@ def _with_budget(rule: ShapeRule | None, od_config: OmniDiffusionConfig, worker_
     return dataclasses.replace(rule, dtype_bytes=4 if dtype == "float32" else 2, memory_budget_bytes=budget)
 
 
-_STEP_MODE_ONLY = ("diffusion_max_tokens_per_forward", "slo_starvation_factor", "max_paused_states")
+_STEP_MODE_ONLY = ("diffusion_max_tokens_per_forward", "slo_starvation_factor", "slo_deadline_factor",
+                   "max_paused_states")
 _REQUEST_MODE_ONLY = ("request_batch_max_wait_ms",)
 
 

@@ -104,6 +104,7 @@ class OmniEngineArgs(EngineArgs):
     diffusion_scheduler_policy: Literal["fcfs", "priority", "slo"] = "fcfs"
     default_deadline_ms: float = 60000.0
     slo_starvation_factor: float = 4.0
+    slo_deadline_factor: float = 2.0
     max_paused_states: int = 4
     fa_deterministic: bool = False
     diffusers_load_kwargs: dict[str, Any] | None = None

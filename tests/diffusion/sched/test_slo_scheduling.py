@@ -195,3 +195,44 @@ def test_remaining_cost_includes_measured_encode_before_admission_and_decode():
     assert policy.remaining_seconds(resident) == pytest.approx(5.0)
     tight = job("tight", 64, 3, deadline=4.0)  # 3 s of steps fit, not with 2 s of decode
     assert not policy.can_make_deadline(tight, 0.0)
+
+
+def test_a_request_without_deadline_gets_k_times_its_estimated_solo_time():
+    """No `deadline_ms`: deadline = k x the cost model's solo estimate (encode + steps x step + decode), so under
+    slo a short request that arrives behind a long one is served first; the client's own deadline wins; before
+    anything prices the shape, and with k = 0, the default deadline."""
+    policy = StepPolicy("slo", default_deadline_ms=60000.0, deadline_factor=2.0)
+
+    def request(size: int, steps: int, deadline_ms: float | None = None) -> OmniDiffusionRequest:
+        return OmniDiffusionRequest("p", SP(width=size, height=size, num_inference_steps=steps,
+                                            deadline_ms=deadline_ms), f"{size}-{steps}")
+
+    assert policy.deadline_ms(request(64, 20)) == 60000.0  # nothing measured yet
+    policy.cost.observe(key(64), 0.1)
+    policy.cost.observe_phase(key(64), "encode", 0.05)
+    policy.cost.observe_phase(key(64), "decode", 0.15)
+    assert policy.deadline_ms(request(64, 20)) == pytest.approx(2.0 * (0.05 + 20 * 0.1 + 0.15) * 1000)
+    assert policy.deadline_ms(request(128, 20)) == pytest.approx(2.0 * 20 * 0.4 * 1000)  # priced by pixels
+    assert policy.deadline_ms(request(64, 20, deadline_ms=500.0)) == 500.0
+    assert StepPolicy("slo", deadline_factor=0.0, default_deadline_ms=9.0).deadline_ms(request(64, 20)) == 9.0
+
+    policy.cost.observe(key(128), 0.4)
+    long_job, short_job = (job(f"{size}", size, steps) for size, steps in ((128, 50), (64, 20)))
+    for j, arrival in ((long_job, 0.0), (short_job, 1.0)):
+        j.arrival, j.deadline = arrival, arrival + policy.deadline_ms(j.request) / 1000
+    assert ids(policy.choose([long_job], [], [short_job], slots=4, max_paused=4, now=1.0)) == ["64"]
+
+
+def test_the_step_scheduler_takes_its_deadlines_from_the_policy():
+    from vllm_omni.diffusion.core.scheduler import StepScheduler
+    from vllm_omni.diffusion.data import OmniDiffusionConfig
+
+    scheduler = StepScheduler(OmniDiffusionConfig(model="m", diffusion_scheduler_policy="slo",
+                                                  slo_deadline_factor=3.0, default_deadline_ms=7000.0))
+    request = OmniDiffusionRequest("p", SP(width=64, height=64, num_inference_steps=10), "r")
+    assert scheduler.add(request).deadline_ms == 7000.0
+    scheduler.policy.cost.observe(key(64), 0.2)
+    request2 = OmniDiffusionRequest("p", SP(width=64, height=64, num_inference_steps=10), "r2")
+    assert scheduler.add(request2).deadline_ms == pytest.approx(3.0 * 10 * 0.2 * 1000)
+    with pytest.raises(ValueError, match="slo_deadline_factor"):
+        OmniDiffusionConfig(model="m", slo_deadline_factor=-1.0)

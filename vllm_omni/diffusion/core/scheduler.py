@@ -72,9 +72,10 @@ class StepScheduler:
     def __init__(self, od_config: OmniDiffusionConfig) -> None:
         self.max_resident = od_config.max_num_seqs
         self.max_paused = od_config.max_paused_states
-        self.default_deadline_ms = od_config.default_deadline_ms
         self.policy = StepPolicy(od_config.diffusion_scheduler_policy,
-                                 starvation_factor=od_config.slo_starvation_factor)
+                                 starvation_factor=od_config.slo_starvation_factor,
+                                 default_deadline_ms=od_config.default_deadline_ms,
+                                 deadline_factor=od_config.slo_deadline_factor)
         self.waiting: list[StepJob] = []
         """Not admitted yet, in arrival order."""
         self.paused: list[StepJob] = []
@@ -97,8 +98,7 @@ class StepScheduler:
         return [*self.resident, *self.paused, *self._leaving.values()]
 
     def add(self, request: OmniDiffusionRequest, stream: bool = False) -> StepJob:
-        deadline_ms = request.sampling_params.deadline_ms or self.default_deadline_ms
-        job = StepJob(request, stream, deadline_ms)
+        job = StepJob(request, stream, self.policy.deadline_ms(request))
         self.waiting.append(job)
         return job
 

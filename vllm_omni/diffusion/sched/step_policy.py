@@ -6,13 +6,14 @@ waiting) take a step in the next round (at most `max_num_seqs`):
     fcfs      arrival order; a resident state is never paused (the resident states share the rounds)
     priority  vLLM's priority scheduling: lower `priority` first, then arrival; the `max_num_seqs` most urgent
               jobs share the rounds
-    slo       earliest deadline first, a job whose estimated remaining cost no longer fits before its deadline
-              (hopeless) behind every job that can still make its own, until it is late by more than
-              `starvation_factor` x its deadline window (deadline - arrival): then it runs before every other
-              job (the starvation bound); the most urgent job runs ALONE unless co-batching
-              pays: jobs of its shape join it only while their measured batched step is at most
-              `COBATCH_GAIN` x the sum of their solo steps (and the jobs that could make their deadline still do);
-              a batch size not measured yet is tried once, after the shape's solo step was measured
+    slo       earliest deadline first (a request's `deadline_ms`, else arrival + `deadline_factor` x its solo
+              time as the cost model estimates it: `--slo-deadline-factor`), a job whose estimated remaining
+              cost no longer fits before its deadline (hopeless) behind every job that can still make its own,
+              until it is late by more than `starvation_factor` x its deadline window (deadline - arrival):
+              then it runs before every other job (the starvation bound); the most urgent job runs ALONE
+              unless co-batching pays: jobs of its shape join it only while their measured batched step is at
+              most `COBATCH_GAIN` x the sum of their solo steps (and the jobs that could make their deadline
+              still do); a batch size not measured yet is tried once, after the shape's solo step was measured
 
 Why slo does not share rounds: a DiT forward at 512^2 and above is compute-bound, so k states advancing together
 make each of them k times slower (processor sharing), which raises mean latency above run-to-completion. Running
@@ -129,9 +130,11 @@ class Schedulable(Protocol):
 
 class StepPolicy:
     def __init__(self, policy: Policy, cost: StepCostModel | None = None,
-                 starvation_factor: float = math.inf) -> None:
+                 starvation_factor: float = math.inf, default_deadline_ms: float = 60000.0,
+                 deadline_factor: float = 0.0) -> None:
         """`starvation_factor`: the slo starvation bound (`--slo-starvation-factor`); inf = hopeless jobs wait
-        behind every feasible one."""
+        behind every feasible one. `deadline_factor`: a request without `deadline_ms` is given `deadline_factor`
+        x its estimated solo time (`--slo-deadline-factor`; 0 = `default_deadline_ms`)."""
         if policy not in POLICIES:
             raise ValueError(f"diffusion_scheduler_policy must be one of {list(POLICIES)}, got {policy!r}")
         if not starvation_factor >= 0:
@@ -139,6 +142,27 @@ class StepPolicy:
         self.policy = policy
         self.cost = cost or StepCostModel()
         self.starvation_factor = starvation_factor
+        self.default_deadline_ms = default_deadline_ms
+        self.deadline_factor = deadline_factor
+
+    def solo_seconds(self, request: OmniDiffusionRequest) -> float:
+        """The cost model's estimate of `request` served alone from arrival: encode, every step, decode (0 while
+        nothing that prices its step was measured)."""
+        key = shape_key(request)
+        steps = request.sampling_params.num_inference_steps or DEFAULT_STEPS
+        step = self.cost.step_seconds(key)
+        if step == 0.0:
+            return 0.0
+        return self.cost.phase_seconds(key, "encode") + steps * step + self.cost.phase_seconds(key, "decode")
+
+    def deadline_ms(self, request: OmniDiffusionRequest) -> float:
+        """The request's deadline after its arrival: its own `deadline_ms`; else (`deadline_factor` > 0 and a
+        cost estimate) `deadline_factor` x its estimated solo time, so that under slo a short request overtakes
+        a long one without a client deadline; else `default_deadline_ms`."""
+        if request.sampling_params.deadline_ms:
+            return request.sampling_params.deadline_ms
+        solo = self.solo_seconds(request) if self.deadline_factor > 0 else 0.0
+        return self.deadline_factor * solo * 1000.0 if solo > 0 else self.default_deadline_ms
 
     def remaining_seconds(self, job: Schedulable, batch: int = 1) -> float:
         """Remaining steps at the measured pace of `batch` states, then decode; encode too before admission."""
