@@ -6,8 +6,9 @@ Three server builds of the same model and flags, one after the other:
 (b) compiled, cold compile cache dir (`--diffusion-compile-cache-dir`, empty): seconds to ready (the warm-up
     runs before /health says ready), then the first request after ready vs the median of the next ones (steady
     state), a burst of 4 concurrent requests of new prompts vs the same burst repeated, and `--num-mixed`
-    requests of random prompts (5-200 words), the `--sizes` and random burst compositions (1-4 at once), counting
-    the serving-time compile WARNINGs of the server log;
+    requests of random prompts (5-200 tokens), the `--sizes` and random burst compositions (1-4 at once), counting
+    the serving-time compile WARNINGs of the server log and the serving-phase compile / capture counters of its
+    /metrics;
 (c) compiled again on the same cache dir (restart): seconds to ready.
 Writes JSON (command, results) to `--out`, a PNG beside it, and the three server logs.
 
@@ -36,12 +37,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from diffusion_benchmark_serving import Server, _free_port, send_one  # noqa: E402
 
 STALL_MARK = "compile while serving"
-WORDS = ("cat", "lighthouse", "storm", "river", "mountain", "robot", "garden", "city", "night", "golden", "red",
-         "painting", "photo", "forest", "ocean", "castle", "winter", "market", "bridge", "portrait")
+WORDS = ("cat", "dog", "red", "blue", "sky", "sea", "city", "night", "tree", "sun", "rain", "road", "house",
+         "light", "river", "snow", "old", "man", "boat", "green")
+"""Common English words, one BPE token each (with their leading space): a prompt of n of them is ~n tokens."""
+SERVING_SERIES = ("vllm_omni:diffusion_graph_compiles_total", "vllm_omni:diffusion_cuda_graph_captures_total")
 
 
 def random_prompt(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 200)))
+
+
+async def serving_counts(client: httpx.AsyncClient) -> dict[str, float]:
+    """The server's serving-phase compile and capture counters (/metrics)."""
+    text = (await client.get("/metrics")).text
+    return {name: sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith(name + "{") and 'phase="serving"' in line) for name in SERVING_SERIES}
 
 
 def flags(args: argparse.Namespace, eager: bool, cache_dir: str) -> list[str]:
@@ -61,7 +71,8 @@ def start(args: argparse.Namespace, name: str, eager: bool, cache_dir: str) -> t
     return server, time.monotonic() - begin
 
 
-async def probe(server: Server, args: argparse.Namespace) -> dict[str, Any]:
+async def probe(server: Server, args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """Fills `report` as it goes (a run cut short keeps what it measured)."""
     rng = random.Random(args.seed)
     size = args.sizes.split(",")[0]
     one = {"size": size, "num_inference_steps": args.steps}
@@ -77,10 +88,15 @@ async def probe(server: Server, args: argparse.Namespace) -> dict[str, Any]:
 
         first = await timed([{**one, "prompt": "a red fox in the snow", "seed": 0}])
         steady = [await timed([{**one, "prompt": "a red fox in the snow", "seed": i}]) for i in range(1, 6)]
+        report.update(first_request_s=first, steady_median_s=statistics.median(steady), steady_s=steady,
+                      first_over_steady=first / statistics.median(steady))
         burst = [{**one, "prompt": random_prompt(rng), "seed": i} for i in range(4)]
         burst_new = await timed(burst)
         burst_again = await timed(burst)
+        report.update(burst_new_s=burst_new, burst_repeated_s=burst_again,
+                      burst_new_over_repeated=burst_new / burst_again)
         log = server.log.name
+        counts_before = await serving_counts(client)
         stalls_before = Path(log).read_text(errors="replace").count(STALL_MARK)
         sizes = args.sizes.split(",")
         sent, mixed = 0, []
@@ -90,12 +106,14 @@ async def probe(server: Server, args: argparse.Namespace) -> dict[str, Any]:
                        "prompt": random_prompt(rng), "seed": sent + i} for i in range(n)]
             mixed.append(await timed(bodies))
             sent += n
+            report.update(mixed_requests=sent, mixed_bursts_s=mixed)
         server.log.flush()
         stalls = Path(log).read_text(errors="replace").count(STALL_MARK) - stalls_before
-    return {"first_request_s": first, "steady_median_s": statistics.median(steady), "steady_s": steady,
-            "first_over_steady": first / statistics.median(steady), "burst_new_s": burst_new,
-            "burst_repeated_s": burst_again, "burst_new_over_repeated": burst_new / burst_again,
-            "mixed_requests": sent, "mixed_bursts_s": mixed, "serving_time_compile_warnings": stalls}
+        counts = await serving_counts(client)
+    report.update(serving_time_compile_warnings=stalls,
+                  serving_time_compile_warnings_since_ready=Path(log).read_text(errors="replace").count(STALL_MARK),
+                  serving_metrics_increase={k: counts[k] - counts_before[k] for k in SERVING_SERIES},
+                  serving_metrics_since_ready=counts)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -123,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         save()
         server, report["cold_ready_s"] = start(args, "compiled_cold", False, cache_dir)
         try:
-            report.update(asyncio.run(probe(server, args)))
+            asyncio.run(probe(server, args, report))
         finally:
             server.close()
             save()
@@ -133,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     save()
     for key in ("eager_ready_s", "cold_ready_s", "warm_cache_ready_s", "warm_cache_over_eager", "first_request_s",
                 "steady_median_s", "first_over_steady", "burst_new_s", "burst_repeated_s",
-                "burst_new_over_repeated", "mixed_requests", "serving_time_compile_warnings"):
+                "burst_new_over_repeated", "mixed_requests", "serving_time_compile_warnings",
+                "serving_time_compile_warnings_since_ready", "serving_metrics_increase", "serving_metrics_since_ready"):
         value = report[key]
         print(f"| {key} | {value:.3f} |" if isinstance(value, float) else f"| {key} | {value} |")
     plot(report, args.out.with_suffix(".png"))
