@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "steady_median_s", "first_over_steady", "burst_new_s", "burst_repeated_s",
                 "burst_new_over_repeated", "mixed_requests", "serving_time_compile_warnings",
                 "serving_time_compile_warnings_since_ready", "serving_metrics_increase", "serving_metrics_since_ready"):
-        value = report[key]
+        value = report.get(key)
         print(f"| {key} | {value:.3f} |" if isinstance(value, float) else f"| {key} | {value} |")
     plot(report, args.out.with_suffix(".png"))
     return report
