@@ -14,8 +14,13 @@ and the server's per-stage durations. Start the server first, e.g.
 request-mode FCFS, step-mode FCFS, step-mode SLO; same build, same flags otherwise, the same `--max-num-seqs`
 for all three: request mode co-batches too), and replays one seeded
 Poisson schedule of a mix of sizes and step counts against each (`--num-prompts`, 40 by default). The offered
-rate is `--request-rate`, else `--load` x the capacity given by the mix's mean solo latency, measured on the
-idle request-mode server (median of `--calibration-reps` after a warm-up). Each request's deadline is 2x its
+rate is `--request-rate`, else `--load` x the request-mode server's measured throughput: a saturating burst of
+`--calibration-burst` requests drawn round-robin from the mix, sent at once (so that load 0.8 is 0.8 of what
+request mode serves with its co-batching; the capacity from the mean solo latency, which overestimates it, is
+reported beside). Solo latencies (median of `--calibration-reps` after a warm-up) set the deadlines and the
+simulator's step costs: `sim_step_policies.py`'s prediction for the same mix, load and `slo` policy is printed
+and stored beside the measurement (`simulated`). Every server warms up the mix's sizes
+(`--diffusion-warmup-shapes`, unless `--server-args` sets it). Each request's deadline is 2x its
 class's solo latency (sent as `deadline_ms`); the table gives mean/p50/p95/p99 latency, throughput, deadline
 attainment and the 1-minute load average per mode, the same per class, and issue 14's targets (met / not met)
 for each step mode against request FCFS. The JSON and a latency-CDF PNG go to `--results-dir`:
@@ -292,6 +297,7 @@ async def compare_modes(args: argparse.Namespace) -> dict[str, Any]:
     for mode, m in report["modes"].items():
         if mode != "request-fcfs":
             m["targets"] = target_checks(base, m, args.min_throughput_ratio)
+    report["simulated"] = simulated(report, args, mix)
     out.write_text(json.dumps(report, indent=1))
     print_table(report)
     plot_cdf(report, out.with_suffix(".png"))
@@ -324,7 +330,10 @@ async def serve_mode(args: argparse.Namespace, mode: str, mix: list[tuple[str, i
 def mode_flags(args: argparse.Namespace, mode: str) -> list[str]:
     """The `vllm serve` flags of `mode`: every mode gets the same --max-num-seqs (request mode co-batches
     compatible requests too), so the modes differ in how they schedule only."""
-    return [*MODES[mode], "--max-num-seqs", str(args.max_num_seqs), *shlex.split(args.server_args)]
+    extra = shlex.split(args.server_args)
+    warmup = [] if "--diffusion-warmup-shapes" in extra else [
+        "--diffusion-warmup-shapes", ",".join(dict.fromkeys(size for size, _ in parse_mix(args.mix)))]
+    return [*MODES[mode], "--max-num-seqs", str(args.max_num_seqs), *warmup, *extra]
 
 
 def pooled_summary(runs: list[tuple[list[RequestResult], list[tuple[float, int]], float, list[float]]],
@@ -345,10 +354,55 @@ async def calibrate(client: httpx.AsyncClient, args: argparse.Namespace, mix: li
     rate (`--request-rate`, else `--load` / the mix's mean solo time: requests are drawn uniformly from the mix);
     deadline = 2x the class's solo latency."""
     solo = await solo_latencies(client, args, mix, args.calibration_reps)
-    rate = args.request_rate if args.request_rate != float("inf") else args.load / float(np.mean(solo))
+    capacity = await measured_capacity(client, args, mix)
+    rate = args.request_rate if args.request_rate != float("inf") else args.load * capacity
     report.update(solo_latency_s={f"{size}:{steps}": t for (size, steps), t in zip(mix, solo, strict=True)},
-                  request_rate=rate, offered_load=rate * float(np.mean(solo)))
+                  request_rate=rate, measured_capacity_rps=capacity, solo_capacity_rps=1.0 / float(np.mean(solo)),
+                  offered_load=rate / capacity)
     return rate, [2.0 * t for t in solo]
+
+
+async def measured_capacity(client: httpx.AsyncClient, args: argparse.Namespace, mix: list[tuple[str, int]]
+                            ) -> float:
+    """Requests/s the idle request-mode server completes under a saturating burst of `--calibration-burst`
+    requests (round-robin over the mix, all sent at once)."""
+    n = args.calibration_burst or 4 * args.max_num_seqs * len(mix)
+    start = time.perf_counter()
+    results = await asyncio.gather(*(send_one(client, body(args, i, *mix[i % len(mix)], None), args.timeout)
+                                     for i in range(n)))
+    bad = [r.error for r in results if not r.ok]
+    if bad:
+        raise RuntimeError(f"calibration burst failed: {bad[0]}")
+    return n / (time.perf_counter() - start)
+
+
+def simulated(report: dict[str, Any], args: argparse.Namespace, mix: list[tuple[str, int]]) -> dict[str, Any]:
+    """`sim_step_policies.py` on this run's mix, rate and slots: step seconds per size from the measured solo
+    latencies (two step counts of a size: the slope; one: latency / steps), the rest as fixed per-request cost;
+    co-batching assumed to gain nothing. Ratios against request FCFS, mean over seeds."""
+    import sim_step_policies
+
+    solo = report["solo_latency_s"]
+    step, fixed = {}, {}
+    for size in sorted({size for size, _ in mix}):
+        points = sorted((steps, solo[f"{size}:{steps}"]) for s2, steps in mix if s2 == size)
+        (n0, t0), (n1, t1) = points[0], points[-1]
+        step[size] = (t1 - t0) / (n1 - n0) if n1 > n0 else t0 / n0
+        fixed[size] = max(t0 - n0 * step[size], 0.0)
+    per = lambda d: ",".join(f"{k}={v:.5f}" for k, v in d.items())  # noqa: E731
+    sim_load = report["request_rate"] * float(np.mean(list(solo.values())))
+    argv = ["--mix", ",".join(f"{size}:{steps}" for size, steps in mix), "--step-seconds", per(step),
+            "--encode-seconds", per(fixed), "--decode-seconds", per(dict.fromkeys(step, 0.0)),
+            "--batch-speedup", per(dict.fromkeys(step, 1.0)), "--num-prompts", str(args.num_prompts),
+            "--load", f"{sim_load:.4f}", "--seeds", "50", "--slots", str(args.max_num_seqs),
+            "--starvation-factors", "4", "--only", "^(step-fcfs|slo, starvation 4)$"]
+    rows = sim_step_policies.table(sim_step_policies.parse_args(argv))
+    names = {"request-fcfs": "request-fcfs", "step-fcfs": "step-fcfs", "slo, starvation 4": "step-slo"}
+    return {"argv": argv, "modes": {names[name]: {"mean_over_request_fcfs": float(r[:, 5].mean()),
+                                                  "p95_over_request_fcfs": float(r[:, 6].mean()),
+                                                  "attainment": float(r[:, 2].mean()),
+                                                  "throughput_over_request_fcfs": float(r[:, 8].mean())}
+                                    for name, r in rows.items() if name in names}}
 
 
 def poisson_plan(rate: float, n: int, classes: int, seed: int) -> list[tuple[float, int]]:
@@ -360,7 +414,8 @@ def poisson_plan(rate: float, n: int, classes: int, seed: int) -> list[tuple[flo
 def print_table(report: dict[str, Any]) -> None:
     base = report["modes"]["request-fcfs"]
     print(f"solo latency per class (s): {json.dumps(report['solo_latency_s'])}; rate {report['request_rate']:.3f}/s "
-          f"(offered load {report['offered_load']:.2f})")
+          f"(offered load {report['offered_load']:.2f} of the measured request-mode capacity "
+          f"{report['measured_capacity_rps']:.3f}/s; from solo latency {report['solo_capacity_rps']:.3f}/s)")
     print(f"{'mode':<14}{'ok':>4}{'mean s':>9}{'p50 s':>8}{'p95 s':>8}{'p99 s':>8}{'req/s':>8}{'attain':>8}"
           f"{'mean/req':>10}{'p95/req':>9}{'tput/req':>10}{'load1m':>12}")
     for mode, m in report["modes"].items():
@@ -383,6 +438,14 @@ def print_table(report: dict[str, Any]) -> None:
                      f"{m['rounds'][rnd]['deadline_attainment']:.0%}" for mode, m in report["modes"].items()
                      if mode != "request-fcfs" and rnd < len(m["rounds"])]
             print(f"  round {rnd}: " + "  ".join(cells) + f"; request-fcfs {b['deadline_attainment']:.0%}")
+    sim = report.get("simulated", {}).get("modes", {})
+    for mode, m in report["modes"].items():
+        if mode in sim and mode != "request-fcfs":
+            p = sim[mode]
+            print(f"{mode}: measured mean/req {m['latency_mean_s'] / base['latency_mean_s']:.2f}, p95/req "
+                  f"{m['latency_p95_s'] / base['latency_p95_s']:.2f}, throughput/req "
+                  f"{m['throughput_rps'] / base['throughput_rps']:.2f}; simulated {p['mean_over_request_fcfs']:.2f}, "
+                  f"{p['p95_over_request_fcfs']:.2f}, {p['throughput_over_request_fcfs']:.2f}")
     for mode, m in report["modes"].items():
         if "targets" in m:
             print(f"targets {mode} vs request-fcfs: "
@@ -460,6 +523,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="compare-modes: 3 prompts per mode, no calibration reps (checks the script path)")
     parser.add_argument("--server-args", default="", help="compare-modes: more `vllm serve` flags, e.g. "
                         "'--load-format dummy --no-enforce-eager'")
+    parser.add_argument("--calibration-burst", type=int, default=0,
+                        help="compare-modes: requests of the saturating burst that measures request-mode "
+                             "capacity (0: 4 x --max-num-seqs x classes)")
     parser.add_argument("--calibration-reps", type=int, default=3,
                         help="compare-modes: solo requests per class after its warm-up (the median is used)")
     parser.add_argument("--results-dir", type=Path, default=Path("benchmarks/results"))

@@ -75,6 +75,26 @@ def test_compare_modes_summary():
         assert got[got.index("--max-num-seqs") + 1] == "8" and got.count("--max-num-seqs") == 1, mode
         assert got[-2:] == ["--load-format", "dummy"]
     assert "--step-execution" not in flags["request-fcfs"] and "--step-execution" in flags["step-slo"]
+    # Every server warms up the mix's sizes (no compile while the plan replays), unless --server-args says so.
+    default_mix = "128x128,256x256"
+    assert all(got[got.index("--diffusion-warmup-shapes") + 1] == default_mix for got in flags.values())
+    args = bench.parse_args(["--compare-modes", "m", "--server-args", "--diffusion-warmup-shapes 64x64"])
+    assert bench.mode_flags(args, "step-slo").count("--diffusion-warmup-shapes") == 1
+
+
+def test_compare_modes_prints_the_simulators_prediction_beside():
+    """The simulator replays the run's mix at its offered rate, step costs from the measured solo latencies."""
+    import diffusion_benchmark_serving as bench
+
+    args = bench.parse_args(["--compare-modes", "m", "--num-prompts", "12", "--max-num-seqs", "4"])
+    mix = [("512x512", 20), ("512x512", 50), ("1024x1024", 20)]
+    report = {"solo_latency_s": {"512x512:20": 1.1, "512x512:50": 2.6, "1024x1024:20": 2.8}, "request_rate": 0.4}
+    sim = bench.simulated(report, args, mix)
+    step = dict(item.split("=") for item in sim["argv"][sim["argv"].index("--step-seconds") + 1].split(","))
+    assert float(step["512x512"]) == pytest.approx(0.05) and float(step["1024x1024"]) == pytest.approx(0.14)
+    assert set(sim["modes"]) == {"request-fcfs", "step-fcfs", "step-slo"}
+    assert sim["modes"]["request-fcfs"]["mean_over_request_fcfs"] == 1.0
+    assert 0 < sim["modes"]["step-slo"]["mean_over_request_fcfs"] < 1.5
 
 
 def test_step_policy_simulator_runs_every_candidate():
