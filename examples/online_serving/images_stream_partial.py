@@ -2,7 +2,8 @@
 
 Each `image_generation.partial_image` event is a decoded preview at an evenly spaced denoise step; the
 `image_generation.completed` event is the final image. `--priority` / `--deadline-ms` are the scheduling fields
-of `--diffusion-scheduler-policy priority|slo` servers.
+of `--diffusion-scheduler-policy priority|slo` servers; without `--deadline-ms` an slo server gives the request
+arrival + `--slo-deadline-factor` (default 2) x its estimated solo time, so short requests go first anyway.
 
     vllm serve tiny/qwen-image --omni --port 8000 --step-execution --max-num-seqs 2 &
     .venv/bin/python examples/online_serving/images_stream_partial.py --partial-images 2 --out lighthouse.png
