@@ -118,6 +118,9 @@ class ZImagePipeline(NativeDiffusionPipeline):
         if not request.prompt_text.strip():
             raise OmniClientError("prompt must be a non-empty string", param="prompt")
         sp = request.sampling_params
+        if sp.true_cfg_scale is not None:
+            raise OmniClientError("Z-Image's classifier-free guidance is guidance_scale (> 0 turns it on); "
+                                  "true_cfg_scale is not a Z-Image parameter", param="true_cfg_scale")
         multiple = self.vae_scale_factor * 2
         for name in ("height", "width"):
             value = getattr(sp, name)
