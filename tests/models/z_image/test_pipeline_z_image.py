@@ -22,8 +22,11 @@ from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
 
 pytestmark = pytest.mark.usefixtures("dist_world")
 CPU = torch.device("cpu")
-PROMPTS = ["a photo of a cat sitting on a red chair", "the quick brown fox jumps over the lazy dog near the river",
-           "mountains"]
+PROMPTS = [
+    "a photo of a cat sitting on a red chair",
+    "the quick brown fox jumps over the lazy dog near the river",
+    "mountains",
+]
 
 
 def psnr(a, b) -> float:
@@ -35,8 +38,9 @@ def psnr(a, b) -> float:
 def load(model_dir, **config):
     from vllm_omni.models.z_image.pipeline import ZImagePipeline
 
-    return ZImagePipeline.from_pretrained(OmniDiffusionConfig(model=str(model_dir), **config), model_dir, CPU,
-                                          torch.float32)
+    return ZImagePipeline.from_pretrained(
+        OmniDiffusionConfig(model=str(model_dir), **config), model_dir, CPU, torch.float32
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +57,13 @@ def reference(z_image_dir):
     return pipe
 
 
-def request(prompt: str, seed: int, rid: str | None = None, negative: str | None = None, **params
-            ) -> OmniDiffusionRequest:
+def request(
+    prompt: str, seed: int, rid: str | None = None, negative: str | None = None, **params
+) -> OmniDiffusionRequest:
     params = {"height": 32, "width": 48, "num_inference_steps": 3, "output_type": "np", **params}
-    return OmniDiffusionRequest({"prompt": prompt, "negative_prompt": negative}, SP(seed=seed, **params),
-                                rid or f"r{seed}")
+    return OmniDiffusionRequest(
+        {"prompt": prompt, "negative_prompt": negative}, SP(seed=seed, **params), rid or f"r{seed}"
+    )
 
 
 def run(pipe, req: OmniDiffusionRequest):
@@ -85,13 +91,21 @@ def test_batched_requests_match_diffusers(ours, reference, guidance):
     """Without CFG (Turbo's default) and with it (two prompts, default and given negative prompts)."""
     negatives = [None, "blurry"] if guidance else [None, None]
     extra = {} if guidance is None else {"guidance_scale": guidance}
-    reqs = [request(p, 10 + i, negative=n, **extra) for i, (p, n) in enumerate(zip(PROMPTS, negatives))]
+    pairs = enumerate(zip(PROMPTS[:2], negatives, strict=True))
+    reqs = [request(p, 10 + i, negative=n, **extra) for i, (p, n) in pairs]
     outputs = ours.forward(DiffusionRequestBatch(reqs))
     for req, out in zip(reqs, outputs, strict=True):
         assert out.error is None, out.error
-        want = reference(prompt=req.prompt_text, negative_prompt=req.negative_prompt, height=32, width=48,
-                         num_inference_steps=3, guidance_scale=guidance or 0.0, output_type="np",
-                         generator=torch.Generator().manual_seed(req.sampling_params.seed)).images[0]
+        want = reference(
+            prompt=req.prompt_text,
+            negative_prompt=req.negative_prompt,
+            height=32,
+            width=48,
+            num_inference_steps=3,
+            guidance_scale=guidance or 0.0,
+            output_type="np",
+            generator=torch.Generator().manual_seed(req.sampling_params.seed),
+        ).images[0]
         assert want.std() > 0.01
         assert psnr(out.output[0] * 255, want * 255) >= 40.0
     assert psnr(outputs[0].output[0] * 255, outputs[1].output[0] * 255) < 30.0
@@ -103,8 +117,15 @@ def test_a_bare_request_runs_the_turbo_defaults(ours, reference):
     with torch.inference_mode():
         state = ours.prepare([OmniDiffusionRequest("a red cube", SP(seed=0), "bare")], None)
     assert state.latents.shape == (1, 16, 128, 128) and not state.conditioning.do_cfg
-    reference(prompt="a red cube", height=32, width=32, num_inference_steps=9, guidance_scale=0.0,
-              output_type="latent", generator=torch.Generator().manual_seed(0))
+    reference(
+        prompt="a red cube",
+        height=32,
+        width=32,
+        num_inference_steps=9,
+        guidance_scale=0.0,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(0),
+    )
     torch.testing.assert_close(state.scheduler.sigmas, reference.scheduler.sigmas, rtol=0, atol=0)
 
 
@@ -129,10 +150,12 @@ def test_step_mode_cobatched_requests_equal_their_solo_outputs(ours):
     ours.forward_step_inputs = logged
     try:
         harness = Harness(ours, max_num_seqs=4)
-        reqs = [request(PROMPTS[0], 1, "a", num_inference_steps=4, guidance_scale=4.0),
-                request(PROMPTS[1], 2, "b", num_inference_steps=2),
-                request(PROMPTS[2], 3, "c", num_inference_steps=3, guidance_scale=2.5, negative="blurry"),
-                request(PROMPTS[1], 4, "d", num_inference_steps=2, height=48, width=32)]
+        reqs = [
+            request(PROMPTS[0], 1, "a", num_inference_steps=4, guidance_scale=4.0),
+            request(PROMPTS[1], 2, "b", num_inference_steps=2),
+            request(PROMPTS[2], 3, "c", num_inference_steps=3, guidance_scale=2.5, negative="blurry"),
+            request(PROMPTS[1], 4, "d", num_inference_steps=2, height=48, width=32),
+        ]
         harness.add(reqs[0])
         harness.round()
         for req in reqs[1:]:

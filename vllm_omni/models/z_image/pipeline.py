@@ -57,7 +57,7 @@ class ZImageConditioning:
         num_rows = self.embeds.shape[0] // (2 if self.do_cfg else 1)
         text_rows = torch.cat([rows, rows + num_rows]) if self.do_cfg else rows
         lengths = tuple(self.lengths[i] for i in text_rows.tolist())
-        return replace(self, embeds=self.embeds.index_select(0, text_rows)[:, :max(lengths)], lengths=lengths)
+        return replace(self, embeds=self.embeds.index_select(0, text_rows)[:, : max(lengths)], lengths=lengths)
 
 
 @dataclass
@@ -74,8 +74,18 @@ class ZImageStepInput:
 class ZImagePipeline(NativeDiffusionPipeline):
     progress_desc: ClassVar[str] = "Z-Image denoise"
 
-    def __init__(self, *, od_config: OmniDiffusionConfig, transformer: ZImageTransformer2DModel, text_encoder,
-                 tokenizer, vae, scheduler_config: dict[str, Any], device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        *,
+        od_config: OmniDiffusionConfig,
+        transformer: ZImageTransformer2DModel,
+        text_encoder,
+        tokenizer,
+        vae,
+        scheduler_config: dict[str, Any],
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         super().__init__()
         from diffusers.image_processor import VaeImageProcessor
 
@@ -91,21 +101,26 @@ class ZImagePipeline(NativeDiffusionPipeline):
         self.image_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor * 2)
 
     @classmethod
-    def from_pretrained(cls, od_config: OmniDiffusionConfig, model_dir: Path, device: torch.device,
-                        dtype: torch.dtype) -> ZImagePipeline:
+    def from_pretrained(
+        cls, od_config: OmniDiffusionConfig, model_dir: Path, device: torch.device, dtype: torch.dtype
+    ) -> ZImagePipeline:
         from diffusers import AutoencoderKL
         from transformers import AutoTokenizer, Qwen3Model
 
         model_dir = Path(model_dir)
         load = functools.partial(load_pretrained, device=device, dtype=dtype, load_format=od_config.load_format)
-        return cls(od_config=od_config,
-                   transformer=load_native_transformer(ZImageTransformer2DModel, model_dir, "transformer", od_config,
-                                                       device, dtype),
-                   text_encoder=load(Qwen3Model, model_dir / "text_encoder"),
-                   tokenizer=AutoTokenizer.from_pretrained(model_dir / "tokenizer"),
-                   vae=load(AutoencoderKL, model_dir / "vae"),
-                   scheduler_config=json.loads((model_dir / "scheduler" / "scheduler_config.json").read_text()),
-                   device=device, dtype=dtype)
+        return cls(
+            od_config=od_config,
+            transformer=load_native_transformer(
+                ZImageTransformer2DModel, model_dir, "transformer", od_config, device, dtype
+            ),
+            text_encoder=load(Qwen3Model, model_dir / "text_encoder"),
+            tokenizer=AutoTokenizer.from_pretrained(model_dir / "tokenizer"),
+            vae=load(AutoencoderKL, model_dir / "vae"),
+            scheduler_config=json.loads((model_dir / "scheduler" / "scheduler_config.json").read_text()),
+            device=device,
+            dtype=dtype,
+        )
 
     def cache_presets(self) -> FamilyPresets:
         return PRESETS
@@ -119,15 +134,25 @@ class ZImagePipeline(NativeDiffusionPipeline):
             raise OmniClientError("prompt must be a non-empty string", param="prompt")
         sp = request.sampling_params
         if sp.true_cfg_scale is not None:
-            raise OmniClientError("Z-Image's classifier-free guidance is guidance_scale (> 0 turns it on); "
-                                  "true_cfg_scale is not a Z-Image parameter", param="true_cfg_scale")
+            raise OmniClientError(
+                "Z-Image's classifier-free guidance is guidance_scale (> 0 turns it on); "
+                "true_cfg_scale is not a Z-Image parameter",
+                param="true_cfg_scale",
+            )
         multiple = self.vae_scale_factor * 2
         for name in ("height", "width"):
             value = getattr(sp, name)
             if value is not None and value % multiple:
                 raise OmniClientError(f"{name} must be a multiple of {multiple} for Z-Image, got {value}", param=name)
-        return (sp.height, sp.width, sp.num_inference_steps, sp.guidance_scale, sp.num_outputs_per_prompt,
-                sp.output_type, sp.max_sequence_length)
+        return (
+            sp.height,
+            sp.width,
+            sp.num_inference_steps,
+            sp.guidance_scale,
+            sp.num_outputs_per_prompt,
+            sp.output_type,
+            sp.max_sequence_length,
+        )
 
     def encode_prompt(self, requests: list[OmniDiffusionRequest]) -> ZImageConditioning:
         """Latent grid, then the prompts and (CFG) their negatives ("" when a request has none) in one batch."""
@@ -139,11 +164,10 @@ class ZImagePipeline(NativeDiffusionPipeline):
         embeds, lengths = self.encode_texts(texts, sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH)
         lengths = tuple(m for m in lengths for _ in range(n))
         factor = self.vae_scale_factor * 2
-        return ZImageConditioning(embeds.repeat_interleave(n, dim=0), lengths, do_cfg, guidance,
-                                  2 * ((sp.height or DEFAULT_SIZE) // factor), 2 * ((sp.width or DEFAULT_SIZE) // factor))
+        lh, lw = (2 * ((size or DEFAULT_SIZE) // factor) for size in (sp.height, sp.width))
+        return ZImageConditioning(embeds.repeat_interleave(n, dim=0), lengths, do_cfg, guidance, lh, lw)
 
-    def prepare_latents(self, requests: list[OmniDiffusionRequest], conditioning: ZImageConditioning
-                        ) -> torch.Tensor:
+    def prepare_latents(self, requests: list[OmniDiffusionRequest], conditioning: ZImageConditioning) -> torch.Tensor:
         """float32 noise per request from its own CPU generator (diffusers draws Z-Image latents in float32)."""
         noise = []
         for request in requests:
@@ -161,7 +185,8 @@ class ZImagePipeline(NativeDiffusionPipeline):
         steps = requests[0].sampling_params.num_inference_steps or DEFAULT_STEPS
         cfg = self.scheduler_config
         slope = (cfg.get("max_shift", 1.15) - cfg.get("base_shift", 0.5)) / (
-            cfg.get("max_image_seq_len", 4096) - cfg.get("base_image_seq_len", 256))
+            cfg.get("max_image_seq_len", 4096) - cfg.get("base_image_seq_len", 256)
+        )
         tokens = (latents.shape[2] // 2) * (latents.shape[3] // 2)
         mu = tokens * slope + cfg.get("base_shift", 0.5) - slope * cfg.get("base_image_seq_len", 256)
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(cfg)
@@ -210,14 +235,19 @@ class ZImagePipeline(NativeDiffusionPipeline):
     @torch.inference_mode()
     def encode_texts(self, prompts: list[str], max_sequence_length: int) -> tuple[torch.Tensor, tuple[int, ...]]:
         """Second-to-last hidden states of each chat-templated prompt's real tokens, zero-padded to the longest."""
-        texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                    add_generation_prompt=True, enable_thinking=True)
-                 for p in prompts]
-        tokens = self.tokenizer(texts, padding="longest", max_length=max_sequence_length, truncation=True,
-                                return_tensors="pt")
+        texts = [
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True, enable_thinking=True
+            )
+            for p in prompts
+        ]
+        tokens = self.tokenizer(
+            texts, padding="longest", max_length=max_sequence_length, truncation=True, return_tensors="pt"
+        )
         mask = tokens.attention_mask.to(self.device).bool()
-        hidden = self.text_encoder(input_ids=tokens.input_ids.to(self.device), attention_mask=mask,
-                                   output_hidden_states=True).hidden_states[-2]
+        hidden = self.text_encoder(
+            input_ids=tokens.input_ids.to(self.device), attention_mask=mask, output_hidden_states=True
+        ).hidden_states[-2]
         lengths = tuple(mask.sum(dim=1).tolist())
         embeds = hidden.new_zeros(len(prompts), max(lengths), hidden.shape[-1])
         for i, (row, row_mask) in enumerate(zip(hidden, mask, strict=True)):

@@ -9,7 +9,15 @@ from vllm_omni.catalog.shapes import ShapeRule, read_config
 def shape_rule(model_dir: Path) -> ShapeRule:
     vae, transformer = read_config(model_dir, "vae"), read_config(model_dir, "transformer")
     factor = 2 ** (len(vae["block_out_channels"]) - 1)
-    return ShapeRule(size_multiple=factor * 2, min_size=factor * 2, token_stride=factor * 2, vae_spatial=factor,
-                     hidden_size=transformer["dim"], latent_channels=vae["latent_channels"],
-                     vae_channels=vae["block_out_channels"][0], text_tokens=512, default_size=(1024, 1024),
-                     default_steps=9)
+    return ShapeRule(
+        size_multiple=factor * 2,
+        min_size=factor * 2,
+        token_stride=factor * 2,
+        vae_spatial=factor,
+        hidden_size=transformer["dim"],
+        latent_channels=vae["latent_channels"],
+        vae_channels=vae["block_out_channels"][0],
+        text_tokens=512,
+        default_size=(1024, 1024),
+        default_steps=9,
+    )

@@ -59,8 +59,9 @@ def norm_rope(x: torch.Tensor, norm: nn.RMSNorm, rope: Rope) -> torch.Tensor:
     return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2).to(x.dtype)
 
 
-def prefix_attention(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     lengths: tuple[int, ...] | None) -> torch.Tensor:
+def prefix_attention(
+    attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...] | None
+) -> torch.Tensor:
     """Row b attends over its first `lengths[b]` tokens (None: all); positions past them come out zero."""
     if lengths is None or all(n == q.shape[1] for n in lengths):
         return attn(q, k, v)
@@ -79,8 +80,9 @@ class ZImageAttention(nn.Module):
         self.num_heads = num_heads // tp
         self.head_dim = dim // num_heads
         # diffusers' Z-Image attention has as many K/V heads as query heads (its `n_kv_heads` is not read).
-        self.to_qkv = QKVParallelLinear(dim, self.head_dim, num_heads, bias=False, return_bias=False,
-                                        prefix=f"{prefix}.to_qkv")
+        self.to_qkv = QKVParallelLinear(
+            dim, self.head_dim, num_heads, bias=False, return_bias=False, prefix=f"{prefix}.to_qkv"
+        )
         self.norm_q = nn.RMSNorm(self.head_dim, eps=1e-5)
         self.norm_k = nn.RMSNorm(self.head_dim, eps=1e-5)
         self.to_out = RowParallelLinear(dim, dim, bias=False, return_bias=False, prefix=f"{prefix}.to_out")
@@ -88,8 +90,7 @@ class ZImageAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, lengths: tuple[int, ...] | None) -> torch.Tensor:
         q, k, v = self.to_qkv(x).unflatten(-1, (3 * self.num_heads, self.head_dim)).chunk(3, dim=2)
-        out = prefix_attention(self.attn, norm_rope(q, self.norm_q, rope), norm_rope(k, self.norm_k, rope), v,
-                               lengths)
+        out = prefix_attention(self.attn, norm_rope(q, self.norm_q, rope), norm_rope(k, self.norm_k, rope), v, lengths)
         return self.to_out(out.flatten(2))
 
 
@@ -98,8 +99,9 @@ class ZImageFeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, prefix: str):
         super().__init__()
-        self.w13 = MergedColumnParallelLinear(dim, [hidden_dim] * 2, bias=False, return_bias=False,
-                                              prefix=f"{prefix}.w13")
+        self.w13 = MergedColumnParallelLinear(
+            dim, [hidden_dim] * 2, bias=False, return_bias=False, prefix=f"{prefix}.w13"
+        )
         self.w2 = RowParallelLinear(hidden_dim, dim, bias=False, return_bias=False, prefix=f"{prefix}.w2")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,8 +112,15 @@ class ZImageFeedForward(nn.Module):
 class ZImageTransformerBlock(nn.Module):
     """Sandwich-normed attention and SwiGLU; with `modulation`, tanh-gated and scaled by the timestep."""
 
-    def __init__(self, dim: int, num_heads: int, norm_eps: float, modulation: bool, prefix: str,
-                 attn_config: DiffusionAttentionConfig | None):
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        norm_eps: float,
+        modulation: bool,
+        prefix: str,
+        attn_config: DiffusionAttentionConfig | None,
+    ):
         super().__init__()
         self.attention = ZImageAttention(dim, num_heads, f"{prefix}.attention", attn_config)
         self.feed_forward = ZImageFeedForward(dim, int(dim / 3 * 8), f"{prefix}.feed_forward")
@@ -126,8 +135,9 @@ class ZImageTransformerBlock(nn.Module):
         scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(temb)[:, None].chunk(4, dim=-1)
         return 1.0 + scale_msa, gate_msa.tanh(), 1.0 + scale_mlp, gate_mlp.tanh()
 
-    def forward(self, x: torch.Tensor, rope: Rope, lengths: tuple[int, ...] | None,
-                temb: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: Rope, lengths: tuple[int, ...] | None, temb: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.adaLN_modulation is None:
             x = x + self.attention_norm2(self.attention(self.attention_norm1(x), rope, lengths))
             return x + self.ffn_norm2(self.feed_forward(self.ffn_norm1(x)))
@@ -153,15 +163,32 @@ class ZImageTransformer2DModel(nn.Module):
 
     _repeated_blocks = ("ZImageTransformerBlock",)
 
-    def __init__(self, all_patch_size=(2,), all_f_patch_size=(1,), in_channels: int = 16, dim: int = 3840,
-                 n_layers: int = 30, n_refiner_layers: int = 2, n_heads: int = 30, n_kv_heads: int = 30,
-                 norm_eps: float = 1e-5, qk_norm: bool = True, cap_feat_dim: int = 2560, rope_theta: float = 256.0,
-                 t_scale: float = 1000.0, axes_dims=(32, 48, 48), axes_lens=(1024, 512, 512), prefix: str = "",
-                 attn_config: DiffusionAttentionConfig | None = None):
+    def __init__(
+        self,
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels: int = 16,
+        dim: int = 3840,
+        n_layers: int = 30,
+        n_refiner_layers: int = 2,
+        n_heads: int = 30,
+        n_kv_heads: int = 30,
+        norm_eps: float = 1e-5,
+        qk_norm: bool = True,
+        cap_feat_dim: int = 2560,
+        rope_theta: float = 256.0,
+        t_scale: float = 1000.0,
+        axes_dims=(32, 48, 48),
+        axes_lens=(1024, 512, 512),
+        prefix: str = "",
+        attn_config: DiffusionAttentionConfig | None = None,
+    ):
         super().__init__()
         if tuple(all_patch_size) != (2,) or tuple(all_f_patch_size) != (1,) or not qk_norm:
-            raise ValueError("only Z-Image's 2x2 image patches with q/k norms are supported, got "
-                             f"all_patch_size={all_patch_size}, all_f_patch_size={all_f_patch_size}, qk_norm={qk_norm}")
+            raise ValueError(
+                "only Z-Image's 2x2 image patches with q/k norms are supported, got "
+                f"all_patch_size={all_patch_size}, all_f_patch_size={all_f_patch_size}, qk_norm={qk_norm}"
+            )
         if dim // n_heads != sum(axes_dims):
             raise ValueError(f"head_dim {dim // n_heads} != sum(axes_dims) {sum(axes_dims)}")
         self.in_channels = in_channels
@@ -173,8 +200,10 @@ class ZImageTransformer2DModel(nn.Module):
         self.all_final_layer = nn.ModuleDict({"2-1": ZImageFinalLayer(dim, 4 * in_channels)})
 
         def blocks(name: str, count: int, modulation: bool) -> nn.ModuleList:
-            return nn.ModuleList(ZImageTransformerBlock(dim, n_heads, norm_eps, modulation, f"{prefix}{name}.{i}",
-                                                        attn_config) for i in range(count))
+            return nn.ModuleList(
+                ZImageTransformerBlock(dim, n_heads, norm_eps, modulation, f"{prefix}{name}.{i}", attn_config)
+                for i in range(count)
+            )
 
         self.noise_refiner = blocks("noise_refiner", n_refiner_layers, True)
         self.context_refiner = blocks("context_refiner", n_refiner_layers, False)
@@ -187,8 +216,9 @@ class ZImageTransformer2DModel(nn.Module):
         self.cap_pad_token = nn.Parameter(torch.zeros(1, dim))
 
     @classmethod
-    def from_config(cls, config: dict, *, prefix: str = "",
-                    attn_config: DiffusionAttentionConfig | None = None) -> ZImageTransformer2DModel:
+    def from_config(
+        cls, config: dict, *, prefix: str = "", attn_config: DiffusionAttentionConfig | None = None
+    ) -> ZImageTransformer2DModel:
         """From the component's config.json contents (the `load_native_transformer` contract)."""
         code = cls.__init__.__code__
         keys = set(code.co_varnames[1 : code.co_argcount]) - {"prefix", "attn_config"}
@@ -200,8 +230,9 @@ class ZImageTransformer2DModel(nn.Module):
         """The adaLN input (batch, 256) for timesteps in [0, 1]."""
         return self.t_embedder.mlp(timestep_sinusoid(timestep * self.t_scale).to(dtype))
 
-    def rope(self, num_rows: int, grid: tuple[int, int], cap_padded: torch.Tensor, cap_len: int,
-             device: torch.device) -> tuple[Rope, Rope]:
+    def rope(
+        self, num_rows: int, grid: tuple[int, int], cap_padded: torch.Tensor, cap_len: int, device: torch.device
+    ) -> tuple[Rope, Rope]:
         """Image and text tables per row. Text token j sits at frame 1 + j; image tokens at frame (row's padded
         text length + 1) and their (row, column); the image's pad tokens at (0, 0, 0) -- diffusers' ids."""
         h, w = grid
@@ -215,8 +246,14 @@ class ZImageTransformer2DModel(nn.Module):
         cap_rope = tuple(t.expand(num_rows, -1, -1) for t in rope_tables(cap, self.axes_dims, self.rope_theta))
         return rope_tables(img, self.axes_dims, self.rope_theta), cap_rope
 
-    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, cap_feats: torch.Tensor,
-                cap_lengths: tuple[int, ...], cache: BlockCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        cap_feats: torch.Tensor,
+        cap_lengths: tuple[int, ...],
+        cache: BlockCache | None = None,
+    ) -> torch.Tensor:
         """`latents` (B, C, H, W), `timestep` (B,) in [0, 1], `cap_feats` (B, L, cap_feat_dim) with row b's
         `cap_lengths[b]` real tokens first. Returns the prediction (B, C, H, W).
 
@@ -251,14 +288,18 @@ class ZImageTransformer2DModel(nn.Module):
             joined = torch.cat([img, txt], dim=1)
             for block in self.layers:
                 joined = block(joined, unified_rope, unified_lengths, temb)
-            return joined[:, :x.shape[1]]
+            return joined[:, : x.shape[1]]
 
         if cache is None:
             out = blocks()
         else:
             first = self.noise_refiner[0]
-            out = cache.run(x, blocks, lambda: first.attention_norm1(x) * first.modulation(temb)[0],
-                            len(self.noise_refiner) + len(self.context_refiner) + len(self.layers))
+            out = cache.run(
+                x,
+                blocks,
+                lambda: first.attention_norm1(x) * first.modulation(temb)[0],
+                len(self.noise_refiner) + len(self.context_refiner) + len(self.layers),
+            )
         out = self.all_final_layer["2-1"](out[:, :n], temb)
         return out.view(b, h, w, 2, 2, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, hh, ww)
 
@@ -280,9 +321,13 @@ class ZImageTransformer2DModel(nn.Module):
         return loaded
 
 
-_STACKED = ((".attention.to_q.", ".attention.to_qkv.", "q"), (".attention.to_k.", ".attention.to_qkv.", "k"),
-            (".attention.to_v.", ".attention.to_qkv.", "v"), (".feed_forward.w1.", ".feed_forward.w13.", 0),
-            (".feed_forward.w3.", ".feed_forward.w13.", 1))
+_STACKED = (
+    (".attention.to_q.", ".attention.to_qkv.", "q"),
+    (".attention.to_k.", ".attention.to_qkv.", "k"),
+    (".attention.to_v.", ".attention.to_qkv.", "v"),
+    (".feed_forward.w1.", ".feed_forward.w13.", 0),
+    (".feed_forward.w3.", ".feed_forward.w13.", 1),
+)
 
 
 def _map_name(name: str) -> tuple[str, str | int | None]:
