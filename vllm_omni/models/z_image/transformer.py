@@ -5,7 +5,9 @@ blocks (unmodulated), then the joined [image, text] row through the main `layers
 is padded to a multiple of 32 tokens with a learned pad token, and the image's RoPE frame position starts after
 the row's padded text, so rows with different prompt lengths have different tables. Rows of one forward may
 have different text lengths: the image comes first in every row, so a row attends over a prefix of the batch's
-sequence (`prefix_attention`) instead of through a mask.
+sequence (`prefix_attention`) instead of through a mask. Sequence parallel: each rank holds a slice of the
+(padded) image tokens and all the text, which sits at the rear of the joined row; the text refiner attends
+locally.
 
 Checkpoint names are diffusers'; `load_weights` maps q/k/v onto one `QKVParallelLinear` and the SwiGLU's w1/w3
 onto one `MergedColumnParallelLinear`.
@@ -24,6 +26,8 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVPar
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.cache.state import BlockCache
+from vllm_omni.diffusion.distributed.parallel_state import sequence_parallel_size
+from vllm_omni.diffusion.distributed.sequence import gather_sequence, shard_sequence
 from vllm_omni.diffusion.layers.embeddings import timestep_sinusoid
 from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
 
@@ -60,21 +64,27 @@ def norm_rope(x: torch.Tensor, norm: nn.RMSNorm, rope: Rope) -> torch.Tensor:
 
 
 def prefix_attention(
-    attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...] | None
+    attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tuple[int, ...] | None, image_len: int
 ) -> torch.Tensor:
-    """Row b attends over its first `lengths[b]` tokens (None: all); positions past them come out zero."""
+    """Row b attends over its first `lengths[b]` tokens (None: all); positions past them come out zero. The
+    first `image_len` tokens are image tokens (under sequence parallelism this rank's shard of them), the rest
+    text, replicated on every rank (`joint_len` at the rear)."""
     if lengths is None or all(n == q.shape[1] for n in lengths):
-        return attn(q, k, v)
+        return attn(q, k, v, joint_len=q.shape[1] - image_len)
     out = torch.zeros_like(q)
     for n in sorted(set(lengths)):
         rows = [b for b, m in enumerate(lengths) if m == n]
         idx = torch.tensor(rows, device=q.device)
-        out[idx, :n] = attn(q[idx, :n], k[idx, :n], v[idx, :n])
+        out[idx, :n] = attn(q[idx, :n], k[idx, :n], v[idx, :n], joint_len=n - image_len)
     return out
 
 
 class ZImageAttention(nn.Module):
-    def __init__(self, dim: int, num_heads: int, prefix: str, attn_config: DiffusionAttentionConfig | None):
+    """`local`: attention over replicated tokens only (the text refiner), no sequence-parallel exchange."""
+
+    def __init__(
+        self, dim: int, num_heads: int, prefix: str, attn_config: DiffusionAttentionConfig | None, local: bool
+    ):
         super().__init__()
         tp = get_tensor_model_parallel_world_size()
         self.num_heads = num_heads // tp
@@ -86,11 +96,14 @@ class ZImageAttention(nn.Module):
         self.norm_q = nn.RMSNorm(self.head_dim, eps=1e-5)
         self.norm_k = nn.RMSNorm(self.head_dim, eps=1e-5)
         self.to_out = RowParallelLinear(dim, dim, bias=False, return_bias=False, prefix=f"{prefix}.to_out")
-        self.attn = Attention(self.num_heads, self.head_dim, prefix=f"{prefix}.attn", attn_config=attn_config)
+        self.attn = Attention(
+            self.num_heads, self.head_dim, prefix=f"{prefix}.attn", attn_config=attn_config, cross_attention=local
+        )
 
-    def forward(self, x: torch.Tensor, rope: Rope, lengths: tuple[int, ...] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, lengths: tuple[int, ...] | None, image_len: int) -> torch.Tensor:
         q, k, v = self.to_qkv(x).unflatten(-1, (3 * self.num_heads, self.head_dim)).chunk(3, dim=2)
-        out = prefix_attention(self.attn, norm_rope(q, self.norm_q, rope), norm_rope(k, self.norm_k, rope), v, lengths)
+        q, k = norm_rope(q, self.norm_q, rope), norm_rope(k, self.norm_k, rope)
+        out = prefix_attention(self.attn, q, k, v, lengths, image_len)
         return self.to_out(out.flatten(2))
 
 
@@ -110,7 +123,8 @@ class ZImageFeedForward(nn.Module):
 
 
 class ZImageTransformerBlock(nn.Module):
-    """Sandwich-normed attention and SwiGLU; with `modulation`, tanh-gated and scaled by the timestep."""
+    """Sandwich-normed attention and SwiGLU; with `modulation`, tanh-gated and scaled by the timestep. The text
+    refiner's blocks (no modulation) see replicated text only and attend locally under sequence parallelism."""
 
     def __init__(
         self,
@@ -122,7 +136,7 @@ class ZImageTransformerBlock(nn.Module):
         attn_config: DiffusionAttentionConfig | None,
     ):
         super().__init__()
-        self.attention = ZImageAttention(dim, num_heads, f"{prefix}.attention", attn_config)
+        self.attention = ZImageAttention(dim, num_heads, f"{prefix}.attention", attn_config, local=not modulation)
         self.feed_forward = ZImageFeedForward(dim, int(dim / 3 * 8), f"{prefix}.feed_forward")
         self.attention_norm1 = nn.RMSNorm(dim, eps=norm_eps)
         self.ffn_norm1 = nn.RMSNorm(dim, eps=norm_eps)
@@ -136,13 +150,20 @@ class ZImageTransformerBlock(nn.Module):
         return 1.0 + scale_msa, gate_msa.tanh(), 1.0 + scale_mlp, gate_mlp.tanh()
 
     def forward(
-        self, x: torch.Tensor, rope: Rope, lengths: tuple[int, ...] | None, temb: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        rope: Rope,
+        lengths: tuple[int, ...] | None,
+        image_len: int,
+        temb: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`x` starts with `image_len` image tokens (this rank's shard); the rest are text tokens."""
         if self.adaLN_modulation is None:
-            x = x + self.attention_norm2(self.attention(self.attention_norm1(x), rope, lengths))
+            x = x + self.attention_norm2(self.attention(self.attention_norm1(x), rope, lengths, image_len))
             return x + self.ffn_norm2(self.feed_forward(self.ffn_norm1(x)))
         scale_msa, gate_msa, scale_mlp, gate_mlp = self.modulation(temb)
-        x = x + gate_msa * self.attention_norm2(self.attention(self.attention_norm1(x) * scale_msa, rope, lengths))
+        attn = self.attention(self.attention_norm1(x) * scale_msa, rope, lengths, image_len)
+        x = x + gate_msa * self.attention_norm2(attn)
         return x + gate_mlp * self.ffn_norm2(self.feed_forward(self.ffn_norm1(x) * scale_mlp))
 
 
@@ -274,21 +295,26 @@ class ZImageTransformer2DModel(nn.Module):
         real = torch.arange(cap_len, device=cap.device) < torch.tensor(cap_lengths, device=cap.device)[:, None]
         cap = torch.where(real[..., None], cap, self.cap_pad_token.to(cap.dtype))
         img_rope, cap_rope = self.rope(b, (h, w), torch.tensor(cap_padded, device=x.device), cap_len, x.device)
+        # Sequence parallel: this rank's slice of the (padded) image tokens and of their RoPE; text stays whole.
+        if sequence_parallel_size() > 1:
+            x = shard_sequence(x)
+            img_rope = tuple(shard_sequence(t) for t in img_rope)
+        image_len = x.shape[1]
         unified_rope = tuple(torch.cat(pair, dim=1) for pair in zip(img_rope, cap_rope, strict=True))
         cap_lengths_padded = tuple(cap_padded)
-        unified_lengths = tuple(x.shape[1] + m for m in cap_padded)
+        unified_lengths = tuple(image_len + m for m in cap_padded)
 
         def blocks() -> torch.Tensor:
             img = x
             for block in self.noise_refiner:
-                img = block(img, img_rope, None, temb)
+                img = block(img, img_rope, None, image_len, temb)
             txt = cap
             for block in self.context_refiner:
-                txt = block(txt, cap_rope, cap_lengths_padded)
+                txt = block(txt, cap_rope, cap_lengths_padded, 0)
             joined = torch.cat([img, txt], dim=1)
             for block in self.layers:
-                joined = block(joined, unified_rope, unified_lengths, temb)
-            return joined[:, : x.shape[1]]
+                joined = block(joined, unified_rope, unified_lengths, image_len, temb)
+            return joined[:, :image_len]
 
         if cache is None:
             out = blocks()
@@ -300,7 +326,7 @@ class ZImageTransformer2DModel(nn.Module):
                 lambda: first.attention_norm1(x) * first.modulation(temb)[0],
                 len(self.noise_refiner) + len(self.context_refiner) + len(self.layers),
             )
-        out = self.all_final_layer["2-1"](out[:, :n], temb)
+        out = self.all_final_layer["2-1"](gather_sequence(out)[:, :n], temb)
         return out.view(b, h, w, 2, 2, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, hh, ww)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
