@@ -180,3 +180,12 @@ def test_lossless_is_bitwise_uncached_and_high_reuses_steps(ours, z_image_dir):
     assert (info["backend"], info["computed_steps"], info["reused_steps"]) == ("tea_cache", 4, 1)
     assert not np.array_equal(high.output[0], reference.output[0])
     assert psnr(high.output[0] * 255, reference.output[0] * 255) > 15.0
+
+
+def test_cache_dit_is_refused_naming_the_alternative(z_image_dir):
+    """cache-dit has no adapter for Z-Image's blocks: a request it would cache is a 422, lossless still runs."""
+    dit = load(z_image_dir, cache_backend="cache_dit")
+    (out,) = dit.forward(DiffusionRequestBatch([request(PROMPTS[0], 5, quality="high")]))
+    assert out.error_status_code == 422 and "tea_cache" in out.error
+    run(dit, request(PROMPTS[0], 5, quality="lossless"))
+
