@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from vllm_omni.catalog.tiny import tiny_checkpoint
-from vllm_omni.catalog.tiny_tokenizers import build_qwen_bpe, save_qwen_tokenizer
+from vllm_omni.catalog.tiny_tokenizers import QWEN3_CHAT_TEMPLATE, build_qwen_bpe, save_qwen_tokenizer
 
 # scheduler/scheduler_config.json of the real repo.
 _SCHEDULER_CONFIG = {
@@ -22,14 +22,6 @@ _SCHEDULER_CONFIG = {
     "use_dynamic_shifting": False,
     "shift": 3.0,
 }
-# Qwen3's template as the pipeline uses it: one user turn, the generation prompt, thinking on (no empty
-# <think></think> block) -- the branch of the real template that `enable_thinking=True` takes.
-_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
-    "{% endif %}"
-)
 
 
 def _build(
@@ -47,7 +39,7 @@ def _build(
     from diffusers import AutoencoderKL, ZImageTransformer2DModel
     from transformers import AutoConfig, Qwen3Model
 
-    save_qwen_tokenizer(out_dir / "tokenizer", build_qwen_bpe(vocab_size), chat_template=_CHAT_TEMPLATE)
+    save_qwen_tokenizer(out_dir / "tokenizer", build_qwen_bpe(vocab_size), chat_template=QWEN3_CHAT_TEMPLATE)
     torch.manual_seed(seed)
     text_encoder = Qwen3Model(
         AutoConfig.for_model(

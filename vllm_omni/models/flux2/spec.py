@@ -1,0 +1,17 @@
+"""FLUX.2 [klein]: Qwen3 text encoder -> FLUX.2 MMDiT -> FLUX.2 VAE, one diffusion stage."""
+
+from vllm_omni.catalog.spec import DiffusionPipelineEntry, ModelSpec
+
+SPEC = ModelSpec(
+    family="flux2",
+    description="black-forest-labs/FLUX.2-klein-4B / -9B and their -base repos (native pipeline, matches diffusers)",
+    diffusion_pipelines={
+        "Flux2KleinPipeline": DiffusionPipelineEntry(
+            "vllm_omni.models.flux2.pipeline:Flux2KleinPipeline", "image", max_prompt_tokens=512
+        )
+    },
+    tiny={
+        "flux2-klein": "vllm_omni.models.flux2.tiny:build_flux2_klein",
+        "flux2-klein-base": "vllm_omni.models.flux2.tiny:build_flux2_klein_base",
+    },
+)
