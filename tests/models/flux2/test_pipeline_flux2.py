@@ -169,3 +169,33 @@ def test_lossless_is_bitwise_uncached_and_high_reuses_steps(pipes, klein_dir):
     info = high.extra["cache"]
     assert (info["backend"], info["computed_steps"], info["reused_steps"]) == ("tea_cache", 4, 1)
     assert not np.array_equal(high.output[0], reference.output[0])
+
+
+def image(seed: int, size=(80, 64)):
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def test_reference_images_match_diffusers(pipes, references):
+    """Two reference images of different sizes, no output size given (the first image's), base repo with CFG."""
+    refs = [image(1), image(2, (64, 96))]
+    req = OmniDiffusionRequest(
+        {"prompt": PROMPTS[0], "multi_modal_data": {"image": refs}},
+        SP(seed=3, num_inference_steps=3, guidance_scale=3.0, output_type="np", max_sequence_length=48),
+        "edit",
+    )
+    out = run(pipes["base"], req)
+    want = references["base"](
+        image=refs,
+        prompt=PROMPTS[0],
+        num_inference_steps=3,
+        guidance_scale=3.0,
+        output_type="np",
+        max_sequence_length=48,
+        generator=torch.Generator().manual_seed(3),
+    ).images[0]
+    assert out.output[0].shape == want.shape == (64, 80, 3)
+    assert psnr(out.output[0] * 255, want * 255) >= 40.0
+    plain = run(pipes["base"], request(PROMPTS[0], 3, guidance_scale=3.0, height=64, width=80))
+    assert psnr(plain.output[0] * 255, out.output[0] * 255) < 70.0  # the references reached the DiT (~50 dB here)

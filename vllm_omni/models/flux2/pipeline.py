@@ -5,6 +5,10 @@ of Qwen3 layers 9, 18 and 27 side by side, the same noise for the same seed, lin
 empirical resolution- and step-dependent shift, latents in the VAE's batch-norm-normalized 2 x 2-patch space).
 Defaults follow the checkpoint: a step-distilled repo (`is_distilled` in model_index.json, FLUX.2-klein-4B/9B)
 runs 4 steps without CFG, as its model card does; a base repo 50 steps with CFG 4 against the empty prompt.
+
+Reference images (edits, `multi_modal_data.image`: one image or a list) are VAE-encoded once per request and
+appended to the generated image's tokens in every row, each at its own RoPE time coordinate (10, 20, ...); the
+prediction for them is dropped, as diffusers does. Without a size, the output takes the first image's.
 """
 
 from __future__ import annotations
@@ -70,12 +74,17 @@ class Flux2Conditioning:
     lh: int
     lw: int
     """Packed latent grid (2 x 2 VAE-latent patches)."""
+    ref_latents: torch.Tensor | None = None
+    """Packed, normalized VAE latents of the reference images (rows, tokens, channels), one row per latent row."""
+    ref_grids: tuple[tuple[int, int], ...] = ()
+    """Each reference image's packed latent grid."""
     rotary_emb: Any = None
 
     def select(self, rows: torch.Tensor) -> Flux2Conditioning:
         num_rows = self.embeds.shape[0] // (2 if self.do_cfg else 1)
         text_rows = torch.cat([rows, rows + num_rows]) if self.do_cfg else rows
-        return replace(self, embeds=self.embeds.index_select(0, text_rows))
+        ref = None if self.ref_latents is None else self.ref_latents.index_select(0, rows)
+        return replace(self, embeds=self.embeds.index_select(0, text_rows), ref_latents=ref)
 
 
 @dataclass
@@ -85,7 +94,9 @@ class Flux2StepInput:
     timestep: torch.Tensor = rows()
     """(rows,) in [0, 1]."""
     rotary_emb: Any
-    """The same for all rows (same grid and text length)."""
+    """The same for all rows (same grids and text length)."""
+    img_len: int
+    """Generated-image tokens per row (reference tokens follow them)."""
 
 
 class Flux2KleinPipeline(NativeDiffusionPipeline):
@@ -172,7 +183,27 @@ class Flux2KleinPipeline(NativeDiffusionPipeline):
             sp.num_outputs_per_prompt,
             sp.output_type,
             sp.max_sequence_length,
+            tuple(tuple(image.shape[2:]) for image in self.reference_images(request)),
         )
+
+    def reference_images(self, request: OmniDiffusionRequest) -> list[torch.Tensor]:
+        """The request's reference images as diffusers prepares them: at most 1024^2 pixels, cropped to multiples
+        of 16, as (1, 3, H, W) tensors in [-1, 1]."""
+        images = request.multi_modal_data.get("image") if request.multi_modal_data else None
+        if images is None:
+            return []
+        out = []
+        for image in images if isinstance(images, list | tuple) else [images]:
+            try:
+                image = self.image_processor.check_image_input(image)
+            except ValueError as exc:
+                raise OmniClientError(f"reference image: {exc}", param="image") from exc
+            if image.width * image.height > 1024 * 1024:
+                image = self.image_processor._resize_to_target_area(image, 1024 * 1024)
+            multiple = self.vae_scale_factor * 2
+            width, height = image.width // multiple * multiple, image.height // multiple * multiple
+            out.append(self.image_processor.preprocess(image, height=height, width=width, resize_mode="crop"))
+        return out
 
     def encode_prompt(self, requests: list[OmniDiffusionRequest]) -> Flux2Conditioning:
         """Packed latent grid, then the prompts and (CFG) their negatives ("" unless given) in one batch."""
@@ -183,8 +214,31 @@ class Flux2KleinPipeline(NativeDiffusionPipeline):
         texts = [r.prompt_text for r in requests] + ([r.negative_prompt or "" for r in requests] if do_cfg else [])
         embeds = self.encode_texts(texts, sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH)
         factor = self.vae_scale_factor * 2
-        lh, lw = ((size or DEFAULT_SIZE) // factor for size in (sp.height, sp.width))
-        return Flux2Conditioning(embeds.repeat_interleave(n, dim=0), do_cfg, guidance, lh, lw)
+        refs = [self.reference_images(r) for r in requests]
+        first = refs[0][0].shape[2:] if refs[0] else (DEFAULT_SIZE, DEFAULT_SIZE)
+        lh, lw = ((size or default) // factor for size, default in zip((sp.height, sp.width), first, strict=True))
+        cond = Flux2Conditioning(embeds.repeat_interleave(n, dim=0), do_cfg, guidance, lh, lw)
+        if refs[0]:
+            cond.ref_grids = tuple((image.shape[2] // factor, image.shape[3] // factor) for image in refs[0])
+            cond.ref_latents = torch.cat([self.encode_references(images) for images in refs]).repeat_interleave(n, 0)
+        return cond
+
+    @torch.inference_mode()
+    def encode_references(self, images: list[torch.Tensor]) -> torch.Tensor:
+        """(1, tokens, channels): each image's VAE mode, 2 x 2-patched, batch-norm normalized, packed, joined."""
+        bn = self.vae.bn
+        packed = []
+        for image in images:
+            latents = self.vae.encode(image.to(self.device, self.vae.dtype)).latent_dist.mode()
+            b, c, h, w = latents.shape
+            latents = (
+                latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, 4 * c, h // 2, w // 2)
+            )
+            mean = bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
+            std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps)
+            std = std.to(latents.device, latents.dtype)
+            packed.append(((latents - mean) / std).flatten(2).transpose(1, 2))
+        return torch.cat(packed, dim=1).to(self.dtype)
 
     def prepare_latents(self, requests: list[OmniDiffusionRequest], conditioning: Flux2Conditioning) -> torch.Tensor:
         """Noise per request from its own CPU generator in diffusers' (n, 4C, h, w) draw, packed to tokens."""
@@ -215,27 +269,32 @@ class Flux2KleinPipeline(NativeDiffusionPipeline):
         cond = state.conditioning
         txt_ids = grid_ids(1, 1).repeat(cond.embeds.shape[1], 1)
         txt_ids[:, 3] = torch.arange(cond.embeds.shape[1])
-        img_ids = grid_ids(cond.lh, cond.lw)
+        img_ids = torch.cat(
+            [grid_ids(cond.lh, cond.lw)] + [grid_ids(h, w, 10 + 10 * i) for i, (h, w) in enumerate(cond.ref_grids)]
+        )
         cond.rotary_emb = self.transformer.rotary_emb(txt_ids.to(self.device), img_ids.to(self.device))
 
     def step_group_key(self, state: DenoiseState) -> Any:
         """Same grid, text length (`max_sequence_length`: prompts pad to it) and dtype; CFG, scales and steps may
         differ."""
         cond = state.conditioning
-        return cond.lh, cond.lw, cond.embeds.shape[1], state.latents.dtype
+        return cond.lh, cond.lw, cond.ref_grids, cond.embeds.shape[1], state.latents.dtype
 
     def step_tokens(self, state: DenoiseState) -> int:
         cond = state.conditioning
-        return cond.embeds.shape[0] * (state.latents.shape[1] + cond.embeds.shape[1])
+        refs = 0 if cond.ref_latents is None else cond.ref_latents.shape[1]
+        return cond.embeds.shape[0] * (state.latents.shape[1] + refs + cond.embeds.shape[1])
 
     def step_inputs(self, state: DenoiseState) -> Flux2StepInput:
         cond, latents = state.conditioning, state.latents.to(self.dtype)
+        if cond.ref_latents is not None:
+            latents = torch.cat([latents, cond.ref_latents], dim=1)
         x = torch.cat([latents, latents]) if cond.do_cfg else latents
         t = state.timesteps[state.step_index].expand(x.shape[0]).to(state.latents.dtype) / 1000
-        return Flux2StepInput(x, cond.embeds, t, cond.rotary_emb)
+        return Flux2StepInput(x, cond.embeds, t, cond.rotary_emb, state.latents.shape[1])
 
     def transformer_forward(self, inp: Flux2StepInput, call: Callable[..., Any]) -> torch.Tensor:
-        return call("transformer", inp.x, inp.embeds, inp.timestep, rotary_emb=inp.rotary_emb)
+        return call("transformer", inp.x, inp.embeds, inp.timestep, rotary_emb=inp.rotary_emb)[:, : inp.img_len]
 
     def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
         cond, rows = state.conditioning, state.latents.shape[0]

@@ -7,7 +7,10 @@ SPEC = ModelSpec(
     description="black-forest-labs/FLUX.2-klein-4B / -9B and their -base repos (native pipeline, matches diffusers)",
     diffusion_pipelines={
         "Flux2KleinPipeline": DiffusionPipelineEntry(
-            "vllm_omni.models.flux2.pipeline:Flux2KleinPipeline", "image", max_prompt_tokens=512
+            "vllm_omni.models.flux2.pipeline:Flux2KleinPipeline",
+            "image",
+            input_modalities=frozenset({"text", "image"}),
+            max_prompt_tokens=512,
         )
     },
     tiny={
