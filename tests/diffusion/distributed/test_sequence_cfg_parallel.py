@@ -1,6 +1,6 @@
 """Sequence parallel (Ulysses, ring, USP), CFG parallel and their products with TP, on 2 and 4 gloo ranks.
 
-What it pins: for Qwen-Image, FLUX, Z-Image and Wan (tiny checkpoints, fp32, 2 steps, CFG on) every parallel layout
+What it pins: for Qwen-Image, FLUX, Z-Image, FLUX.2 klein and Wan (tiny checkpoints, fp32, 2 steps, CFG on) every parallel layout
 gives the single-rank latents and decoded output (PSNR >= 60 dB); the sharded attention layer equals
 whole-sequence attention with text at the rear (Qwen-Image) or front (FLUX), for MHA, GQA and MQA; a Ulysses
 degree that does not divide the heads fails when the model is built, naming the flag. One spawn of 4 ranks
@@ -31,6 +31,8 @@ MODELS = {
     "flux": (CFG, dict(height=64, width=64, num_inference_steps=2, seed=0, true_cfg_scale=4.0, output_type="np")),
     "z-image-turbo": (CFG, dict(height=64, width=64, num_inference_steps=2, seed=0, guidance_scale=4.0,
                                 output_type="np")),
+    "flux2-klein-base": (CFG, dict(height=64, width=64, num_inference_steps=2, seed=0, guidance_scale=4.0,
+                                   max_sequence_length=32, output_type="np")),
     "wan2.1-t2v": ({"prompt": "a cat walks", "negative_prompt": "blurry"},
                    dict(height=32, width=32, num_frames=5, num_inference_steps=2, seed=0, max_sequence_length=16)),
 }
