@@ -11,6 +11,7 @@ SPEC = ModelSpec(
             "image",
             input_modalities=frozenset({"text", "image"}),
             max_prompt_tokens=512,
+            shape_rule="vllm_omni.models.flux2.shapes:shape_rule",
         )
     },
     tiny={
