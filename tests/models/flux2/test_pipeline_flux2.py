@@ -199,3 +199,60 @@ def test_reference_images_match_diffusers(pipes, references):
     assert psnr(out.output[0] * 255, want * 255) >= 40.0
     plain = run(pipes["base"], request(PROMPTS[0], 3, guidance_scale=3.0, height=64, width=80))
     assert psnr(plain.output[0] * 255, out.output[0] * 255) < 70.0  # the references reached the DiT (~50 dB here)
+
+
+@pytest.fixture(scope="module")
+def dev(dist_world):
+    from vllm_omni.catalog.tiny import build_tiny
+
+    return build_tiny("flux2-dev")
+
+
+def test_dev_matches_diffusers_and_defaults_to_embedded_guidance(dev):
+    """FLUX.2 [dev]: Mistral-3 prompt encoding under the system message, guidance embedded per row (two requests
+    with different guidance share one forward in step mode), diffusers' defaults (50 steps, guidance 4)."""
+    import diffusers
+    from transformers import AutoTokenizer, Mistral3ForConditionalGeneration
+
+    from vllm_omni.models.flux2.pipeline_dev import Flux2Pipeline
+
+    ours = Flux2Pipeline.from_pretrained(OmniDiffusionConfig(model=str(dev)), dev, CPU, torch.float32)
+    # diffusers loads tokenizer/ as a PixtralProcessor, which needs torchvision: hand it the processor's tokenizer.
+    ref = diffusers.Flux2Pipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_pretrained(dev / "scheduler"),
+        vae=diffusers.AutoencoderKLFlux2.from_pretrained(dev / "vae"),
+        text_encoder=Mistral3ForConditionalGeneration.from_pretrained(dev / "text_encoder"),
+        tokenizer=AutoTokenizer.from_pretrained(dev / "tokenizer"),
+        transformer=diffusers.Flux2Transformer2DModel.from_pretrained(dev / "transformer"),
+    )
+    ref.set_progress_bar_config(disable=True)
+    reqs = [request(PROMPTS[0], 1, "a", guidance_scale=3.0), request(PROMPTS[1], 2, "b", guidance_scale=5.0)]
+    harness = Harness(ours, max_num_seqs=2)
+    for req in reqs:
+        harness.add(req)
+    harness.drain()
+    for req in reqs:
+        out = harness.outputs[req.request_id]
+        assert out.error is None, out.error
+        want = ref(
+            prompt=req.prompt_text,
+            num_inference_steps=3,
+            guidance_scale=req.sampling_params.guidance_scale,
+            output_type="np",
+            **SIZE,
+            generator=torch.Generator().manual_seed(req.sampling_params.seed),
+        ).images[0]
+        assert want.std() > 0.01 and psnr(out.output[0] * 255, want * 255) >= 40.0
+    with torch.inference_mode():
+        state = ours.prepare([OmniDiffusionRequest("a red cube", SP(seed=0), "bare")], None)
+    assert len(state.timesteps) == 50 and not state.conditioning.do_cfg and state.conditioning.guidance == 4.0
+    (refused,) = ours.forward(
+        DiffusionRequestBatch(
+            [
+                OmniDiffusionRequest(
+                    {"prompt": "a cat", "negative_prompt": "blurry"}, SP(**SIZE, num_inference_steps=1), "neg"
+                )
+            ]
+        )
+    )
+    assert refused.error_status_code == 400 and "negative_prompt" in refused.error

@@ -93,6 +93,8 @@ class Flux2StepInput:
     embeds: torch.Tensor = rows()
     timestep: torch.Tensor = rows()
     """(rows,) in [0, 1]."""
+    guidance: torch.Tensor | None = rows()
+    """(rows,) embedded guidance of a guidance-distilled transformer (FLUX.2 [dev]); None for klein."""
     rotary_emb: Any
     """The same for all rows (same grids and text length)."""
     img_len: int
@@ -209,8 +211,8 @@ class Flux2KleinPipeline(NativeDiffusionPipeline):
         """Packed latent grid, then the prompts and (CFG) their negatives ("" unless given) in one batch."""
         sp = requests[0].sampling_params
         n = sp.num_outputs_per_prompt
-        guidance = BASE_GUIDANCE if sp.guidance_scale is None else sp.guidance_scale
-        do_cfg = not self.is_distilled and guidance > 1
+        guidance = self.default_guidance if sp.guidance_scale is None else sp.guidance_scale
+        do_cfg = not self.is_distilled and not self.transformer.guidance_embeds and guidance > 1
         texts = [r.prompt_text for r in requests] + ([r.negative_prompt or "" for r in requests] if do_cfg else [])
         embeds = self.encode_texts(texts, sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH)
         factor = self.vae_scale_factor * 2
@@ -265,6 +267,10 @@ class Flux2KleinPipeline(NativeDiffusionPipeline):
     def default_steps(self) -> int:
         return DISTILLED_STEPS if self.is_distilled else BASE_STEPS
 
+    @property
+    def default_guidance(self) -> float:
+        return BASE_GUIDANCE
+
     def prepare_step_tables(self, state: DenoiseState) -> None:
         cond = state.conditioning
         txt_ids = grid_ids(1, 1).repeat(cond.embeds.shape[1], 1)
@@ -291,10 +297,13 @@ class Flux2KleinPipeline(NativeDiffusionPipeline):
             latents = torch.cat([latents, cond.ref_latents], dim=1)
         x = torch.cat([latents, latents]) if cond.do_cfg else latents
         t = state.timesteps[state.step_index].expand(x.shape[0]).to(state.latents.dtype) / 1000
-        return Flux2StepInput(x, cond.embeds, t, cond.rotary_emb, state.latents.shape[1])
+        guidance = torch.full_like(t, cond.guidance, dtype=torch.float32) if self.transformer.guidance_embeds else None
+        return Flux2StepInput(x, cond.embeds, t, guidance, cond.rotary_emb, state.latents.shape[1])
 
     def transformer_forward(self, inp: Flux2StepInput, call: Callable[..., Any]) -> torch.Tensor:
-        return call("transformer", inp.x, inp.embeds, inp.timestep, rotary_emb=inp.rotary_emb)[:, : inp.img_len]
+        return call("transformer", inp.x, inp.embeds, inp.timestep, guidance=inp.guidance, rotary_emb=inp.rotary_emb)[
+            :, : inp.img_len
+        ]
 
     def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
         cond, rows = state.conditioning, state.latents.shape[0]
