@@ -55,9 +55,13 @@ def references(klein_dir, klein_base_dir):
     return out
 
 
-def request(prompt: str, seed: int, rid: str | None = None, **params) -> OmniDiffusionRequest:
+def request(
+    prompt: str, seed: int, rid: str | None = None, negative: str | None = None, **params
+) -> OmniDiffusionRequest:
     params = {**SIZE, "num_inference_steps": 3, "output_type": "np", **params}
-    return OmniDiffusionRequest({"prompt": prompt}, SP(seed=seed, **params), rid or f"r{seed}")
+    return OmniDiffusionRequest(
+        {"prompt": prompt, "negative_prompt": negative}, SP(seed=seed, **params), rid or f"r{seed}"
+    )
 
 
 def run(pipe, req: OmniDiffusionRequest):
@@ -118,7 +122,12 @@ def test_a_bare_request_runs_the_checkpoints_defaults(pipes, name, steps, cfg):
 
 
 @pytest.mark.parametrize(
-    "params, field", [({"guidance_scale": 4.0}, "guidance_scale"), ({"true_cfg_scale": 4.0}, "true_cfg_scale")]
+    "params, field",
+    [
+        ({"guidance_scale": 4.0}, "guidance_scale"),
+        ({"true_cfg_scale": 4.0}, "true_cfg_scale"),
+        ({"negative": "blurry"}, "negative_prompt"),
+    ],
 )
 def test_a_parameter_the_checkpoint_would_not_use_is_refused(pipes, params, field):
     bad, good = request("a cat", 1, "bad", **params), request("a cat", 2, "good")

@@ -129,7 +129,14 @@ def test_a_bare_request_runs_the_turbo_defaults(ours, reference):
     torch.testing.assert_close(state.scheduler.sigmas, reference.scheduler.sigmas, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("params, field", [({"height": 40}, "height"), ({"true_cfg_scale": 4.0}, "true_cfg_scale")])
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        ({"height": 40}, "height"),
+        ({"true_cfg_scale": 4.0}, "true_cfg_scale"),
+        ({"negative": "blurry"}, "negative_prompt"),
+    ],
+)
 def test_bad_request_fails_alone_naming_the_field(ours, params, field):
     bad, good = request("a cat", 1, "bad", **params), request("a cat", 2, "good")
     out_bad, out_good = ours.forward(DiffusionRequestBatch([bad, good]))
@@ -188,4 +195,3 @@ def test_cache_dit_is_refused_naming_the_alternative(z_image_dir):
     (out,) = dit.forward(DiffusionRequestBatch([request(PROMPTS[0], 5, quality="high")]))
     assert out.error_status_code == 422 and "tea_cache" in out.error
     run(dit, request(PROMPTS[0], 5, quality="lossless"))
-

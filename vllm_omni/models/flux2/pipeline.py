@@ -171,6 +171,11 @@ class Flux2KleinPipeline(NativeDiffusionPipeline):
                 "true_cfg_scale is not a FLUX.2 klein parameter",
                 param="true_cfg_scale",
             )
+        if self.is_distilled and request.negative_prompt is not None:
+            raise OmniClientError(
+                "negative_prompt is not used by a step-distilled FLUX.2 klein checkpoint (no CFG)",
+                param="negative_prompt",
+            )
         if self.is_distilled and sp.guidance_scale is not None and sp.guidance_scale > 1:
             raise OmniClientError(
                 f"this FLUX.2 klein checkpoint is step-distilled and runs without guidance; "

@@ -139,6 +139,12 @@ class ZImagePipeline(NativeDiffusionPipeline):
                 "true_cfg_scale is not a Z-Image parameter",
                 param="true_cfg_scale",
             )
+        if request.negative_prompt is not None and not (sp.guidance_scale or DEFAULT_GUIDANCE) > 0:
+            raise OmniClientError(
+                "negative_prompt is read only with classifier-free guidance: set guidance_scale > 0 "
+                "(Z-Image-Turbo's default is 0, no CFG)",
+                param="negative_prompt",
+            )
         multiple = self.vae_scale_factor * 2
         for name in ("height", "width"):
             value = getattr(sp, name)
