@@ -21,6 +21,8 @@ from vllm_omni.catalog.spec import DiffusionPipelineEntry, Modality, ModelSpec, 
 _BUILTIN_FAMILIES: dict[str, str] = {
     "qwen_image": "vllm_omni.models.qwen_image.spec:SPEC",
     "flux": "vllm_omni.models.flux.spec:SPEC",
+    "z_image": "vllm_omni.models.z_image.spec:SPEC",
+    "flux2": "vllm_omni.models.flux2.spec:SPEC",
     "wan": "vllm_omni.models.wan.spec:SPEC",
     "qwen3_omni": "vllm_omni.models.qwen3_omni.spec:SPEC",
     "llm": "vllm_omni.models.llm.spec:SPEC",

@@ -46,6 +46,15 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+QWEN3_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{% endif %}"
+)
+"""Qwen3's template in the part the diffusion text encoders use: user turns, the generation prompt and, with
+`enable_thinking=False`, the empty think block the real template writes (Z-Image thinks, FLUX.2 klein does not)."""
+
 
 def build_qwen_bpe(
     vocab_size: int = 1024,

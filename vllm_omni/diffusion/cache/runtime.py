@@ -49,6 +49,10 @@ def cache_state_for(policy: CachePolicy, transformers: dict[str, nn.Module], num
             raise OmniClientError("cache_backend='cache_dit' does not support two-expert models (Wan2.2 A14B) yet; "
                                   "use quality='lossless' here, or serve with --cache-backend tea_cache",
                                   status_code=422, param="quality")
+        if not all(hasattr(t, "cache_dit_block_lists") for t in transformers.values()):
+            raise OmniClientError("cache_backend='cache_dit' does not cover this model's transformer yet; use "
+                                  "quality='lossless' here, or serve with --cache-backend tea_cache",
+                                  status_code=422, param="quality")
         state.backend_state = cachedit.refresh(transformers, policy, num_steps)
     return state
 

@@ -1,0 +1,1 @@
+"""Z-Image (Tongyi-MAI/Z-Image-Turbo): Qwen3 text encoder -> single-stream DiT -> FLUX VAE."""
