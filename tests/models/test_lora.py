@@ -8,6 +8,8 @@ alone naming `lora`.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -93,3 +95,81 @@ def test_lora_matches_diffusers(family, adapters):
             base = _frames(ours.forward(DiffusionRequestBatch([_request(family, 5, **negative)]))[0])
         assert psnr(got, want) >= 40, (mix, psnr(got, want), psnr(base, want))
         assert psnr(base, want) < psnr(got, want) - 15  # the adapter changed the image: the comparison sees it
+
+
+def _mixed_batch(family: str, adapters) -> list[OmniDiffusionRequest]:
+    """No adapter, A, B, A at another scale; with CFG (each request's negative rows run its adapters too)."""
+    path_a, path_b = (str(p) for p in adapters[family])
+    loras = [None, {"path": path_a}, {"path": path_b, "scale": 0.7}, {"path": path_a, "scale": -0.5}]
+    cfg = {"true_cfg_scale": 3.0} if family == "flux" else {}
+    return [_request(family, 10 + i, lora=lora, request_id=f"m{i}", negative_prompt=f"blurry {i}", **cfg)
+            for i, lora in enumerate(loras)]
+
+
+def _count_forwards(pipe) -> list[int]:
+    """One entry per transformer forward: its batch rows."""
+    rows: list[int] = []
+    pipe.transformer.register_forward_pre_hook(lambda _m, args: rows.append(args[0].shape[0]))
+    return rows
+
+
+@pytest.mark.parametrize("family", ["qwen-image", "flux"])
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_mixed_adapters_share_one_forward_and_equal_solo(family, mode, adapters):
+    from tests.diffusion.step_harness import Harness
+
+    pipe = _ours(family, max_loras=2, max_num_seqs=4)
+    requests = _mixed_batch(family, adapters)
+    with torch.inference_mode():
+        solo = [_frames(pipe.forward(DiffusionRequestBatch([r]))[0]) for r in requests]
+    forwards = _count_forwards(pipe)
+    if mode == "request":
+        with torch.inference_mode():
+            outputs = pipe.forward(DiffusionRequestBatch(requests))
+    else:
+        harness = Harness(pipe, max_num_seqs=4)
+        for request in requests:
+            harness.add(request)
+        with torch.inference_mode():
+            harness.drain()
+        outputs = [harness.outputs[r.request_id] for r in requests]
+    steps = requests[0].sampling_params.num_inference_steps
+    assert len(forwards) == steps, forwards  # all four requests in every step's one forward
+    values = [psnr(_frames(out), expected) for out, expected in zip(outputs, solo, strict=True)]
+    assert min(values) >= 60, values
+    assert psnr(solo[0], solo[1]) < 40 and psnr(solo[1], solo[3]) < 40  # the adapters and scales matter
+
+
+def test_bad_adapters_fail_alone_naming_lora(adapters, tmp_path):
+    from safetensors.torch import save_file
+
+    pipe = _ours("qwen-image", max_lora_rank=4, max_num_seqs=4)
+    path_a, path_b = adapters["qwen-image"]
+    foreign = tmp_path / "foreign.safetensors"  # another model's module names
+    save_file({"transformer.down_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 8),
+               "transformer.down_blocks.0.attn.to_q.lora_B.weight": torch.zeros(8, 4)}, str(foreign))
+    modulation = write_tiny_lora(build_tiny("qwen-image"), tmp_path / "mod.safetensors",
+                                 targets=re.compile(r"img_mod\.1$"))
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
+    bad = {"unknown": {"name": "never-registered"}, "rank": {"path": str(path_b)}, "keys": {"path": str(foreign)},
+           "modulation": {"path": str(modulation)}, "junk": {"path": str(tmp_path / "junk.safetensors")}}
+    requests = [_request("qwen-image", 1, lora={"path": str(path_a)}, request_id="good")] + [
+        _request("qwen-image", 1, lora=lora, request_id=why) for why, lora in bad.items()]
+    with torch.inference_mode():
+        outputs = pipe.forward(DiffusionRequestBatch(requests))
+    assert outputs[0].error is None
+    for (why, _), out in zip(bad.items(), outputs[1:], strict=True):
+        assert out.error is not None and out.error_param == "lora", (why, out.error)
+    assert "rank 8" in outputs[2].error and "--max-lora-rank 4" in outputs[2].error
+    assert "down_blocks.0.attn.to_q" in outputs[3].error
+    assert "adaLN" in outputs[4].error
+
+
+def test_lora_needs_enable_lora(dist_world):
+    from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
+
+    model_dir = build_tiny("qwen-image")
+    pipe = QwenImagePipeline.from_pretrained(OmniDiffusionConfig(model=str(model_dir)), model_dir,
+                                             torch.device("cpu"), torch.float32)
+    (out,) = pipe.forward(DiffusionRequestBatch([_request("qwen-image", 1, lora={"path": "/x.safetensors"})]))
+    assert out.error_param == "lora" and "--enable-lora" in out.error

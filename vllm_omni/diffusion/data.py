@@ -364,6 +364,8 @@ class DiffusionOutput:
     error: str | None = None
     error_status_code: int | None = None
     error_type: str | None = None
+    error_param: str | None = None
+    """The request field a client error names (e.g. `lora`), for the HTTP body's `param`."""
     stage_durations: dict[str, float] = field(default_factory=dict)
     peak_memory_mb: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -373,7 +375,8 @@ class DiffusionOutput:
     @classmethod
     def from_exception(cls, exc: BaseException) -> DiffusionOutput:
         if isinstance(exc, OmniClientError):
-            return cls(error=exc.message, error_status_code=exc.status_code, error_type=exc.error_type)
+            return cls(error=exc.message, error_status_code=exc.status_code, error_type=exc.error_type,
+                       error_param=exc.param)
         if isinstance(exc, RequestAbortedError):
             return cls(error=str(exc), error_status_code=exc.status_code, error_type=exc.error_type)
         status = exc.status_code if isinstance(exc, OmniError) else 500
