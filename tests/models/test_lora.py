@@ -81,9 +81,15 @@ def test_lora_matches_diffusers(family, adapters):
     reference.set_progress_bar_config(disable=True)
     reference.load_lora_weights(str(path_a), adapter_name="lora_one")
     reference.load_lora_weights(str(path_b), adapter_name="lora_two")
-    ours = _ours(family, max_loras=2)
+    ours = _ours(family, max_loras=3)
     negative = {} if family == "flux" else {"negative_prompt": "blurry"}
-    for mix in ([("lora_one", path_a, 0.8)], [("lora_one", path_a, 1.0), ("lora_two", path_b, 0.6)]):
+    mixes = [[("lora_one", path_a, 0.8)], [("lora_one", path_a, 1.0), ("lora_two", path_b, 0.6)]]
+    if family == "flux":  # FLUX files may carry `.alpha` tensors (diffusers returns them apart)
+        path_c = write_tiny_lora(build_tiny(family), path_a.with_name("c.safetensors"), rank=4, alpha=2, seed=3,
+                                 alpha_tensors=True)
+        reference.load_lora_weights(str(path_c), adapter_name="lora_three")
+        mixes.append([("lora_three", path_c, 0.9)])
+    for mix in mixes:
         reference.set_adapters([name for name, _, _ in mix], [scale for _, _, scale in mix])
         want = reference("a photo of a cat number 5", **size, **extra, **negative, output_type="np",
                          generator=torch.Generator().manual_seed(5))

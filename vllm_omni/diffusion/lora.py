@@ -18,6 +18,7 @@ needs more raises `LoRACapacityError` and its states then step apart.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -202,8 +203,12 @@ class LoRAManager:
 
     def _read(self, ref: LoRARef) -> dict[tuple[str, str], _Delta]:
         """The adapter's deltas by (transformer slot, our module), sharded for this rank."""
+        kwargs = {"return_lora_metadata": True}
+        if "return_alphas" in inspect.signature(self.loader.lora_state_dict).parameters:
+            kwargs["return_alphas"] = True  # FLUX: `.alpha` tensors of diffusers-format files come apart
         try:
-            state_dict, metadata = self.loader.lora_state_dict(ref.path, return_lora_metadata=True)
+            *state_dict_and_alphas, metadata = self.loader.lora_state_dict(ref.path, **kwargs)
+            state_dict, alphas = (*state_dict_and_alphas, None)[:2]
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
             raise OmniClientError(f"lora {ref.name!r}: cannot read {ref.path!r} as a LoRA file: {exc}",
                                   param="lora") from None
@@ -240,7 +245,9 @@ class LoRAManager:
                 unmatched.append(f"{slot}.{module} (shape {tuple(b.shape)} x {tuple(a.shape)})")
                 continue
             config = configs[slot]
-            scaling = _alpha(config, module, rank) / (rank ** 0.5 if config.get("use_rslora") else rank)
+            alpha = (alphas or {}).get(f"{slot}.{module}.alpha")
+            alpha = float(alpha) if alpha is not None else _alpha(config, module, rank)
+            scaling = alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
             a = getattr(transformer, "lora_down_columns", lambda _t, w: w)(target_name, a)
             pieces.setdefault((slot, target_name), []).append((shard, a * scaling, b))
         if unmatched:

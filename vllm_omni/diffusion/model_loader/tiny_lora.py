@@ -21,9 +21,10 @@ BLOCK_PROJECTIONS = re.compile(
 
 def write_tiny_lora(model_dir: str | Path, path: str | Path, *, rank: int = 4, alpha: float | None = None,
                     seed: int = 0, std: float = 0.5, component: str = "transformer",
-                    targets: re.Pattern[str] = BLOCK_PROJECTIONS) -> Path:
+                    targets: re.Pattern[str] = BLOCK_PROJECTIONS, alpha_tensors: bool = False) -> Path:
     """A random rank-`rank` LoRA on every linear of `model_dir/<component>` whose module name `targets` matches;
-    `alpha` None saves no config (diffusers then scales by 1). Returns `path`."""
+    `alpha` None saves no config (diffusers then scales by 1), else it goes in the PEFT config diffusers saves, or
+    with `alpha_tensors` into a `<module>.alpha` tensor per module (older diffusers FLUX files). Returns `path`."""
     shapes: dict[str, tuple[int, ...]] = {}
     for file in sorted((Path(model_dir) / component).glob("*.safetensors")):
         with safe_open(file, "pt") as f:
@@ -39,8 +40,10 @@ def write_tiny_lora(model_dir: str | Path, path: str | Path, *, rank: int = 4, a
         out_features, in_features = shapes[module]
         tensors[f"{component}.{module}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * std
         tensors[f"{component}.{module}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * std
+        if alpha is not None and alpha_tensors:
+            tensors[f"{component}.{module}.alpha"] = torch.tensor(float(alpha))
     metadata = {"format": "pt"}
-    if alpha is not None:
+    if alpha is not None and not alpha_tensors:
         config = {"r": rank, "lora_alpha": alpha, "target_modules": modules}
         metadata["lora_adapter_metadata"] = json.dumps({f"{component}.{k}": v for k, v in config.items()})
     Path(path).parent.mkdir(parents=True, exist_ok=True)
