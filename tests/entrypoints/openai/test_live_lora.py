@@ -126,3 +126,18 @@ def test_bad_adapters_are_400_naming_lora_and_the_server_serves_on(server, clien
                          json={"lora_name": why, "lora_path": lora["path"]}, timeout=60)
         assert res.status_code == 400 and res.json()["error"]["param"] == "lora_path", res.text
     assert image(client, {"name": "a"})  # the server and the registered adapter are unaffected
+
+
+def test_multipart_forms_carry_lora_as_json():
+    """/v1/images/edits and /v1/videos forms: `lora` (like `cache_config`) is a JSON value in its form field."""
+    from vllm_omni.entrypoints.openai.protocol.common import coerce_form
+    from vllm_omni.entrypoints.openai.protocol.images import ImageGenerationRequest
+    from vllm_omni.entrypoints.openai.protocol.videos import VideoGenerationRequest
+    from vllm_omni.errors import OmniClientError
+
+    for model in (ImageGenerationRequest, VideoGenerationRequest):
+        form = coerce_form({"prompt": "x", "lora": '[{"name": "a", "scale": 0.5}]'}, model)
+        assert model.model_validate(form).lora == [{"name": "a", "scale": 0.5}]
+        with pytest.raises(OmniClientError) as err:
+            coerce_form({"prompt": "x", "lora": "{name: a}"}, model)
+        assert err.value.param == "lora"
