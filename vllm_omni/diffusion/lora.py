@@ -9,15 +9,17 @@ rank-sized product is all-reduced), B along the output of a column-parallel one.
 folded into A at load.
 
 One forward: `LoRAManager.forward_rows` tells the hooks which rows use which resident adapter at which scale;
-each hooked linear then adds `scale * (x[rows] @ A.T) @ B.T` per adapter on its rows (a grouped GEMM per
-adapter, as vLLM's punica SGMV does per segment; its torch ops expand per token, which at DiT sequence lengths
-would materialize tokens x rank x hidden). At most `max_loras` adapters are resident (LRU); a forward that
-needs more raises `LoRACapacityError` and its states then step apart.
+each hooked linear then adds `scale * (x[rows] @ A.T) @ B.T` on each contiguous segment of rows sharing an
+adapter and scale, in place on views of the activation (vLLM's punica SGMV does the same per segment; its torch
+ops expand per token, which at DiT sequence lengths would materialize tokens x rank x hidden). At most
+`max_loras` adapters are resident (LRU); a forward that needs more raises `LoRACapacityError` and its states then
+step apart.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
@@ -50,13 +52,14 @@ class LoRACapacityError(RuntimeError):
     """One forward needs more adapters than `--max-loras` keeps resident."""
 
 
-@dataclass
-class _Group:
+@dataclass(frozen=True)
+class _Segment:
+    """Batch rows [start, stop) run adapter `key` at `scale` (a request's rows, or its CFG rows, are contiguous)."""
+
     key: Hashable
-    rows: torch.Tensor | None
-    """Batch rows using the adapter (None: all of them)."""
-    scales: torch.Tensor
-    """(rows,) each row's scale."""
+    start: int
+    stop: int
+    scale: float
 
 
 @dataclass
@@ -69,9 +72,9 @@ class _Delta:
 
 @dataclass
 class _Rows:
-    """The current forward's adapter groups, shared by every hook of one manager."""
+    """The current forward's adapter segments, shared by every hook of one manager."""
 
-    groups: list[_Group] = field(default_factory=list)
+    segments: list[_Segment] = field(default_factory=list)
 
 
 class _LoRAHook:
@@ -84,23 +87,19 @@ class _LoRAHook:
                        and layer.reduce_results)
 
     def __call__(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
-        groups = [g for g in self.rows.groups if g.key in self.deltas]
-        if not groups:
-            return output
         x = inputs[0]
         out = output[0] if isinstance(output, tuple) else output
-        for group in groups:
-            delta = self.deltas[group.key]
-            xs = x if group.rows is None else x.index_select(0, group.rows)
-            h = F.linear(xs, delta.a)
-            h = h * group.scales.to(h.dtype).view(-1, *(1,) * (h.dim() - 1))
+        for segment in self.rows.segments:
+            delta = self.deltas.get(segment.key)
+            if delta is None:
+                continue
+            # Row slices are views: the delta reads and adds in place, no gather or scatter of activations.
+            h = F.linear(x[segment.start:segment.stop], delta.a)
+            if segment.scale != 1.0:
+                h.mul_(segment.scale)
             if self.reduce:  # x is this rank's input columns: the rank-sized product is partial
                 h = tensor_model_parallel_all_reduce(h)
-            d = F.linear(h, delta.b)
-            if group.rows is None:
-                out.add_(d)
-            else:
-                out.index_add_(0, group.rows, d)
+            out[segment.start:segment.stop].add_(F.linear(h, delta.b))
         return output
 
 
@@ -177,27 +176,30 @@ class LoRAManager:
     # ---- one forward -------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def forward_rows(self, rows: Sequence[RowAdapters], device: torch.device) -> Iterator[None]:
+    def forward_rows(self, rows: Sequence[RowAdapters]) -> Iterator[None]:
         """Within: transformer row i runs the adapters `rows[i]` (keys from `load`) at their scales."""
-        by_key: dict[Hashable, list[tuple[int, float]]] = {}
+        segments: list[_Segment] = []
+        open_: dict[tuple[Hashable, float], int] = {}  # (key, scale) -> index of its segment ending at row i
         for i, adapters in enumerate(rows):
+            extended = {}
             for key, scale in adapters:
-                by_key.setdefault(key, []).append((i, scale))
-        missing = [key for key in by_key if key not in self._resident]
-        if len(by_key) > self.max_loras or missing:
-            raise LoRACapacityError(f"this forward needs {len(by_key)} adapters, {self.max_loras} stay resident "
+                j = open_.get((key, scale))
+                if j is not None and segments[j].stop == i:
+                    segments[j] = dataclasses.replace(segments[j], stop=i + 1)
+                else:
+                    segments.append(_Segment(key, i, i + 1, scale))
+                    j = len(segments) - 1
+                extended[(key, scale)] = j
+            open_ = extended
+        keys = {segment.key for segment in segments}
+        if len(keys) > self.max_loras or not keys <= self._resident.keys():
+            raise LoRACapacityError(f"this forward needs {len(keys)} adapters, {self.max_loras} stay resident "
                                     "(--max-loras)")
-        groups = []
-        for key, members in by_key.items():
-            index = [i for i, _ in members]
-            scales = torch.tensor([s for _, s in members], device=device)
-            whole = len(index) == len(rows)
-            groups.append(_Group(key, None if whole else torch.tensor(index, device=device), scales))
-        self._rows.groups = groups
+        self._rows.segments = segments
         try:
             yield
         finally:
-            self._rows.groups = []
+            self._rows.segments = []
 
     # ---- reading a file ------------------------------------------------------------------------------------
 

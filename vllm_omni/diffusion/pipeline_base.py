@@ -367,7 +367,7 @@ class NativeDiffusionPipeline(nn.Module):
             rows = rows[keep]
         if not any(rows):
             return contextlib.nullcontext()
-        return manager.forward_rows(rows, self.device)
+        return manager.forward_rows(rows)
 
     def transformer_forward(self, inp: Any, call: Callable[..., Any]) -> torch.Tensor:
         """The raw prediction rows of step input `inp` (one state's, one CFG branch's, or co-batched states'
