@@ -55,8 +55,11 @@ def build(name: str, config: dict, device: torch.device, dtype: torch.dtype):
     reference_cls = FluxTransformer2DModel if name == "flux" else QwenImageTransformer2DModel
     with torch.device("meta"):
         reference = reference_cls(**config)
-    shapes = {n: (m.out_features, m.in_features) for n, m in reference.named_modules()
-              if isinstance(m, torch.nn.Linear) and BLOCK_PROJECTIONS.search(n)}
+    shapes = {
+        n: (m.out_features, m.in_features)
+        for n, m in reference.named_modules()
+        if isinstance(m, torch.nn.Linear) and BLOCK_PROJECTIONS.search(n)
+    }
     torch.manual_seed(0)
     with set_default_torch_dtype(dtype), torch.device(device):
         if name == "flux":
@@ -99,18 +102,39 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
         median, best = timed(forward, device, args.warmup, args.iters)
         base = rows[0]["ms_median"] if rows else median
-        rows.append({"model": args.model, "size": args.size, "batch": args.batch, "rank": args.rank,
-                     "variant": variant, "ms_median": round(median, 3), "ms_min": round(best, 3),
-                     "x_no_lora": round(median / base, 3)})
+        rows.append(
+            {
+                "model": args.model,
+                "size": args.size,
+                "batch": args.batch,
+                "rank": args.rank,
+                "variant": variant,
+                "ms_median": round(median, 3),
+                "ms_min": round(best, 3),
+                "x_no_lora": round(median / base, 3),
+            }
+        )
         print(f"{variant:<20}{median:10.2f} ms{median / base:8.3f}x", flush=True)
 
     measure("no LoRA", None)
-    manager = LoRAManager({"transformer": model}, getattr(diffusers.loaders, LOADERS[args.model]),
-                          max_loras=args.batch, max_lora_rank=args.rank, device=device)
+    manager = LoRAManager(
+        {"transformer": model},
+        getattr(diffusers.loaders, LOADERS[args.model]),
+        max_loras=args.batch,
+        max_lora_rank=args.rank,
+        device=device,
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        keys = [manager.load(LoRARef(f"a{i}", str(write_lora(shapes, Path(tmp) / f"a{i}.safetensors",
-                                                              rank=args.rank, seed=i, std=0.01)), 1.0))
-                for i in range(args.batch)]
+        keys = [
+            manager.load(
+                LoRARef(
+                    f"a{i}",
+                    str(write_lora(shapes, Path(tmp) / f"a{i}.safetensors", rank=args.rank, seed=i, std=0.01)),
+                    1.0,
+                )
+            )
+            for i in range(args.batch)
+        ]
     measure("hooks, no adapter", [[] for _ in range(args.batch)])
     measure("1 adapter", [[(keys[0], 1.0)] for _ in range(args.batch)])
     measure(f"{args.batch} adapters", [[(key, 1.0)] for key in keys])

@@ -26,18 +26,25 @@ def tiny_adapters(model: str, root: Path) -> dict[str, str]:
     from vllm_omni.diffusion.model_loader.tiny_lora import write_tiny_lora
 
     model_dir = build_tiny(model.removeprefix("tiny/"))
-    return {"a": str(write_tiny_lora(model_dir, root / "a.safetensors", rank=4, seed=1)),
-            "b": str(write_tiny_lora(model_dir, root / "b.safetensors", rank=8, alpha=4, seed=2))}
+    return {
+        "a": str(write_tiny_lora(model_dir, root / "a.safetensors", rank=4, seed=1)),
+        "b": str(write_tiny_lora(model_dir, root / "b.safetensors", rank=8, alpha=4, seed=2)),
+    }
 
 
 async def run(omni: AsyncOmni, adapters: dict[str, str], args: argparse.Namespace) -> None:
     a, b = adapters.values()
-    mixes = {"none": None, "a": {"path": a}, "b@0.7": {"path": b, "scale": 0.7},
-             "a+b": [{"path": a, "scale": 0.5}, {"path": b, "scale": 0.5}]}
+    mixes = {
+        "none": None,
+        "a": {"path": a},
+        "b@0.7": {"path": b, "scale": 0.7},
+        "a+b": [{"path": a, "scale": 0.5}, {"path": b, "scale": 0.5}],
+    }
 
     async def one(name: str, lora) -> None:
-        params = OmniDiffusionSamplingParams(height=args.size, width=args.size, num_inference_steps=args.steps,
-                                             seed=0, lora=lora)
+        params = OmniDiffusionSamplingParams(
+            height=args.size, width=args.size, num_inference_steps=args.steps, seed=0, lora=lora
+        )
         async for out in omni.generate("a lighthouse at dusk", f"lora-{name}", [params]):
             if out.finished:
                 if out.error:
@@ -52,8 +59,13 @@ async def run(omni: AsyncOmni, adapters: dict[str, str], args: argparse.Namespac
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny/qwen-image")
-    parser.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
-                        help="two adapters (default: tiny random ones for the tiny model)")
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="two adapters (default: tiny random ones for the tiny model)",
+    )
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--step-execution", action="store_true")

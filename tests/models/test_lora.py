@@ -25,12 +25,24 @@ pytestmark = pytest.mark.usefixtures("dist_world")
 
 FAMILIES = {
     # tiny checkpoint, our pipeline, diffusers' pipeline, request sizes, extra call arguments
-    "qwen-image": ("vllm_omni.models.qwen_image.pipeline:QwenImagePipeline", "QwenImagePipeline",
-                   dict(height=64, width=64, num_inference_steps=3), dict(true_cfg_scale=4.0)),
-    "flux": ("vllm_omni.models.flux.pipeline:FluxPipeline", "FluxPipeline",
-             dict(height=64, width=64, num_inference_steps=3), dict(guidance_scale=3.5)),
-    "wan2.1-t2v": ("vllm_omni.models.wan.pipeline:WanPipeline", "WanPipeline",
-                   dict(height=32, width=48, num_frames=5, num_inference_steps=3), dict(guidance_scale=5.0)),
+    "qwen-image": (
+        "vllm_omni.models.qwen_image.pipeline:QwenImagePipeline",
+        "QwenImagePipeline",
+        dict(height=64, width=64, num_inference_steps=3),
+        dict(true_cfg_scale=4.0),
+    ),
+    "flux": (
+        "vllm_omni.models.flux.pipeline:FluxPipeline",
+        "FluxPipeline",
+        dict(height=64, width=64, num_inference_steps=3),
+        dict(guidance_scale=3.5),
+    ),
+    "wan2.1-t2v": (
+        "vllm_omni.models.wan.pipeline:WanPipeline",
+        "WanPipeline",
+        dict(height=32, width=48, num_frames=5, num_inference_steps=3),
+        dict(guidance_scale=5.0),
+    ),
 }
 
 
@@ -46,7 +58,8 @@ def _ours(family: str, **config):
     model_dir = build_tiny(family)
     od_config = OmniDiffusionConfig(model=str(model_dir), dtype="float32", enable_lora=True, **config)
     return getattr(importlib.import_module(module), name).from_pretrained(
-        od_config, model_dir, torch.device("cpu"), torch.float32)
+        od_config, model_dir, torch.device("cpu"), torch.float32
+    )
 
 
 def _request(family: str, seed: int, lora=None, request_id: str | None = None, **params) -> OmniDiffusionRequest:
@@ -66,9 +79,13 @@ def _frames(output) -> np.ndarray:
 def adapters(tmp_path_factory):
     """Two adapters per family: A (rank 4, no config: scale 1) and B (rank 8, lora_alpha 4 in its config)."""
     root = tmp_path_factory.mktemp("loras")
-    return {family: (write_tiny_lora(build_tiny(family), root / family / "a.safetensors", rank=4, seed=1),
-                     write_tiny_lora(build_tiny(family), root / family / "b.safetensors", rank=8, alpha=4, seed=2))
-            for family in FAMILIES}
+    return {
+        family: (
+            write_tiny_lora(build_tiny(family), root / family / "a.safetensors", rank=4, seed=1),
+            write_tiny_lora(build_tiny(family), root / family / "b.safetensors", rank=8, alpha=4, seed=2),
+        )
+        for family in FAMILIES
+    }
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -85,14 +102,21 @@ def test_lora_matches_diffusers(family, adapters):
     negative = {} if family == "flux" else {"negative_prompt": "blurry"}
     mixes = [[("lora_one", path_a, 0.8)], [("lora_one", path_a, 1.0), ("lora_two", path_b, 0.6)]]
     if family == "flux":  # FLUX files may carry `.alpha` tensors (diffusers returns them apart)
-        path_c = write_tiny_lora(build_tiny(family), path_a.with_name("c.safetensors"), rank=4, alpha=2, seed=3,
-                                 alpha_tensors=True)
+        path_c = write_tiny_lora(
+            build_tiny(family), path_a.with_name("c.safetensors"), rank=4, alpha=2, seed=3, alpha_tensors=True
+        )
         reference.load_lora_weights(str(path_c), adapter_name="lora_three")
         mixes.append([("lora_three", path_c, 0.9)])
     for mix in mixes:
         reference.set_adapters([name for name, _, _ in mix], [scale for _, _, scale in mix])
-        want = reference("a photo of a cat number 5", **size, **extra, **negative, output_type="np",
-                         generator=torch.Generator().manual_seed(5))
+        want = reference(
+            "a photo of a cat number 5",
+            **size,
+            **extra,
+            **negative,
+            output_type="np",
+            generator=torch.Generator().manual_seed(5),
+        )
         want = want.frames[0] if family.startswith("wan") else want.images[0]
         lora = [{"path": str(path), "scale": scale} for _, path, scale in mix]
         request = _request(family, 5, lora=lora, **negative)
@@ -108,8 +132,10 @@ def _mixed_batch(family: str, adapters) -> list[OmniDiffusionRequest]:
     path_a, path_b = (str(p) for p in adapters[family])
     loras = [None, {"path": path_a}, {"path": path_b, "scale": 0.7}, {"path": path_a, "scale": -0.5}]
     cfg = {"true_cfg_scale": 3.0} if family == "flux" else {}
-    return [_request(family, 10 + i, lora=lora, request_id=f"m{i}", negative_prompt=f"blurry {i}", **cfg)
-            for i, lora in enumerate(loras)]
+    return [
+        _request(family, 10 + i, lora=lora, request_id=f"m{i}", negative_prompt=f"blurry {i}", **cfg)
+        for i, lora in enumerate(loras)
+    ]
 
 
 def _count_forwards(pipe) -> list[int]:
@@ -152,15 +178,27 @@ def test_bad_adapters_fail_alone_naming_lora(adapters, tmp_path):
     pipe = _ours("qwen-image", max_lora_rank=4, max_num_seqs=4)
     path_a, path_b = adapters["qwen-image"]
     foreign = tmp_path / "foreign.safetensors"  # another model's module names
-    save_file({"transformer.down_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 8),
-               "transformer.down_blocks.0.attn.to_q.lora_B.weight": torch.zeros(8, 4)}, str(foreign))
-    modulation = write_tiny_lora(build_tiny("qwen-image"), tmp_path / "mod.safetensors",
-                                 targets=re.compile(r"img_mod\.1$"))
+    save_file(
+        {
+            "transformer.down_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 8),
+            "transformer.down_blocks.0.attn.to_q.lora_B.weight": torch.zeros(8, 4),
+        },
+        str(foreign),
+    )
+    modulation = write_tiny_lora(
+        build_tiny("qwen-image"), tmp_path / "mod.safetensors", targets=re.compile(r"img_mod\.1$")
+    )
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
-    bad = {"unknown": {"name": "never-registered"}, "rank": {"path": str(path_b)}, "keys": {"path": str(foreign)},
-           "modulation": {"path": str(modulation)}, "junk": {"path": str(tmp_path / "junk.safetensors")}}
+    bad = {
+        "unknown": {"name": "never-registered"},
+        "rank": {"path": str(path_b)},
+        "keys": {"path": str(foreign)},
+        "modulation": {"path": str(modulation)},
+        "junk": {"path": str(tmp_path / "junk.safetensors")},
+    }
     requests = [_request("qwen-image", 1, lora={"path": str(path_a)}, request_id="good")] + [
-        _request("qwen-image", 1, lora=lora, request_id=why) for why, lora in bad.items()]
+        _request("qwen-image", 1, lora=lora, request_id=why) for why, lora in bad.items()
+    ]
     with torch.inference_mode():
         outputs = pipe.forward(DiffusionRequestBatch(requests))
     assert outputs[0].error is None
@@ -175,8 +213,9 @@ def test_lora_needs_enable_lora(dist_world):
     from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
 
     model_dir = build_tiny("qwen-image")
-    pipe = QwenImagePipeline.from_pretrained(OmniDiffusionConfig(model=str(model_dir)), model_dir,
-                                             torch.device("cpu"), torch.float32)
+    pipe = QwenImagePipeline.from_pretrained(
+        OmniDiffusionConfig(model=str(model_dir)), model_dir, torch.device("cpu"), torch.float32
+    )
     (out,) = pipe.forward(DiffusionRequestBatch([_request("qwen-image", 1, lora={"path": "/x.safetensors"})]))
     assert out.error_param == "lora" and "--enable-lora" in out.error
 
@@ -192,12 +231,21 @@ def test_tp2_lora_matches_diffusers(adapters):
 
     path_a, path_b = adapters["flux"]
     model_dir = build_tiny("flux")
-    engine = DiffusionEngine(OmniDiffusionConfig.from_kwargs(
-        model=str(model_dir), tensor_parallel_size=2, enable_lora=True, max_loras=2, max_num_seqs=2,
-        request_batch_max_wait_ms=2000))
+    engine = DiffusionEngine(
+        OmniDiffusionConfig.from_kwargs(
+            model=str(model_dir),
+            tensor_parallel_size=2,
+            enable_lora=True,
+            max_loras=2,
+            max_num_seqs=2,
+            request_batch_max_wait_ms=2000,
+        )
+    )
     try:
-        futures = [engine.submit(_request("flux", 7, lora={"path": str(path), "scale": scale}, request_id=str(i)))
-                   for i, (path, scale) in enumerate([(path_a, 0.8), (path_b, 1.0)])]
+        futures = [
+            engine.submit(_request("flux", 7, lora={"path": str(path), "scale": scale}, request_id=str(i)))
+            for i, (path, scale) in enumerate([(path_a, 0.8), (path_b, 1.0)])
+        ]
         got = [_frames(f.result(300)) for f in futures]
     finally:
         engine.close()
@@ -208,6 +256,7 @@ def test_tp2_lora_matches_diffusers(adapters):
     _, _, size, extra = FAMILIES["flux"]
     for out, (name, scale) in zip(got, [("lora_one", 0.8), ("lora_two", 1.0)], strict=True):
         reference.set_adapters([name], [scale])
-        want = reference("a photo of a cat number 7", **size, **extra, output_type="np",
-                         generator=torch.Generator().manual_seed(7)).images[0]
+        want = reference(
+            "a photo of a cat number 7", **size, **extra, output_type="np", generator=torch.Generator().manual_seed(7)
+        ).images[0]
         assert psnr(out, want) >= 40, (name, psnr(out, want))

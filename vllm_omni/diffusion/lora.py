@@ -83,8 +83,12 @@ class _LoRAHook:
     def __init__(self, layer: nn.Module, rows: _Rows) -> None:
         self.rows = rows
         self.deltas: dict[Hashable, _Delta] = {}
-        self.reduce = (isinstance(layer, RowParallelLinear) and layer.input_is_parallel and layer.tp_size > 1
-                       and layer.reduce_results)
+        self.reduce = (
+            isinstance(layer, RowParallelLinear)
+            and layer.input_is_parallel
+            and layer.tp_size > 1
+            and layer.reduce_results
+        )
 
     def __call__(self, module: nn.Module, inputs: tuple[Any, ...], output: Any) -> Any:
         x = inputs[0]
@@ -94,12 +98,12 @@ class _LoRAHook:
             if delta is None:
                 continue
             # Row slices are views: the delta reads and adds in place, no gather or scatter of activations.
-            h = F.linear(x[segment.start:segment.stop], delta.a)
+            h = F.linear(x[segment.start : segment.stop], delta.a)
             if segment.scale != 1.0:
                 h.mul_(segment.scale)
             if self.reduce:  # x is this rank's input columns: the rank-sized product is partial
                 h = tensor_model_parallel_all_reduce(h)
-            out[segment.start:segment.stop].add_(F.linear(h, delta.b))
+            out[segment.start : segment.stop].add_(F.linear(h, delta.b))
         return output
 
 
@@ -122,8 +126,9 @@ class LoRAManager:
     LoRA loader mixin, whose `lora_state_dict` reads and converts a file.
     """
 
-    def __init__(self, transformers: dict[str, nn.Module], loader: type, max_loras: int, max_lora_rank: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self, transformers: dict[str, nn.Module], loader: type, max_loras: int, max_lora_rank: int, device: torch.device
+    ) -> None:
         self.transformers = transformers
         self.loader = loader
         self.max_loras = max_loras
@@ -138,8 +143,11 @@ class LoRAManager:
         """Make `ref`'s adapter resident (most recently used); its key. A file that cannot be read, whose keys
         are not this model's, or whose rank is above `max_lora_rank` is an OmniClientError naming `lora`."""
         if ref.path is None:
-            raise OmniClientError(f"unknown LoRA adapter {ref.name!r}: register it with --lora-modules or "
-                                  "/v1/load_lora_adapter, or give its \"path\"", param="lora")
+            raise OmniClientError(
+                f"unknown LoRA adapter {ref.name!r}: register it with --lora-modules or "
+                '/v1/load_lora_adapter, or give its "path"',
+                param="lora",
+            )
         key = ref.path
         if key in self._resident:
             self._resident.move_to_end(key)
@@ -193,8 +201,9 @@ class LoRAManager:
             open_ = extended
         keys = {segment.key for segment in segments}
         if len(keys) > self.max_loras or not keys <= self._resident.keys():
-            raise LoRACapacityError(f"this forward needs {len(keys)} adapters, {self.max_loras} stay resident "
-                                    "(--max-loras)")
+            raise LoRACapacityError(
+                f"this forward needs {len(keys)} adapters, {self.max_loras} stay resident (--max-loras)"
+            )
         self._rows.segments = segments
         try:
             yield
@@ -212,11 +221,13 @@ class LoRAManager:
             *state_dict_and_alphas, metadata = self.loader.lora_state_dict(ref.path, **kwargs)
             state_dict, alphas = (*state_dict_and_alphas, None)[:2]
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
-            raise OmniClientError(f"lora {ref.name!r}: cannot read {ref.path!r} as a LoRA file: {exc}",
-                                  param="lora") from None
+            raise OmniClientError(
+                f"lora {ref.name!r}: cannot read {ref.path!r} as a LoRA file: {exc}", param="lora"
+            ) from None
         configs = {slot: _adapter_config(metadata, slot) for slot in self.transformers}
-        if any(c.get("use_dora") for c in configs.values()) or \
-                any("lora_magnitude_vector" in k or k.endswith(".lora_B.bias") for k in state_dict):
+        if any(c.get("use_dora") for c in configs.values()) or any(
+            "lora_magnitude_vector" in k or k.endswith(".lora_B.bias") for k in state_dict
+        ):
             raise OmniClientError(f"lora {ref.name!r}: DoRA and LoRA biases are not supported", param="lora")
         modules: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
         unmatched = []
@@ -240,8 +251,11 @@ class LoRAManager:
             a, b = pair["A"], pair["B"]
             rank = a.shape[0]
             if rank > self.max_lora_rank:
-                raise OmniClientError(f"lora {ref.name!r}: rank {rank} (at {module}) is above this server's "
-                                      f"--max-lora-rank {self.max_lora_rank}", param="lora")
+                raise OmniClientError(
+                    f"lora {ref.name!r}: rank {rank} (at {module}) is above this server's "
+                    f"--max-lora-rank {self.max_lora_rank}",
+                    param="lora",
+                )
             target_name, shard, layer = target
             if a.shape[1] != _in_features(layer) or b.shape[1] != rank:
                 unmatched.append(f"{slot}.{module} (shape {tuple(b.shape)} x {tuple(a.shape)})")
@@ -249,18 +263,21 @@ class LoRAManager:
             config = configs[slot]
             alpha = (alphas or {}).get(f"{slot}.{module}.alpha")
             alpha = float(alpha) if alpha is not None else _alpha(config, module, rank)
-            scaling = alpha / (rank ** 0.5 if config.get("use_rslora") else rank)
+            scaling = alpha / (rank**0.5 if config.get("use_rslora") else rank)
             a = getattr(transformer, "lora_down_columns", lambda _t, w: w)(target_name, a)
             pieces.setdefault((slot, target_name), []).append((shard, a * scaling, b))
         if unmatched:
             shown = ", ".join(unmatched[:5]) + (" ..." if len(unmatched) > 5 else "")
-            raise OmniClientError(f"lora {ref.name!r}: {len(unmatched)} tensor(s) match no LoRA-capable layer "
-                                  f"of this model: {shown}", param="lora")
+            raise OmniClientError(
+                f"lora {ref.name!r}: {len(unmatched)} tensor(s) match no LoRA-capable layer of this model: {shown}",
+                param="lora",
+            )
         if not pieces:
-            raise OmniClientError(f"lora {ref.name!r}: {ref.path!r} holds no transformer LoRA weights",
-                                  param="lora")
-        return {(slot, target): self._delta(self.transformers[slot].get_submodule(target), parts)
-                for (slot, target), parts in pieces.items()}
+            raise OmniClientError(f"lora {ref.name!r}: {ref.path!r} holds no transformer LoRA weights", param="lora")
+        return {
+            (slot, target): self._delta(self.transformers[slot].get_submodule(target), parts)
+            for (slot, target), parts in pieces.items()
+        }
 
     def _delta(self, layer: nn.Module, parts: list[tuple[Any, torch.Tensor, torch.Tensor]]) -> _Delta:
         rank = sum(a.shape[0] for _, a, _ in parts)
@@ -270,7 +287,7 @@ class LoRAManager:
         column = 0
         for shard, a, b in parts:
             offset, size, start = _output_slice(layer, shard)
-            b_cat[offset:offset + size, column:column + a.shape[0]] = b[start:start + size]
+            b_cat[offset : offset + size, column : column + a.shape[0]] = b[start : start + size]
             column += a.shape[0]
         return _Delta(a_cat.contiguous(), b_cat)
 
@@ -309,7 +326,7 @@ def _input_shard(layer: nn.Module, a: torch.Tensor) -> torch.Tensor:
     """This rank's input columns of A: a row-parallel linear sees only its slice of the input."""
     if isinstance(layer, RowParallelLinear) and layer.input_is_parallel and layer.tp_size > 1:
         size = layer.input_size_per_partition
-        return a[:, layer.tp_rank * size:(layer.tp_rank + 1) * size]
+        return a[:, layer.tp_rank * size : (layer.tp_rank + 1) * size]
     return a
 
 

@@ -40,20 +40,20 @@ def parse_lora(value: Any) -> tuple[LoRARef, ...]:
         return ()
     entries = value if isinstance(value, list) else [value]
     if not 1 <= len(entries) <= MAX_LORAS_PER_REQUEST:
-        raise OmniClientError(f"lora must list 1 to {MAX_LORAS_PER_REQUEST} adapters, got {len(entries)}",
-                              param="lora")
+        raise OmniClientError(f"lora must list 1 to {MAX_LORAS_PER_REQUEST} adapters, got {len(entries)}", param="lora")
     refs = []
     for i, entry in enumerate(entries):
         where = f"lora[{i}]" if isinstance(value, list) else "lora"
         if not isinstance(entry, dict):
-            raise OmniClientError(f"{where} must be an object {{\"name\" or \"path\", \"scale\"}}, got {entry!r}",
-                                  param="lora")
+            raise OmniClientError(
+                f'{where} must be an object {{"name" or "path", "scale"}}, got {entry!r}', param="lora"
+            )
         unknown = sorted(set(entry) - set(_KEYS))
         if unknown:
             raise OmniClientError(f"{where} has unknown key(s) {unknown} (known: {list(_KEYS)})", param="lora")
         name, path, scale = entry.get("name"), entry.get("path"), entry.get("scale", 1.0)
         if name is None and path is None:
-            raise OmniClientError(f"{where} needs a \"name\" (a registered adapter) or a \"path\"", param="lora")
+            raise OmniClientError(f'{where} needs a "name" (a registered adapter) or a "path"', param="lora")
         for key, text in (("name", name), ("path", path)):
             if text is not None and (not isinstance(text, str) or not text):
                 raise OmniClientError(f"{where}.{key} must be a non-empty string, got {text!r}", param="lora")

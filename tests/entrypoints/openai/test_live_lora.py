@@ -30,11 +30,19 @@ FAST = {"num_inference_steps": 2, "seed": 3}
 def loras(tmp_path_factory):
     root, model_dir = tmp_path_factory.mktemp("live_loras"), build_tiny("qwen-image")
     foreign = root / "foreign.safetensors"
-    save_file({"transformer.down_blocks.0.proj.lora_A.weight": torch.zeros(4, 8),
-               "transformer.down_blocks.0.proj.lora_B.weight": torch.zeros(8, 4)}, str(foreign))
-    return {"a": write_tiny_lora(model_dir, root / "a.safetensors", rank=4, seed=1),
-            "b": write_tiny_lora(model_dir, root / "b.safetensors", rank=8, alpha=4, seed=2),
-            "big": write_tiny_lora(model_dir, root / "big.safetensors", rank=16, seed=3), "foreign": foreign}
+    save_file(
+        {
+            "transformer.down_blocks.0.proj.lora_A.weight": torch.zeros(4, 8),
+            "transformer.down_blocks.0.proj.lora_B.weight": torch.zeros(8, 4),
+        },
+        str(foreign),
+    )
+    return {
+        "a": write_tiny_lora(model_dir, root / "a.safetensors", rank=4, seed=1),
+        "b": write_tiny_lora(model_dir, root / "b.safetensors", rank=8, alpha=4, seed=2),
+        "big": write_tiny_lora(model_dir, root / "big.safetensors", rank=16, seed=3),
+        "foreign": foreign,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +50,20 @@ def server(loras, stop_later):
     previous = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
     os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     try:
-        srv = LiveServer(MODEL, "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--max-num-seqs", "4",
-                         "--request-batch-max-wait-ms", "200", "--lora-modules", f"a={loras['a']}")
+        srv = LiveServer(
+            MODEL,
+            "--enable-lora",
+            "--max-loras",
+            "2",
+            "--max-lora-rank",
+            "8",
+            "--max-num-seqs",
+            "4",
+            "--request-batch-max-wait-ms",
+            "200",
+            "--lora-modules",
+            f"a={loras['a']}",
+        )
     finally:
         if previous is None:
             os.environ.pop("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
@@ -89,8 +109,11 @@ def test_requests_with_different_adapters_run_together(client, loras):
 
 def test_chat_route_takes_lora(client):
     def chat_image(**extra) -> str:
-        res = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a red cube"}],
-                                             extra_body={**FAST, "size": "32x32", **extra})
+        res = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "a red cube"}],
+            extra_body={**FAST, "size": "32x32", **extra},
+        )
         part = res.choices[0].message.content[0]
         assert part["type"] == "image_url"
         return part["image_url"]["url"]
@@ -100,12 +123,15 @@ def test_chat_route_takes_lora(client):
 
 def test_runtime_load_list_and_unload(server, client, loras):
     url = server.url
-    assert httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(loras["b"])},
-                      timeout=60).status_code == 200
+    assert (
+        httpx.post(
+            f"{url}/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(loras["b"])}, timeout=60
+        ).status_code
+        == 200
+    )
     assert {m.id for m in client.models.list().data} >= {MODEL, "a", "b"}
     assert image(client, {"name": "b"}) == image(client, {"path": str(loras["b"])})
-    again = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(loras["b"])},
-                       timeout=60)
+    again = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(loras["b"])}, timeout=60)
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
     assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=60).status_code == 200
     assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=60).status_code == 404
@@ -116,14 +142,19 @@ def test_runtime_load_list_and_unload(server, client, loras):
 
 @pytest.mark.parametrize("why", ["unknown", "rank", "keys", "malformed"])
 def test_bad_adapters_are_400_naming_lora_and_the_server_serves_on(server, client, loras, why):
-    lora = {"unknown": {"name": "nope"}, "rank": {"path": str(loras["big"])},
-            "keys": {"path": str(loras["foreign"])}, "malformed": {"name": "a", "scale": "high"}}[why]
+    lora = {
+        "unknown": {"name": "nope"},
+        "rank": {"path": str(loras["big"])},
+        "keys": {"path": str(loras["foreign"])},
+        "malformed": {"name": "a", "scale": "high"},
+    }[why]
     with pytest.raises(openai.BadRequestError) as err:
         image(client, lora)
     assert err.value.body["param"] == "lora", err.value.body
     if why in ("rank", "keys"):  # the load route refuses the same files, naming the path
-        res = httpx.post(f"{server.url}/v1/load_lora_adapter",
-                         json={"lora_name": why, "lora_path": lora["path"]}, timeout=60)
+        res = httpx.post(
+            f"{server.url}/v1/load_lora_adapter", json={"lora_name": why, "lora_path": lora["path"]}, timeout=60
+        )
         assert res.status_code == 400 and res.json()["error"]["param"] == "lora_path", res.text
     assert image(client, {"name": "a"})  # the server and the registered adapter are unaffected
 

@@ -19,8 +19,14 @@ BLOCK_PROJECTIONS = re.compile(
 """Attention and MLP projections of the transformer blocks: what published DiT LoRAs train."""
 
 
-def write_tiny_lora(model_dir: str | Path, path: str | Path, *, component: str = "transformer",
-                    targets: re.Pattern[str] = BLOCK_PROJECTIONS, **kwargs) -> Path:
+def write_tiny_lora(
+    model_dir: str | Path,
+    path: str | Path,
+    *,
+    component: str = "transformer",
+    targets: re.Pattern[str] = BLOCK_PROJECTIONS,
+    **kwargs,
+) -> Path:
     """A random LoRA (`write_lora`) on every linear of the checkpoint's `model_dir/<component>` whose module name
     `targets` matches."""
     shapes: dict[str, tuple[int, int]] = {}
@@ -36,8 +42,17 @@ def write_tiny_lora(model_dir: str | Path, path: str | Path, *, component: str =
     return write_lora(modules, path, component=component, **kwargs)
 
 
-def write_lora(modules: dict[str, tuple[int, int]], path: str | Path, *, rank: int = 4, alpha: float | None = None,
-               seed: int = 0, std: float = 0.5, component: str = "transformer", alpha_tensors: bool = False) -> Path:
+def write_lora(
+    modules: dict[str, tuple[int, int]],
+    path: str | Path,
+    *,
+    rank: int = 4,
+    alpha: float | None = None,
+    seed: int = 0,
+    std: float = 0.5,
+    component: str = "transformer",
+    alpha_tensors: bool = False,
+) -> Path:
     """A random rank-`rank` LoRA on `modules` (diffusers module name -> (out, in) features); `alpha` None saves no
     config (diffusers then scales by 1), else it goes in the PEFT config diffusers saves, or with `alpha_tensors`
     into a `<module>.alpha` tensor per module (older diffusers FLUX files). Returns `path`."""

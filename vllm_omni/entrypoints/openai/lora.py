@@ -58,7 +58,7 @@ class ServedLoRAs:
         for ref in refs:
             path = ref.path or self.paths.get(ref.name)
             if path is None:
-                known = sorted(self.paths) or "none (give a \"path\", or register one)"
+                known = sorted(self.paths) or 'none (give a "path", or register one)'
                 raise OmniClientError(f"lora: unknown adapter {ref.name!r}; registered: {known}", param=param)
             resolved.append(LoRARef(ref.name, path, ref.scale).as_dict())
         sp.lora = resolved
@@ -71,8 +71,11 @@ class ServedLoRAs:
         if not name or not path:
             raise OmniClientError("Both 'lora_name' and 'lora_path' must be provided.", param="lora_name")
         if name in self.paths and not replace:
-            raise OmniClientError(f"The lora adapter '{name}' has already been loaded. If you want to load the "
-                                  "adapter in place, set 'load_inplace' to True.", param="lora_name")
+            raise OmniClientError(
+                f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                "adapter in place, set 'load_inplace' to True.",
+                param="lora_name",
+            )
         await self._call("load_lora", name, path)
         old = self.paths.get(name)
         self.paths[name] = path
@@ -81,8 +84,12 @@ class ServedLoRAs:
 
     async def unload(self, name: str) -> None:
         if name not in self.paths:
-            raise OmniClientError(f"The lora adapter '{name}' cannot be found.", status_code=404,
-                                  error_type="NotFoundError", param="lora_name")
+            raise OmniClientError(
+                f"The lora adapter '{name}' cannot be found.",
+                status_code=404,
+                error_type="NotFoundError",
+                param="lora_name",
+            )
         path = self.paths.pop(name)
         if path not in self.paths.values():
             await self._call("unload_lora", path)
@@ -99,8 +106,10 @@ class ServedLoRAs:
 
     def model_cards(self, model_name: str) -> list[dict[str, Any]]:
         """vLLM's /v1/models entries for the adapters: one card each, parented by the base model."""
-        return [{"id": name, "object": "model", "owned_by": "vllm-omni", "root": path, "parent": model_name}
-                for name, path in self.paths.items()]
+        return [
+            {"id": name, "object": "model", "owned_by": "vllm-omni", "root": path, "parent": model_name}
+            for name, path in self.paths.items()
+        ]
 
 
 router = APIRouter()
