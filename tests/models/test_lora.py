@@ -260,3 +260,32 @@ def test_tp2_lora_matches_diffusers(adapters):
             "a photo of a cat number 7", **size, **extra, output_type="np", generator=torch.Generator().manual_seed(7)
         ).images[0]
         assert psnr(out, want) >= 40, (name, psnr(out, want))
+
+
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_more_adapters_than_max_loras_take_turns(mode, adapters):
+    """--max-loras 1 with A, B, A: request mode cuts the batch into runs that fit, step mode steps the states
+    apart when their shared forward would need both; every request still equals its solo run, and a request
+    composing more adapters than stay resident is refused."""
+    from tests.diffusion.step_harness import Harness
+
+    pipe = _ours("qwen-image", max_loras=1, max_num_seqs=4)
+    path_a, path_b = (str(p) for p in adapters["qwen-image"])
+    requests = [
+        _request("qwen-image", 20 + i, lora={"path": p}, request_id=f"t{i}")
+        for i, p in enumerate([path_a, path_b, path_a])
+    ]
+    with torch.inference_mode():
+        solo = [_frames(pipe.forward(DiffusionRequestBatch([r]))[0]) for r in requests]
+        if mode == "request":
+            outputs = pipe.forward(DiffusionRequestBatch(requests))
+        else:
+            harness = Harness(pipe, max_num_seqs=4)
+            for request in requests:
+                harness.add(request)
+            harness.drain()
+            outputs = [harness.outputs[r.request_id] for r in requests]
+    assert min(psnr(_frames(out), want) for out, want in zip(outputs, solo, strict=True)) >= 60
+    both = _request("qwen-image", 1, lora=[{"path": path_a}, {"path": path_b}])
+    (out,) = pipe.forward(DiffusionRequestBatch([both]))
+    assert out.error_param == "lora" and "--max-loras" in out.error

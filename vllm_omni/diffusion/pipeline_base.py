@@ -341,6 +341,10 @@ class NativeDiffusionPipeline(nn.Module):
                 why = "this server was started without --enable-lora" if self.lora_loader is not None else \
                     f"{type(self).__name__} takes no LoRA adapters"
                 raise OmniClientError(f"lora: {why}", param="lora")
+            resident = self.lora_manager.max_loras
+            if len(refs) > resident:
+                raise OmniClientError(f"lora lists {len(refs)} adapters; this server keeps {resident} resident "
+                                      "(--max-loras)", param="lora")
             for ref in refs:
                 self.lora_manager.load(ref)
 
