@@ -46,7 +46,7 @@ from vllm_omni.diffusion.cache.runtime import cache_group, cache_state_for, call
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.sequence import cfg_branch_rows, cfg_gather_rows
 from vllm_omni.diffusion.layers.compile import accelerated_forwards
-from vllm_omni.diffusion.lora import LoRAManager, RowAdapters
+from vllm_omni.diffusion.lora import LoRACapacityError, LoRAManager, RowAdapters
 from vllm_omni.diffusion.previews import emit_previews
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.state import Conditioning, DenoiseState
@@ -360,6 +360,10 @@ class NativeDiffusionPipeline(nn.Module):
         manager = self.lora_manager
         if manager is None:
             return contextlib.nullcontext()
+        paths = {ref.path for state in states for r in state.requests for ref in parse_lora(r.sampling_params.lora)}
+        if len(paths) > manager.max_loras:  # before loading any: the states then step apart, evicting nothing here
+            raise LoRACapacityError(f"this forward needs {len(paths)} adapters, {manager.max_loras} stay resident "
+                                    "(--max-loras)")
         rows: list[RowAdapters] = []
         padded = states + [states[-1]] * (len(inputs) - len(states))  # compiled path: repeated inputs
         for inp, state in zip(inputs, padded, strict=True):
