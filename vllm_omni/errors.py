@@ -56,12 +56,13 @@ def _default_error_type(status_code: int) -> str:
     }.get(status_code, "BadRequestError" if status_code < 500 else "InternalServerError")
 
 
-def client_error_from_metadata(message: str, *, status_code: int | None, error_type: str | None) -> OmniError:
-    """Rebuild an error that crossed a process boundary as (message, status, type)."""
+def client_error_from_metadata(message: str, *, status_code: int | None, error_type: str | None,
+                               param: str | None = None) -> OmniError:
+    """Rebuild an error that crossed a process boundary as (message, status, type, the field it names)."""
     if status_code == RequestAbortedError.status_code:
         return RequestAbortedError(message)
     if status_code is not None and 400 <= status_code < 500:
-        return OmniClientError(message, status_code=status_code, error_type=error_type)
+        return OmniClientError(message, status_code=status_code, error_type=error_type, param=param)
     if status_code == StageRestartingError.status_code:
         return StageRestartingError(message)
     return EngineGenerateError(message)

@@ -289,6 +289,14 @@ class OmniDiffusionConfig:
     request's estimated latents, activations and step tables at its shape): a request that could never fit is a
     400 naming the field that makes it too big, one that fits later waits for running requests to finish.
     None = on CUDA the free device memory measured after the model loaded, on CPU no memory admission."""
+    enable_lora: bool = False
+    """Serve per-request LoRA adapters (the `lora` request field, docs/lora.md): deltas beside the native DiT's
+    linears, never merged, so requests with different adapters share a forward. Runs the transformer eager
+    (an adapter mix per forward is data, not a shape a compiled graph could fix)."""
+    max_loras: int = 1
+    """Adapters resident on the device at once (LRU); a forward never runs more than this many."""
+    max_lora_rank: int = 16
+    """Highest LoRA rank accepted; a file above it is refused (400 naming `lora`)."""
     diffusers_load_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of diffusers' `from_pretrained` on the generic adapter path."""
     use_diffusers_adapter: bool = False
@@ -306,8 +314,13 @@ class OmniDiffusionConfig:
 
     def __post_init__(self) -> None:
         refuse_unimplemented({f.name: getattr(self, f.name) for f in fields(self)})
+        if self.enable_lora and self.enforce_eager is False:
+            raise ValueError("enable_lora runs the transformer eager: drop enforce_eager=False")
         if self.enforce_eager is None:
-            self.enforce_eager = resolve_device_kind(self.device) != "cuda"
+            self.enforce_eager = self.enable_lora or resolve_device_kind(self.device) != "cuda"
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, "
+                             f"{self.max_lora_rank}")
         parse_warmup_shapes(self.diffusion_warmup_shapes)
         check_cache_args({"cache_backend": self.cache_backend, "cache_config": self.cache_config,
                           "step_execution": self.step_execution})
@@ -359,6 +372,8 @@ class DiffusionOutput:
     error: str | None = None
     error_status_code: int | None = None
     error_type: str | None = None
+    error_param: str | None = None
+    """The request field a client error names (e.g. `lora`), for the HTTP body's `param`."""
     stage_durations: dict[str, float] = field(default_factory=dict)
     peak_memory_mb: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -370,7 +385,8 @@ class DiffusionOutput:
     @classmethod
     def from_exception(cls, exc: BaseException) -> DiffusionOutput:
         if isinstance(exc, OmniClientError):
-            return cls(error=exc.message, error_status_code=exc.status_code, error_type=exc.error_type)
+            return cls(error=exc.message, error_status_code=exc.status_code, error_type=exc.error_type,
+                       error_param=exc.param)
         if isinstance(exc, RequestAbortedError):
             return cls(error=str(exc), error_status_code=exc.status_code, error_type=exc.error_type)
         status = exc.status_code if isinstance(exc, OmniError) else 500

@@ -121,7 +121,7 @@ class InlineStageDiffusionClient(StageClientBase):
             raise
         if result.error is not None:
             raise client_error_from_metadata(result.error, status_code=result.error_status_code,
-                                             error_type=result.error_type)
+                                             error_type=result.error_type, param=result.error_param)
         if isinstance(result.output, dict) and STREAMED_FRAMES in result.output:
             result.output = await asyncio.to_thread(join_streamed_video, result.output, chunks)
         yield self._to_output(request_id, result, time.perf_counter() - start)

@@ -29,6 +29,7 @@ parallel keeps this rank's branch and gathers the other's, and every transformer
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Hashable
@@ -45,6 +46,7 @@ from vllm_omni.diffusion.cache.runtime import cache_group, cache_state_for, call
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.sequence import cfg_branch_rows, cfg_gather_rows
 from vllm_omni.diffusion.layers.compile import accelerated_forwards
+from vllm_omni.diffusion.lora import LoRACapacityError, LoRAManager, RowAdapters
 from vllm_omni.diffusion.previews import emit_previews
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.state import Conditioning, DenoiseState
@@ -53,6 +55,7 @@ from vllm_omni.diffusion.timing import elapsed_since, synchronized_now
 from vllm_omni.diffusion.warmup import TEXT_BUCKETS, batch_buckets, step_bucket
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.errors import OmniClientError, RequestAbortedError
+from vllm_omni.inputs.lora import parse_lora
 
 
 class NativeDiffusionPipeline(nn.Module):
@@ -63,6 +66,9 @@ class NativeDiffusionPipeline(nn.Module):
     """The step executor drives `prepare` / `denoise_step` / `finish` itself; a family whose loop needs more
     than these hooks (e.g. an override of `denoise`) sets it False."""
     progress_desc: ClassVar[str] = "denoise"
+    lora_loader: ClassVar[str | None] = None
+    """The family's diffusers LoRA loader mixin (`diffusers.loaders.<name>`), whose `lora_state_dict` reads and
+    converts adapter files; None = the family takes no `lora`."""
     od_config: OmniDiffusionConfig
     device: torch.device
 
@@ -80,12 +86,29 @@ class NativeDiffusionPipeline(nn.Module):
         for request in batch.requests:
             try:
                 key = (self.group_key(request), cache_group(self.cache_policy(request), request))
+                self.load_loras([request])
                 groups.setdefault(key, []).append(request)
             except OmniClientError as exc:
                 outputs[id(request)] = DiffusionOutput.from_exception(exc)
-        for requests in groups.values():
-            outputs.update(self.run_group(requests, ctx))
+        for group in groups.values():
+            for requests in self._lora_chunks(group):
+                outputs.update(self.run_group(requests, ctx))
         return [outputs[id(request)] for request in batch.requests]
+
+    def _lora_chunks(self, requests: list[OmniDiffusionRequest]) -> list[list[OmniDiffusionRequest]]:
+        """`requests` cut, in order, so that no chunk needs more adapters than stay resident (--max-loras)."""
+        if self.lora_manager is None:
+            return [requests]
+        chunks: list[list[OmniDiffusionRequest]] = []
+        needs: set[str | None] = set()
+        for request in requests:
+            mine = {ref.path for ref in parse_lora(request.sampling_params.lora)}
+            if not chunks or len(needs | mine) > self.lora_manager.max_loras:
+                chunks.append([])
+                needs = set()
+            chunks[-1].append(request)
+            needs |= mine
+        return chunks
 
     def run_group(self, requests: list[OmniDiffusionRequest], ctx: StepContext) -> dict[int, DiffusionOutput]:
         """prepare -> denoise -> finish for one group; a shared parameter found invalid fails the whole group."""
@@ -107,6 +130,7 @@ class NativeDiffusionPipeline(nn.Module):
     def prepare(self, requests: list[OmniDiffusionRequest], ctx: StepContext) -> DenoiseState:
         """Everything before the first step: prompt embeddings, initial latents, scheduler, per-step tables."""
         refuse_pipeline_kwargs(requests)
+        self.load_loras(requests)
         self.check_inputs(requests)
         start = time.perf_counter()
         conditioning = self.encode_prompt(requests)
@@ -299,18 +323,82 @@ class NativeDiffusionPipeline(nn.Module):
 
         if len(inputs) == 1:
             num_positive, num_rows = states[0].latents.shape[0], step_rows(inputs[0])
-            branch = select_rows(inputs[0], cfg_branch_rows(num_positive, num_rows))
+            keep = cfg_branch_rows(num_positive, num_rows)
+            branch = select_rows(inputs[0], keep)
             rows = step_rows(branch)
             extra = step_bucket(rows, self.step_buckets) - rows
-            if extra and self.forward_group_key(states[0]) is not None:
+            if extra and self.lora_manager is None and self.forward_group_key(states[0]) is not None:
                 # Compiled path, a request batch: rows padded to the next captured bucket (the last row repeated,
                 # its predictions dropped), as step mode pads its batches. Not while the state's cache works:
-                # its residuals are per row.
+                # its residuals are per row; not with LoRA, which runs eager.
                 branch = concat_rows([branch, *[select_rows(branch, slice(rows - 1, rows))] * extra])
-            pred = self.transformer_forward(branch, call)[:rows]
+            with self._lora_rows(inputs, states, keep):
+                pred = self.transformer_forward(branch, call)[:rows]
             return [cfg_gather_rows(pred, num_positive, num_rows)]
-        pred = self.transformer_forward(concat_rows(inputs), call)
+        with self._lora_rows(inputs, states):
+            pred = self.transformer_forward(concat_rows(inputs), call)
         return list(pred.split([step_rows(inp) for inp in inputs]))
+
+    # ---- LoRA ----------------------------------------------------------------------------------------------
+
+    @property
+    def lora_manager(self) -> LoRAManager | None:
+        """The adapters resident on this pipeline's DiTs (--enable-lora); None when LoRA is off."""
+        if "_lora_manager" not in self.__dict__:
+            manager = None
+            if self.od_config.enable_lora and self.lora_loader is not None:
+                import diffusers.loaders
+
+                manager = LoRAManager(self.cache_transformers, getattr(diffusers.loaders, self.lora_loader),
+                                      self.od_config.max_loras, self.od_config.max_lora_rank, self.device)
+            self.__dict__["_lora_manager"] = manager
+        return self.__dict__["_lora_manager"]
+
+    def load_loras(self, requests: list[OmniDiffusionRequest]) -> None:
+        """Makes the adapters of `requests` resident (OmniClientError naming `lora` for one that cannot be)."""
+        for request in requests:
+            refs = parse_lora(request.sampling_params.lora)
+            if not refs:
+                continue
+            if self.lora_manager is None:
+                why = "this server was started without --enable-lora" if self.lora_loader is not None else \
+                    f"{type(self).__name__} takes no LoRA adapters"
+                raise OmniClientError(f"lora: {why}", param="lora")
+            resident = self.lora_manager.max_loras
+            if len(refs) > resident:
+                raise OmniClientError(f"lora lists {len(refs)} adapters; this server keeps {resident} resident "
+                                      "(--max-loras)", param="lora")
+            for ref in refs:
+                self.lora_manager.load(ref)
+
+    def transformer_row_sources(self, state: DenoiseState, num_rows: int) -> list[int]:
+        """The latent row each of `state`'s `num_rows` transformer rows denoises: the positive rows, then (CFG)
+        the same rows again. A family whose negative rows are a subset overrides it."""
+        latent_rows = state.latents.shape[0]
+        return [i % latent_rows for i in range(num_rows)]
+
+    def _lora_rows(self, inputs: list[Any], states: list[DenoiseState], keep: slice | None = None
+                   ) -> contextlib.AbstractContextManager[None]:
+        """The adapters of every row of this forward (`keep`: the rows of the one input this rank computes)."""
+        manager = self.lora_manager
+        if manager is None:
+            return contextlib.nullcontext()
+        paths = {ref.path for state in states for r in state.requests for ref in parse_lora(r.sampling_params.lora)}
+        if len(paths) > manager.max_loras:  # before loading any: the states then step apart, evicting nothing here
+            raise LoRACapacityError(f"this forward needs {len(paths)} adapters, {manager.max_loras} stay resident "
+                                    "(--max-loras)")
+        rows: list[RowAdapters] = []
+        padded = states + [states[-1]] * (len(inputs) - len(states))  # compiled path: repeated inputs
+        for inp, state in zip(inputs, padded, strict=True):
+            per_request = [tuple((manager.load(ref), ref.scale) for ref in parse_lora(r.sampling_params.lora))
+                           for r in state.requests]
+            per = state.outputs_per_request
+            rows += [per_request[src // per] for src in self.transformer_row_sources(state, step_rows(inp))]
+        if keep is not None:
+            rows = rows[keep]
+        if not any(rows):
+            return contextlib.nullcontext()
+        return manager.forward_rows(rows)
 
     def transformer_forward(self, inp: Any, call: Callable[..., Any]) -> torch.Tensor:
         """The raw prediction rows of step input `inp` (one state's, one CFG branch's, or co-batched states'
@@ -416,15 +504,13 @@ def _attempt(fn: Callable[[], object]) -> Exception | None:
 
 
 def refuse_pipeline_kwargs(requests: list[OmniDiffusionRequest]) -> None:
-    """`lora` and `extra_args` (e.g. {"sigmas": [...]}) are diffusers `__call__` arguments that only the generic
-    diffusers adapter passes on; a native pipeline refuses them rather than run without them."""
+    """`extra_args` (e.g. {"sigmas": [...]}) are diffusers `__call__` arguments that only the generic diffusers
+    adapter passes on; a native pipeline refuses them rather than run without them."""
     for request in requests:
-        sp = request.sampling_params
-        for name in ("lora", "extra_args"):
-            if getattr(sp, name):
-                raise OmniClientError(f"{name}={getattr(sp, name)!r} is not supported by vllm-omni's native "
-                                      "pipelines (the generic diffusers adapter passes it to the diffusers "
-                                      "pipeline)", param=name)
+        if request.sampling_params.extra_args:
+            raise OmniClientError(f"extra_args={request.sampling_params.extra_args!r} is not supported by "
+                                  "vllm-omni's native pipelines (the generic diffusers adapter passes it to the "
+                                  "diffusers pipeline)", param="extra_args")
 
 
 def _aborted_output() -> DiffusionOutput:

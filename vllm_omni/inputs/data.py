@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.cache_config import check_request_cache_config
+from vllm_omni.inputs.lora import parse_lora
 
 Quality = Literal["lossless", "high", "fast"]
 OutputType = Literal["pil", "np", "pt", "latent"]
@@ -86,7 +87,9 @@ class OmniDiffusionSamplingParams:
     boundary_ratio: float | None = knob(minimum=0, maximum=1, pipeline_kwarg=True)
     flow_shift: float | None = knob(minimum=0, pipeline_kwarg=True)
     max_sequence_length: int | None = knob(http=False, minimum=1, maximum=65536, pipeline_kwarg=True)
-    lora: dict[str, Any] | None = knob(http=False, pipeline_kwarg=True)
+    lora: dict[str, Any] | list[dict[str, Any]] | None = knob(batch_key=False)
+    """Adapters to run with (`vllm_omni/inputs/lora.py`, docs/lora.md): {"name" or "path", "scale"} or a list of
+    them. Not part of the batching key: requests with different adapters share one transformer forward."""
     priority: int = knob(0, batch_key=False, minimum=PRIORITY_RANGE[0], maximum=PRIORITY_RANGE[1])
     """vLLM's priority semantics: lower values are served first, ties by arrival (`--diffusion-scheduler-policy
     priority`; the other policies ignore it)."""
@@ -103,7 +106,9 @@ class OmniDiffusionSamplingParams:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            _check_value(f.name, getattr(self, f.name), f.metadata)
+            if f.name != "lora":  # one object or a list of them: checked by its parser
+                _check_value(f.name, getattr(self, f.name), f.metadata)
+        parse_lora(self.lora)
         if self.cache_config is not None:
             check_request_cache_config(self.cache_config, self.quality, self.num_inference_steps)
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
+from vllm_omni.diffusion.lora import has_lora
+
 
 @torch.library.custom_op("vllm_omni::linear_gelu_tanh", mutates_args=())
 def _linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -27,9 +29,11 @@ def _(x, weight, bias):
 def linear_gelu_tanh(linear: LinearBase, x: torch.Tensor) -> torch.Tensor:
     """`gelu(linear(x), approximate="tanh")` for a vLLM linear layer.
 
-    Off CUDA, without a bias, or for a quantized layer, this is the layer's own forward followed by `F.gelu`.
+    Off CUDA, without a bias, for a quantized layer, or for one carrying LoRA deltas (added by a hook on its
+    forward), this is the layer's own forward followed by `F.gelu`.
     """
-    if x.is_cuda and linear.bias is not None and isinstance(linear.quant_method, UnquantizedLinearMethod):
+    if x.is_cuda and linear.bias is not None and isinstance(linear.quant_method, UnquantizedLinearMethod) \
+            and not has_lora(linear):
         return _linear_gelu_tanh(x, linear.weight, linear.bias)
     out = linear(x)
     return F.gelu(out[0] if isinstance(out, tuple) else out, approximate="tanh")

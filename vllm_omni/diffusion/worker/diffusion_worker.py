@@ -15,14 +15,17 @@ import torch
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.parallel_state import destroy_diffusion_distributed, init_diffusion_distributed
+from vllm_omni.diffusion.lora import LoRAManager
 from vllm_omni.diffusion.step_context import PartialSink
 from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+from vllm_omni.errors import OmniClientError
+from vllm_omni.inputs.lora import LoRARef
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 
-RPC_METHODS = frozenset({"ping", "sleep", "wake_up"})
+RPC_METHODS = frozenset({"ping", "sleep", "wake_up", "load_lora", "unload_lora"})
 
 
 def select_device(od_config: OmniDiffusionConfig, rank: int) -> torch.device:
@@ -93,6 +96,24 @@ class DiffusionWorker:
             self._move_modules(self.device)
         self.sleep_level = 0
         return self.ping()
+
+    def load_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Make an adapter resident (the server registers a name only once every rank holds it); an
+        OmniClientError names what is wrong with the file."""
+        self._lora_manager().load(LoRARef(name, path, 1.0))
+        return self.ping()
+
+    def unload_lora(self, path: str) -> bool:
+        return self._lora_manager().unload(path)
+
+    def _lora_manager(self) -> LoRAManager:
+        pipeline = self.model_runner.pipeline
+        manager = getattr(pipeline, "lora_manager", None)
+        if manager is None:
+            why = f"{type(pipeline).__name__} takes no LoRA adapters" if self.od_config.enable_lora else \
+                "start the server with --enable-lora"
+            raise OmniClientError(f"lora: {why}", param="lora")
+        return manager
 
     def _move_modules(self, device: torch.device) -> None:
         pipeline = self.model_runner.pipeline

@@ -86,7 +86,8 @@ async def show_models(raw_request: Request) -> JSONResponse:
     if vllm_models is not None:  # an AR-first pipeline: vLLM's card (max_model_len, LoRA modules)
         return JSONResponse((await vllm_models.show_available_models()).model_dump())
     card = ModelCard(id=state.model_name, root=state.model_path, owned_by="vllm-omni")
-    return JSONResponse(ModelList(data=[card]).model_dump())
+    adapters = [ModelCard(**entry) for entry in state.loras.model_cards(state.model_name)]
+    return JSONResponse(ModelList(data=[card, *adapters]).model_dump())
 
 
 @router.post("/v1/chat/completions", dependencies=[JsonBody])

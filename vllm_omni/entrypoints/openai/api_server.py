@@ -23,6 +23,8 @@ from vllm_omni.entrypoints.openai.api_router import add_unavailable_routes, rout
 from vllm_omni.entrypoints.openai.batch_serving import OmniOpenAIServingChatBatch
 from vllm_omni.entrypoints.openai.engine_client import OmniStageEngineClient
 from vllm_omni.entrypoints.openai.errors import register_exception_handlers
+from vllm_omni.entrypoints.openai.lora import ServedLoRAs
+from vllm_omni.entrypoints.openai.lora import router as lora_router
 from vllm_omni.entrypoints.openai.metrics import OmniMetrics
 from vllm_omni.entrypoints.openai.middleware import add_omni_middleware
 from vllm_omni.entrypoints.openai.playground import router as playground_router
@@ -88,6 +90,8 @@ def build_app(args: argparse.Namespace, engine: Any, supported_tasks: tuple[str,
         from vllm.entrypoints.serve.instrumentator.basic import router as vllm_basic_router
 
         app.include_router(vllm_basic_router)  # /version, /load
+        if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:  # as vLLM: runtime adapter updates are opt-in
+            app.include_router(lora_router)
         add_unavailable_routes(app, VLLM_ROUTES, f"{{path}} needs a pipeline whose first stage is a text (AR) "
                                f"model; `{served_model_name(args)}` starts with a "
                                f"{_first_stage_type(engine)} stage")
@@ -110,7 +114,10 @@ async def build_app_async(args: argparse.Namespace, engine: Any) -> FastAPI:
     """`build_app`, plus vLLM's OpenAI app state on stage 0 for an AR-first pipeline."""
     client = vllm_engine_client(engine)
     if client is None:
-        return build_app(args, engine)
+        app = build_app(args, engine)
+        for module in getattr(args, "lora_modules", None) or []:  # the workers check each file first
+            await app.state.loras.load(module.name, module.path)
+        return app
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state as init_vllm_app_state
 
     supported_tasks = tuple(await client.get_supported_tasks())
@@ -140,7 +147,8 @@ def init_app_state(app: FastAPI, args: argparse.Namespace, engine: Any) -> None:
                           diffusion=DiffusionLimits(max_inference_steps=args.max_inference_steps,
                                                     max_num_frames=args.max_num_frames,
                                                     max_output_pixels=args.max_output_pixels))
-    common = dict(engine=engine, model_name=model_name, metrics=state.metrics, limits=limits)
+    state.loras = ServedLoRAs.from_args(args, engine)
+    common = dict(engine=engine, model_name=model_name, metrics=state.metrics, limits=limits, loras=state.loras)
     if getattr(args, "reasoning_parser", None):
         raise ValueError("--reasoning-parser is not supported with --omni yet")
     chat = dict(chat_template=load_chat_template(getattr(args, "chat_template", None)),

@@ -12,6 +12,7 @@ from typing import Any
 
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.capabilities import ModelCapabilities
+from vllm_omni.entrypoints.openai.lora import ServedLoRAs
 from vllm_omni.entrypoints.openai.metrics import OmniMetrics
 from vllm_omni.entrypoints.openai.protocol.common import DIFFUSION_FIELD_NAMES, DiffusionFields, parse_size
 from vllm_omni.errors import EngineDeadError, OmniClientError, OmniError, client_error_from_metadata
@@ -70,8 +71,11 @@ async def prepend(first: list[Any], rest: AsyncIterator[Any]) -> AsyncIterator[A
 class OmniServingBase:
     """Holds the engine (an `AsyncOmni`) and the server-wide settings the feature handlers need."""
 
-    def __init__(self, engine: Any, model_name: str, metrics: OmniMetrics, limits: ServerLimits) -> None:
+    def __init__(self, engine: Any, model_name: str, metrics: OmniMetrics, limits: ServerLimits,
+                 loras: ServedLoRAs | None = None) -> None:
         self.engine = engine
+        self.loras = loras or ServedLoRAs()
+        """The adapters requests may name (`lora`); by default none, and `lora` is refused."""
         self.model_name = model_name
         self.metrics = metrics
         self.limits = limits
@@ -193,6 +197,7 @@ class OmniServingBase:
         would fail in the worker fails here, before a request or job exists."""
         self.check_num_outputs(sp.num_outputs_per_prompt, f"{prefix}num_outputs_per_prompt")
         sp.check_limits(self.limits.diffusion, prefix)
+        self.loras.resolve(sp, prefix)
         rule = self.capabilities.shape_rule(stage_id)
         if rule is not None:
             rule.check(sp, prefix, size_field)

@@ -120,6 +120,9 @@ class DiffusersAdapterPipeline:
             raise OmniClientError(f"{type(self.pipe).__name__} runs on the generic diffusers adapter, which has no "
                                   "cache acceleration: use quality='lossless' or omit it",
                                   param="quality" if sp.quality not in (None, "lossless") else "cache_config")
+        if sp.lora:
+            raise OmniClientError(f"{type(self.pipe).__name__} runs on the generic diffusers adapter, which serves no "
+                                  "per-request LoRA (the native pipelines do, docs/lora.md)", param="lora")
         kwargs: dict[str, Any] = {"prompt": request.prompt_text}
         if request.negative_prompt is not None:
             kwargs["negative_prompt"] = request.negative_prompt

@@ -122,6 +122,7 @@ class FluxStepInput:
 
 class FluxPipeline(NativeDiffusionPipeline):
     progress_desc: ClassVar[str] = "FLUX denoise"
+    lora_loader: ClassVar[str | None] = "FluxLoraLoaderMixin"
 
     def __init__(self, *, od_config: OmniDiffusionConfig, transformer: FluxTransformer2DModel, text_encoder,
                  text_encoder_2, tokenizer, tokenizer_2, vae, scheduler, device: torch.device, dtype: torch.dtype):
@@ -253,6 +254,10 @@ class FluxPipeline(NativeDiffusionPipeline):
         return call("transformer", inp.x, inp.embeds, inp.pooled, inp.timestep, guidance=inp.guidance,
                     rotary_emb=inp.rotary_emb,
                     modulation=(inp.double_modulation, inp.single_modulation, inp.final_modulation))
+
+    def transformer_row_sources(self, state: DenoiseState, num_rows: int) -> list[int]:
+        """Every latent row, then the rows whose request has a negative prompt (`neg_rows`)."""
+        return list(range(state.latents.shape[0])) + state.conditioning.neg_rows.tolist()
 
     def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
         cond, rows = state.conditioning, state.latents.shape[0]

@@ -321,6 +321,24 @@ class FluxTransformer2DModel(nn.Module):
         double, single, final = table
         return double[:, :, step], single[:, step], final[step]
 
+    def lora_target(self, module: str) -> tuple[str, str | int | None]:
+        """Our linear computing diffusers module `module` (a LoRA target) and its slice when fused. The adaLN
+        modulation and its conditioning vector are computed once per request group for all steps
+        (`step_modulation`), not per transformer row, so a LoRA on them cannot be per request: refused."""
+        if module.startswith(("time_text_embed.", "norm_out.")) or \
+                module.endswith((".norm1.linear", ".norm1_context.linear", ".norm.linear")):
+            raise ValueError(f"{module} (adaLN modulation, computed once per request group) takes no "
+                             "per-request LoRA")
+        target, shard = _map_name(module + ".weight")
+        return target.removesuffix(".weight"), shard
+
+    def lora_down_columns(self, target: str, down: torch.Tensor) -> torch.Tensor:
+        """A LoRA down-projection in the input column order of our `target` (a single block's proj_out takes
+        [attn | mlp] interleaved per TP rank, as `load_weights` reorders its weight)."""
+        if target.startswith("single_transformer_blocks.") and target.endswith(".proj_out"):
+            return self._interleave_packed_columns(down)
+        return down
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load diffusers-named tensors; returns the names of our parameters that were filled."""
         params = dict(self.named_parameters())

@@ -98,6 +98,7 @@ class QwenStepInput:
 
 class QwenImagePipeline(NativeDiffusionPipeline):
     progress_desc: ClassVar[str] = "Qwen-Image denoise"
+    lora_loader: ClassVar[str | None] = "QwenImageLoraLoaderMixin"
     prompt_template: ClassVar[str] = (
         "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
         "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"

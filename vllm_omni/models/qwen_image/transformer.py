@@ -428,6 +428,19 @@ class QwenImageTransformer2DModel(nn.Module):
         """`block_modulation` for each of `timesteps` (steps,), in [0, 1]: (num_layers, 2, steps, 6 * dim)."""
         return self.block_modulation(self.time_text_embed(timesteps.to(dtype), dtype))
 
+    def lora_target(self, module: str) -> tuple[str, str | None]:
+        """Our linear computing diffusers module `module` (a LoRA target) and its q/k/v slice when fused.
+        The adaLN modulation is computed once per request group for all steps (`step_modulation`), not per
+        transformer row, so a LoRA on it cannot be per request: refused (ValueError)."""
+        if module.startswith("time_text_embed.") or ".img_mod." in module or ".txt_mod." in module:
+            raise ValueError(f"{module} (adaLN modulation, computed once per request group) takes no "
+                             "per-request LoRA")
+        name = _rename(module + ".")[:-1]
+        for ours, theirs, shard in self.stacked_params_mapping:
+            if name.endswith(theirs):
+                return name.removesuffix(theirs) + ours, shard
+        return name, None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load diffusers-named weights; returns the names of our parameters that were filled."""
         params = dict(self.named_parameters())

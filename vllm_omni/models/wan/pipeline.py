@@ -116,6 +116,7 @@ class WanPipeline(NativeDiffusionPipeline):
     """Text-to-video for Wan2.1 (one DiT) and Wan2.2 A14B (high/low-noise expert pair)."""
 
     progress_desc: ClassVar[str] = "Wan denoise"
+    lora_loader: ClassVar[str | None] = "WanLoraLoaderMixin"
 
     def __init__(self, *, od_config: OmniDiffusionConfig, device: torch.device, dtype: torch.dtype, tokenizer: Any,
                  text_encoder: nn.Module, transformer: WanTransformer3DModel,

@@ -335,6 +335,10 @@ class WanTransformer3DModel(nn.Module):
         (hidden, context, ...) and return hidden, cache-dit's Pattern_2, as they are."""
         return {"blocks": (self.blocks, 2)}
 
+    def lora_target(self, module: str) -> tuple[str, None]:
+        """Our linear computing diffusers module `module` (a LoRA target); Wan fuses no projections."""
+        return _rename(module + ".")[:-1], None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load diffusers-named tensors (sharding TP slices); returns the names of the parameters filled."""
         params = dict(self.named_parameters())

@@ -3,6 +3,7 @@ diffusion extra-body fields (derived from `OmniDiffusionSamplingParams`, the one
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import typing
@@ -216,12 +217,20 @@ def parse_size(size: str | None, param: str = "size") -> tuple[int | None, int |
 
 
 def coerce_form(fields: dict[str, str], model_cls: type[BaseModel]) -> dict[str, object]:
-    """Multipart values arrive as strings: those of int / float / bool fields of `model_cls` are parsed, so the
-    model's own checks apply (the field types are the only table)."""
+    """Multipart values arrive as strings: those of int / float / bool fields of `model_cls` are parsed, and those
+    of object / list fields (`lora`, `cache_config`) read as JSON, so the model's own checks apply (the field types
+    are the only table)."""
     out: dict[str, object] = {}
     for key, value in fields.items():
         info = model_cls.model_fields.get(key)
         kinds = {a for a in typing.get_args(info.annotation) or (info.annotation,)} if info else set()
+        if any(typing.get_origin(kind) in (dict, list) or kind in (dict, list) for kind in kinds):
+            try:
+                out[key] = json.loads(value)
+            except ValueError:
+                raise OmniClientError(f"{key} must be JSON in a multipart form, got {value[:32]!r}",
+                                      param=key) from None
+            continue
         try:
             if bool in kinds:
                 out[key] = _parse_bool(key, value)

@@ -1,0 +1,65 @@
+"""The `lora` request field: which adapters a diffusion request runs with, and at what scale.
+
+A request names an adapter the server registered (`--lora-modules`, `/v1/load_lora_adapter`) or gives a local
+path, as one object or a list of them (several adapters add up, each at its own scale):
+
+    {"name": "ghibli", "scale": 0.8}
+    [{"name": "ghibli"}, {"path": "/loras/pixel.safetensors", "scale": 0.5}]
+
+The API process resolves names to paths before the request is queued, so a worker only sees paths.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_omni.errors import OmniClientError
+
+MAX_LORAS_PER_REQUEST = 8
+_KEYS = ("name", "path", "scale")
+
+
+@dataclass(frozen=True)
+class LoRARef:
+    """One adapter of a request: `name` (registered, or the path when none was given), `path` (None until
+    resolved), `scale` (the multiplier of its delta, diffusers' `set_adapters` weight)."""
+
+    name: str
+    path: str | None
+    scale: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "path": self.path, "scale": self.scale}
+
+
+def parse_lora(value: Any) -> tuple[LoRARef, ...]:
+    """The adapters of a `lora` value (None: none); OmniClientError naming `lora` for any malformed entry."""
+    if value is None:
+        return ()
+    entries = value if isinstance(value, list) else [value]
+    if not 1 <= len(entries) <= MAX_LORAS_PER_REQUEST:
+        raise OmniClientError(f"lora must list 1 to {MAX_LORAS_PER_REQUEST} adapters, got {len(entries)}", param="lora")
+    refs = []
+    for i, entry in enumerate(entries):
+        where = f"lora[{i}]" if isinstance(value, list) else "lora"
+        if not isinstance(entry, dict):
+            raise OmniClientError(
+                f'{where} must be an object {{"name" or "path", "scale"}}, got {entry!r}', param="lora"
+            )
+        unknown = sorted(set(entry) - set(_KEYS))
+        if unknown:
+            raise OmniClientError(f"{where} has unknown key(s) {unknown} (known: {list(_KEYS)})", param="lora")
+        name, path, scale = entry.get("name"), entry.get("path"), entry.get("scale", 1.0)
+        if name is None and path is None:
+            raise OmniClientError(f'{where} needs a "name" (a registered adapter) or a "path"', param="lora")
+        for key, text in (("name", name), ("path", path)):
+            if text is not None and (not isinstance(text, str) or not text):
+                raise OmniClientError(f"{where}.{key} must be a non-empty string, got {text!r}", param="lora")
+        if not isinstance(scale, int | float) or isinstance(scale, bool) or not math.isfinite(scale):
+            raise OmniClientError(f"{where}.scale must be a finite number, got {scale!r}", param="lora")
+        refs.append(LoRARef(name or path, path, float(scale)))
+    if len({ref.name for ref in refs}) != len(refs):
+        raise OmniClientError("lora names the same adapter twice (give it one scale)", param="lora")
+    return tuple(refs)
