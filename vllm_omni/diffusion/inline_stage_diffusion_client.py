@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from vllm_omni.catalog.shapes import ShapeRule
@@ -54,16 +54,18 @@ class InlineStageDiffusionClient(StageClientBase):
         from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
 
         od_config = self.config.make_od_config()
-        loop = asyncio.get_running_loop()
         building = None
         try:
             # The workers take this replica's devices; other stages start theirs once these processes exist.
             async with spawn_environ(self.config.spawn_env(self.replica_id)) as started:
-                building = loop.run_in_executor(self._executor, DiffusionEngine, od_config)
-                await started(building, od_config.parallel_config.world_size)
-            self._engine = await asyncio.wait_for(asyncio.shield(building), timeout=self.config.stage_init_timeout)
+                building = self._executor.submit(DiffusionEngine, od_config)
+                await started(asyncio.wrap_future(building), od_config.parallel_config.world_size)
+            self._engine = await asyncio.wait_for(asyncio.wrap_future(building),
+                                                  timeout=self.config.stage_init_timeout)
         except BaseException:
-            if building is not None:  # we stopped waiting (timeout, cancel): close the engine once it is built
+            # The constructor cannot be interrupted: if we stop waiting (timeout, cancel), the engine it builds is
+            # closed once built (in the thread that built it: this loop may be gone by then).
+            if building is not None:
                 building.add_done_callback(_close_built)
             raise
         self._register_failure_callback()
@@ -199,7 +201,7 @@ class InlineStageDiffusionClient(StageClientBase):
             self._shutdown_complete = True
 
 
-def _close_built(building: asyncio.Future) -> None:
+def _close_built(building: Future) -> None:
     if not building.cancelled() and building.exception() is None:
         building.result().close()
 
