@@ -16,20 +16,23 @@ VAR = "VLLM_OMNI_TEST_SPAWN_ENV"
 
 
 def _report(conn) -> None:
+    """A stage process: reports the environment it was started with, then lives until its stage lets it go."""
     conn.send(os.environ.get(VAR))
+    conn.recv()
     conn.close()
 
 
 def _start_child(stage: int, spawned: list[threading.Event]) -> tuple[str | None, bool]:
     """What a stage start does in its thread: a process, then the wait for it to become ready (here: until the
     next stage has started its process, which it can only do if this stage no longer holds the environment)."""
-    parent, child = multiprocessing.get_context("fork").Pipe(duplex=False)
+    parent, child = multiprocessing.get_context("fork").Pipe()
     proc = multiprocessing.get_context("fork").Process(target=_report, args=(child,))
     proc.start()
     spawned[stage].set()
     seen = parent.recv()
-    proc.join(10)
     overlapped = stage + 1 == len(spawned) or spawned[stage + 1].wait(10)
+    parent.send("bye")
+    proc.join(10)
     return seen, overlapped
 
 
