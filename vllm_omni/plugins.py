@@ -26,9 +26,10 @@ def register_models() -> None:
     _allow_amx_on_cpu()
 
 
-ENGINE_CORE_FORKS_WORKERS = "VLLM_OMNI_ENGINE_CORE_FORKS_WORKERS"
+ENGINE_CORE_FORKS_WORKERS = "_VLLM_OMNI_ENGINE_CORE_FORKS_WORKERS"
 """Set by our front end, beside the `VLLM_WORKER_MULTIPROC_METHOD=spawn` it chose, only when the user chose no
-start method: an explicit `VLLM_WORKER_MULTIPROC_METHOD` is kept in every process. Internal, not a setting."""
+start method: an explicit `VLLM_WORKER_MULTIPROC_METHOD` is kept in every process. Internal, not a setting (no
+`VLLM_` prefix: vLLM warns in every process about a `VLLM_*` variable it does not know)."""
 
 
 def _fork_workers_in_engine_core() -> None:

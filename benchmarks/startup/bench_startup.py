@@ -37,7 +37,7 @@ TIMEOUT_S = 600.0
 
 MARKERS = {
     "first_log": re.compile(r"\bINFO\b|\bWARNING\b"),
-    "first_engine_core_ready": re.compile(r"vLLM config in .* EngineCore ready in"),
+    "first_engine_core_ready": re.compile(r"\[StageRuntime\] .* ready in .*EngineCore \S+ s"),
     "weights_loaded": re.compile(r"Loading weights took|\[diffusion rank \d+\] loaded "),
     "vllm_warmup_done": re.compile(r"init engine \(profile, create kv cache, warmup model\) took"),
     "first_stage_ready": re.compile(r"\[StageRuntime\] .* ready in"),
@@ -45,6 +45,19 @@ MARKERS = {
     "http_up": re.compile(r"Application startup complete"),
 }
 """Start-up log lines that mark a phase; a phase's time is when its first line appeared, from the spawn."""
+STAGE_READY = re.compile(r"\[StageRuntime\] (\S+) ready in (\S+) s(?: \((.*)\))?")
+"""Each stage's own start-up line: its total and its phases (`name seconds s`, comma-separated)."""
+
+
+def stage_phases(log: str) -> dict[str, dict[str, float]]:
+    """Per stage, the seconds of its start and of each phase its start-up line names."""
+    out = {}
+    for name, total, phases in STAGE_READY.findall(log):
+        out[name] = {"total": float(total)}
+        for part in filter(None, phases.split(", ")):
+            phase, seconds = part.rsplit(" ", 2)[:2]
+            out[name][phase] = float(seconds)
+    return out
 
 TARGETS = {"serve-qwen-image": {"ready_s": 8.0, "sigterm_exit_s": 3.0},
            "serve-qwen3-omni": {"ready_s": 15.0, "sigterm_exit_s": 3.0},
@@ -138,6 +151,7 @@ def bench_serve(name: str, args: list[str]) -> dict:
     reader.join(timeout=10)
     left = _group_left(proc.pid)
     return {"target": name, "ready_s": round(ready_s, 2), "sigterm_exit_s": round(exit_s, 2), "phases_s": phases,
+            "stages_s": stage_phases("".join(log)),
             "exit_code": proc.returncode, "processes_left": left, "load1_before": load_before,
             "load1_after": load1()}
 
@@ -161,12 +175,13 @@ def bench_omni(target: str) -> dict:
     if out.returncode != 0 or found is None:
         raise RuntimeError(f"Omni run failed ({out.returncode}):\n{(out.stdout + out.stderr)[-4000:]}")
     import_s, start_s, close_s = map(float, found.groups())
-    stage = re.search(r"vLLM config in (\S+) s, EngineCore ready in (\S+) s", out.stdout + out.stderr)
+    stage = re.search(r"\(vLLM config (\S+) s, EngineCore (\S+) s\)", out.stdout + out.stderr)
     warm = re.search(r"init engine \(profile, create kv cache, warmup model\) took (\S+) s", out.stdout + out.stderr)
     phases = {"import_s": import_s, "vllm_config_s": float(stage.group(1)) if stage else None,
               "engine_core_ready_s": float(stage.group(2)) if stage else None,
               "vllm_warmup_s": float(warm.group(1)) if warm else None}
     return {"target": target, "ready_s": round(import_s + start_s, 2), "start_s": start_s, "close_s": close_s,
+            "stages_s": stage_phases(out.stdout + out.stderr),
             "process_s": round(total_s, 2), "phases_s": phases, "load1_before": load_before, "load1_after": load1()}
 
 
@@ -187,6 +202,8 @@ def print_table(runs: list[dict]) -> None:
         stop = r.get("sigterm_exit_s", r.get("close_s"))
         phases = " ".join(f"{k}={v}" for k, v in r["phases_s"].items() if v is not None)
         print(f"{r['target']:18} {r['ready_s']:8.2f} {stop:7.2f} {r['load1_before']:6.1f}  {phases}")
+        for stage, seconds in r.get("stages_s", {}).items():
+            print(f"{'':42}{stage}: " + ", ".join(f"{k} {v:.2f}" for k, v in seconds.items()))
 
 
 def plot(path: Path, summary: dict) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from vllm_omni.config import StageConfigFactory
 from vllm_omni.config.deploy_config import split_cpus
-from vllm_omni.engine.stage_runtime import stage_environ
+from vllm_omni.engine.spawn_env import stage_environ
 from vllm_omni.errors import OmniClientError
 from vllm_omni.models.qwen3_omni.pipeline import qwen3_omni_pipeline
 

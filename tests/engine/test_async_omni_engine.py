@@ -80,10 +80,38 @@ def test_three_stages_run_and_shut_down_side_by_side():
     assert not any(t.name == "OmniOrchestrator" and t.is_alive() for t in threading.enumerate())
 
 
-def test_start_failure_names_stage_and_stops_started_ones():
+class StartSideBySide(Echo):
+    """Each stage's start returns only once all three are inside theirs: one after another never gets there."""
+
+    inside: list[int] = []
+
+    async def start(self) -> None:
+        StartSideBySide.inside.append(self.stage_id)
+        while len(StartSideBySide.inside) < 3:
+            await asyncio.sleep(0.01)
+        await super().start()
+
+
+def test_stages_start_side_by_side():
+    Echo.started, Echo.stopped, StartSideBySide.inside = [], [], []
+    engine = AsyncOmniEngine(config(), stage_client_factory=StartSideBySide)
+    engine.shutdown()
+    assert sorted(Echo.started) == [0, 1, 2] and sorted(Echo.stopped) == [0, 1, 2]
+
+
+class SlowEcho(Echo):
+    """Stage 2 takes its time: the failure of stage 1 cancels it (it never starts), stage 0 is stopped."""
+
+    async def start(self) -> None:
+        if self.stage_id == 2:
+            await asyncio.sleep(30)
+        await super().start()
+
+
+def test_start_failure_names_stage_cancels_the_others_and_stops_started_ones():
     Echo.started, Echo.stopped = [], []
     with pytest.raises(RuntimeError, match=r"stage 1 \(llm, model echo\) failed to start: RuntimeError: weights"):
-        AsyncOmniEngine(config(fail_stage=1), stage_client_factory=Echo)
+        AsyncOmniEngine(config(fail_stage=1), stage_client_factory=SlowEcho)
     assert Echo.started == [0] and Echo.stopped == [0]
 
 

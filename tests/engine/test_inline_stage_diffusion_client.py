@@ -114,3 +114,43 @@ def test_shutdown_idempotent_engine_closed_before_executor():
     for t in threads:
         t.join(5)
     assert engine.events == ["close", "executor:True:True"] and client._shutdown_complete
+
+
+def test_a_start_given_up_closes_the_engine_once_it_is_built(monkeypatch):
+    """Why: stages start side by side and the first failure cancels the others; the diffusion engine's
+    constructor cannot be interrupted, so the engine it builds must not be left running (with its workers)."""
+    import asyncio
+
+    import vllm_omni.diffusion.diffusion_engine as diffusion_engine
+
+    release, built = threading.Event(), []
+
+    class SlowEngine(Engine):
+        executor = None
+
+        def __init__(self, od_config) -> None:
+            super().__init__()
+            release.wait(10)
+            built.append(self)
+
+    monkeypatch.setattr(diffusion_engine, "DiffusionEngine", SlowEngine)
+    monkeypatch.setattr(VllmOmniDiffusionStageConfig, "make_od_config", lambda self: _OdConfig())
+    client = InlineStageDiffusionClient(VllmOmniDiffusionStageConfig(stage_id=0, model="m", final_output=True))
+
+    async def give_up():
+        start = asyncio.ensure_future(client.start())
+        await asyncio.sleep(0.05)
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+
+    asyncio.run(give_up())
+    release.set()
+    client._executor.shutdown(wait=True)
+    assert len(built) == 1 and built[0].events == ["close"]
+    assert client._engine is None
+
+
+class _OdConfig:
+    class parallel_config:
+        world_size = 1

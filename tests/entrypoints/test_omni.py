@@ -30,6 +30,13 @@ def params(seed: int) -> OmniDiffusionSamplingParams:
     return OmniDiffusionSamplingParams(height=64, width=64, num_inference_steps=2, seed=seed)
 
 
+def test_the_diffusion_stage_reports_its_start_up_phases(omni):
+    """Why: each stage's start-up log line (issue 30) says where its seconds went; the slowest rank's phases."""
+    phases = omni.engine.stage_clients[0].startup_phases
+    assert list(phases) == ["worker process", "worker imports", "device", "load", "warm-up"]
+    assert all(seconds >= 0 for seconds in phases.values()) and phases["worker process"] > 0
+
+
 def test_generate_images_in_prompt_order(omni):
     assert omni.stage_types == ["diffusion"] and omni.output_modalities == {"image"}
     outs = omni.generate(["a cat", "a dog", "a cat"], params(7), use_tqdm=False)

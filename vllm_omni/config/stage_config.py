@@ -68,6 +68,11 @@ class BaseVllmOmniStageConfig:
         per = len(ids) // self.num_replicas
         return ",".join(ids[replica * per:(replica + 1) * per])
 
+    def spawn_env(self, replica: int) -> dict[str, str]:
+        """The environment replica `replica`'s processes are started with beyond the engine process's own."""
+        devices = self.replica_devices(replica)
+        return {"CUDA_VISIBLE_DEVICES": devices} if devices is not None else {}
+
 
 @dataclass(config=FORBID)
 class VllmOmniARStageConfig(BaseVllmOmniStageConfig):
@@ -81,6 +86,9 @@ class VllmOmniARStageConfig(BaseVllmOmniStageConfig):
         if self.cpu_threads_bind is None:
             return {}
         return {"VLLM_CPU_OMP_THREADS_BIND": self.cpu_threads_bind[replica]}
+
+    def spawn_env(self, replica: int) -> dict[str, str]:
+        return {**super().spawn_env(replica), **self.omp_env(replica)}
 
     @staticmethod
     def known_args() -> frozenset[str]:

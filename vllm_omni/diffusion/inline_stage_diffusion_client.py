@@ -14,13 +14,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from vllm_omni.catalog.shapes import ShapeRule
 from vllm_omni.catalog.spec import Modality
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, join_streamed_video
+from vllm_omni.engine.spawn_env import spawn_environ
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.errors import EngineDeadError, client_error_from_metadata
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
@@ -53,10 +54,22 @@ class InlineStageDiffusionClient(StageClientBase):
         from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
 
         od_config = self.config.make_od_config()
-        loop = asyncio.get_running_loop()
-        self._engine = await asyncio.wait_for(loop.run_in_executor(self._executor, DiffusionEngine, od_config),
-                                              timeout=self.config.stage_init_timeout)
+        building = None
+        try:
+            # The workers take this replica's devices; other stages start theirs once these processes exist.
+            async with spawn_environ(self.config.spawn_env(self.replica_id)) as started:
+                building = self._executor.submit(DiffusionEngine, od_config)
+                await started(asyncio.wrap_future(building), od_config.parallel_config.world_size)
+            self._engine = await asyncio.wait_for(asyncio.wrap_future(building),
+                                                  timeout=self.config.stage_init_timeout)
+        except BaseException:
+            # The constructor cannot be interrupted: if we stop waiting (timeout, cancel), the engine it builds is
+            # closed once built (in the thread that built it: this loop may be gone by then).
+            if building is not None:
+                building.add_done_callback(_close_built)
+            raise
         self._register_failure_callback()
+        self.startup_phases = _worker_startup_phases(self._engine.executor.worker_info)
 
     def _register_failure_callback(self) -> None:
         if not self._failure_callback_registered:
@@ -187,6 +200,20 @@ class InlineStageDiffusionClient(StageClientBase):
                 self._engine.close()
             self._executor.shutdown(wait=True, cancel_futures=True)
             self._shutdown_complete = True
+
+
+def _close_built(building: Future) -> None:
+    if not building.cancelled() and building.exception() is None:
+        building.result().close()
+
+
+def _worker_startup_phases(worker_info: list[dict[str, Any]]) -> dict[str, float]:
+    """The slowest rank's seconds per start-up phase (the stage is ready when its last rank is)."""
+    phases: dict[str, float] = {}
+    for info in worker_info:
+        for name, seconds in info.get("startup_s", {}).items():
+            phases[name] = max(phases.get(name, 0.0), seconds)
+    return phases
 
 
 class _PartialStream:

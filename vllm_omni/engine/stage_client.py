@@ -52,6 +52,9 @@ class StageClientBase:
         self.stage_id = config.stage_id
         self.replica_id = replica_id
         self.final_output = config.final_output
+        self.startup_phases: dict[str, float] = {}
+        """Seconds of each phase of the last `start` (e.g. config, worker process, load, warm-up), for the
+        start-up log line of the stage."""
 
     @property
     def name(self) -> str:

@@ -24,8 +24,8 @@ from typing import Any
 from vllm_omni.catalog.spec import Modality
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.output_collectors import get_output_collector
+from vllm_omni.engine.spawn_env import spawn_environ
 from vllm_omni.engine.stage_client import StageClientBase, cancel_task
-from vllm_omni.engine.stage_runtime import stage_environ
 from vllm_omni.errors import EngineDeadError, EngineGenerateError, OmniClientError, StageRestartingError
 from vllm_omni.logger import init_logger
 from vllm_omni.outputs import OmniRequestOutput
@@ -80,29 +80,33 @@ class StageEngineCoreClient(StageClientBase):
         engine_args = self.config.make_engine_args()
         vllm_config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
         configured = time.perf_counter()
-        # AsyncLLM's constructor blocks until EngineCore is ready; keep the loop free meanwhile. It cannot be
-        # interrupted: if we stop waiting (timeout, cancel) whatever it builds is shut down once built.
         registry = CollectorRegistry()
-        # The EngineCore (spawned while AsyncLLM is built, also on a restart) takes this replica's OpenMP CPU set.
-        with stage_environ(self.config.omp_env(self.replica_id)):
-            # A thread per build, ending with it: no idle thread stays in the API process.
-            builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-build")
-            built = builder.submit(self._build_llm, AsyncLLM, vllm_config, engine_args, registry)
-            builder.shutdown(wait=False)
-            self._building = built
-            try:
-                llm = await asyncio.wait_for(asyncio.wrap_future(built), timeout=self.config.stage_init_timeout)
-            except BaseException:
-                if self._building is built:  # not taken over by `shutdown`
-                    self._building = None
-                    built.add_done_callback(_discard_built)
-                raise
+        # AsyncLLM's constructor blocks until EngineCore is ready; keep the loop free meanwhile. A thread per build,
+        # ending with it: no idle thread stays in the API process.
+        builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.name}-build")
+        built = None
+        try:
+            # The EngineCores (spawned while AsyncLLM is built, also on a restart) take this replica's devices and
+            # OpenMP CPU set; other stages start theirs once these exist, not once they are ready.
+            async with spawn_environ(self.config.spawn_env(self.replica_id)) as started:
+                built = builder.submit(self._build_llm, AsyncLLM, vllm_config, engine_args, registry)
+                builder.shutdown(wait=False)
+                self._building = built
+                await started(asyncio.wrap_future(built), vllm_config.parallel_config.data_parallel_size_local)
+            llm = await asyncio.wait_for(asyncio.wrap_future(built), timeout=self.config.stage_init_timeout)
+        except BaseException:
+            # AsyncLLM's constructor blocks until EngineCore is ready and cannot be interrupted: if we stop
+            # waiting (timeout, cancel) whatever it builds is shut down once built.
+            if built is not None and self._building is built:  # not taken over by `shutdown`
+                self._building = None
+                built.add_done_callback(_discard_built)
+            raise
         if self._building is not built:  # `shutdown` ran meanwhile and shut it down
             raise EngineDeadError(f"{self.name}: shut down while its EngineCore started")
         self._building = None
         self.llm = llm
-        logger.info("[%s] vLLM config in %.1f s, EngineCore ready in %.1f s", self.name, configured - start,
-                    time.perf_counter() - configured)
+        # vLLM's EngineCore logs its own phases (weights; profile, KV cache and warm-up) from its process.
+        self.startup_phases = {"vLLM config": configured - start, "EngineCore": time.perf_counter() - configured}
         self._core_segments = _engine_core_segments(self.llm)
         self.metrics_registry = registry
 
@@ -246,6 +250,8 @@ class StageEngineCoreClient(StageClientBase):
         except Exception:
             logger.exception("[%s] re-creating the EngineCore failed; the stage is dead", self.name)
             self._dead = True
+            return
+        logger.info("[%s] EngineCore re-created in %.1f s", self.name, sum(self.startup_phases.values()))
 
     def _shutdown_llm(self) -> None:
         """vLLM's shutdown of the AsyncLLM (reaps the EngineCore); then the shared memory that EngineCore

@@ -47,9 +47,11 @@ class StageGenerationClient(StageClientBase):
         dtype = getattr(torch, self.config.engine_args.get("dtype", "float32"))
         device = self.config.engine_args.get("device", "cpu")
         loop = asyncio.get_running_loop()
+        start = time.perf_counter()
         self.model = await asyncio.wait_for(loop.run_in_executor(
             self._executor, lambda: model_cls.from_pretrained(self.config.model, device=device, dtype=dtype)),
             timeout=self.config.stage_init_timeout)
+        self.startup_phases = {"load": time.perf_counter() - start}
         self.on_loop()
 
     def on_loop(self) -> None:

@@ -1,11 +1,10 @@
-"""Starts every stage's replicas in order, with a readiness timeout, and shuts them all down side by side (or, after
-a failed start, one after another)."""
+"""Starts every replica of every stage side by side, with a readiness timeout, and shuts them all down side by
+side (or, after a failed start, where no loop runs any more, from threads of their own)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -36,21 +35,6 @@ def make_stage_client(config: StageConfig, replica_id: int) -> StageClientBase:
     raise ValueError(f"stage {config.stage_id}: unknown stage kind {config.kind!r}")
 
 
-@contextlib.contextmanager
-def stage_environ(env: dict[str, str]):
-    """Stage processes inherit the environment at spawn time; stages start one at a time."""
-    previous = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in previous.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
 StageClientFactory = Callable[[StageConfig, int], StageClientBase]
 
 SHUTDOWN_TIMEOUT_S = 30.0
@@ -65,24 +49,37 @@ class StageRuntime:
         self.pools: list[StagePool] = []
 
     async def start(self) -> list[StagePool]:
+        """Every replica of every stage starts at once: no stage needs another one running to start (the edges
+        carry requests only), and each replica's processes get its own environment (`spawn_environ`). The first
+        failure cancels the starts still running; whatever started is shut down."""
+        self.pools = [StagePool(stage.stage_id, [None] * stage.num_replicas, stage.kind)
+                      for stage in self.config.stages]
+        tasks = {asyncio.ensure_future(self._start_replica(pool, stage, replica)): stage
+                 for pool, stage in zip(self.pools, self.config.stages, strict=True)
+                 for replica in range(stage.num_replicas)}
         try:
-            for stage in self.config.stages:
-                clients: list[StageClientBase | None] = []
-                self.pools.append(StagePool(stage.stage_id, clients, stage.kind))
-                for replica in range(stage.num_replicas):
-                    client = self.client_factory(stage, replica)
-                    start = time.perf_counter()
-                    devices = stage.replica_devices(replica)
-                    with stage_environ({"CUDA_VISIBLE_DEVICES": devices} if devices is not None else {}):
-                        await client.start()
-                    clients.append(client)
-                    logger.info("[StageRuntime] %s ready in %.1f s", client.name, time.perf_counter() - start)
-        except BaseException as e:
-            failed = self.config.stages[len(self.pools) - 1]
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        except BaseException:  # cancelled (the readiness timeout): stop what started, then end as asked
+            await _cancel_all(tasks)
             self.shutdown()
-            raise RuntimeError(f"stage {failed.stage_id} ({failed.stage_type}, model {failed.model}) failed to "
-                               f"start: {type(e).__name__}: {e}") from e
-        return self.pools
+            raise
+        failed = next((task for task in tasks if task in done and task.exception() is not None), None)
+        if failed is None:
+            return self.pools
+        await _cancel_all(pending)
+        self.shutdown()
+        stage, e = tasks[failed], failed.exception()
+        raise RuntimeError(f"stage {stage.stage_id} ({stage.stage_type}, model {stage.model}) failed to start: "
+                           f"{type(e).__name__}: {e}") from e
+
+    async def _start_replica(self, pool: StagePool, stage: StageConfig, replica: int) -> None:
+        client = self.client_factory(stage, replica)
+        start = time.perf_counter()
+        await client.start()  # a start that fails or is cancelled cleans up after itself
+        pool.clients[replica] = client
+        phases = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in client.startup_phases.items())
+        logger.info("[StageRuntime] %s ready in %.2f s%s", client.name, time.perf_counter() - start,
+                    f" ({phases})" if phases else "")
 
     def shutdown(self) -> None:
         """Every replica of every stage stops at once, each in a thread of its own, where no event loop drives the
@@ -125,6 +122,12 @@ class StageRuntime:
         clients = [client for pool in reversed(self.pools) for client in pool.clients if client is not None]
         self.pools = []
         return clients
+
+
+async def _cancel_all(tasks) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _shutdown_in_thread(client: StageClientBase, loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:

@@ -6,6 +6,7 @@ parser, and `import vllm_omni` stays light (< 2 s).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -106,3 +107,16 @@ def test_bad_flag_values_name_the_flag(parser, capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["m", "--diffusion-attention-backend", "MAGIC"])
     assert "--diffusion-attention-backend" in capsys.readouterr().err
+
+
+def test_serve_leaves_the_start_method_to_the_engine(monkeypatch, capsys):
+    """Why: vLLM's `cli_env_setup` sets `VLLM_WORKER_MULTIPROC_METHOD=spawn`, which then reads as the user's
+    choice, and every EngineCore of `vllm serve --omni` spawned its worker (a fresh torch + vLLM import per AR
+    stage) instead of forking it (plugins.py)."""
+    from vllm_omni.entrypoints.cli.main import main
+
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--omni" in capsys.readouterr().out
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ

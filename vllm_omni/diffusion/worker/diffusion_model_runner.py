@@ -52,6 +52,8 @@ class DiffusionModelRunner:
         self.dtype = resolve_torch_dtype(od_config.dtype, device.type)
         self.pipeline: Any = None
         self.pipeline_class_name: str | None = None
+        self.startup_phases: dict[str, float] = {}
+        """Seconds of the last `load_model`: loading the weights, then the warm-up (compile / capture)."""
 
     def load_model(self) -> None:
         model_dir = resolve_model_dir(self.od_config.model, self.od_config.revision,
@@ -60,11 +62,13 @@ class DiffusionModelRunner:
         cls = MODEL_REGISTRY.load_pipeline_class(self.pipeline_class_name, self.od_config.use_diffusers_adapter)
         start = time.perf_counter()
         self.pipeline = cls.from_pretrained(self.od_config, model_dir, self.device, self.dtype)
+        loaded = time.perf_counter()
         logger.info(
             "[diffusion rank %d] loaded %s as %s on %s (%s) in %.2f s",
-            self.rank, model_dir, cls.__name__, self.device, self.dtype, time.perf_counter() - start,
+            self.rank, model_dir, cls.__name__, self.device, self.dtype, loaded - start,
         )
         self.warm_up()
+        self.startup_phases = {"load": loaded - start, "warm-up": time.perf_counter() - loaded}
 
     @torch.inference_mode()  # as serving runs: Dynamo guards on the grad mode
     def warm_up(self) -> None:

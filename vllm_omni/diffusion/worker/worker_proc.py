@@ -34,6 +34,7 @@ import traceback
 from dataclasses import dataclass
 
 import msgspec
+import psutil
 import zmq
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
@@ -101,6 +102,8 @@ class AbortedRequests:
 
 class WorkerProc:
     def __init__(self, spec: WorkerSpec) -> None:
+        self.started = time.time()
+        """When this process began running our code (after its interpreter start and the spec's imports)."""
         self.spec = spec
         self.rank = spec.rank
         self.context = zmq.Context(io_threads=1)
@@ -138,21 +141,27 @@ class WorkerProc:
             proc.shutdown()
 
     def start_worker(self) -> bool:
-        from vllm_omni.diffusion.worker.diffusion_worker import DiffusionWorker
-
         spec = self.spec
         try:
+            start = time.perf_counter()
+            from vllm_omni.diffusion.worker.diffusion_worker import DiffusionWorker
+
+            imported = time.perf_counter()
             self.worker = DiffusionWorker(spec.od_config, spec.rank, spec.world_size, spec.distributed_init_method)
             self.worker.init_device()
+            device = time.perf_counter()
             self.worker.load_model()
         except BaseException:
             self._send(WorkerInitFailed(rank=self.rank, error=traceback.format_exc()))
             return False
+        startup = {"worker process": self.started - psutil.Process().create_time(), "worker imports": imported - start,
+                   "device": device - imported, **self.worker.model_runner.startup_phases}
         if spec.od_config.step_execution:
             from vllm_omni.diffusion.worker.step_runner import StepWorker
 
             self.steps = StepWorker(self.worker.model_runner, self.rank, multi_rank=spec.world_size > 1)
-        info = {**self.worker.ping(), "pipeline_class": self.worker.model_runner.pipeline_class_name}
+        info = {**self.worker.ping(), "pipeline_class": self.worker.model_runner.pipeline_class_name,
+                "startup_s": startup}
         if self.worker.device.type == "cuda":  # what requests may use: the engine's memory admission budget
             import torch
 

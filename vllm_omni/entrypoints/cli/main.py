@@ -73,11 +73,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--omni", action="store_true", help="Accepted for `vllm --omni ...`; implied here.")
     subparsers = parser.add_subparsers(required=False, dest="subparser")
     if argv[:1] == ["serve"]:
-        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-
+        # No vLLM `cli_env_setup()`: its `VLLM_WORKER_MULTIPROC_METHOD=spawn` would look like the user's choice, and
+        # every EngineCore would then spawn its worker too (a fresh torch + vLLM import per AR stage). The engine
+        # spawns its stage processes itself and lets each EngineCore fork its worker (AsyncOmniEngine, plugins.py).
         from vllm_omni.entrypoints.cli.serve import OmniServeCommand
 
-        cli_env_setup()
         command = OmniServeCommand()
         command.subparser_init(subparsers).set_defaults(dispatch_function=command.cmd)
     else:  # help/version only: skip building the (heavy) engine-args parser
