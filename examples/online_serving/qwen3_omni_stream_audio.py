@@ -47,7 +47,8 @@ def speech(client, model: str, args) -> None:
     start, first, size = time.perf_counter(), None, 0
     path = args.out or "speech.wav"
     with client.audio.speech.with_streaming_response.create(
-            model=model, voice=args.voice, input=args.prompt, response_format="wav") as response, \
+            model=model, voice=args.voice, input=args.prompt, response_format="wav",
+            extra_body={} if args.seed is None else {"seed": args.seed}) as response, \
             open(path, "wb") as out:
         for data in response.iter_bytes():
             first = first or time.perf_counter() - start
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--prompt", default="Tell me about lighthouses.")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--voice", default="ethan", help="Qwen3-Omni: ethan, chelsie, aiden")
+    parser.add_argument("--seed", type=int, default=None, help="--speech: the sampling seed (same seed, same audio)")
     parser.add_argument("--speech", action="store_true", help="stream /v1/audio/speech instead of chat")
     parser.add_argument("--out", help="output WAV (default reply.wav / speech.wav)")
     args = parser.parse_args()

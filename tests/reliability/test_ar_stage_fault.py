@@ -2,8 +2,10 @@
 
 Pins: kill -9 of the AR stage's EngineCore fails the running (and queued) chat completions with 503 within
 a few seconds and counts them as `error`; /health says degraded while the stage re-creates its AsyncLLM and
-200 within 60 s; a chat completion succeeds after, on a new EngineCore; the dead EngineCore and its worker
-are reaped (no zombie) and no shared-memory segment is left that no live process maps.
+200 within 60 s; a chat completion succeeds after, on a new EngineCore, and so do vLLM's own routes (their
+serving objects are made again on the new AsyncLLM: those of the dead one answered 500 "cannot schedule new
+futures after shutdown"); the dead EngineCore and its worker are reaped (no zombie) and no shared-memory
+segment is left that no live process maps; SIGTERM then stops the server within `SIGTERM_EXIT_S`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from tests.entrypoints.leak_checks import orphan_segments, shm_segments
 from tests.entrypoints.openai.live_server import LiveServer
 
 CHAT = "/v1/chat/completions"
+SIGTERM_EXIT_S = 30.0
+"""The stage's AsyncLLM shutdown (10 s at most) and uvicorn's graceful 3 s, with room for a loaded machine."""
 
 
 def chat(max_tokens: int) -> dict:
@@ -127,3 +131,26 @@ def test_kill9_of_the_engine_core_fails_fast_and_the_stage_comes_back(server):
     # the engine's error count covers the failed requests that had entered it: at least the one it ran.
     errors = srv.metric("vllm_omni:engine_requests_total", outcome="error") - errors_before
     assert 1 <= errors <= stream_failed + len(failed)
+    # vLLM's own routes on the new AsyncLLM (read after every assertion above: these add engine requests)
+    completion = httpx.post(srv.url + "/v1/completions", timeout=60,
+                            json={"model": "tiny/qwen2", "prompt": "hi", "max_tokens": 4, "ignore_eos": True})
+    assert completion.status_code == 200, completion.text
+    assert completion.json()["usage"]["completion_tokens"] == 4
+    response = httpx.post(srv.url + "/v1/responses", timeout=60,
+                          json={"model": "tiny/qwen2", "input": "hi", "max_output_tokens": 4})
+    assert response.status_code == 200, response.text
+    assert response.json()["status"] in ("completed", "incomplete")
+
+
+def test_sigterm_after_the_restart_stops_the_server(server):
+    """Runs after the kill test (same server): the restarted stage's EngineCore is shut down with the server."""
+    srv, _ = server
+    assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+    core = engine_processes(srv)["VLLM::EngineCore"]
+    sent = time.monotonic()
+    srv.terminate()
+    srv.proc.wait(timeout=SIGTERM_EXIT_S + 30)  # a hang fails below, with its duration
+    took = time.monotonic() - sent
+    assert took <= SIGTERM_EXIT_S, f"the server took {took:.1f} s to exit after SIGTERM"
+    assert srv.proc.returncode == 0, srv.log.read_text()[-3000:]
+    assert gone(core)

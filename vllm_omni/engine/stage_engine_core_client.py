@@ -57,6 +57,9 @@ class StageEngineCoreClient(StageClientBase):
         self.metrics_registry = None
         """This stage's vLLM `vllm:*` Prometheus series (a fresh registry per AsyncLLM; see stage_metrics)."""
         self._stats_task: asyncio.Task | None = None
+        self.llm_builds = 0
+        """How many AsyncLLMs this stage has adopted (1 + its restarts): whoever keeps objects made from the
+        AsyncLLM (vLLM's serving classes keep its renderer and input processor) makes them again when it moves."""
 
     async def start(self) -> None:
         await self._start_llm()
@@ -105,6 +108,7 @@ class StageEngineCoreClient(StageClientBase):
             raise EngineDeadError(f"{self.name}: shut down while its EngineCore started")
         self._building = None
         self.llm = llm
+        self.llm_builds += 1
         # vLLM's EngineCore logs its own phases (weights; profile, KV cache and warm-up) from its process.
         self.startup_phases = {"vLLM config": configured - start, "EngineCore": time.perf_counter() - configured}
         self._core_segments = _engine_core_segments(self.llm)

@@ -91,6 +91,20 @@ def test_speech(ar):
     assert pcm.headers["content-type"] == "audio/pcm" and len(pcm.content) == 2400 * 2
 
 
+def test_speech_seed_reaches_every_sampling_stage(parser):
+    """`seed` on /v1/audio/speech is each sampling stage's seed (two AR stages here, as Qwen3-Omni's thinker and
+    talker); a request without one samples unseeded."""
+    engine = FakeOmni(stage_types=["llm", "llm", "generation"], output_modalities={"audio"})
+    client = make_client(parser, engine)
+    assert client.post("/v1/audio/speech", json={"input": "hi", "response_format": "pcm", "seed": 7}).status_code \
+        == 200
+    seeded = engine.seen[-1][2]
+    assert [p.seed for p in seeded[:2]] == [7, 7]
+    assert client.post("/v1/audio/speech", json={"input": "hi", "response_format": "pcm"}).status_code == 200
+    assert [p.seed for p in engine.seen[-1][2][:2]] == [None, None]
+    assert client.post("/v1/audio/speech", json={"input": "hi", "seed": -1}).json()["error"]["param"] == "seed"
+
+
 def test_api_key_guards_v1_routes_only(parser):
     client = make_client(parser, FakeOmni(stage_types=["diffusion"], output_modalities={"image"}),
                          "--api-key", "sekret")

@@ -40,7 +40,7 @@ PARAMS_LIST = [{"temperature": 0.0, "max_tokens": THINKER_TOKENS, "ignore_eos": 
 
 @pytest.fixture(scope="module")
 def server(stop_later):
-    srv = LiveServer(MODEL, "--gpu-memory-utilization", "0.15", "--max-model-len", "256", "--enforce-eager",
+    srv = LiveServer(MODEL, "--gpu-memory-utilization", "0.15", "--max-model-len", "1024", "--enforce-eager",
                      "--dtype", "float32", "--max-input-audio-seconds", "5", "--max-input-video-frames", "2",
                      "--skip-mm-profiling")  # the thinker's dummy multimodal profile: ~20 s of CPU, sizes nothing
     yield srv
@@ -327,7 +327,10 @@ def test_bad_media_is_400_naming_the_field_and_spares_requests_in_flight(server,
     assert _open_fds(server.proc.pid) <= before
 
 
-LONG_THINKER, LONG_TALKER = 200, 40
+LONG_THINKER, LONG_TALKER = 900, 40
+"""The first vocoder chunk needs 26 talker frames, i.e. 27 thinker tokens; the thinker writes 900 (some 4x what
+it writes, on this tiny model, while the talker and vocoder make that chunk), so audio comes mid-answer on a
+loaded machine too."""
 LONG_PARAMS = [{"temperature": 0.0, "max_tokens": LONG_THINKER, "ignore_eos": True},
                {"max_tokens": LONG_TALKER, "temperature": 0.0}, {}]
 
@@ -342,9 +345,6 @@ def test_streamed_audio_chunks_come_while_the_answer_is_written(client, hf_model
             events.append(("text", delta.content))
         if delta is not None and delta.audio is not None:
             events.append(("audio", delta.audio if isinstance(delta.audio, dict) else delta.audio.model_dump()))
-    # Whether the first audio chunk comes before the last text token depends on the machine's load (the tiny
-    # thinker writes 200 tokens in about the time the talker and vocoder need for the first 25-frame chunk), so it
-    # is not asserted here; benchmarks/qwen3_omni/bench_stream_cpu.py measures the time to first audio.
     audio = [value for kind, value in events if kind == "audio"]
     text = "".join(value for kind, value in events if kind == "text")
     # The talker stops at its 40 frames while the thinker writes on: the rest of the transcript comes last.
@@ -352,6 +352,11 @@ def test_streamed_audio_chunks_come_while_the_answer_is_written(client, hf_model
     data = [a for a in audio if a.get("data")]
     assert len(data) >= 2, "the talker's 40 frames are two vocoder chunks (25 + 15): audio must stream"
     assert data[-1]["expires_at"] is not None and all(a.get("expires_at") is None for a in data[:-1])
+    # The order of one SSE stream is the server's (the client's load cannot change it): the audio is spoken
+    # while the answer is written, not handed over after its last token.
+    kinds = [kind if kind == "text" or value.get("data") else "transcript" for kind, value in events]
+    last_text, first_audio = len(kinds) - 1 - kinds[::-1].index("text"), kinds.index("audio")
+    assert first_audio < last_text, "the first audio chunk came after the last text delta"
     streamed = b"".join(base64.b64decode(a["data"]) for a in data)
 
     whole = client.chat.completions.create(**kwargs).choices[0].message
@@ -363,20 +368,31 @@ def test_streamed_audio_chunks_come_while_the_answer_is_written(client, hf_model
 
 
 def test_speech_streams_bytes_and_sse_events(server, client):
+    """`/v1/audio/speech` sends the audio in >= 2 pieces as it is made (chunked bytes and SSE deltas), and with a
+    `seed` (every sampling stage's: the thinker and the talker sample by default) the streamed audio is the
+    non-streamed one: FLAC, lossless, is encoded from the whole waveform at the end. Another seed gives other
+    audio (the seed reaches the sampling)."""
+    import av
     import httpx
 
-    with client.audio.speech.with_streaming_response.create(model=MODEL, voice="ethan", input=USER_TEXT,
-                                                            response_format="pcm") as response:
+    speech = {"model": MODEL, "voice": "ethan", "input": USER_TEXT, "extra_body": {"seed": 7}}
+    with client.audio.speech.with_streaming_response.create(response_format="pcm", **speech) as response:
         assert response.headers["content-type"].startswith("audio/pcm")
         chunks = [chunk for chunk in response.iter_bytes() if chunk]
     pcm = b"".join(chunks)
     assert len(chunks) >= 2 and len(pcm) > 0 and len(pcm) % 2 == 0  # sent as it is made, not in one piece
-    with httpx.stream("POST", f"{server.url}/v1/audio/speech", timeout=300, json={
-            "model": MODEL, "voice": "ethan", "input": USER_TEXT, "response_format": "pcm",
-            "stream_format": "sse"}) as response:
+    body = {"model": MODEL, "voice": "ethan", "input": USER_TEXT, "response_format": "pcm", "seed": 7}
+    with httpx.stream("POST", f"{server.url}/v1/audio/speech", timeout=300,
+                      json={**body, "stream_format": "sse"}) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
     assert [e["type"] for e in events][-1] == "speech.audio.done" and events[-1]["usage"]["input_tokens"] > 0
     deltas = [e for e in events if e["type"] == "speech.audio.delta"]
-    sse_pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)  # (the default talker samples: other audio)
-    assert len(deltas) >= 2 and len(sse_pcm) > 0 and len(sse_pcm) % 2 == 0
+    assert len(deltas) >= 2 and b"".join(base64.b64decode(e["audio"]) for e in deltas) == pcm
+
+    flac = client.audio.speech.create(response_format="flac", **speech).content
+    with av.open(io.BytesIO(flac)) as container:
+        whole = np.concatenate([frame.to_ndarray().reshape(-1) for frame in container.decode(audio=0)])
+    np.testing.assert_array_equal(whole.astype("<i2"), np.frombuffer(pcm, dtype="<i2"))
+    other = client.audio.speech.create(response_format="pcm", **{**speech, "extra_body": {"seed": 8}}).content
+    assert other != pcm

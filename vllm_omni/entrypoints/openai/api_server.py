@@ -10,9 +10,10 @@ stage (its routers and serving classes: /v1/completions, /v1/responses, /tokeniz
 from __future__ import annotations
 
 import argparse
+import asyncio
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI, Request
 from vllm import envs
 from vllm.entrypoints.launchers.launcher import create_server_socket, serve_http
 from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
@@ -83,7 +84,7 @@ def build_app(args: argparse.Namespace, engine: Any, supported_tasks: tuple[str,
     app.include_router(router)
     app.include_router(video_router)
     if supported_tasks is not None:
-        register_guarded_vllm_routers(args, app, supported_tasks)
+        register_guarded_vllm_routers(args, app, supported_tasks, first=Depends(live_vllm_state))
         add_unavailable_routes(app, VLLM_ROUTES, f"`{served_model_name(args)}` does not serve {{path}} (the tasks "
                                f"served for it through vLLM: {list(supported_tasks)})")
     else:
@@ -118,13 +119,37 @@ async def build_app_async(args: argparse.Namespace, engine: Any) -> FastAPI:
         for module in getattr(args, "lora_modules", None) or []:  # the workers check each file first
             await app.state.loras.load(module.name, module.path)
         return app
-    from vllm.entrypoints.launchers.api_server.app_state import init_app_state as init_vllm_app_state
-
     supported_tasks = tuple(await client.get_supported_tasks())
     app = build_app(args, engine, supported_tasks)
-    await init_vllm_app_state(client, app.state, args, supported_tasks)
-    app.state.log_stats = False  # each AR stage logs its own stats (vllm_omni/engine/stage_metrics.py)
+    app.state.vllm_supported_tasks = supported_tasks
+    app.state.vllm_state_lock = asyncio.Lock()
+    await init_vllm_state(client, app.state, args)
     return app
+
+
+async def init_vllm_state(client: OmniStageEngineClient, state: Any, args: argparse.Namespace) -> None:
+    """vLLM's OpenAI app state (its serving objects) made on the AR stage's AsyncLLM that serves now."""
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state as init_vllm_app_state
+
+    build = client.llm_build
+    await init_vllm_app_state(client, state, args, state.vllm_supported_tasks)
+    state.log_stats = False  # each AR stage logs its own stats (vllm_omni/engine/stage_metrics.py)
+    state.vllm_state_build = build
+
+
+async def live_vllm_state(request: Request) -> None:
+    """First dependency of vLLM's routes: vLLM's serving objects keep the renderer and input processor of the
+    AsyncLLM they were made on, whose tokenizer pool a restart of the AR stage shut down; after one they are
+    made again on the new AsyncLLM (vLLM's own `init_app_state`), and while it is being made the route is a 503."""
+    state = request.app.state
+    client = state.engine_client
+    if client.llm_build == state.vllm_state_build:
+        return
+    async with state.vllm_state_lock:
+        if client.llm_build != state.vllm_state_build:
+            logger.info("AR stage %d has a new AsyncLLM: vLLM's serving objects are made again on it",
+                        client.stage_id)
+            await init_vllm_state(client, state, request.app.state.args)
 
 
 def init_app_state(app: FastAPI, args: argparse.Namespace, engine: Any) -> None:

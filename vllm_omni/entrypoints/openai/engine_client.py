@@ -44,6 +44,12 @@ class OmniStageEngineClient(EngineClient):
         return llm
 
     @property
+    def llm_build(self) -> int:
+        """Which of the stage's AsyncLLMs serves now (it counts them); 503 while none does (being re-created)."""
+        self._llm  # noqa: B018  (raises the 503)
+        return self.omni.engine.stage_clients[self.stage_id].llm_builds
+
+    @property
     def vllm_config(self) -> Any:
         return self._llm.vllm_config
 

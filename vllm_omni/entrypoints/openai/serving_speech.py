@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 from vllm.utils import random_uuid
@@ -32,6 +34,16 @@ STREAMED_FORMATS = frozenset({"wav", "pcm"})
 """Response formats sent chunk by chunk as the audio is made; the others need the whole waveform."""
 
 
+def seeded(params: Any, seed: int) -> Any:
+    """A copy of a stage's params with `seed`, for the stages that sample (vLLM `SamplingParams`, diffusion
+    params); a stage without sampling (the vocoder: None) is deterministic and kept as it is."""
+    if params is None or not hasattr(params, "seed"):
+        return params
+    params = copy.copy(params)
+    params.seed = seed
+    return params
+
+
 class OmniOpenAIServingSpeech(OmniServingBase):
     async def create_speech(self, request: SpeechRequest) -> Response:
         self.check_model(request.model)
@@ -43,7 +55,10 @@ class OmniOpenAIServingSpeech(OmniServingBase):
             prompt["instructions"] = request.instructions
         if request.voice is not None:
             prompt["voice"] = request.voice
-        outputs = self.generate(prompt, f"speech-{random_uuid()}", self.build_sampling_params_list())
+        params = self.build_sampling_params_list()
+        if request.seed is not None:
+            params = [seeded(p, request.seed) for p in params]
+        outputs = self.generate(prompt, f"speech-{random_uuid()}", params)
         if request.stream_format == "sse":
             return StreamingResponse(await fail_fast(self.sse_events(request, outputs)),
                                      media_type="text/event-stream")

@@ -47,12 +47,14 @@ NON_MEDIA_PART_TYPES = TEXT_PART_TYPES | {"tool_reference", "prompt_embeds"}
 """Content part types that carry no image, audio or video (prompt embeds are vLLM's own `--enable-prompt-embeds`)."""
 
 
-def register_guarded_vllm_routers(args: argparse.Namespace, app: FastAPI, supported_tasks: tuple[str, ...]) -> None:
-    """vLLM's routers (`register_api_routers`), every route added with `guard_vllm_request` first."""
+def register_guarded_vllm_routers(args: argparse.Namespace, app: FastAPI, supported_tasks: tuple[str, ...],
+                                  first: Any = None) -> None:
+    """vLLM's routers (`register_api_routers`), every route added with `guard_vllm_request` first (after
+    `first`, a dependency that runs before it)."""
     from vllm.entrypoints.launchers.api_server.routers import register_api_routers
 
     ours = app.router.dependencies
-    app.router.dependencies = [Depends(guard_vllm_request), *ours]
+    app.router.dependencies = [*([first] if first is not None else []), Depends(guard_vllm_request), *ours]
     try:
         register_api_routers(args, app, supported_tasks)
     finally:
