@@ -16,10 +16,10 @@ import pytest
 from fake_pipelines import class_path
 from fake_streaming_pipeline import CHUNK_FRAMES, NUM_STEPS, FakeStreamingPipeline, fake_clip
 
-from vllm_omni.diffusion.data import OmniDiffusionConfig
-from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
 from vllm_omni.diffusion.core.client import RequestStream
 from vllm_omni.diffusion.core.messages import CoreFinal, CorePartial
+from vllm_omni.diffusion.data import OmniDiffusionConfig
+from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
 

@@ -28,8 +28,11 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 @pytest.fixture(scope="module")
 async def client(tmp_path_factory):
     config = VllmOmniDiffusionStageConfig(
-        stage_id=0, model=str(tmp_path_factory.mktemp("fake")), final_output=True,
-        engine_args={"model_class_name": class_path(FakeStepPipeline), "max_num_seqs": 2})
+        stage_id=0,
+        model=str(tmp_path_factory.mktemp("fake")),
+        final_output=True,
+        engine_args={"model_class_name": class_path(FakeStepPipeline), "max_num_seqs": 2},
+    )
     threads_before = {t.ident for t in threading.enumerate()}
     stage = StageDiffusionClient(config)
     await stage.start()
@@ -41,8 +44,9 @@ async def client(tmp_path_factory):
 
 async def test_params_cloned_and_output_shape(client):
     shared = SP(num_inference_steps=2, height=8)
-    outs = [o async for o in client.generate("a", "cat", shared)] + [o async for o in client.generate("b", "dog",
-                                                                                                     shared)]
+    outs = [o async for o in client.generate("a", "cat", shared)] + [
+        o async for o in client.generate("b", "dog", shared)
+    ]
     assert shared.guidance_scale is None and not shared.stream_partial_outputs
     assert [o.finished for o in outs] == [True, True] and outs[0].final_output_type == "image"
     assert len(outs[0].images) == 1 and outs[0].images[0].size == (8, 8)

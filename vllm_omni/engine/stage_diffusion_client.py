@@ -3,12 +3,13 @@
 The core owns the stage's scheduler and workers; this client only sends requests and reads what comes back, on
 the caller's event loop (`DiffusionCoreClient`). A request whose params set `stream_partial_outputs` also yields
 its partials (denoise progress, decoded video chunks, partial images) as unfinished outputs before the final one,
-each as it arrives.
+each as it arrives. A streamed clip is not joined here: its chunks went out as they came, and its final output
+says only how many frames they made (`{"streamed_frames": T, "fps"}`); a caller that wants the whole clip joins
+the chunks it read (`video_utils.join_streamed_video`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -18,7 +19,6 @@ from vllm_omni.catalog.spec import Modality
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.diffusion.core.client import DiffusionCoreClient, RequestStream
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, join_streamed_video
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.errors import EngineDeadError, client_error_from_metadata
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
@@ -75,11 +75,8 @@ class StageDiffusionClient(StageClientBase):
         start = time.perf_counter()
         params = OmniDiffusionSamplingParams.from_params(sampling_params)
         stream = await self.add_request_async(request_id, prompt, params)
-        chunks: list[Any] = []
         try:
             async for partial in stream.partials():
-                if partial.kind == "video_chunk":
-                    chunks.append(partial.data["video"])
                 yield self._partial_output(request_id, partial)
             final = await stream.final()
         finally:
@@ -94,8 +91,6 @@ class StageDiffusionClient(StageClientBase):
             raise client_error_from_metadata(
                 result.error, status_code=result.error_status_code, error_type=result.error_type
             )
-        if isinstance(result.output, dict) and STREAMED_FRAMES in result.output:
-            result.output = await asyncio.to_thread(join_streamed_video, result.output, chunks)
         yield self._to_output(request_id, result, time.perf_counter() - start)
 
     def _partial_output(self, request_id: str, partial: Any) -> OmniRequestOutput:

@@ -136,6 +136,7 @@ class DiffusionCoreClient:
             output_address=f"ipc://{self._ipc_dir}/out",
             shm_prefix=self._core_shm_prefix,
             client_shm_prefix=self.shm_prefix,
+            ipc_dir=self._ipc_dir,
         )
         # Not a daemon: the core starts the worker processes. Stopped before multiprocessing joins it at exit.
         self.proc = multiprocessing.get_context("spawn").Process(

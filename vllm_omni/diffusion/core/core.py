@@ -17,6 +17,7 @@ ends the loop; the engine then stops its workers within its close timeout.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -65,6 +66,8 @@ class CoreSpec:
     """Names of the shared-memory segments the core creates for large outputs (the client unlinks them)."""
     client_shm_prefix: str
     """The client's, for large request payloads (the core unlinks them on receipt)."""
+    ipc_dir: str
+    """The client's socket directory."""
 
 
 class DiffusionCoreProc:
@@ -239,7 +242,10 @@ def run_diffusion_core(spec: CoreSpec) -> None:
             code = 0
     finally:
         proc.shutdown()
+        # What a client that is gone cannot sweep: its socket files, its requests' and our outputs' segments.
+        shutil.rmtree(spec.ipc_dir, ignore_errors=True)
         cleanup_shm(spec.client_shm_prefix)
+        cleanup_shm(spec.shm_prefix)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
