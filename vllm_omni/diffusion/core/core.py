@@ -112,8 +112,8 @@ class DiffusionCoreProc:
         )
         return True
 
-    def run_busy_loop(self, parent_pid: int) -> None:
-        """poll -> hand to the engine, until SIGTERM or the parent is gone."""
+    def run_busy_loop(self, parent_pid: int) -> bool:
+        """poll -> hand to the engine, until SIGTERM (True) or the parent is gone (False)."""
         while not self._stop.is_set():
             if self.input.poll(_POLL_MS):
                 while self.input.poll(0):
@@ -121,7 +121,8 @@ class DiffusionCoreProc:
             self._publish_state()
             if os.getppid() != parent_pid:
                 logger.warning("the API process is gone; the diffusion core stops")
-                return
+                return False
+        return True
 
     def stop(self, *_: Any) -> None:
         self._stop.set()
@@ -236,12 +237,15 @@ def run_diffusion_core(spec: CoreSpec) -> None:
     signal.signal(signal.SIGTERM, proc.stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop (Ctrl-C reaches us too)
     code = 1
+    stopped = True
     try:
         if proc.start_engine():
-            proc.run_busy_loop(parent_pid)
-            code = 0
+            stopped = proc.run_busy_loop(parent_pid)
+            code = 0 if stopped else 1
     finally:
-        proc.shutdown()
+        if stopped:
+            proc.shutdown()
+        # else: no goodbye to a dead API process; the workers see us gone and sweep their own resources at once
         # What a client that is gone cannot sweep: its socket files, its requests' and our outputs' segments.
         shutil.rmtree(spec.ipc_dir, ignore_errors=True)
         cleanup_shm(spec.client_shm_prefix)
