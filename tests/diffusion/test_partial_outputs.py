@@ -16,10 +16,10 @@ import pytest
 from fake_pipelines import class_path
 from fake_streaming_pipeline import CHUNK_FRAMES, NUM_STEPS, FakeStreamingPipeline, fake_clip
 
+from vllm_omni.diffusion.core.client import RequestStream
+from vllm_omni.diffusion.core.messages import CoreFinal, CorePartial
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
-from vllm_omni.diffusion.inline_stage_diffusion_client import _PartialStream
-from vllm_omni.diffusion.ipc import PartialResult
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
 
@@ -101,12 +101,12 @@ def test_aborted_request_gets_no_more_partials(engine):
 def test_partial_stream_keeps_chunks_and_coalesces_lagging_progress():
     """What the control plane's side does with partials while its consumer lags (no engine needed)."""
     async def run() -> list:
-        stream = _PartialStream(asyncio.get_running_loop())
+        stream = RequestStream()
         for step in (1, 2, 3):
-            stream._put(PartialResult(0, "r", "progress", {"step": step, "total": 4}))
-        stream._put(PartialResult(0, "r", "video_chunk", {"video": np.zeros((1, 2, 2, 3), np.uint8)}))
-        stream._put(PartialResult(0, "r", "progress", {"step": 4, "total": 4}))
-        stream.close()
-        return [(p.kind, p.data.get("step")) async for p in stream]
+            stream.put(CorePartial("r", "progress", {"step": step, "total": 4}))
+        stream.put(CorePartial("r", "video_chunk", {"video": np.zeros((1, 2, 2, 3), np.uint8)}))
+        stream.put(CorePartial("r", "progress", {"step": 4, "total": 4}))
+        stream.finish(CoreFinal("r"))
+        return [(p.kind, p.data.get("step")) async for p in stream.partials()]
 
     assert asyncio.run(run()) == [("progress", 3), ("video_chunk", None), ("progress", 4)]

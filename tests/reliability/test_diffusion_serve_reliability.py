@@ -38,22 +38,25 @@ def body(steps: int) -> dict:
 
 
 def workers(srv: LiveServer) -> list[psutil.Process]:
-    """The server's live diffusion workers (a worker killed a moment ago may be a zombie until reaped)."""
+    """The server's live diffusion workers, the children of its diffusion core process (a worker killed a moment
+    ago may be a zombie until reaped)."""
     found = []
     for proc in psutil.Process(srv.proc.pid).children(recursive=True):
         try:
             cmdline = " ".join(proc.cmdline())
+            is_core = proc.ppid() == srv.proc.pid
         except (psutil.ZombieProcess, psutil.NoSuchProcess):
             continue
-        if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+        if "spawn_main" in cmdline and "resource_tracker" not in cmdline and not is_core:
             found.append(proc)
     return found
 
 
 def ipc_dirs(pid: int) -> set[str]:
-    """The diffusion socket directories a process has bound."""
-    return {str(Path(c.laddr).parent) for c in psutil.Process(pid).net_connections(kind="unix")
-            if "vllm_omni_ipc_" in (c.laddr or "")}
+    """The diffusion socket directories a process and its children (the diffusion core) have bound."""
+    root = psutil.Process(pid)
+    return {str(Path(c.laddr).parent) for proc in [root, *root.children(recursive=True)]
+            for c in proc.net_connections(kind="unix") if "vllm_omni_ipc_" in (c.laddr or "")}
 
 
 def post_in_background(srv: LiveServer, steps: int, timeout: float = 120) -> dict:

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 DEFAULT_CODEC = "libx264"
 STREAMED_FRAMES = "streamed_frames"
 """Key of a final video output whose frames were all sent before it as "video_chunk" partials: the clip
-crosses the worker boundary once, and the engine side joins the chunks back (`join_streamed_video`)."""
+crosses every process boundary once, as its chunks; a caller that wants the whole clip joins the chunks it read
+(`join_streamed_video`)."""
 
 
 def join_streamed_video(output: dict[str, Any], chunks: list[np.ndarray]) -> dict[str, Any]:

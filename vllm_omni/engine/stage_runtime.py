@@ -25,9 +25,9 @@ def make_stage_client(config: StageConfig, replica_id: int) -> StageClientBase:
 
         return StageEngineCoreClient(config, replica_id)
     if config.kind is StageKind.DIFFUSION:
-        from vllm_omni.diffusion.inline_stage_diffusion_client import InlineStageDiffusionClient
+        from vllm_omni.engine.stage_diffusion_client import StageDiffusionClient
 
-        return InlineStageDiffusionClient(config, replica_id)
+        return StageDiffusionClient(config, replica_id)
     if config.kind is StageKind.GENERATION:
         from vllm_omni.engine.stage_generation_client import StageGenerationClient
 

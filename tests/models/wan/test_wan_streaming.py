@@ -49,7 +49,8 @@ def test_async_omni_streams_progress_and_chunks_that_make_the_clip():
     assert [c["frame_start"] for c in chunks] == [0, 1, 5, 9] and all(c["fps"] == 16 for c in chunks)
     first_chunk = next(i for i, out in enumerate(partials) if "video_chunk" in out.multimodal_output)
     assert all("progress" in out.multimodal_output for out in partials[:first_chunk])
-    video = np.asarray(final.multimodal_output["video"])
+    assert final.multimodal_output == {STREAMED_FRAMES: 13, "fps": 16}  # the chunks are not joined for us
+    video = join_streamed_video(final.multimodal_output, [c["video_chunk"] for c in chunks])["video"]
     assert np.array_equal(np.concatenate([c["video_chunk"] for c in chunks]), video)
     assert [out.finished for out in plain] == [True]
     assert np.array_equal(np.asarray(plain[0].multimodal_output["video"]), video)

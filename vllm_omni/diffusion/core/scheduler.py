@@ -129,8 +129,7 @@ class StepScheduler:
     def schedule(self, now: float | None = None, fits: Fits | None = None) -> StepPlan:
         """The next round: drops, then the policy's choice (newcomers only while `fits`) as the resident set."""
         now = time.perf_counter() if now is None else now
-        chosen = self.policy.choose(self.resident, self.paused, self.waiting, self.max_resident, self.max_paused,
-                                    now)
+        chosen = self.policy.choose(self.resident, self.paused, self.waiting, self.max_resident, self.max_paused, now)
         new: list[StepJob] = []
         for job in [job for job in chosen if not job.prepared]:
             if fits is not None and not fits([j.request for j in [*new, job]]):
@@ -145,9 +144,13 @@ class StepScheduler:
         self.paused = [job for job in self.paused + self.resident if id(job) not in chosen_ids]
         self.waiting = [job for job in self.waiting if id(job) not in chosen_ids]
         self.resident = list(chosen)
-        return StepPlan(round_id=next(self._rounds), new=[job.request for job in new],
-                        stream=[job.request_id for job in new if job.stream],
-                        step=[job.request_id for job in chosen], abort=list(self._leaving))
+        return StepPlan(
+            round_id=next(self._rounds),
+            new=[job.request for job in new],
+            stream=[job.request_id for job in new if job.stream],
+            step=[job.request_id for job in chosen],
+            abort=list(self._leaving),
+        )
 
     def update(self, plan: StepPlan, result: StepResult) -> list[tuple[StepJob, DiffusionOutput]]:
         """Learn from the round; returns the requests that left it with their outputs (stats filled in)."""
@@ -170,8 +173,11 @@ class StepScheduler:
         for job, output in left:
             output.stage_durations.setdefault("forward", now - job.arrival)
             output.stage_durations["step_admission_wait"] = job.admitted - job.arrival
-            job.stats.deadline_missed = output.error is None and now > job.deadline and (
-                job.request.sampling_params.deadline_ms is not None or self.policy.policy == "slo")
+            job.stats.deadline_missed = (
+                output.error is None
+                and now > job.deadline
+                and (job.request.sampling_params.deadline_ms is not None or self.policy.policy == "slo")
+            )
             job.stats.waiting, job.stats.running = len(self.waiting) + len(self.paused), len(self.resident)
             output.step_stats = job.stats
         return left

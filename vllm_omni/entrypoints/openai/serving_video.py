@@ -23,7 +23,7 @@ from vllm.utils import random_uuid
 
 from vllm_omni import envs
 from vllm_omni.config.stage_kind import StageKind
-from vllm_omni.diffusion.video_utils import encode_mp4
+from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, encode_mp4, join_streamed_video
 from vllm_omni.entrypoints.openai.media import decode_image_async, decode_image_url
 from vllm_omni.entrypoints.openai.protocol.common import parse_size
 from vllm_omni.entrypoints.openai.protocol.videos import (
@@ -181,12 +181,19 @@ class OmniOpenAIServingVideo(OmniServingBase):
 
     async def _generate_with_progress(self, prompt: dict, request_id: str, params: list[Any],
                                       on_progress: Callable[[int, int], None]) -> list[Any]:
+        """The finals, each streamed clip joined from its chunks (a job returns the whole MP4)."""
         last: dict[int, Any] = {}
+        chunks: dict[int, list[np.ndarray]] = {}
         async for out in self.generate(prompt, request_id, params):
-            progress = (out.multimodal_output or {}).get("progress")
-            if progress is not None:
-                on_progress(progress["step"], progress["total"])
+            mm = out.multimodal_output or {}
+            if "progress" in mm:
+                on_progress(mm["progress"]["step"], mm["progress"]["total"])
+            elif "video_chunk" in mm:
+                chunks.setdefault(out.stage_id, []).append(mm["video_chunk"])
             elif out.finished:
+                if STREAMED_FRAMES in mm:
+                    out.multimodal_output = await asyncio.to_thread(join_streamed_video, mm,
+                                                                    chunks.pop(out.stage_id, []))
                 last[out.stage_id] = out
         return [last[stage_id] for stage_id in sorted(last)]
 

@@ -158,10 +158,10 @@ class OmniStreamingVideoOutputHandler:
             mm = out.multimodal_output or {}
             if "video_chunk" in mm:
                 await sender.add(_first_video(mm["video_chunk"]), int(mm.get("fps") or DEFAULT_FPS))
-            elif out.finished and "video" in mm:
+            elif out.finished:  # a streamed clip's final carries no frames: they went out as chunks
                 final, durations, cache = mm, dict(out.stage_durations), out.cache
                 sender.final_output_s = time.perf_counter() - sender.started
-        if final is None:
+        if final is None or (sender.writer is None and "video" not in final):
             raise OmniClientError(f"`{self.serving.model_name}` returned no video for this request", status_code=422)
         if sender.writer is None:
             frames, fps = _first_video(final["video"]), int(final.get("fps") or DEFAULT_FPS)

@@ -1,0 +1,119 @@
+"""The diffusion stage client against a real diffusion core process (fake pipeline, real workers).
+
+What it pins: params are cloned per request and the output has the stage's shape and timings; a request's own
+error keeps its status; an abort returns once the workers left the request; a utility call reaches every rank;
+the API process runs no thread for the stage; the core's death marks the stage dead at once (seen through its
+sentinel on the loop) and new requests fail fast; shutdown is idempotent and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import pytest
+from fake_pipelines import FakeStepPipeline, class_path
+
+from vllm_omni.config.stage_config import VllmOmniDiffusionStageConfig
+from vllm_omni.engine.stage_diffusion_client import StageDiffusionClient
+from vllm_omni.errors import EngineDeadError, OmniClientError
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest.fixture(scope="module")
+async def client(tmp_path_factory):
+    config = VllmOmniDiffusionStageConfig(
+        stage_id=0,
+        model=str(tmp_path_factory.mktemp("fake")),
+        final_output=True,
+        engine_args={"model_class_name": class_path(FakeStepPipeline), "max_num_seqs": 2},
+    )
+    threads_before = {t.ident for t in threading.enumerate()}
+    stage = StageDiffusionClient(config)
+    await stage.start()
+    stage.on_loop()
+    stage.threads_added = [t.name for t in threading.enumerate() if t.ident not in threads_before]
+    yield stage
+    stage.shutdown()
+
+
+async def test_params_cloned_and_output_shape(client):
+    shared = SP(num_inference_steps=2, height=8)
+    outs = [o async for o in client.generate("a", "cat", shared)] + [
+        o async for o in client.generate("b", "dog", shared)
+    ]
+    assert shared.guidance_scale is None and not shared.stream_partial_outputs
+    assert [o.finished for o in outs] == [True, True] and outs[0].final_output_type == "image"
+    assert len(outs[0].images) == 1 and outs[0].images[0].size == (8, 8)
+    durations = outs[0].stage_durations
+    assert {"diffusion", "diffusion.denoise", "diffusion.queue", "stage-0-diffusion.denoise"} <= set(durations)
+    assert client.threads_added == []  # the stage's reading happens on this loop
+
+
+async def test_request_error_keeps_status(client):
+    with pytest.raises(OmniClientError, match="refused") as info:
+        [o async for o in client.generate("f", "fail", SP(num_inference_steps=1))]
+    assert info.value.status_code == 422
+    (out,) = [o async for o in client.generate("after", "cat", SP(num_inference_steps=1))]
+    assert out.finished
+
+
+async def test_abort_returns_once_the_workers_stopped(client):
+    async def run() -> list:
+        return [o async for o in client.generate("long", "cat", SP(num_inference_steps=500))]
+
+    task = asyncio.create_task(run())
+    await asyncio.sleep(1.0)  # on the workers by now (one step is 20 ms)
+    start = time.monotonic()
+    await client.abort(["long"])
+    assert time.monotonic() - start < 3.0
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    (out,) = [o async for o in client.generate("next", "cat", SP(num_inference_steps=1))]
+    assert out.finished
+
+
+async def test_collective_rpc_reaches_every_rank(client):
+    (info,) = await client.collective_rpc_async("ping", timeout=30)
+    assert info["rank"] == 0 and info["pid"] != os.getpid()
+
+
+async def test_core_death_marks_the_stage_dead(client):
+    pid = client._core.proc.pid
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(100):
+        if client.is_dead:
+            break
+        await asyncio.sleep(0.05)
+    assert client.is_dead
+    with pytest.raises(EngineDeadError):
+        [o async for o in client.generate("late", "cat", SP(num_inference_steps=1))]
+    client.shutdown()
+    client.shutdown()
+    assert not client._core.proc.is_alive()
+
+
+async def test_a_start_given_up_leaves_no_core(tmp_path):
+    """Why: stages start side by side and the first failure cancels the others; a cancelled start must not leave
+    the core (and the workers it starts) running."""
+    config = VllmOmniDiffusionStageConfig(
+        stage_id=1,
+        model=str(tmp_path),
+        final_output=True,
+        engine_args={"model_class_name": class_path(FakeStepPipeline)},
+    )
+    stage = StageDiffusionClient(config)
+    start = asyncio.ensure_future(stage.start())
+    for _ in range(1000):
+        if stage._core is not None and stage._core.proc is not None:
+            break
+        await asyncio.sleep(0.01)
+    start.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    assert not stage._core.proc.is_alive()

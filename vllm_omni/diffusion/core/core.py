@@ -1,0 +1,265 @@
+"""The diffusion core process, shaped like vLLM's `EngineCoreProc`: the API process talks to it over one socket
+pair; it owns the stage's scheduler and executor (`DiffusionEngine`), whose worker processes are its children.
+
+    API process                         diffusion core process                   worker rank r
+    DiffusionCoreClient  --CoreInput-->  busy loop: poll -> admit / abort      ExecuteBatch / StepPlan
+      (caller's loop)    <-CoreOutput--  DiffusionEngine: schedule -> execute    -> pipeline
+                                           -> update (its scheduler thread)
+
+The busy loop reads the input socket and hands each message to the engine: a request is checked (prompt
+bound, shapes) and queued, an abort stops it, a utility call (`collective_rpc`) runs on the core's
+utility thread. Everything the engine produces for a request (its partials, then its final output or error)
+goes out on the output socket as it comes, from whichever engine thread produced it, in order per request.
+Health changes (restarting its workers, dead) go out as `CoreState`. SIGTERM, or the API process going away,
+ends the loop; the engine then stops its workers within its close timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sys
+import threading
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from vllm_omni.diffusion.core.messages import (
+    CoreAbort,
+    CoreAddRequest,
+    CoreError,
+    CoreFinal,
+    CoreInfo,
+    CoreInitFailed,
+    CoreInput,
+    CorePartial,
+    CoreReady,
+    CoreState,
+    CoreUtility,
+    CoreUtilityResult,
+)
+from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.ipc import MsgCodec, PartialResult, cleanup_shm
+from vllm_omni.errors import OmniClientError, StageRestartingError
+from vllm_omni.logger import configure_process_logging, init_logger
+
+logger = init_logger(__name__)
+
+_POLL_MS = 200
+"""How often the loop looks at the engine's health and its parent when no input comes."""
+_SEND_LINGER_MS = 2000
+_CLOSE_TIMEOUT_S = 10.0
+
+
+@dataclass
+class CoreSpec:
+    """What the spawned core needs (pickled once at spawn)."""
+
+    od_config: OmniDiffusionConfig
+    input_address: str
+    output_address: str
+    shm_prefix: str
+    """Names of the shared-memory segments the core creates for large outputs (the client unlinks them)."""
+    client_shm_prefix: str
+    """The client's, for large request payloads (the core unlinks them on receipt)."""
+    ipc_dir: str
+    """The client's socket directory."""
+
+
+class DiffusionCoreProc:
+    def __init__(self, spec: CoreSpec) -> None:
+        self.spec = spec
+        self.context = zmq.Context(io_threads=1)
+        self.input = self.context.socket(zmq.PULL)
+        self.input.connect(spec.input_address)
+        self.output = self.context.socket(zmq.PUSH)
+        self.output.setsockopt(zmq.LINGER, _SEND_LINGER_MS)
+        self.output.connect(spec.output_address)
+        self.codec = MsgCodec(None, spec.shm_prefix)
+        self.decoder = MsgCodec(CoreInput, spec.client_shm_prefix).decoder()
+        self._send_lock = threading.Lock()
+        """The output socket is written from the loop, the utility thread and the engine's result threads."""
+        self._utility = ThreadPoolExecutor(max_workers=1, thread_name_prefix="DiffusionCoreUtility")
+        self._stop = threading.Event()
+        self.engine = None
+        self._state = CoreState(restarting=False, dead=False)
+        self._state_lock = threading.Lock()
+
+    def start_engine(self) -> bool:
+        from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
+
+        try:
+            self.engine = DiffusionEngine(self.spec.od_config)
+        except BaseException:
+            self._send(CoreInitFailed(error=traceback.format_exc()))
+            return False
+        engine = self.engine
+        self._send(
+            CoreReady(
+                CoreInfo(
+                    model_class_name=engine.model_class_name,
+                    output_modality=engine.output_modality,
+                    input_modalities=sorted(engine.input_modalities),
+                    shape_rule=engine.shape_rule,
+                    step_execution=engine.step_execution,
+                    world_size=engine.executor.world_size,
+                    startup_s=_worker_startup_phases(engine.executor.worker_info),
+                )
+            )
+        )
+        return True
+
+    def run_busy_loop(self, parent_pid: int) -> bool:
+        """poll -> hand to the engine, until SIGTERM (True) or the parent is gone (False)."""
+        while not self._stop.is_set():
+            if self.input.poll(_POLL_MS):
+                while self.input.poll(0):
+                    self._handle(self.input.recv(copy=False).buffer)
+            self._publish_state()
+            if os.getppid() != parent_pid:
+                logger.warning("the API process is gone; the diffusion core stops")
+                return False
+        return True
+
+    def stop(self, *_: Any) -> None:
+        self._stop.set()
+
+    def _handle(self, buffer: memoryview) -> None:
+        try:
+            msg = self.decoder.decode(buffer)
+        except Exception:  # a client bug: nothing to answer to, the core goes on
+            logger.exception("undecodable message from the diffusion core client")
+            return
+        if isinstance(msg, CoreAddRequest):
+            self._add(msg)
+        elif isinstance(msg, CoreAbort):
+            self.engine.abort(msg.request_ids)
+            self._run_utility(msg.call_id, self.engine.wait_stopped, msg.request_ids, msg.wait_s)
+        elif isinstance(msg, CoreUtility):
+            if msg.method == "collective_rpc":
+                self._run_utility(msg.call_id, self.engine.collective_rpc, *msg.args, **msg.kwargs, timeout=msg.timeout)
+            else:
+                self._send(
+                    CoreUtilityResult(
+                        msg.call_id,
+                        error=CoreError.of(
+                            OmniClientError(f"unknown diffusion core call {msg.method!r}", param="method")
+                        ),
+                    )
+                )
+
+    def _add(self, msg: CoreAddRequest) -> None:
+        request = msg.request
+        rid = request.request_id
+        try:
+            if self.engine.prompt_bound is not None:
+                self.engine.prompt_bound.check(
+                    {"prompt": request.prompt_text, "negative_prompt": request.negative_prompt}
+                )
+            future = self.engine.submit(request, on_partial=self._partial if msg.stream else None)
+        except Exception as exc:
+            self._send(CoreFinal(rid, error=CoreError.of(exc)))
+            return
+        future.add_done_callback(lambda f, rid=rid: self._final(rid, f))
+
+    def _partial(self, partial: PartialResult) -> None:
+        """On the engine's result thread, ahead of the request's final output."""
+        self._send(CorePartial(partial.request_id, partial.kind, partial.data))
+
+    def _final(self, request_id: str, future: Future[DiffusionOutput]) -> None:
+        if future.cancelled():  # aborted: the client already ended the request
+            return
+        exc = future.exception()
+        if isinstance(exc, StageRestartingError):  # the engine marks itself restarting right after this
+            self._publish_state(restarting=True)
+        self._send(
+            CoreFinal(request_id, output=future.result())
+            if exc is None
+            else CoreFinal(request_id, error=CoreError.of(exc))
+        )
+
+    def _run_utility(self, call_id: int, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """Blocking calls run off the loop, which keeps reading aborts and requests meanwhile."""
+
+        def call() -> None:
+            try:
+                self._send(CoreUtilityResult(call_id, value=fn(*args, **kwargs)))
+            except Exception as exc:
+                self._send(CoreUtilityResult(call_id, error=CoreError.of(exc)))
+
+        self._utility.submit(call)
+
+    def _publish_state(self, restarting: bool | None = None) -> None:
+        """Send the engine's health when it changed; a 503 of a restart goes out after the state it implies."""
+        with self._state_lock:
+            state = CoreState(
+                restarting=self.engine.is_restarting if restarting is None else restarting, dead=self.engine.is_dead
+            )
+            if state != self._state:
+                self._state = state
+                self._send(state)
+
+    def _send(self, msg: Any) -> None:
+        try:
+            data = self.codec.encode(msg)
+        except Exception as exc:  # e.g. an output the codec cannot carry: its request fails alone
+            if not isinstance(msg, CoreFinal | CoreUtilityResult):
+                logger.warning("dropped a %s the core cannot encode: %r", type(msg).__name__, exc)
+                return
+            error = CoreError.of(RuntimeError(f"the diffusion output cannot be sent: {exc!r}"))
+            msg = (
+                CoreFinal(msg.request_id, error=error)
+                if isinstance(msg, CoreFinal)
+                else CoreUtilityResult(msg.call_id, error=error)
+            )
+            data = self.codec.encode(msg)
+        with self._send_lock:
+            self.output.send(data, copy=False)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.close(timeout=_CLOSE_TIMEOUT_S)
+        self._utility.shutdown(wait=False, cancel_futures=True)
+        self.input.close(linger=0)
+        self.output.close()
+        self.context.term()
+
+
+def run_diffusion_core(spec: CoreSpec) -> None:
+    """Process entry point: start the engine (its workers), serve until told to stop, stop the workers."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    configure_process_logging(spec.od_config.logging_config, f"DiffusionCore_S{spec.od_config.stage_id}")
+    parent_pid = os.getppid()
+    proc = DiffusionCoreProc(spec)
+    signal.signal(signal.SIGTERM, proc.stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop (Ctrl-C reaches us too)
+    code = 1
+    stopped = True
+    try:
+        if proc.start_engine():
+            stopped = proc.run_busy_loop(parent_pid)
+            code = 0 if stopped else 1
+    finally:
+        if stopped:
+            proc.shutdown()
+        # else: no goodbye to a dead API process; the workers see us gone and sweep their own resources at once
+        # What a client that is gone cannot sweep: its socket files, its requests' and our outputs' segments.
+        shutil.rmtree(spec.ipc_dir, ignore_errors=True)
+        cleanup_shm(spec.client_shm_prefix)
+        cleanup_shm(spec.shm_prefix)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _worker_startup_phases(worker_info: list[dict[str, Any]]) -> dict[str, float]:
+    """The slowest rank's seconds per start-up phase."""
+    phases: dict[str, float] = {}
+    for info in worker_info:
+        for name, seconds in info.get("startup_s", {}).items():
+            phases[name] = max(phases.get(name, 0.0), seconds)
+    return phases
