@@ -34,6 +34,7 @@ DIFFUSERS_ADAPTER = "vllm_omni.models.diffusers_adapter.pipeline:DiffusersAdapte
 class OmniModelRegistry:
     def __init__(self, families: dict[str, str]) -> None:
         self._entries: dict[str, str | ModelSpec] = dict(families)
+        self._registered: list[ModelSpec | str] = []
         self._user = ModelSpec(family="user", description="registered at run time")
         self._entries["user"] = self._user
 
@@ -42,6 +43,12 @@ class OmniModelRegistry:
     def register_family(self, spec: ModelSpec | str) -> None:
         name = spec.family if isinstance(spec, ModelSpec) else spec
         self._entries[name] = spec
+        self._registered.append(spec)
+
+    def registered_families(self) -> list[ModelSpec | str]:
+        """What `register_family` added in this process, as given: a process the engine starts (the diffusion
+        core) registers them again before it resolves a pipeline."""
+        return list(self._registered)
 
     def specs(self) -> Iterator[ModelSpec]:
         for name, entry in list(self._entries.items()):

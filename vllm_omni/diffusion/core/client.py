@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from vllm_omni.catalog.registry import MODEL_REGISTRY
 from vllm_omni.diffusion.core.core import CoreSpec, run_diffusion_core
 from vllm_omni.diffusion.core.messages import (
     CoreAbort,
@@ -137,6 +138,7 @@ class DiffusionCoreClient:
             shm_prefix=self._core_shm_prefix,
             client_shm_prefix=self.shm_prefix,
             ipc_dir=self._ipc_dir,
+            families=MODEL_REGISTRY.registered_families(),
         )
         # Not a daemon: the core starts the worker processes. Stopped before multiprocessing joins it at exit.
         self.proc = multiprocessing.get_context("spawn").Process(

@@ -28,6 +28,8 @@ from typing import Any
 
 import zmq
 
+from vllm_omni.catalog.registry import MODEL_REGISTRY
+from vllm_omni.catalog.spec import ModelSpec
 from vllm_omni.diffusion.core.messages import (
     CoreAbort,
     CoreAddRequest,
@@ -68,6 +70,8 @@ class CoreSpec:
     """The client's, for large request payloads (the core unlinks them on receipt)."""
     ipc_dir: str
     """The client's socket directory."""
+    families: list[ModelSpec | str]
+    """Families the API process registered at run time (`register_family`): registered here too."""
 
 
 class DiffusionCoreProc:
@@ -234,6 +238,8 @@ def run_diffusion_core(spec: CoreSpec) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     configure_process_logging(spec.od_config.logging_config, f"DiffusionCore_S{spec.od_config.stage_id}")
     parent_pid = os.getppid()
+    for family in spec.families:
+        MODEL_REGISTRY.register_family(family)
     proc = DiffusionCoreProc(spec)
     signal.signal(signal.SIGTERM, proc.stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop (Ctrl-C reaches us too)
