@@ -35,8 +35,9 @@ def _default_od_config(*flags: str) -> OmniDiffusionConfig:
     from vllm_omni.entrypoints.cli.serve import make_omni_arg_parser
 
     parser = make_omni_arg_parser(FlexibleArgumentParser())
-    kwargs = OmniEngineArgs.omni_kwargs_from_cli(parser.parse_args(["tiny/qwen-image", "--omni", *flags]),
-                                                 parser.parse_args([]))
+    kwargs = OmniEngineArgs.omni_kwargs_from_cli(
+        parser.parse_args(["tiny/qwen-image", "--omni", *flags]), parser.parse_args([])
+    )
     (stage,) = StageConfigFactory.create_from_model("tiny/qwen-image", **kwargs).stages
     return stage.make_od_config()
 
@@ -68,24 +69,37 @@ def test_warmup_shapes_are_parsed_and_bad_ones_named():
 
 
 def test_batch_buckets_are_powers_of_two_up_to_max_num_seqs():
-    assert [batch_buckets(n) for n in (1, 2, 3, 4, 6, 8)] == [[1], [1, 2], [1, 2, 3], [1, 2, 4], [1, 2, 4, 6],
-                                                               [1, 2, 4, 8]]
+    assert [batch_buckets(n) for n in (1, 2, 3, 4, 6, 8)] == [
+        [1],
+        [1, 2],
+        [1, 2, 3],
+        [1, 2, 4],
+        [1, 2, 4, 6],
+        [1, 2, 4, 8],
+    ]
     assert [step_bucket(n, [1, 2, 4, 6]) for n in (1, 2, 3, 5, 6, 7)] == [1, 2, 4, 6, 6, 7]
     assert step_bucket(3, []) == 3  # eager: no padding
+
+
+def _eager_and_compiled(model_dir, max_num_seqs: int, record) -> list:
+    """An eager Qwen-Image pipeline and one on the compiled path whose accelerated forward calls
+    `record(args, kwargs)` before it runs."""
+    from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
+
+    config = OmniDiffusionConfig(model=str(model_dir), max_num_seqs=max_num_seqs)
+    pipes = [QwenImagePipeline.from_pretrained(config, model_dir, torch.device("cpu"), torch.float32) for _ in range(2)]
+    accelerate_transformer(pipes[1].transformer, compile_blocks=False, cuda_graphs=False)
+    (forward,) = accelerated_forwards(pipes[1])
+    inner = forward.forward
+    forward.forward = lambda *args, **kwargs: record(args, kwargs) or inner(*args, **kwargs)
+    return pipes
 
 
 def test_step_batch_is_padded_to_the_next_bucket(dist_world, qwen_image_dir):
     """Compiled path: 3 co-batched states run as one forward of the bucket 4 (the last state's rows repeated and
     dropped again): every state advances as in the unpadded eager forward."""
-    from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
-
-    config = OmniDiffusionConfig(model=str(qwen_image_dir), max_num_seqs=4)
-    pipes = [QwenImagePipeline.from_pretrained(config, qwen_image_dir, torch.device("cpu"), torch.float32)
-             for _ in range(2)]
-    accelerate_transformer(pipes[1].transformer, compile_blocks=False, cuda_graphs=False)
-    (forward,) = accelerated_forwards(pipes[1])
-    rows, inner = [], forward.forward
-    forward.forward = lambda *args, **kwargs: rows.append(args[0].shape[0]) or inner(*args, **kwargs)
+    rows = []
+    pipes = _eager_and_compiled(qwen_image_dir, 4, lambda args, kwargs: rows.append(args[0].shape[0]))
     latents = []
     with torch.inference_mode():
         for pipe in pipes:
@@ -103,20 +117,14 @@ def test_step_batch_is_padded_to_the_next_bucket(dist_world, qwen_image_dir):
 def test_request_batch_is_padded_to_the_next_bucket(dist_world, qwen_image_dir):
     """Request mode, compiled path: a batch of 3 requests runs every step as a forward of the bucket 4 (the last
     row repeated, its prediction dropped) and gives each request the eager pipeline's latents."""
-    from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
-
-    config = OmniDiffusionConfig(model=str(qwen_image_dir), max_num_seqs=4)
-    pipes = [QwenImagePipeline.from_pretrained(config, qwen_image_dir, torch.device("cpu"), torch.float32)
-             for _ in range(2)]
-    accelerate_transformer(pipes[1].transformer, compile_blocks=False, cuda_graphs=False)
-    (forward,) = accelerated_forwards(pipes[1])
-    rows, inner = [], forward.forward
-    forward.forward = lambda *args, **kwargs: rows.append(args[0].shape[0]) or inner(*args, **kwargs)
+    rows = []
+    pipes = _eager_and_compiled(qwen_image_dir, 4, lambda args, kwargs: rows.append(args[0].shape[0]))
     outputs = []
     with torch.inference_mode():
         for pipe in pipes:
-            requests = [_request(f"a boat {'at sea ' * i}", height=32, width=32, output_type="latent")
-                        for i in range(3)]
+            requests = [
+                _request(f"a boat {'at sea ' * i}", height=32, width=32, output_type="latent") for i in range(3)
+            ]
             for i, r in enumerate(requests):
                 r.request_id, r.sampling_params.seed = f"r{i}", i
             outputs.append(pipe.forward(DiffusionRequestBatch(requests)))
@@ -131,15 +139,9 @@ def test_text_is_padded_to_its_bucket_under_a_mask(dist_world, qwen_image_dir):
     bucket under a key mask, so the graph signature holds no prompt length; every state advances as in the
     eager forward (lengths, no padding). The warm-up's prompts land in each bucket a default request reaches."""
     from vllm_omni.diffusion.warmup import TEXT_BUCKETS
-    from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
 
-    config = OmniDiffusionConfig(model=str(qwen_image_dir), max_num_seqs=2)
-    pipes = [QwenImagePipeline.from_pretrained(config, qwen_image_dir, torch.device("cpu"), torch.float32)
-             for _ in range(2)]
-    accelerate_transformer(pipes[1].transformer, compile_blocks=False, cuda_graphs=False)
-    (forward,) = accelerated_forwards(pipes[1])
-    seen, inner = [], forward.forward
-    forward.forward = lambda *args, **kwargs: seen.append((args[1].shape, args[2], kwargs)) or inner(*args, **kwargs)
+    seen = []
+    pipes = _eager_and_compiled(qwen_image_dir, 2, lambda args, kwargs: seen.append((args[1].shape, args[2], kwargs)))
     latents = []
     with torch.inference_mode():
         for pipe in pipes:
@@ -173,8 +175,9 @@ def test_warm_up_runs_each_bucket_then_warns_on_serving_compiles(dist_world, qwe
     nothing compiles)."""
     from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
 
-    pipe = QwenImagePipeline.from_pretrained(OmniDiffusionConfig(model=str(qwen_image_dir)), qwen_image_dir,
-                                             torch.device("cpu"), torch.float32)
+    pipe = QwenImagePipeline.from_pretrained(
+        OmniDiffusionConfig(model=str(qwen_image_dir)), qwen_image_dir, torch.device("cpu"), torch.float32
+    )
     assert warm_up(pipe, OmniDiffusionConfig(model="m", diffusion_warmup_shapes="64x64")) == []  # eager
     accelerate_transformer(pipe.transformer, compile_blocks=False, cuda_graphs=False)
     (forward,) = accelerated_forwards(pipe)
@@ -185,18 +188,31 @@ def test_warm_up_runs_each_bucket_then_warns_on_serving_compiles(dist_world, qwe
         forward.serving = False
 
         def tokens(size: int, text: int, batch: int) -> int:
-            return sum(pipe.step_tokens(pipe.prepare([_warmup_request((size, size), i, text=text)],
-                                                     StepContext(pipe.od_config))) for i in range(batch))
+            return sum(
+                pipe.step_tokens(
+                    pipe.prepare([_warmup_request((size, size), i, text=text)], StepContext(pipe.od_config))
+                )
+                for i in range(batch)
+            )
 
         # A cap of 32x32's batch 2 with the shortest text: 64x64 runs alone, 32x32 co-batches 2 short prompts
         # only (3 states, or longer prompts, do not fit).
         cap = tokens(32, texts[0], 2)
         assert tokens(64, texts[0], 2) > cap and tokens(32, texts[1], 2) > cap and tokens(32, texts[0], 3) > cap
-        step_mode = warm_up(pipe, OmniDiffusionConfig(model="m", max_num_seqs=4, step_execution=True,
-                                                      diffusion_warmup_shapes="64x64,32x32",
-                                                      diffusion_max_tokens_per_forward=cap))
-        assert [s.label for s in step_mode] == [*(f"{size} batch 1 text {t}" for size in ("64x64", "32x32")
-                                                  for t in texts), f"32x32 batch 2 text {texts[0]}"]
+        step_mode = warm_up(
+            pipe,
+            OmniDiffusionConfig(
+                model="m",
+                max_num_seqs=4,
+                step_execution=True,
+                diffusion_warmup_shapes="64x64,32x32",
+                diffusion_max_tokens_per_forward=cap,
+            ),
+        )
+        assert [s.label for s in step_mode] == [
+            *(f"{size} batch 1 text {t}" for size in ("64x64", "32x32") for t in texts),
+            f"32x32 batch 2 text {texts[0]}",
+        ]
         assert forward.serving and forward.serving_compiles == 0
 
         graphs = iter(range(0, 100, 3))

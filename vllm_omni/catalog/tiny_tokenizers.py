@@ -1,4 +1,5 @@
-"""Tokenizers trained locally on a fixed corpus, so tiny checkpoints never need a download."""
+"""Tokenizers trained locally on a fixed corpus, so tiny checkpoints never need a download, and the tiny Qwen
+models that go with the Qwen tokenizer (the LLM family and the diffusion pipelines that prompt a Qwen3)."""
 
 from __future__ import annotations
 
@@ -93,8 +94,14 @@ def save_qwen_tokenizer(
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     (out_dir / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
     added = {
-        str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                                  "single_word": False, "special": True}
+        str(tok.token_to_id(t)): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for t in special_tokens
     }
     config = {
@@ -114,3 +121,64 @@ def save_qwen_tokenizer(
         config["chat_template"] = chat_template
     config.update(extra_config or {})
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def qwen_config(
+    model_type: str,
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    **extra,
+):
+    """A transformers config of a tiny Qwen2 / Qwen3 with the real repos' RoPE base; `extra` for the rest."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=2048,
+        rope_theta=1000000.0,
+        **extra,
+    )
+
+
+def write_qwen3_text_encoder(
+    out_dir: Path,
+    model_cls: type,
+    *,
+    seed: int,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    max_shard_size: str,
+) -> None:
+    """tokenizer/ (Qwen3's chat template) and text_encoder/ (sharded) of a diffusion repo whose prompt encoder is
+    a Qwen3 (`Qwen3Model` for Z-Image, `Qwen3ForCausalLM` for FLUX.2 klein): heads 32 wide, one KV head, tied
+    embeddings, seeded with `seed`."""
+    import torch
+
+    save_qwen_tokenizer(out_dir / "tokenizer", build_qwen_bpe(vocab_size), chat_template=QWEN3_CHAT_TEMPLATE)
+    torch.manual_seed(seed)
+    config = qwen_config(
+        "qwen3",
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=1,
+        head_dim=32,
+        tie_word_embeddings=True,
+    )
+    text_encoder = model_cls(config).eval()
+    text_encoder.save_pretrained(out_dir / "text_encoder", safe_serialization=True, max_shard_size=max_shard_size)

@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import zmq
 
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.request import OmniDiffusionRequest
@@ -176,6 +177,22 @@ class RpcResult(msgspec.Struct, tag="rpc_result", array_like=True, gc=False):
 WorkerInput = ExecuteBatch | StepPlan | RpcCall | Shutdown
 AbortInput = AbortRequests
 WorkerOutput = WorkerReady | WorkerInitFailed | BatchResult | StepResult | PartialResult | RpcResult
+
+
+SEND_LINGER_MS = 2000
+"""How long a spawned process's close waits for its queued outputs (a last result or error) to leave."""
+
+
+def connect_to_parent(input_address: str, output_address: str) -> tuple[zmq.Context, zmq.Socket, zmq.Socket]:
+    """The context and the PULL (input) and PUSH (output) sockets a spawned process (the diffusion core, a worker)
+    connects to the pair its parent bound."""
+    context = zmq.Context(io_threads=1)
+    pull = context.socket(zmq.PULL)
+    pull.connect(input_address)
+    push = context.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, SEND_LINGER_MS)
+    push.connect(output_address)
+    return context, pull, push
 
 
 def new_shm_prefix() -> str:

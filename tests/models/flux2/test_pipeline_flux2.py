@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.diffusion.step_harness import Harness
+from tests.models.image_checks import check_lossless_and_high, cobatched_forwards, psnr, run
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
@@ -24,12 +25,6 @@ pytestmark = pytest.mark.usefixtures("dist_world")
 CPU = torch.device("cpu")
 PROMPTS = ["a photo of a cat sitting on a red chair", "the quick brown fox", "mountains and a lake at dawn"]
 SIZE = {"height": 32, "width": 48, "max_sequence_length": 48}
-
-
-def psnr(a, b) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    mse = np.mean((a - b) ** 2)
-    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
 def load(model_dir, **config):
@@ -62,12 +57,6 @@ def request(
     return OmniDiffusionRequest(
         {"prompt": prompt, "negative_prompt": negative}, SP(seed=seed, **params), rid or f"r{seed}"
     )
-
-
-def run(pipe, req: OmniDiffusionRequest):
-    (out,) = pipe.forward(DiffusionRequestBatch([req]))
-    assert out.error is None, out.error
-    return out
 
 
 def test_transformer_matches_diffusers(pipes, references):
@@ -138,46 +127,21 @@ def test_a_parameter_the_checkpoint_would_not_use_is_refused(pipes, params, fiel
 def test_step_mode_cobatched_requests_equal_their_solo_outputs(pipes):
     """max_num_seqs 4 on the base repo: different prompts, step counts, CFG on/off and scales share forwards; one
     of another size runs apart; they join and leave mid-flight."""
-    pipe = pipes["base"]
-    forwards: list[int] = []
-    forward = pipe.forward_step_inputs
-
-    def logged(inputs, states):
-        forwards.append(len(inputs))
-        return forward(inputs, states)
-
-    pipe.forward_step_inputs = logged
-    try:
-        harness = Harness(pipe, max_num_seqs=4)
-        reqs = [
-            request(PROMPTS[0], 1, "a", num_inference_steps=4, guidance_scale=4.0),
-            request(PROMPTS[1], 2, "b", num_inference_steps=2, guidance_scale=1.0),
-            request(PROMPTS[2], 3, "c", num_inference_steps=3, guidance_scale=2.5),
-            request(PROMPTS[1], 4, "d", num_inference_steps=2, height=48, width=32),
-        ]
-        harness.add(reqs[0])
-        harness.round()
-        for req in reqs[1:]:
-            harness.add(req)
-        harness.drain()
-    finally:
-        del pipe.forward_step_inputs
+    reqs = [
+        request(PROMPTS[0], 1, "a", num_inference_steps=4, guidance_scale=4.0),
+        request(PROMPTS[1], 2, "b", num_inference_steps=2, guidance_scale=1.0),
+        request(PROMPTS[2], 3, "c", num_inference_steps=3, guidance_scale=2.5),
+        request(PROMPTS[1], 4, "d", num_inference_steps=2, height=48, width=32),
+    ]
+    forwards = cobatched_forwards(pipes["base"], reqs)
     assert max(forwards) == 3  # a, b and c shared forwards; d (another size) never joined them
-    for req in reqs:
-        out = harness.outputs[req.request_id]
-        assert out.error is None, out.error
-        assert psnr(out.output[0] * 255, run(pipe, req).output[0] * 255) >= 60.0
 
 
 def test_lossless_is_bitwise_uncached_and_high_reuses_steps(pipes, klein_dir):
     cached = load(klein_dir, cache_backend="tea_cache")
-    reference = run(pipes["distilled"], request(PROMPTS[0], 5, num_inference_steps=5))
-    lossless = run(cached, request(PROMPTS[0], 5, num_inference_steps=5, quality="lossless"))
-    np.testing.assert_array_equal(lossless.output[0], reference.output[0])
-    high = run(cached, request(PROMPTS[0], 5, num_inference_steps=5, quality="high"))
-    info = high.extra["cache"]
-    assert (info["backend"], info["computed_steps"], info["reused_steps"]) == ("tea_cache", 4, 1)
-    assert not np.array_equal(high.output[0], reference.output[0])
+    check_lossless_and_high(
+        pipes["distilled"], cached, lambda **params: request(PROMPTS[0], 5, num_inference_steps=5, **params)
+    )
 
 
 def image(seed: int, size=(80, 64)):

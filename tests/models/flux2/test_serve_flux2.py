@@ -6,7 +6,6 @@ reference image equals diffusers' edit of that image (>= 40 dB)."""
 
 from __future__ import annotations
 
-import base64
 import io
 
 import numpy as np
@@ -16,6 +15,7 @@ import torch
 from PIL import Image
 
 from tests.entrypoints.openai.live_server import LiveServer
+from tests.models.image_checks import pixels, psnr
 
 MODEL = "tiny/flux2-klein"
 
@@ -34,15 +34,6 @@ def reference(klein_dir):
     pipe = Flux2KleinPipeline.from_pretrained(klein_dir, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def pixels(b64: str) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))), dtype=np.float64)
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = np.mean((a - b) ** 2)
-    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
 def test_bare_request_gives_the_distilled_defaults_image(client, reference):

@@ -10,11 +10,10 @@ steps of its schedule.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from tests.diffusion.step_harness import Harness
+from tests.models.image_checks import check_lossless_and_high, cobatched_forwards, psnr, run
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
@@ -27,12 +26,6 @@ PROMPTS = [
     "the quick brown fox jumps over the lazy dog near the river",
     "mountains",
 ]
-
-
-def psnr(a, b) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    mse = np.mean((a - b) ** 2)
-    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
 def load(model_dir, **config):
@@ -64,12 +57,6 @@ def request(
     return OmniDiffusionRequest(
         {"prompt": prompt, "negative_prompt": negative}, SP(seed=seed, **params), rid or f"r{seed}"
     )
-
-
-def run(pipe, req: OmniDiffusionRequest):
-    (out,) = pipe.forward(DiffusionRequestBatch([req]))
-    assert out.error is None, out.error
-    return out
 
 
 def test_transformer_matches_diffusers_on_rows_of_different_prompt_lengths(ours, reference):
@@ -147,45 +134,21 @@ def test_bad_request_fails_alone_naming_the_field(ours, params, field):
 def test_step_mode_cobatched_requests_equal_their_solo_outputs(ours):
     """max_num_seqs 4: different prompts (so different text lengths), step counts, CFG on/off and scales, one
     of another size (its own forward); they join and leave mid-flight."""
-    forwards: list[int] = []
-    forward = ours.forward_step_inputs
-
-    def logged(inputs, states):
-        forwards.append(len(inputs))
-        return forward(inputs, states)
-
-    ours.forward_step_inputs = logged
-    try:
-        harness = Harness(ours, max_num_seqs=4)
-        reqs = [
-            request(PROMPTS[0], 1, "a", num_inference_steps=4, guidance_scale=4.0),
-            request(PROMPTS[1], 2, "b", num_inference_steps=2),
-            request(PROMPTS[2], 3, "c", num_inference_steps=3, guidance_scale=2.5, negative="blurry"),
-            request(PROMPTS[1], 4, "d", num_inference_steps=2, height=48, width=32),
-        ]
-        harness.add(reqs[0])
-        harness.round()
-        for req in reqs[1:]:
-            harness.add(req)
-        harness.drain()
-    finally:
-        del ours.forward_step_inputs
+    reqs = [
+        request(PROMPTS[0], 1, "a", num_inference_steps=4, guidance_scale=4.0),
+        request(PROMPTS[1], 2, "b", num_inference_steps=2),
+        request(PROMPTS[2], 3, "c", num_inference_steps=3, guidance_scale=2.5, negative="blurry"),
+        request(PROMPTS[1], 4, "d", num_inference_steps=2, height=48, width=32),
+    ]
+    forwards = cobatched_forwards(ours, reqs)
     assert max(forwards) == 3  # a, b and c shared forwards; d (another size) never joined them
-    for req in reqs:
-        out = harness.outputs[req.request_id]
-        assert out.error is None, out.error
-        assert psnr(out.output[0] * 255, run(ours, req).output[0] * 255) >= 60.0
 
 
 def test_lossless_is_bitwise_uncached_and_high_reuses_steps(ours, z_image_dir):
     cached = load(z_image_dir, cache_backend="tea_cache")
-    reference = run(ours, request(PROMPTS[0], 5, num_inference_steps=5))
-    lossless = run(cached, request(PROMPTS[0], 5, num_inference_steps=5, quality="lossless"))
-    np.testing.assert_array_equal(lossless.output[0], reference.output[0])
-    high = run(cached, request(PROMPTS[0], 5, num_inference_steps=5, quality="high"))
-    info = high.extra["cache"]
-    assert (info["backend"], info["computed_steps"], info["reused_steps"]) == ("tea_cache", 4, 1)
-    assert not np.array_equal(high.output[0], reference.output[0])
+    high, reference = check_lossless_and_high(
+        ours, cached, lambda **params: request(PROMPTS[0], 5, num_inference_steps=5, **params)
+    )
     assert psnr(high.output[0] * 255, reference.output[0] * 255) > 15.0
 
 

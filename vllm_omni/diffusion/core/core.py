@@ -26,8 +26,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import zmq
-
 from vllm_omni.catalog.registry import MODEL_REGISTRY
 from vllm_omni.catalog.spec import ModelSpec
 from vllm_omni.diffusion.core.messages import (
@@ -45,7 +43,7 @@ from vllm_omni.diffusion.core.messages import (
     CoreUtilityResult,
 )
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
-from vllm_omni.diffusion.ipc import MsgCodec, PartialResult, cleanup_shm
+from vllm_omni.diffusion.ipc import MsgCodec, PartialResult, cleanup_shm, connect_to_parent
 from vllm_omni.errors import OmniClientError, StageRestartingError
 from vllm_omni.logger import configure_process_logging, init_logger
 
@@ -53,7 +51,6 @@ logger = init_logger(__name__)
 
 _POLL_MS = 200
 """How often the loop looks at the engine's health and its parent when no input comes."""
-_SEND_LINGER_MS = 2000
 _CLOSE_TIMEOUT_S = 10.0
 
 
@@ -77,12 +74,7 @@ class CoreSpec:
 class DiffusionCoreProc:
     def __init__(self, spec: CoreSpec) -> None:
         self.spec = spec
-        self.context = zmq.Context(io_threads=1)
-        self.input = self.context.socket(zmq.PULL)
-        self.input.connect(spec.input_address)
-        self.output = self.context.socket(zmq.PUSH)
-        self.output.setsockopt(zmq.LINGER, _SEND_LINGER_MS)
-        self.output.connect(spec.output_address)
+        self.context, self.input, self.output = connect_to_parent(spec.input_address, spec.output_address)
         self.codec = MsgCodec(None, spec.shm_prefix)
         self.decoder = MsgCodec(CoreInput, spec.client_shm_prefix).decoder()
         self._send_lock = threading.Lock()

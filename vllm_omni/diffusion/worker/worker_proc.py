@@ -56,12 +56,13 @@ from vllm_omni.diffusion.ipc import (
     WorkerInput,
     WorkerReady,
     cleanup_shm,
+    connect_to_parent,
 )
 from vllm_omni.logger import configure_process_logging
 
 _POLL_INTERVAL_MS = 200
 _PARENT_CHECK_INTERVAL_S = 0.5
-_SEND_LINGER_MS = 2000
+
 
 @dataclass
 class WorkerSpec:
@@ -106,12 +107,7 @@ class WorkerProc:
         """When this process began running our code (after its interpreter start and the spec's imports)."""
         self.spec = spec
         self.rank = spec.rank
-        self.context = zmq.Context(io_threads=1)
-        self.input = self.context.socket(zmq.PULL)
-        self.input.connect(spec.input_address)
-        self.output = self.context.socket(zmq.PUSH)
-        self.output.setsockopt(zmq.LINGER, _SEND_LINGER_MS)
-        self.output.connect(spec.output_address)
+        self.context, self.input, self.output = connect_to_parent(spec.input_address, spec.output_address)
         self.codec = MsgCodec(None, spec.shm_prefix)
         self.decoder = MsgCodec(WorkerInput, spec.shm_prefix).decoder()
         self.worker = None
@@ -154,14 +150,21 @@ class WorkerProc:
         except BaseException:
             self._send(WorkerInitFailed(rank=self.rank, error=traceback.format_exc()))
             return False
-        startup = {"worker process": self.started - psutil.Process().create_time(), "worker imports": imported - start,
-                   "device": device - imported, **self.worker.model_runner.startup_phases}
+        startup = {
+            "worker process": self.started - psutil.Process().create_time(),
+            "worker imports": imported - start,
+            "device": device - imported,
+            **self.worker.model_runner.startup_phases,
+        }
         if spec.od_config.step_execution:
             from vllm_omni.diffusion.worker.step_runner import StepWorker
 
             self.steps = StepWorker(self.worker.model_runner, self.rank, multi_rank=spec.world_size > 1)
-        info = {**self.worker.ping(), "pipeline_class": self.worker.model_runner.pipeline_class_name,
-                "startup_s": startup}
+        info = {
+            **self.worker.ping(),
+            "pipeline_class": self.worker.model_runner.pipeline_class_name,
+            "startup_s": startup,
+        }
         if self.worker.device.type == "cuda":  # what requests may use: the engine's memory admission budget
             import torch
 
@@ -229,8 +232,10 @@ class WorkerProc:
         sink = self._partial_sink(msg.batch_id, msg.stream_request_ids)
         try:
             outputs = self.worker.execute_model(
-                DiffusionRequestBatch(msg.requests), partial_sink=sink,
-                abort_requested=lambda rid: self.aborted.contains(msg.batch_id, rid))
+                DiffusionRequestBatch(msg.requests),
+                partial_sink=sink,
+                abort_requested=lambda rid: self.aborted.contains(msg.batch_id, rid),
+            )
         except RanksDesynchronized as exc:  # the batch fails with its errors, then this worker exits
             exc.batches.append((msg.batch_id, [exc.output_for(i) for i in range(len(msg.requests))]))
             raise
@@ -257,10 +262,18 @@ class WorkerProc:
                 error = DiffusionOutput.from_exception(RuntimeError(f"pipeline output cannot be sent: {exc!r}"))
                 raw = msgspec.Raw(self.codec.encode(error))
             outputs[rid] = raw
-        self._send(EncodedStepResult(round_id=result.round_id, rank=self.rank, outputs=outputs,
-                                     progress=result.progress, forwards=result.forwards,
-                                     encode_seconds=result.encode_seconds, decode_seconds=result.decode_seconds,
-                                     out_of_step=result.out_of_step))
+        self._send(
+            EncodedStepResult(
+                round_id=result.round_id,
+                rank=self.rank,
+                outputs=outputs,
+                progress=result.progress,
+                forwards=result.forwards,
+                encode_seconds=result.encode_seconds,
+                decode_seconds=result.decode_seconds,
+                out_of_step=result.out_of_step,
+            )
+        )
 
     def _undecodable(self, buffer: memoryview, exc: Exception) -> None:
         """Fail the batch (or RPC) whose message could not be decoded, if its envelope says which it was."""
@@ -282,8 +295,10 @@ class WorkerProc:
         try:
             self._send(msg)
         except Exception as exc:
-            print(f"[diffusion rank {self.rank}] dropped a {msg.kind!r} partial of {msg.request_id}: {exc!r}",
-                  file=sys.stderr)
+            print(
+                f"[diffusion rank {self.rank}] dropped a {msg.kind!r} partial of {msg.request_id}: {exc!r}",
+                file=sys.stderr,
+            )
 
     def _read_aborts(self) -> None:
         sock = self.context.socket(zmq.SUB)
@@ -341,8 +356,7 @@ def worker_main(spec: WorkerSpec) -> None:
     """Process entry point. Everything is released by the time `run` returns, so after the exit handlers the
     process skips the interpreter teardown (seconds of module finalization with torch loaded)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    configure_process_logging(spec.od_config.logging_config,
-                              f"DiffusionWorker_S{spec.od_config.stage_id}_R{spec.rank}")
+    configure_process_logging(spec.od_config.logging_config, f"DiffusionWorker_S{spec.od_config.stage_id}_R{spec.rank}")
     threading.Thread(target=_watch_parent, args=(spec, os.getppid()), name="parent-watchdog", daemon=True).start()
     code = 1
     try:

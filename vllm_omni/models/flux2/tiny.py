@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from vllm_omni.catalog.tiny import tiny_checkpoint
-from vllm_omni.catalog.tiny_tokenizers import QWEN3_CHAT_TEMPLATE, build_qwen_bpe, save_qwen_tokenizer
+from vllm_omni.catalog.tiny_tokenizers import write_qwen3_text_encoder
 
 _SCHEDULER_CONFIG = {
     "_class_name": "FlowMatchEulerDiscreteScheduler",
@@ -24,47 +24,21 @@ _SCHEDULER_CONFIG = {
 }
 
 
-def _build(
-    out_dir: Path,
-    *,
-    distilled: bool,
-    seed: int,
-    text_dim: int,
-    num_heads: int,
-    num_layers: int,
-    num_single_layers: int,
-    vocab_size: int,
-) -> None:
-    import torch
-    from transformers import AutoConfig, Qwen3ForCausalLM
+def _build(out_dir: Path, *, distilled: bool, seed: int, text_dim: int, vocab_size: int, **dit: int) -> None:
+    """klein: a 27-layer Qwen3; `dit` sizes the transformer (see `_write_dit_vae_scheduler`)."""
+    from transformers import Qwen3ForCausalLM
 
-    save_qwen_tokenizer(out_dir / "tokenizer", build_qwen_bpe(vocab_size), chat_template=QWEN3_CHAT_TEMPLATE)
-    torch.manual_seed(seed)
-    text_encoder = Qwen3ForCausalLM(
-        AutoConfig.for_model(
-            "qwen3",
-            vocab_size=vocab_size,
-            hidden_size=text_dim,
-            intermediate_size=2 * text_dim,
-            num_hidden_layers=27,
-            num_attention_heads=1,
-            num_key_value_heads=1,
-            head_dim=32,
-            max_position_embeddings=2048,
-            rope_theta=1000000.0,
-            tie_word_embeddings=True,
-        )
-    ).eval()
-    text_encoder.save_pretrained(out_dir / "text_encoder", safe_serialization=True, max_shard_size="300KB")
-    _write_dit_vae_scheduler(
+    write_qwen3_text_encoder(
         out_dir,
+        Qwen3ForCausalLM,
         seed=seed,
-        text_dim=text_dim,
-        num_heads=num_heads,
-        num_layers=num_layers,
-        num_single_layers=num_single_layers,
-        guidance_embeds=False,
+        vocab_size=vocab_size,
+        hidden_size=text_dim,
+        num_layers=27,
+        num_heads=1,
+        max_shard_size="300KB",
     )
+    _write_dit_vae_scheduler(out_dir, seed=seed, text_dim=text_dim, guidance_embeds=False, **dit)
     (out_dir / "model_index.json").write_text(
         json.dumps(
             {
@@ -215,9 +189,8 @@ def _write_mistral_processor(out: Path, vocab_size: int):
     return tokenizer
 
 
-def _build_dev(
-    out_dir: Path, *, seed: int, text_dim: int, num_heads: int, num_layers: int, num_single_layers: int, vocab_size: int
-) -> None:
+def _build_dev(out_dir: Path, *, seed: int, text_dim: int, vocab_size: int, **dit: int) -> None:
+    """[dev]: a 30-layer Mistral-3 with a Pixtral tower; `dit` sizes the transformer."""
     import torch
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
@@ -250,15 +223,7 @@ def _build_dev(
         )
     ).eval()
     text_encoder.save_pretrained(out_dir / "text_encoder", safe_serialization=True, max_shard_size="300KB")
-    _write_dit_vae_scheduler(
-        out_dir,
-        seed=seed,
-        text_dim=text_dim,
-        num_heads=num_heads,
-        num_layers=num_layers,
-        num_single_layers=num_single_layers,
-        guidance_embeds=True,
-    )
+    _write_dit_vae_scheduler(out_dir, seed=seed, text_dim=text_dim, guidance_embeds=True, **dit)
     (out_dir / "model_index.json").write_text(
         json.dumps(
             {

@@ -10,28 +10,37 @@ import json
 from pathlib import Path
 
 from vllm_omni.catalog.tiny import tiny_checkpoint
-from vllm_omni.catalog.tiny_tokenizers import build_qwen_bpe, save_qwen_tokenizer
+from vllm_omni.catalog.tiny_tokenizers import build_qwen_bpe, qwen_config, save_qwen_tokenizer
 
 
-def _write_lm(out: Path, model_type: str, *, hidden_size: int, num_layers: int, num_heads: int,
-              num_kv_heads: int, intermediate_size: int, vocab_size: int, num_shards: int, seed: int) -> None:
+def _write_lm(
+    out: Path,
+    model_type: str,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    vocab_size: int,
+    num_shards: int,
+    seed: int,
+) -> None:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     tok = build_qwen_bpe(vocab_size)
     save_qwen_tokenizer(out, tok)
     eos = tok.token_to_id("<|im_end|>")
     extra = {"head_dim": hidden_size // num_heads} if model_type == "qwen3" else {}
-    config = AutoConfig.for_model(
+    config = qwen_config(
         model_type,
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=2048,
-        rope_theta=1000000.0,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
         tie_word_embeddings=False,
         bos_token_id=tok.token_to_id("<|endoftext|>"),
         eos_token_id=eos,
@@ -47,15 +56,29 @@ def _write_lm(out: Path, model_type: str, *, hidden_size: int, num_layers: int, 
     )
 
 
-@tiny_checkpoint("Qwen2 causal LM, 2 layers, hidden 64 (layout of Qwen/Qwen2.5-7B-Instruct)",
-               hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-               vocab_size=1024, num_shards=2, seed=0)
+_DEFAULTS = dict(
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=128,
+    vocab_size=1024,
+    num_shards=2,
+    seed=0,
+)
+
+
+@tiny_checkpoint(
+    "Qwen2 causal LM, 2 layers, hidden 64 (layout of Qwen/Qwen2.5-7B-Instruct)",
+    **_DEFAULTS,
+)
 def build_qwen2(out: Path, **params) -> None:
     _write_lm(out, "qwen2", **params)
 
 
-@tiny_checkpoint("Qwen3 causal LM, 2 layers, hidden 64 (layout of Qwen/Qwen3-8B)",
-               hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-               vocab_size=1024, num_shards=2, seed=0)
+@tiny_checkpoint(
+    "Qwen3 causal LM, 2 layers, hidden 64 (layout of Qwen/Qwen3-8B)",
+    **_DEFAULTS,
+)
 def build_qwen3(out: Path, **params) -> None:
     _write_lm(out, "qwen3", **params)

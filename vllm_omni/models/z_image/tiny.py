@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from vllm_omni.catalog.tiny import tiny_checkpoint
-from vllm_omni.catalog.tiny_tokenizers import QWEN3_CHAT_TEMPLATE, build_qwen_bpe, save_qwen_tokenizer
+from vllm_omni.catalog.tiny_tokenizers import write_qwen3_text_encoder
 
 # scheduler/scheduler_config.json of the real repo.
 _SCHEDULER_CONFIG = {
@@ -37,26 +37,18 @@ def _build(
 ) -> None:
     import torch
     from diffusers import AutoencoderKL, ZImageTransformer2DModel
-    from transformers import AutoConfig, Qwen3Model
+    from transformers import Qwen3Model
 
-    save_qwen_tokenizer(out_dir / "tokenizer", build_qwen_bpe(vocab_size), chat_template=QWEN3_CHAT_TEMPLATE)
-    torch.manual_seed(seed)
-    text_encoder = Qwen3Model(
-        AutoConfig.for_model(
-            "qwen3",
-            vocab_size=vocab_size,
-            hidden_size=text_dim,
-            intermediate_size=2 * text_dim,
-            num_hidden_layers=3,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=32,
-            max_position_embeddings=2048,
-            rope_theta=1000000.0,
-            tie_word_embeddings=True,
-        )
-    ).eval()
-    text_encoder.save_pretrained(out_dir / "text_encoder", safe_serialization=True, max_shard_size="200KB")
+    write_qwen3_text_encoder(
+        out_dir,
+        Qwen3Model,
+        seed=seed,
+        vocab_size=vocab_size,
+        hidden_size=text_dim,
+        num_layers=3,
+        num_heads=2,
+        max_shard_size="200KB",
+    )
     torch.manual_seed(seed + 1)
     head_dim = dim // num_heads
     transformer = ZImageTransformer2DModel(
