@@ -35,6 +35,21 @@ def test_layout_matches_real_repo() -> None:
     assert {"thinker_config", "talker_config", "code2wav_config"} <= set(config)
 
 
+def test_every_weight_is_drawn() -> None:
+    """Why: transformers' init leaves some tensors (the talker's MoE experts) as allocated memory; a checkpoint
+    built after other work in the same process then held NaN / 1e36 experts and vLLM's talker sampled from NaN.
+    Every tensor must be finite and of init scale, the experts drawn at the talker's initializer_range."""
+    from safetensors.torch import load_file
+
+    path = build_tiny("qwen3-omni")
+    for shard in sorted(path.glob("*.safetensors")):
+        for name, tensor in load_file(shard).items():
+            t = tensor.float()
+            assert torch.isfinite(t).all() and t.abs().max() < 100, name
+            if ".mlp.experts." in name:
+                assert 0.01 < t.std() < 0.04, (name, t.std())
+
+
 def test_transformers_generate_text_and_audio(hf_model, tiny_path) -> None:
     ids = chat_prompt_ids(tiny_path, "Hello! How are you today?")
     sequences, wav = hf_model.generate(

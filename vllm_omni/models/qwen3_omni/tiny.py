@@ -154,6 +154,17 @@ def _make_audible(code2wav) -> None:
                 param.fill_(0.1)
 
 
+def _draw_talker_experts(talker, std: float) -> None:
+    """transformers' init leaves the talker's MoE experts as allocated: whatever the building process's allocator
+    held (near-zero on a fresh process, NaN or 1e36 after other work), so the checkpoint depended on what ran
+    before it. Drawn here, after the seeded init, like every other weight."""
+    import torch
+
+    for name, param in talker.named_parameters():
+        if ".mlp.experts." in name:
+            torch.nn.init.normal_(param, 0.0, std)
+
+
 def _write_processor_configs(out: Path) -> None:
     (out / "preprocessor_config.json").write_text(json.dumps({
         "feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 128, "sampling_rate": 16000,
@@ -169,7 +180,7 @@ def _write_processor_configs(out: Path) -> None:
 
 @tiny_checkpoint("Qwen3-Omni MoE thinker/talker/code2wav (layout of Qwen/Qwen3-Omni-30B-A3B-Instruct)",
                vocab_size=1024, thinker_hidden=96, thinker_layers=2, codebook_size=256, num_code_groups=4,
-               num_shards=3, seed=0, revision=4)
+               num_shards=3, seed=0, revision=5)
 def build_qwen3_omni(out: Path, *, vocab_size: int, thinker_hidden: int, thinker_layers: int, codebook_size: int,
                      num_code_groups: int, num_shards: int, seed: int, revision: int) -> None:
     # `revision` is part of the cache key: bump it when a helper above changes the written checkpoint.
@@ -199,6 +210,7 @@ def build_qwen3_omni(out: Path, *, vocab_size: int, thinker_hidden: int, thinker
     # A wider init than the default 0.02 keeps greedy argmax margins clear of float rounding on tiny widths.
     config.initializer_range = config.thinker_config.initializer_range = 0.1
     model = Qwen3OmniMoeForConditionalGeneration(config).to(torch.float32)
+    _draw_talker_experts(model.talker, config.talker_config.text_config.initializer_range)
     _make_audible(model.code2wav)
     total = sum(p.numel() * 2 for p in model.parameters())  # bf16 bytes on disk
     model.to(torch.bfloat16).save_pretrained(out, max_shard_size=max(total // num_shards + 1, 1))
