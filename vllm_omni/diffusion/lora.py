@@ -99,11 +99,15 @@ class _LoRAHook:
                 continue
             # Row slices are views: the delta reads and adds in place, no gather or scatter of activations.
             h = F.linear(x[segment.start : segment.stop], delta.a)
-            if segment.scale != 1.0:
-                h.mul_(segment.scale)
             if self.reduce:  # x is this rank's input columns: the rank-sized product is partial
                 h = tensor_model_parallel_all_reduce(h)
-            out[segment.start : segment.stop].add_(F.linear(h, delta.b))
+            rows = out[segment.start : segment.stop]
+            if rows.is_contiguous():
+                # One GEMM that accumulates into the output (read once, written once): the delta is memory-bound,
+                # and a separate product plus add_ moved the output's bytes twice more.
+                rows.view(-1, rows.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), delta.b.t(), alpha=segment.scale)
+            else:
+                rows.add_(F.linear(h, delta.b), alpha=segment.scale)
         return output
 
 
