@@ -261,19 +261,19 @@ def build_models(name: str, config: dict, device: torch.device, dtype: torch.dty
 
             from vllm_omni.models.z_image.transformer import ZImageTransformer2DModel
 
-            reference, ours = Reference(**config), ZImageTransformer2DModel(**config)
+            reference, ours = Reference(**config), ZImageTransformer2DModel.from_config(config)
         elif name == "flux2-klein":
             from diffusers import Flux2Transformer2DModel as Reference
 
             from vllm_omni.models.flux2.transformer import Flux2Transformer2DModel
 
-            reference, ours = Reference(**config), Flux2Transformer2DModel(**config)
+            reference, ours = Reference(**config), Flux2Transformer2DModel.from_config(config)
         else:
             from diffusers import QwenImage21Transformer2DModel as Reference
 
             from vllm_omni.models.qwen_image_21.transformer import QwenImage21Transformer2DModel
 
-            reference, ours = Reference(**config), QwenImage21Transformer2DModel(**config)
+            reference, ours = Reference(**config), QwenImage21Transformer2DModel.from_config(config)
     reference = reference.to(dtype).eval()
     return reference, _finish_load(ours, reference)
 
