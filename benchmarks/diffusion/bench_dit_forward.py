@@ -366,11 +366,12 @@ def qwen_image_21_inputs(config, size, batch, text_tokens, t, randn, device, our
 
     side = size // 16
     x = randn(batch, side * side, config["in_channels"])
-    text = randn(batch, text_tokens, config["context_in_dim"])
+    text = randn(1, text_tokens, config["context_in_dim"]).expand(batch, -1, -1)
     img_mask = torch.cat([torch.zeros(batch, text_tokens, dtype=torch.bool, device=device),
                           torch.ones(batch, side * side // 4, dtype=torch.bool, device=device)], dim=1)
     cache = QwenImage21KVCache(config["num_layers"])
-    prefix_kv = ours.prefix_kv(text)
+    prefix_kv, frame = ours.prefix_kv(text[:1])
+    prefix_kv = prefix_kv.expand(batch, *prefix_kv.shape[1:])
 
     def ref_call(model):
         mode = "extract" if cache.get_layer(0).k is None else "cached"
@@ -378,7 +379,7 @@ def qwen_image_21_inputs(config, size, batch, text_tokens, t, randn, device, our
                      img_mask=img_mask, kv_cache=cache, kv_cache_mode=mode, return_dict=False)[0][:, -side * side:]
 
     def our_call(fn):
-        return fn(x, t, prefix_kv, (text_tokens,) * batch, (side, side))
+        return fn(x, t, prefix_kv, (text_tokens,) * batch, (frame,) * batch, (side, side))
     return ref_call, our_call
 
 

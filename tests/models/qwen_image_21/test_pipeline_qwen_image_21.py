@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.image_checks import check_lossless_and_high, cobatched_forwards, psnr
+from tests.models.image_checks import check_lossless_and_high, cobatched_forwards, psnr, run
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
@@ -97,13 +97,13 @@ def test_prefix_kv_and_image_rows_match_diffusers_extract_and_cached_steps(ours,
             )
             extract = ref(hidden_states=latents[b : b + 1], timestep=t0[b : b + 1], kv_cache_mode="extract", **args)[0]
             cached = ref(hidden_states=latents[b : b + 1], timestep=t1[b : b + 1], kv_cache_mode="cached", **args)[0]
-            kv[b, :, :, :n] = ours.transformer.prefix_kv(text[None])[0]
+            kv[b, :, :, :n] = ours.transformer.prefix_kv(text[None])[0][0]
             want_kv = torch.stack([torch.stack(cache.get_layer(i).get()) for i in range(layers)])
             torch.testing.assert_close(kv[b, :, :, :n], want_kv[:, :, 0], rtol=1e-5, atol=1e-5)
-            got0 = ours.transformer(latents[b : b + 1], t0[b : b + 1], kv[b : b + 1, :, :, :n], (n,), (h, w))
+            got0 = ours.transformer(latents[b : b + 1], t0[b : b + 1], kv[b : b + 1, :, :, :n], (n,), (n,), (h, w))
             torch.testing.assert_close(got0, extract[:, -h * w :], rtol=1e-5, atol=1e-5)
             if b == 1:
-                got = ours.transformer(latents, t1, kv, (7, 12), (h, w))
+                got = ours.transformer(latents, t1, kv, (7, 12), (7, 12), (h, w))
                 torch.testing.assert_close(got[1:], cached, rtol=1e-5, atol=1e-5)
             else:
                 want_first = cached
@@ -134,6 +134,43 @@ def test_batched_requests_match_diffusers(ours, reference, cfg):
         assert want.std() > 0.01
         assert psnr(out.output[0] * 255, want * 255) >= 40.0
     assert psnr(outputs[0].output[0] * 255, outputs[1].output[0] * 255) < 30.0
+
+
+def condition_image(seed: int):
+    """A 300 x 200 RGB picture: resized to 1248 x 832 (about 1024^2) as the condition."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (200, 300, 3), dtype=np.uint8))
+
+
+def test_edit_request_matches_diffusers(ours, reference):
+    """A condition image: the text encoder sees it in its vision slots, its VAE latents fill those slots of the
+    prefix (a bidirectional block in the causal prefix); with true CFG the negative sees it too."""
+    image = condition_image(0)
+    req = OmniDiffusionRequest(
+        {"prompt": "make it blue", "negative_prompt": "blurry", "multi_modal_data": {"image": image}},
+        SP(seed=4, height=64, width=96, num_inference_steps=2, true_cfg_scale=3.0, output_type="np"),
+        "edit",
+    )
+    (out,) = ours.forward(DiffusionRequestBatch([req]))
+    assert out.error is None, out.error
+    want = reference(
+        prompt="make it blue",
+        negative_prompt="blurry",
+        image=image,
+        height=64,
+        width=96,
+        num_inference_steps=2,
+        true_cfg_scale=3.0,
+        output_type="np",
+        generator=torch.Generator().manual_seed(4),
+    ).images[0]
+    assert want.std() > 0.01
+    assert psnr(out.output[0] * 255, want * 255) >= 40.0
+    plain = run(ours, request("make it blue", 4, negative="blurry", num_inference_steps=2, true_cfg_scale=3.0))
+    assert psnr(out.output[0] * 255, plain.output[0] * 255) < 50.0  # the image conditions the output
 
 
 def test_a_bare_request_runs_diffusers_defaults(ours, reference):
@@ -190,10 +227,17 @@ def test_step_mode_cobatched_requests_equal_their_solo_outputs(ours):
 
 
 def test_step_mode_at_max_num_seqs_8_keeps_each_requests_prefix(ours):
-    """Eight requests, eight prompts, one grid: every forward after the first round holds several states'
-    prefixes of different lengths, and each request still ends with its own solo output."""
+    """Eight requests, eight prompts (one with a condition image), one grid: every forward after the first round
+    holds several states' prefixes of different lengths, and each request still ends with its own solo output."""
     words = ["a", "cat", "on", "a", "red", "chair", "under", "the", "bright", "moon", "by", "the", "quiet", "sea"]
-    reqs = [request(" ".join(words[: 2 + i]), 20 + i, f"p{i}", num_inference_steps=2) for i in range(8)]
+    reqs = [request(" ".join(words[: 2 + i]), 20 + i, f"p{i}", num_inference_steps=2) for i in range(7)]
+    reqs.append(
+        OmniDiffusionRequest(
+            {"prompt": "make it blue", "multi_modal_data": {"image": condition_image(1)}},
+            SP(seed=27, height=64, width=96, num_inference_steps=2, output_type="np"),
+            "p7",
+        )
+    )
     forwards = cobatched_forwards(ours, reqs, max_num_seqs=8)
     assert max(forwards) == 8
 

@@ -1,18 +1,21 @@
 """Qwen-Image-2.1 text-to-image: Qwen3-VL prompt encoder -> block-causal single-stream DiT -> Qwen-Image-2.1 VAE.
 
-Numerically diffusers' `QwenImage21Pipeline` with its prefix KV cache on (the same raw chat template, the last
+Numerically diffusers' `QwenImage21Pipeline` with its prefix KV cache on (the same raw chat templates, the last
 decoder layer's hidden states before the final norm with the system tokens dropped, the same noise for the same
 seed, the same sigmas and shift, true CFG as `neg + scale * (pos - neg)` when `true_cfg_scale > 1` and a
-negative prompt is given). The text's K/V at every layer do not depend on the step (`transformer.py`), so
-`prepare_step_tables` computes them once per request into the request's conditioning, and every step runs the
-image tokens only. They belong to their state: `select` drops them with their rows, co-batched states
-concatenate theirs row-wise (`rows(pad=...)`), and nothing is kept on the pipeline.
+negative prompt is given). Condition images (`multi_modal_data.image`, /v1/images/edits) are resized to about
+1024 x 1024 at their aspect ratio, seen by the text encoder in their vision slots and, as VAE latents, put into
+those slots of the prefix. The prefix's K/V at every layer do not depend on the step (`transformer.py`), so
+`encode_prompt` computes them once per request into the request's conditioning, and every step runs the target's
+tokens only. They belong to their state: `select` drops them with their rows, co-batched states concatenate
+theirs row-wise (`rows(pad=...)`), and nothing is kept on the pipeline.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -44,33 +47,41 @@ PROMPT_TEMPLATE = (
     f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{{}}<|im_end|>\n<|im_start|>assistant\n"
 )
 """The raw template diffusers formats (not `apply_chat_template`: the two tokenize differently)."""
+IMAGE_SLOT = "<|vision_start|><|image_pad|><|vision_end|>"
+IMAGE_PROMPT_TEMPLATE = PROMPT_TEMPLATE.replace("user\n{}", "user\n{images}{}")
+CONDITION_AREA = 1024 * 1024
+"""diffusers' `output_resolution` squared: condition images (and the default output size with them) are resized
+to about this many pixels at their aspect ratio."""
+
+
+def condition_size(width: int, height: int) -> tuple[int, int]:
+    """(width, height) of about CONDITION_AREA pixels at the aspect ratio, multiples of 32 (as diffusers)."""
+    ratio = width / height
+    w = math.sqrt(CONDITION_AREA * ratio)
+    return round(w / 32) * 32, round(w / ratio / 32) * 32
 
 
 @dataclass
 class QwenImage21Conditioning:
-    """Text rows: one per latent row, then (CFG) one negative per latent row in the same order."""
+    """Prefix rows: one per latent row, then (CFG) one negative per latent row in the same order."""
 
-    embeds: torch.Tensor
-    """(text rows, seq, dim), each row's real tokens first, zero-padded at the end."""
+    prefix_kv: torch.Tensor
+    """This request's prefix K/V at every layer (prefix rows, layers, 2, tokens, heads, head_dim), each row's
+    real tokens first, zero-padded at the end; computed once, in `encode_prompt`."""
     lengths: tuple[int, ...]
+    frames: tuple[int, ...]
+    """The target's frame position after each row's prefix."""
     do_cfg: bool
     cfg_scale: float
     grid: tuple[int, int]
     """Latent grid (height, width) in tokens (16 x 16 pixels each)."""
-    prefix_kv: torch.Tensor | None = None
-    """This request's text K/V at every layer (text rows, layers, 2, seq, heads, head_dim), zero-padded like
-    `embeds`; set once by `prepare_step_tables`."""
-
-    def text_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        num_rows = self.embeds.shape[0] // (2 if self.do_cfg else 1)
-        return torch.cat([rows, rows + num_rows]) if self.do_cfg else rows
 
     def select(self, rows: torch.Tensor) -> QwenImage21Conditioning:
-        text_rows = self.text_rows(rows)
-        lengths = tuple(self.lengths[i] for i in text_rows.tolist())
-        n = max(lengths)
-        kv = None if self.prefix_kv is None else self.prefix_kv.index_select(0, text_rows)[:, :, :, :n]
-        return replace(self, embeds=self.embeds.index_select(0, text_rows)[:, :n], lengths=lengths, prefix_kv=kv)
+        num_rows = self.prefix_kv.shape[0] // (2 if self.do_cfg else 1)
+        text_rows = (torch.cat([rows, rows + num_rows]) if self.do_cfg else rows).tolist()
+        lengths = tuple(self.lengths[i] for i in text_rows)
+        kv = self.prefix_kv[text_rows][:, :, :, : max(lengths)]
+        return replace(self, prefix_kv=kv, lengths=lengths, frames=tuple(self.frames[i] for i in text_rows))
 
 
 @dataclass
@@ -82,6 +93,7 @@ class QwenImage21StepInput:
     """(rows,) in [0, 1], 1 = noise."""
     prefix_kv: torch.Tensor = rows(pad=3)
     prefix_lengths: tuple[int, ...] = rows()
+    frames: tuple[int, ...] = rows()
     grid: tuple[int, int] = (0, 0)
 
 
@@ -96,6 +108,7 @@ class QwenImage21Pipeline(NativeDiffusionPipeline):
         transformer: QwenImage21Transformer2DModel,
         text_encoder,
         tokenizer,
+        vl_image_processor,
         vae,
         scheduler_config: dict[str, Any],
         sample_sigmas: list[float] | None,
@@ -109,6 +122,9 @@ class QwenImage21Pipeline(NativeDiffusionPipeline):
         self.transformer = transformer
         self.text_encoder = text_encoder
         self.tokenizer = tokenizer
+        self.vl_image_processor = vl_image_processor
+        """The image half of Qwen3VLProcessor (the whole processor needs torchvision for its video half)."""
+        self.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
         self.vae = vae
         self.scheduler_config = scheduler_config
         self.sample_sigmas = sample_sigmas
@@ -125,7 +141,7 @@ class QwenImage21Pipeline(NativeDiffusionPipeline):
         cls, od_config: OmniDiffusionConfig, model_dir: Path, device: torch.device, dtype: torch.dtype
     ) -> QwenImage21Pipeline:
         from diffusers import AutoencoderKLQwenImage21
-        from transformers import AutoTokenizer, Qwen3VLForConditionalGeneration
+        from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLForConditionalGeneration
 
         model_dir = Path(model_dir)
         load = functools.partial(load_pretrained, device=device, dtype=dtype, load_format=od_config.load_format)
@@ -137,6 +153,7 @@ class QwenImage21Pipeline(NativeDiffusionPipeline):
             ),
             text_encoder=load(Qwen3VLForConditionalGeneration, model_dir / "text_encoder"),
             tokenizer=AutoTokenizer.from_pretrained(model_dir / "processor"),
+            vl_image_processor=AutoImageProcessor.from_pretrained(model_dir / "processor"),
             vae=load(AutoencoderKLQwenImage21, model_dir / "vae"),
             scheduler_config=json.loads((model_dir / "scheduler" / "scheduler_config.json").read_text()),
             sample_sigmas=index.get("sample_sigmas"),
@@ -180,26 +197,70 @@ class QwenImage21Pipeline(NativeDiffusionPipeline):
             if value is not None and value % 32:
                 raise OmniClientError(f"{name} must be a multiple of 32 for Qwen-Image-2.1, got {value}", param=name)
         return (
-            sp.height,
-            sp.width,
+            self.resolve_grid(sp, self.input_images(request)),
             sp.num_inference_steps,
             sp.true_cfg_scale,
             sp.num_outputs_per_prompt,
             sp.output_type,
         )
 
+    @staticmethod
+    def input_images(request: OmniDiffusionRequest) -> list[Any]:
+        """The request's condition images (none: text-to-image), as RGBA like diffusers reads them."""
+        from PIL import Image
+
+        images = request.multi_modal_data.get("image")
+        images = [] if images is None else list(images) if isinstance(images, list | tuple) else [images]
+        for image in images:
+            if not isinstance(image, Image.Image):
+                raise OmniClientError("image must be one or more images", param="image")
+        return [image if image.mode == "RGBA" else image.convert("RGBA") for image in images]
+
+    @staticmethod
+    def resolve_grid(sp: Any, images: list[Any]) -> tuple[int, int]:
+        """Latent grid of the output: the request's size, else the last condition image's, else 1024 x 1024."""
+        width, height = condition_size(*images[-1].size) if images else (DEFAULT_SIZE, DEFAULT_SIZE)
+        return (sp.height or height) // 32 * 2, (sp.width or width) // 32 * 2
+
     def encode_prompt(self, requests: list[OmniDiffusionRequest]) -> QwenImage21Conditioning:
-        """Latent grid, then the prompts and (CFG) their negatives in one encoder batch."""
+        """Latent grid; then for each prompt and (CFG) negative, with its request's condition images, the prefix
+        K/V at every layer, once for all steps: each prefix alone, at its own length."""
         sp = requests[0].sampling_params
         n = sp.num_outputs_per_prompt
         do_cfg = (sp.true_cfg_scale or 1.0) > 1
-        texts = [r.prompt_text for r in requests] + ([r.negative_prompt for r in requests] if do_cfg else [])
-        embeds, lengths = self.encode_texts(texts)
-        lengths = tuple(m for m in lengths for _ in range(n))
-        grid = tuple((size or DEFAULT_SIZE) // 16 for size in (sp.height, sp.width))
-        return QwenImage21Conditioning(
-            embeds.repeat_interleave(n, dim=0), lengths, do_cfg, sp.true_cfg_scale or 1.0, grid
-        )
+        images = [self.condition_images(r) for r in requests]
+        rows = [(r.prompt_text, i) for i, r in enumerate(requests)]
+        rows += [(r.negative_prompt, i) for i, r in enumerate(requests)] if do_cfg else []
+        prefixes = [self.encode_prefix(text, *images[i]) for text, i in rows]
+        lengths = tuple(kv.shape[3] for kv, _ in prefixes for _ in range(n))
+        kv = prefixes[0][0].new_zeros(len(lengths), *prefixes[0][0].shape[1:3], max(lengths), *prefixes[0][0].shape[4:])
+        for i, (row, _) in enumerate(prefixes):
+            kv[i * n : (i + 1) * n, :, :, : row.shape[3]] = row
+        frames = tuple(frame for _, frame in prefixes for _ in range(n))
+        grid = self.resolve_grid(sp, self.input_images(requests[0]))
+        return QwenImage21Conditioning(kv, lengths, frames, do_cfg, sp.true_cfg_scale or 1.0, grid)
+
+    def condition_images(self, request: OmniDiffusionRequest) -> tuple[list[Any], list[tuple[torch.Tensor, int, int]]]:
+        """The request's condition images at their condition size, for the text encoder (RGB, alpha over white),
+        and their packed, normalized VAE latents (mode of the posterior) with their latent grids."""
+        from PIL import Image
+
+        vision, latents = [], []
+        cfg = self.vae.config
+        for image in self.input_images(request):
+            width, height = condition_size(*image.size)
+            resized = self.image_processor.resize(image, width=width, height=height)
+            white = Image.new("RGB", resized.size, (255, 255, 255))
+            white.paste(resized, mask=resized.getchannel("A"))
+            vision.append(white)
+            pixels = self.image_processor.preprocess(image, width=width, height=height).unsqueeze(2)
+            encoded = self.vae.encode(pixels.to(self.device, self.dtype)).latent_dist.mode()
+            mean = torch.tensor(cfg.latents_mean).view(1, cfg.z_dim, 1, 1, 1).to(encoded.device, encoded.dtype)
+            std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(encoded.device, encoded.dtype)
+            h, w = height // 16, width // 16
+            packed = ((encoded - mean) / std).view(1, cfg.z_dim, h * w).transpose(1, 2)
+            latents.append((packed.to(self.dtype), h, w))
+        return vision, latents
 
     def prepare_latents(
         self, requests: list[OmniDiffusionRequest], conditioning: QwenImage21Conditioning
@@ -233,17 +294,6 @@ class QwenImage21Pipeline(NativeDiffusionPipeline):
         scheduler.set_begin_index(0)
         return scheduler
 
-    def prepare_step_tables(self, state: DenoiseState) -> None:
-        """The text K/V of every row, once for all steps: each text alone, at its own length."""
-        cond = state.conditioning
-        kv = None
-        for i, n in enumerate(cond.lengths):
-            row = self.transformer.prefix_kv(cond.embeds[i : i + 1, :n])
-            if kv is None:
-                kv = row.new_zeros(len(cond.lengths), *row.shape[1:3], cond.embeds.shape[1], *row.shape[4:])
-            kv[i, :, :, :n] = row[0]
-        cond.prefix_kv = kv
-
     def step_group_key(self, state: DenoiseState) -> Any:
         """Same latent grid and dtype; prompts (and their lengths), CFG, scales and steps may differ."""
         return state.conditioning.grid, state.latents.dtype
@@ -251,17 +301,17 @@ class QwenImage21Pipeline(NativeDiffusionPipeline):
     def step_tokens(self, state: DenoiseState) -> int:
         cond = state.conditioning
         h, w = cond.grid
-        return cond.embeds.shape[0] * h * w
+        return cond.prefix_kv.shape[0] * h * w
 
     def step_inputs(self, state: DenoiseState) -> QwenImage21StepInput:
         """Positive rows, then (CFG) the same latents against the negative prompts' K/V; this step's timestep."""
         cond, latents = state.conditioning, state.latents
         x = torch.cat([latents, latents]) if cond.do_cfg else latents
         t = state.timesteps[state.step_index].expand(x.shape[0]).to(latents.dtype)
-        return QwenImage21StepInput(x, t / 1000, cond.prefix_kv, cond.lengths, cond.grid)
+        return QwenImage21StepInput(x, t / 1000, cond.prefix_kv, cond.lengths, cond.frames, cond.grid)
 
     def transformer_forward(self, inp: QwenImage21StepInput, call: Callable[..., Any]) -> torch.Tensor:
-        return call("transformer", inp.x, inp.timestep, inp.prefix_kv, inp.prefix_lengths, inp.grid)
+        return call("transformer", inp.x, inp.timestep, inp.prefix_kv, inp.prefix_lengths, inp.frames, inp.grid)
 
     def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
         cond, rows = state.conditioning, state.latents.shape[0]
@@ -282,26 +332,44 @@ class QwenImage21Pipeline(NativeDiffusionPipeline):
         return list(self.image_processor.postprocess(image, output_type=output_type))
 
     @torch.inference_mode()
-    def encode_texts(self, prompts: list[str]) -> tuple[torch.Tensor, tuple[int, ...]]:
-        """Each prompt alone (a padded batch would move its positions): the last decoder layer's hidden states
-        before the final norm (what the DiT was trained on) of the templated prompt after the system message,
-        zero-padded to the longest."""
-        rows = [self.encode_text(p) for p in prompts]
-        lengths = tuple(r.shape[0] for r in rows)
-        embeds = rows[0].new_zeros(len(rows), max(lengths), rows[0].shape[-1])
-        for i, row in enumerate(rows):
-            embeds[i, : lengths[i]] = row
-        return embeds.to(self.dtype), lengths
-
-    def encode_text(self, prompt: str) -> torch.Tensor:
-        input_ids = self.tokenizer(PROMPT_TEMPLATE.format(prompt or " "), return_tensors="pt").input_ids
-        if input_ids.shape[1] - self.drop_tokens > MAX_PROMPT_TOKENS:
+    def encode_prefix(
+        self, prompt: str | None, vision: list[Any], latents: list[tuple[torch.Tensor, int, int]]
+    ) -> tuple[torch.Tensor, int]:
+        """One prompt (with its condition images) through the text encoder, then its prefix K/V through the DiT:
+        the last decoder layer's hidden states before the final norm (what the DiT was trained on) after the
+        system message, each vision slot replaced by 2 x 2 of its image's latent tokens."""
+        text = PROMPT_TEMPLATE.format(prompt or " ")
+        inputs: dict[str, torch.Tensor] = {}
+        if vision:
+            slots = " ".join(f"<image{i + 1}>{IMAGE_SLOT}" for i in range(len(vision)))
+            processed = self.vl_image_processor(images=vision, return_tensors="pt")
+            merge = self.vl_image_processor.merge_size**2
+            pieces = IMAGE_PROMPT_TEMPLATE.replace("{images}", slots).split("<|image_pad|>")
+            pads = ["<|image_pad|>" * int(grid.prod() // merge) for grid in processed["image_grid_thw"]]
+            text = "".join(p + pad for p, pad in zip(pieces, [*pads, ""], strict=True)).format(prompt or " ")
+            inputs = {
+                "pixel_values": processed["pixel_values"].to(self.device, self.dtype),
+                "image_grid_thw": processed["image_grid_thw"].to(self.device),
+            }
+        input_ids = self.tokenizer(text, return_tensors="pt").input_ids.to(self.device)
+        if input_ids.shape[1] - self.drop_tokens > MAX_PROMPT_TOKENS + sum(h * w // 4 for _, h, w in latents):
             raise OmniClientError(f"prompt is longer than {MAX_PROMPT_TOKENS} tokens", param="prompt")
+        if vision:
+            inputs["mm_token_type_ids"] = (input_ids == self.image_token_id).long()
         captured: list[torch.Tensor] = []
         text_model = getattr(self.text_encoder.model, "language_model", self.text_encoder.model)
         handle = text_model.norm.register_forward_hook(lambda module, args, output: captured.append(args[0]))
         try:
-            self.text_encoder(input_ids=input_ids.to(self.device))
+            self.text_encoder(input_ids=input_ids, **inputs)
         finally:
             handle.remove()
-        return captured[0][0, self.drop_tokens :]
+        slots_mask = input_ids[0, self.drop_tokens :] == self.image_token_id
+        if int(slots_mask.sum()) != sum(h * w // 4 for _, h, w in latents):
+            raise OmniClientError(
+                "image: the text encoder's image processor resized a condition image (its "
+                "max_pixels is below the condition size); its vision slots do not match the "
+                "image's latent tokens",
+                param="image",
+            )
+        hidden = captured[0][:, self.drop_tokens :].to(self.dtype)
+        return self.transformer.prefix_kv(hidden, slots_mask if vision else None, latents)

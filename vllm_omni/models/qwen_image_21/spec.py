@@ -9,6 +9,7 @@ SPEC = ModelSpec(
         "QwenImage21Pipeline": DiffusionPipelineEntry(
             "vllm_omni.models.qwen_image_21.pipeline:QwenImage21Pipeline",
             "image",
+            input_modalities=frozenset({"text", "image"}),
             shape_rule="vllm_omni.models.qwen_image_21.shapes:shape_rule",
         )
     },

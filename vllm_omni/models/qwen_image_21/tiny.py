@@ -102,7 +102,7 @@ def _write_processor(out: Path, tokenizer) -> None:
 
     sizes = {
         "min_pixels": 32 * 32,
-        "max_pixels": 128 * 128,
+        "max_pixels": 1536 * 1536,  # a condition image (about 1024^2) is not resized: its slots match its latents
         "patch_size": 16,
         "temporal_patch_size": 2,
         "merge_size": 2,

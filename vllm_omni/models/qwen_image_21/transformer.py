@@ -173,11 +173,15 @@ class QwenImage21TransformerBlock(nn.Module):
         return x + mod[3] * self.img_mlp(self.norm(x) * mod[2])
 
     def prefix_kv(
-        self, x: torch.Tensor, rope: Rope, mod: tuple[torch.Tensor, ...]
+        self, x: torch.Tensor, rope: Rope, mod: tuple[torch.Tensor, ...], blocks: list[tuple[int, int]]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The text rows through this block, and their K/V (post-RoPE)."""
+        """The prefix rows through this block, and their K/V (post-RoPE). Text rows: causal attention (a text
+        row sees every key up to its own); the rows of each image block `(start, end)`: every key before `end`."""
         q, k, v = self.attn.qkv(self.norm(x) * mod[0], rope)
-        x = x + mod[1] * self.attn.to_out(self.attn.causal_attn(q, k, v).flatten(2))
+        out = self.attn.causal_attn(q, k, v)
+        for start, end in blocks:
+            out[:, start:end] = self.attn.attn(q[:, start:end], k[:, :end], v[:, :end])
+        x = x + mod[1] * self.attn.to_out(out.flatten(2))
         return self.mlp(x, mod), k, v
 
     def forward(
@@ -196,8 +200,8 @@ class QwenImage21TransformerBlock(nn.Module):
 
 
 class QwenImage21Transformer2DModel(nn.Module):
-    """Same config keys as diffusers' `QwenImage21Transformer2DModel`. `prefix_kv(text)` -> the text's K/V at every
-    layer; `forward(latents, timestep, prefix_kv, prefix_lengths)` -> the prediction for the image tokens."""
+    """Same config keys as diffusers' `QwenImage21Transformer2DModel`. `prefix_kv(text, ...)` -> one prefix's K/V at
+    every layer; `forward(latents, timestep, prefix_kv, prefix_lengths, frames, grid)` -> the target's prediction."""
 
     _repeated_blocks = ("QwenImage21TransformerBlock",)
 
@@ -226,7 +230,11 @@ class QwenImage21Transformer2DModel(nn.Module):
         if sum(axes_dims_rope) != attention_head_dim:
             raise ValueError(f"sum(axes_dims_rope) {sum(axes_dims_rope)} != attention_head_dim {attention_head_dim}")
         if sequence_parallel_size() > 1:
-            raise ValueError("Qwen-Image-2.1 does not support sequence parallelism (its prefix K/V is per request)")
+            raise ValueError(
+                "Qwen-Image-2.1 does not support sequence parallelism (--ulysses-degree, --ring-degree, "
+                "--allgather-degree): its image rows attend over a per-request text prefix of another "
+                "length; use --tensor-parallel-size or --cfg-parallel-size"
+            )
         dim = num_attention_heads * attention_head_dim
         self.in_channels = in_channels
         self.num_heads = num_attention_heads // get_tensor_model_parallel_world_size()
@@ -286,17 +294,44 @@ class QwenImage21Transformer2DModel(nn.Module):
         x = self.txt_in.in_layer(x.to(text.dtype))
         return self.txt_in.out_layer(F.gelu(x, approximate="tanh"))
 
-    def prefix_kv(self, text: torch.Tensor) -> torch.Tensor:
-        """K/V of the text rows `text` (rows, n, context_in_dim) at every layer: (rows, layers, 2, n, heads,
-        head_dim). They attend to text only and are modulated from t = 0, so they hold for every step."""
-        rows, n = text.shape[:2]
+    def prefix_kv(
+        self,
+        text: torch.Tensor,
+        image_slots: torch.Tensor | None = None,
+        images: list[tuple[torch.Tensor, int, int]] = (),
+    ) -> tuple[torch.Tensor, int]:
+        """K/V at every layer of one prefix, (1, layers, 2, tokens, heads, head_dim), and the frame position the
+        target image takes after it. `text` (1, n, context_in_dim): the text encoder's states; `image_slots` (n,)
+        bool marks the slots of the condition `images` ((1, h * w, in_channels) latents, h, w), in order: each
+        slot stands for 2 x 2 latent tokens. The prefix attends only to itself and is modulated from t = 0, so
+        this holds for every step."""
         x = self.embed_text(text)
-        rope = rope_tables(text_positions(n, x.device)[None], self.axes_dims, 10000.0)
+        pieces, ids, blocks = [], [], []
+        frame, cursor, length = 0, 0, 0
+        slot_index = [] if image_slots is None else image_slots.nonzero().flatten().tolist()
+        for latents, h, w in images:
+            start = slot_index[0]
+            del slot_index[: h * w // 4]
+            pieces += [x[:, cursor:start], self.img_in(latents)]
+            ids += [
+                text_positions(start - cursor, x.device) + frame,
+                image_positions(frame + start - cursor, h, w, x.device),
+            ]
+            frame += start - cursor
+            blocks.append((length + start - cursor, length + start - cursor + h * w))
+            length += start - cursor + h * w
+            frame += max(h, w)
+            cursor = start + h * w // 4
+        n = text.shape[1] - cursor
+        pieces.append(x[:, cursor:])
+        ids.append(text_positions(n, x.device) + frame)
+        x = torch.cat(pieces, dim=1)
+        rope = rope_tables(torch.cat(ids)[None], self.axes_dims, 10000.0)
         mod = self.block_modulation(self.temb(x.new_zeros(1), x.dtype))
-        kv = x.new_empty(rows, len(self.transformer_blocks), 2, n, self.num_heads, self.head_dim)
+        kv = x.new_empty(1, len(self.transformer_blocks), 2, x.shape[1], self.num_heads, self.head_dim)
         for i, block in enumerate(self.transformer_blocks):
-            x, kv[:, i, 0], kv[:, i, 1] = block.prefix_kv(x, rope, mod)
-        return kv
+            x, kv[:, i, 0], kv[:, i, 1] = block.prefix_kv(x, rope, mod, blocks)
+        return kv, frame + n
 
     def forward(
         self,
@@ -304,11 +339,13 @@ class QwenImage21Transformer2DModel(nn.Module):
         timestep: torch.Tensor,
         prefix_kv: torch.Tensor,
         prefix_lengths: tuple[int, ...],
+        frames: tuple[int, ...],
         grid: tuple[int, int],
         cache: BlockCache | None = None,
     ) -> torch.Tensor:
         """`latents` (rows, h * w, in_channels) of the `grid` (h, w), `timestep` (rows,) in [0, 1], `prefix_kv`
-        (rows, layers, 2, >= max(prefix_lengths), heads, head_dim) with row b's first `prefix_lengths[b]` real.
+        (rows, layers, 2, >= max(prefix_lengths), heads, head_dim) with row b's first `prefix_lengths[b]` real,
+        `frames` the target's frame position after each row's prefix (`prefix_kv`'s second result).
 
         `cache`: this step's view of the request's cache (TeaCache: the blocks run, or the residual they left at
         the last computed step is reused; the probe is the first block's modulated input)."""
@@ -316,7 +353,7 @@ class QwenImage21Transformer2DModel(nn.Module):
         x = self.img_in(latents)
         temb = self.temb(timestep, x.dtype)
         mod = self.block_modulation(temb)
-        ids = torch.stack([image_positions(n, h, w, x.device) for n in prefix_lengths])
+        ids = torch.stack([image_positions(frame, h, w, x.device) for frame in frames])
         rope = rope_tables(ids, self.axes_dims, 10000.0)
         first = self.transformer_blocks[0]
 
