@@ -251,8 +251,9 @@ def new_family_pipelines(name: str, device, dtype, smoke: bool):
         Qwen3VLProcessor.check_argument_for_proper_class = check
     reference = diffusers.QwenImage21Pipeline(scheduler=scheduler, transformer=reference_tf, processor=processor,
                                               **comps)
+    vl_image_processor = AutoImageProcessor.from_pretrained(tiny / "processor")
     return reference, lambda tf: QwenImage21Pipeline(transformer=tf, tokenizer=tokenizer, sample_sigmas=None,
-                                                     **comps, **common), ours_tf
+                                                     vl_image_processor=vl_image_processor, **comps, **common), ours_tf
 
 
 NEW_FAMILIES = {
