@@ -1,6 +1,6 @@
 """Generate images with Qwen-Image-2.1 through `Omni`: two prompts in one call (each request computes its own
 text K/V once and reuses it at every step); only the size and steps are passed so the tiny checkpoint finishes
-in seconds. The VAE decodes RGBA.
+in seconds. The VAE decodes RGBA. `--image in.png` conditions every prompt on that image (an edit).
 
     .venv/bin/python examples/offline_inference/qwen_image_21.py                  # tiny/qwen-image-2.1, CPU
     python examples/offline_inference/qwen_image_21.py --model Qwen/Qwen-Image-2.1 --height 1024 --width 1024 --steps 40
@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--true-cfg-scale", type=float, default=None, help="> 1 turns CFG on (needs --negative)")
     parser.add_argument("--negative", default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--image", default=None, help="a condition image (edit); default: text-to-image")
     args = parser.parse_args()
 
     prompts = args.prompt or ["a capybara in a wizard hat, oil painting", "a lighthouse at dusk"]
@@ -36,6 +37,11 @@ def main() -> None:
     )
     omni = Omni(model=args.model)
     try:
+        if args.image:
+            from PIL import Image
+
+            image = Image.open(args.image)
+            prompts = [{"prompt": p, "multi_modal_data": {"image": image}} for p in prompts]
         for i, output in enumerate(omni.generate(prompts, params)):
             if output.error:
                 raise SystemExit(f"request failed: {output.error}")
