@@ -1,6 +1,7 @@
 """DiT transformer-forward latency: our native transformers vs diffusers, same process, same random weights.
 
-Builds the real-size configs (FLUX.1-dev 11.9B, Qwen-Image 20.4B) with random bf16 weights directly on the GPU,
+Builds the real-size configs (FLUX.1-dev 11.9B, Qwen-Image 20.4B, Z-Image-Turbo 6B, FLUX.2 klein 4B, Qwen-Image-2.1)
+with random bf16 weights directly on the GPU,
 copies diffusers' state_dict into ours through our name-mapping loaders, then times every variant of ours
 (attention kernels, regional torch.compile, CUDA-graph replay) against diffusers' eager forward and, on CUDA
 (`--diffusers-compiled`, on by default), against diffusers with `compile_repeated_blocks` (its own regional
@@ -9,6 +10,11 @@ bf16 matmul peak measured in the same run, speed-up against both references, PSN
 path) and writes JSON. `--smoke` runs tiny configs on the CPU in seconds.
 
   python benchmarks/diffusion/bench_dit_forward.py --models flux qwen-image --sizes 1024 512 --out res.json
+  python benchmarks/diffusion/bench_dit_forward.py --models z-image flux2-klein qwen-image-2.1 --sizes 1024 \
+      --out new.json
+
+Qwen-Image-2.1 is timed at a steady denoise step: diffusers' "cached" step (its prefix K/V stored by one "extract"
+call before timing) against our forward over the request's precomputed text K/V (`prefix_kv`, also outside).
 """
 
 from __future__ import annotations
@@ -36,13 +42,34 @@ FLUX_CONFIG = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layer
                    axes_dims_rope=(16, 56, 56))
 QWEN_CONFIG = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
                    num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56))
+# Z-Image-Turbo, FLUX.2 [klein] 4B and Qwen-Image-2.1 as their repos' transformer/config.json give them (klein and
+# 2.1: check against the repo before quoting; diffusers' class defaults are FLUX.2 dev's / 2.1's).
+ZIMAGE_CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30,
+                     n_refiner_layers=2, n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True, cap_feat_dim=2560,
+                     rope_theta=256.0, t_scale=1000.0, axes_dims=(32, 48, 48), axes_lens=(1536, 512, 512))
+FLUX2_KLEIN_CONFIG = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128,
+                          num_attention_heads=24, joint_attention_dim=7680, timestep_guidance_channels=256,
+                          mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6,
+                          guidance_embeds=False)
+QWEN21_CONFIG = dict(patch_size=1, in_channels=64, out_channels=64, num_layers=32, attention_head_dim=128,
+                     num_attention_heads=32, context_in_dim=4096, mlp_ratio=3, axes_dims_rope=(16, 56, 56))
+CONFIGS = {"flux": FLUX_CONFIG, "qwen-image": QWEN_CONFIG, "z-image": ZIMAGE_CONFIG,
+           "flux2-klein": FLUX2_KLEIN_CONFIG, "qwen-image-2.1": QWEN21_CONFIG}
+STEP_TABLE_MODELS = ("flux", "qwen-image")
+"""Families whose forward takes a per-request adaLN step table (the "+ step table" variant)."""
 SMOKE = {
     "flux": dict(FLUX_CONFIG, num_layers=1, num_single_layers=1, attention_head_dim=32, num_attention_heads=2,
                  joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(8, 12, 12)),
     "qwen-image": dict(QWEN_CONFIG, num_layers=2, attention_head_dim=32, num_attention_heads=2,
                        joint_attention_dim=32, axes_dims_rope=(8, 12, 12)),
+    "z-image": dict(ZIMAGE_CONFIG, dim=64, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32,
+                    axes_dims=(8, 12, 12)),
+    "flux2-klein": dict(FLUX2_KLEIN_CONFIG, in_channels=32, num_layers=1, num_single_layers=1, attention_head_dim=32,
+                        num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=(8, 8, 8, 8)),
+    "qwen-image-2.1": dict(QWEN21_CONFIG, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=32,
+                           num_attention_heads=2, context_in_dim=32, axes_dims_rope=(8, 12, 12)),
 }
-TEXT_TOKENS = {"flux": 512, "qwen-image": 128}
+TEXT_TOKENS = {"flux": 512, "qwen-image": 128, "z-image": 128, "flux2-klein": 512, "qwen-image-2.1": 128}
 SDPA_KERNELS = ("FLASH_ATTENTION", "CUDNN_ATTENTION")
 
 
@@ -219,7 +246,7 @@ def build_models(name: str, config: dict, device: torch.device, dtype: torch.dty
 
             reference = Reference(**config)
             ours = FluxTransformer2DModel(**config)
-        else:
+        elif name == "qwen-image":
             from diffusers import QwenImageTransformer2DModel as Reference
 
             from vllm_omni.models.qwen_image.transformer import (
@@ -229,6 +256,24 @@ def build_models(name: str, config: dict, device: torch.device, dtype: torch.dty
 
             reference = Reference(**config)
             ours = QwenImageTransformer2DModel(config=QwenImageTransformerConfig.from_dict(config))
+        elif name == "z-image":
+            from diffusers import ZImageTransformer2DModel as Reference
+
+            from vllm_omni.models.z_image.transformer import ZImageTransformer2DModel
+
+            reference, ours = Reference(**config), ZImageTransformer2DModel.from_config(config)
+        elif name == "flux2-klein":
+            from diffusers import Flux2Transformer2DModel as Reference
+
+            from vllm_omni.models.flux2.transformer import Flux2Transformer2DModel
+
+            reference, ours = Reference(**config), Flux2Transformer2DModel.from_config(config)
+        else:
+            from diffusers import QwenImage21Transformer2DModel as Reference
+
+            from vllm_omni.models.qwen_image_21.transformer import QwenImage21Transformer2DModel
+
+            reference, ours = Reference(**config), QwenImage21Transformer2DModel.from_config(config)
     reference = reference.to(dtype).eval()
     return reference, _finish_load(ours, reference)
 
@@ -261,6 +306,8 @@ def make_inputs(name: str, config: dict, size: int, batch: int, text_tokens: int
             table = ours.step_slice(ours.step_modulation(t[None], guidance, pooled, dtype), 0) if step_table else None
             return fn(x, enc, pooled, t, guidance=guidance, rotary_emb=rope, modulation=table)
         return ref_call, our_call
+    if name in NEW_FAMILY_INPUTS:
+        return NEW_FAMILY_INPUTS[name](config, size, batch, text_tokens, t, randn, device, ours)
     side = size // 16
     x = randn(batch, side * side, config["in_channels"])
     enc = randn(batch, text_tokens, config["joint_attention_dim"])
@@ -276,6 +323,67 @@ def make_inputs(name: str, config: dict, size: int, batch: int, text_tokens: int
         table = ours.step_modulation(t[:1], dtype) if step_table else None
         return fn(x, enc, None, t, [(1, side, side)], table)
     return ref_call, our_call
+
+
+def z_image_inputs(config, size, batch, text_tokens, t, randn, device, ours):
+    side = size // 8  # VAE 8x; the DiT folds 2 x 2 latents into a token
+    latents = randn(batch, config["in_channels"], side, side)
+    caps = randn(batch, text_tokens, config["cap_feat_dim"])
+
+    def ref_call(model):
+        out = model(list(latents[:, :, None]), t, list(caps), return_dict=False)[0]
+        return torch.stack(out)[:, :, 0]
+
+    def our_call(fn):
+        return fn(latents, t, caps, (text_tokens,) * batch)
+    return ref_call, our_call
+
+
+def flux2_inputs(config, size, batch, text_tokens, t, randn, device, ours):
+    side = size // 16
+    n = side * side
+    x = randn(batch, n, config["in_channels"])
+    enc = randn(batch, text_tokens, config["joint_attention_dim"])
+    zeros = torch.zeros(n, device=device)
+    grid = torch.arange(n, device=device)
+    img_ids = torch.stack([zeros, grid // side, grid % side, zeros], dim=1)
+    txt_ids = torch.zeros(text_tokens, 4, device=device)
+    txt_ids[:, 3] = torch.arange(text_tokens, device=device)
+
+    def ref_call(model):
+        return model(hidden_states=x, encoder_hidden_states=enc, timestep=t, img_ids=img_ids[None],
+                     txt_ids=txt_ids[None], return_dict=False)[0]
+
+    def our_call(fn):
+        return fn(x, enc, t, img_ids=img_ids, txt_ids=txt_ids)
+    return ref_call, our_call
+
+
+def qwen_image_21_inputs(config, size, batch, text_tokens, t, randn, device, ours):
+    """A steady step: the text K/V of both models computed once, outside the timed calls (ours here; diffusers'
+    "extract" step at its first call, which `run_model` makes before counting FLOPs)."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    side = size // 16
+    x = randn(batch, side * side, config["in_channels"])
+    text = randn(1, text_tokens, config["context_in_dim"]).expand(batch, -1, -1)
+    img_mask = torch.cat([torch.zeros(batch, text_tokens, dtype=torch.bool, device=device),
+                          torch.ones(batch, side * side // 4, dtype=torch.bool, device=device)], dim=1)
+    cache = QwenImage21KVCache(config["num_layers"])
+    prefix_kv, frame = ours.prefix_kv(text[:1])
+    prefix_kv = prefix_kv.expand(batch, *prefix_kv.shape[1:])
+
+    def ref_call(model):
+        mode = "extract" if cache.get_layer(0).k is None else "cached"
+        return model(hidden_states=x, encoder_hidden_states=text, timestep=t, img_shapes=[[(1, side, side)]] * batch,
+                     img_mask=img_mask, kv_cache=cache, kv_cache_mode=mode, return_dict=False)[0][:, -side * side:]
+
+    def our_call(fn):
+        return fn(x, t, prefix_kv, (text_tokens,) * batch, (frame,) * batch, (side, side))
+    return ref_call, our_call
+
+
+NEW_FAMILY_INPUTS = {"z-image": z_image_inputs, "flux2-klein": flux2_inputs, "qwen-image-2.1": qwen_image_21_inputs}
 
 
 class Bench:
@@ -308,7 +416,7 @@ class Bench:
 
     def run_model(self, name: str) -> None:
         args, device, dtype = self.args, self.device, self.dtype
-        config = SMOKE[name] if args.smoke else (FLUX_CONFIG if name == "flux" else QWEN_CONFIG)
+        config = SMOKE[name] if args.smoke else CONFIGS[name]
         t0 = time.perf_counter()
         reference, ours = build_models(name, config, device, dtype)
         print(json.dumps({"model": name, "build_s": round(time.perf_counter() - t0, 1),
@@ -321,6 +429,7 @@ class Bench:
             for size, batch in plans:
                 ref_call, our_call = make_inputs(name, config, size, batch, text_tokens, device, dtype, ours)
                 ref_fn, our_fn = functools.partial(ref_call, reference), functools.partial(our_call, ours)
+                ref_fn()  # a first call outside the FLOP count (Qwen-Image-2.1: diffusers' extract step)
                 tflop = count_tflop(ref_fn)
                 row = Row(name, size, batch, "diffusers eager", extra={"tflop": round(tflop, 2)})
                 ref_out = self.measure(row, ref_fn, tflop, None, None, None)
@@ -399,8 +508,9 @@ class Bench:
                 if self.device.type == "cuda" and out is not None:
                     self._graph_variant(name, size, batch, f"ours compiled ({backend}) + CUDA graph", ours, our_call,
                                         tflop, ref_ms, ref_out, eager_outs[(size, batch)])
-                    self._step_table_variant(name, size, batch, backend, ours, our_call, tflop, ref_ms, ref_out,
-                                             eager_outs[(size, batch)])
+                    if name in STEP_TABLE_MODELS:
+                        self._step_table_variant(name, size, batch, backend, ours, our_call, tflop, ref_ms, ref_out,
+                                                 eager_outs[(size, batch)])
         set_attention_backend(ours, "TORCH_SDPA")
 
 
@@ -423,10 +533,10 @@ def print_table(rows: list[Row]) -> None:
     def fmt(value, spec):
         return format("-", f">{spec.split('.')[0]}") if value is None else format(value, spec)
 
-    header = f"{'model':<11}{'size':>6}{'bs':>4}  {'variant':<36}{'ms':>9}{'TFLOP/s':>9}{'%peak':>7}{'x diff':>8}"
+    header = f"{'model':<15}{'size':>6}{'bs':>4}  {'variant':<36}{'ms':>9}{'TFLOP/s':>9}{'%peak':>7}{'x diff':>8}"
     print("\n" + header + f"{'x comp':>8}{'PSNR/diff':>11}{'PSNR/eager':>11}")
     for r in rows:
-        print(f"{r.model:<11}{r.size:>6}{r.batch:>4}  {r.variant:<36}{fmt(r.ms_median, '9.2f')}"
+        print(f"{r.model:<15}{r.size:>6}{r.batch:>4}  {r.variant:<36}{fmt(r.ms_median, '9.2f')}"
               f"{fmt(r.tflops, '9.1f')}{fmt(r.pct_peak, '7.1f')}{fmt(r.speedup_vs_diffusers, '8.2f')}"
               f"{fmt(r.speedup_vs_diffusers_compiled, '8.2f')}{fmt(r.psnr_vs_diffusers, '11.1f')}"
               f"{fmt(r.psnr_vs_ours_eager, '11.1f')}  {r.note[:60]}")
@@ -451,10 +561,10 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["flux", "qwen-image"], choices=["flux", "qwen-image"])
+    parser.add_argument("--models", nargs="+", default=["flux", "qwen-image"], choices=list(CONFIGS))
     parser.add_argument("--sizes", nargs="+", type=int, default=[1024, 512], help="square image side in pixels")
     parser.add_argument("--text-tokens", type=int, default=None,
-                        help="prompt tokens per sample (default: 512 FLUX, 128 Qwen-Image)")
+                        help="prompt tokens per sample (default: TEXT_TOKENS, e.g. 512 FLUX, 128 Qwen-Image)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)

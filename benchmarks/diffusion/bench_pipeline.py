@@ -1,9 +1,11 @@
 """End-to-end text-to-image latency: our native pipelines vs diffusers' on the same components, same process.
 
 Real-size components with random bf16 weights are built on the GPU (FLUX.1-dev: CLIP-L, T5-XXL, 11.9B MMDiT,
-AutoencoderKL; Qwen-Image: Qwen2.5-VL-7B, 20.4B MMDiT, Qwen-Image VAE); tokenizers come from our tiny
-checkpoints. Text encoders and VAE are shared by both pipelines; diffusers gets its own transformer and ours a copy
-of the same weights. Our pipeline runs eager, and with `--accelerate` also with compiled blocks + CUDA graphs.
+AutoencoderKL; Qwen-Image: Qwen2.5-VL-7B, 20.4B MMDiT, Qwen-Image VAE; Z-Image-Turbo: Qwen3-4B, 6B DiT, FLUX VAE,
+9 steps; FLUX.2 klein 4B: Qwen3-4B, its MMDiT, FLUX.2 VAE, 4 steps; Qwen-Image-2.1: Qwen3-VL-8B, its DiT, its VAE,
+40 steps with true CFG 4); tokenizers come from our tiny checkpoints. Text encoders and VAE are shared by both
+pipelines; diffusers gets its own transformer and ours a copy of the same weights. Our pipeline runs eager, and with
+`--accelerate` also with compiled blocks + CUDA graphs.
 Two references on CUDA: diffusers eager, then (`--diffusers-compiled`, on by default) diffusers with its
 transformer's repeated blocks compiled (`ModelMixin.compile_repeated_blocks`, what a user who knows diffusers
 runs), after the same 2-step warm-up; each of our rows reports its speed-up against both.
@@ -35,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dit_forward import (  # noqa: E402
+    CONFIGS,
     FLUX_CONFIG,
     QWEN_CONFIG,
     build_models,
@@ -144,8 +147,129 @@ def qwen_components(device, dtype, smoke: bool) -> dict[str, Any]:
     return dict(base, text_encoder=text_encoder.eval(), vae=vae.eval(), transformer_config=QWEN_CONFIG)
 
 
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, layer_types=["full_attention"] * 36)
+FLUX_VAE = dict(block_out_channels=[128, 256, 512, 512], layers_per_block=2, norm_num_groups=32)
+FLUX2_VAE = dict(FLUX_VAE, latent_channels=32)
+QWEN21_VAE: dict[str, Any] = {}
+"""diffusers' `AutoencoderKLQwenImage21` defaults are the released VAE's."""
+
+
+def _qwen3_vl_8b(config) -> None:
+    text = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    for key, value in text.items():
+        setattr(config.text_config, key, value)
+    config.text_config.rope_parameters = dict(config.text_config.rope_parameters, mrope_section=[24, 20, 20])
+    vision = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                  deepstack_visual_indexes=[8, 16, 24], num_position_embeddings=2304)
+    for key, value in vision.items():
+        setattr(config.vision_config, key, value)
+
+
+def component(cls, folder: Path, device, dtype, sizes):
+    """`folder`'s component as is (`sizes` None: the tiny checkpoint's weights), or built at real size with random
+    weights from its config updated by `sizes` (a dict, or a function editing a transformers config)."""
+    if sizes is None:
+        model = cls.from_pretrained(folder, dtype=dtype) if hasattr(cls, "config_class") else \
+            cls.from_pretrained(folder, torch_dtype=dtype)
+        return model.to(device).eval()
+    with torch.device(device):
+        torch.set_default_dtype(dtype)
+        try:
+            if hasattr(cls, "config_class"):  # transformers
+                config = cls.config_class.from_pretrained(folder)
+                if callable(sizes):
+                    sizes(config)
+                else:
+                    for key, value in sizes.items():
+                        setattr(config, key, value)
+                model = cls(config)
+            else:
+                model = cls.from_config({**_public(cls.load_config(folder)), **sizes}) if sizes else cls()
+        finally:
+            torch.set_default_dtype(torch.float32)
+    return model.eval()
+
+
+def new_family_pipelines(name: str, device, dtype, smoke: bool):
+    """(diffusers pipeline, our pipeline from a transformer, our transformer) for Z-Image, FLUX.2 klein and
+    Qwen-Image-2.1: encoders and VAE shared, the transformers with the same weights."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from transformers import AutoTokenizer
+
+    from vllm_omni.catalog.tiny import build_tiny
+
+    tiny = build_tiny({"z-image": "z-image-turbo"}.get(name, name))
+    config = _public(json.loads((tiny / "transformer" / "config.json").read_text())) if smoke else CONFIGS[name]
+    reference_tf, ours_tf = build_models(name, config, device, dtype)
+    od_config = OmniDiffusionConfig(model=name, dtype=str(dtype).removeprefix("torch."))
+    scheduler_config = json.loads((tiny / "scheduler" / "scheduler_config.json").read_text())
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(scheduler_config)
+    common = dict(od_config=od_config, device=device, dtype=dtype, scheduler_config=scheduler_config)
+
+    def real(sizes):
+        return None if smoke else sizes
+
+    if name == "z-image":
+        from transformers import Qwen3Model
+
+        from vllm_omni.models.z_image.pipeline import ZImagePipeline
+
+        comps = dict(text_encoder=component(Qwen3Model, tiny / "text_encoder", device, dtype, real(QWEN3_4B)),
+                     tokenizer=AutoTokenizer.from_pretrained(tiny / "tokenizer"),
+                     vae=component(diffusers.AutoencoderKL, tiny / "vae", device, dtype, real(FLUX_VAE)))
+        reference = diffusers.ZImagePipeline(scheduler=scheduler, transformer=reference_tf, **comps)
+        return reference, lambda tf: ZImagePipeline(transformer=tf, **comps, **common), ours_tf
+    if name == "flux2-klein":
+        from transformers import Qwen3ForCausalLM
+
+        from vllm_omni.models.flux2.pipeline import Flux2KleinPipeline
+
+        comps = dict(text_encoder=component(Qwen3ForCausalLM, tiny / "text_encoder", device, dtype, real(QWEN3_4B)),
+                     tokenizer=AutoTokenizer.from_pretrained(tiny / "tokenizer"),
+                     vae=component(diffusers.AutoencoderKLFlux2, tiny / "vae", device, dtype, real(FLUX2_VAE)))
+        reference = diffusers.Flux2KleinPipeline(scheduler=scheduler, transformer=reference_tf, is_distilled=True,
+                                                 **comps)
+        return reference, lambda tf: Flux2KleinPipeline(transformer=tf, is_distilled=True, **comps, **common), ours_tf
+    from transformers import AutoImageProcessor, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+
+    from vllm_omni.models.qwen_image_21.pipeline import QwenImage21Pipeline
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny / "processor")
+    comps = dict(text_encoder=component(Qwen3VLForConditionalGeneration, tiny / "text_encoder", device, dtype,
+                                        real(_qwen3_vl_8b)),
+                 vae=component(diffusers.AutoencoderKLQwenImage21, tiny / "vae", device, dtype, real(QWEN21_VAE)))
+    # Without torchvision the processor's video half cannot be built; diffusers' text-to-image path does not use it.
+    check = Qwen3VLProcessor.check_argument_for_proper_class
+    Qwen3VLProcessor.check_argument_for_proper_class = lambda self, name, arg: None
+    try:
+        processor = Qwen3VLProcessor(AutoImageProcessor.from_pretrained(tiny / "processor"), tokenizer, None,
+                                     chat_template=tokenizer.chat_template)
+    finally:
+        Qwen3VLProcessor.check_argument_for_proper_class = check
+    reference = diffusers.QwenImage21Pipeline(scheduler=scheduler, transformer=reference_tf, processor=processor,
+                                              **comps)
+    vl_image_processor = AutoImageProcessor.from_pretrained(tiny / "processor")
+    return reference, lambda tf: QwenImage21Pipeline(transformer=tf, tokenizer=tokenizer, sample_sigmas=None,
+                                                     vl_image_processor=vl_image_processor, **comps, **common), ours_tf
+
+
+NEW_FAMILIES = {
+    # name: (default steps, true CFG scale or None, extra diffusers kwargs)
+    "z-image": (9, None, {"guidance_scale": 0.0}),
+    "flux2-klein": (4, None, {"guidance_scale": 1.0}),
+    "qwen-image-2.1": (40, 4.0, {}),
+}
+
+
 def make_pipelines(name: str, device, dtype, smoke: bool, accelerate: bool):
     """(diffusers pipeline, our pipeline, our accelerated pipeline or None) sharing encoders and VAE."""
+    if name in NEW_FAMILIES:
+        reference, ours_with, ours_tf = new_family_pipelines(name, device, dtype, smoke)
+        reference.set_progress_bar_config(disable=True)
+        return reference, ours_with, ours_tf
     comps = (flux_components if name == "flux" else qwen_components)(device, dtype, smoke)
     reference_tf, ours_tf = build_models(name, comps.pop("transformer_config"), device, dtype)
     od_config = OmniDiffusionConfig(model=name, dtype=str(dtype).removeprefix("torch."))
@@ -215,12 +339,14 @@ def bench_model(name: str, args, device, dtype) -> list[dict[str, Any]]:
     reference, ours_with, ours_tf = make_pipelines(name, device, dtype, args.smoke, args.accelerate)
     if args.attention_backend:
         set_attention_backend(ours_tf, args.attention_backend)
-    steps = args.steps or (28 if name == "flux" else 50)
-    cfg = {"true_cfg_scale": 4.0} if name == "qwen-image" else {}
+    default_steps, true_cfg, ref_extra = NEW_FAMILIES.get(name, (28 if name == "flux" else 50,
+                                                                 4.0 if name == "qwen-image" else None, {}))
+    steps = args.steps or default_steps
+    cfg = {} if true_cfg is None else {"true_cfg_scale": true_cfg}
     kw = dict(height=args.size, width=args.size, num_inference_steps=steps, **cfg)
 
     def diffusers_call(num_steps=steps):
-        extra = {"negative_prompt": NEGATIVE} if cfg else {}
+        extra = dict(ref_extra, **({"negative_prompt": NEGATIVE} if cfg else {}))
         return reference(prompt=PROMPT, generator=torch.Generator("cpu").manual_seed(0), output_type="pil",
                          **dict(kw, num_inference_steps=num_steps), **extra).images[0]
 
@@ -339,21 +465,22 @@ def bench_quality(name: str, args, device, dtype) -> list[dict[str, Any]]:
 
 def print_quality_table(rows: list[dict[str, Any]]) -> None:
     print("\nrandom weights: PSNR / SSIM vs lossless show drift only, not real image quality")
-    print(f"{'model':<11}{'quality':<10}{'backend':<11}{'steps':>6}{'s':>9}{'x lossless':>11}{'PSNR':>8}"
+    print(f"{'model':<15}{'quality':<10}{'backend':<11}{'steps':>6}{'s':>9}{'x lossless':>11}{'PSNR':>8}"
           f"{'SSIM':>8}{'reused':>8}")
     for r in rows:
         if "error" in r:
-            print(f"{r['model']:<11}error: {r['error'][:90]}")
+            print(f"{r['model']:<15}error: {r['error'][:90]}")
             continue
         cache = r["cache"]
-        print(f"{r['model']:<11}{r['quality']:<10}{r['backend']:<11}{r['steps']:>6}{r['s']:>9.2f}"
+        print(f"{r['model']:<15}{r['quality']:<10}{r['backend']:<11}{r['steps']:>6}{r['s']:>9.2f}"
               f"{r['time_vs_lossless']:>11.3f}{r['psnr_vs_lossless']:>8.1f}{r['ssim_vs_lossless']:>8.4f}"
               f"{cache['reused_steps']:>4}/{cache['reused_steps'] + cache['computed_steps']:<3}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["flux", "qwen-image"], choices=["flux", "qwen-image", "wan"],
+    parser.add_argument("--models", nargs="+", default=["flux", "qwen-image"],
+                        choices=["flux", "qwen-image", *NEW_FAMILIES, "wan"],
                         help="wan (Wan2.1-T2V-1.3B, 33 frames 832x480) only with --quality")
     parser.add_argument("--quality", type=lambda s: s.split(","), default=None,
                         help="comma-separated request qualities to time against lossless, e.g. lossless,high,fast")
@@ -361,7 +488,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="the server backend of --quality runs (none: high / fast use tea_cache)")
     parser.add_argument("--png", type=Path, default=None, help="--quality: side-by-side PNG per model")
     parser.add_argument("--size", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=None, help="default: 28 (FLUX), 50 (Qwen-Image, true CFG 4)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="default: 28 (FLUX), 50 (Qwen-Image, true CFG 4), NEW_FAMILIES' for the others")
     parser.add_argument("--accelerate", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--attention-backend", default=None, help="our attention backend (e.g. CUDNN_ATTN)")
     parser.add_argument("--diffusers-compiled", action=argparse.BooleanOptionalAction, default=True,
@@ -398,13 +526,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.quality:
         print_quality_table(rows)
         return {"command": " ".join(sys.argv), "env": env, "rows": rows}
-    print(f"\n{'model':<11}{'pipeline':<34}{'size':>6}{'steps':>6}{'s/image':>9}{'x diff':>8}{'x comp':>8}{'PSNR':>7}")
+    print(f"\n{'model':<15}{'pipeline':<34}{'size':>6}{'steps':>6}{'s/image':>9}{'x diff':>8}{'x comp':>8}{'PSNR':>7}")
     for r in rows:
         if "error" in r:
-            print(f"{r['model']:<11}error: {r['error'][:90]}")
+            print(f"{r['model']:<15}error: {r['error'][:90]}")
             continue
         vs_compiled = r.get("speedup_vs_diffusers_compiled")
-        print(f"{r['model']:<11}{r['pipeline']:<34}{r['size']:>6}{r['steps']:>6}{r['s']:>9.2f}"
+        print(f"{r['model']:<15}{r['pipeline']:<34}{r['size']:>6}{r['steps']:>6}{r['s']:>9.2f}"
               f"{r.get('speedup_vs_diffusers', 1.0):>8.2f}{'-' if vs_compiled is None else f'{vs_compiled:.2f}':>8}"
               f"{r.get('psnr_vs_diffusers', float('inf')):>7.1f}")
     return {"command": " ".join(sys.argv), "env": env, "rows": rows}

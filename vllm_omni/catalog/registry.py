@@ -22,6 +22,7 @@ _BUILTIN_FAMILIES: dict[str, str] = {
     "qwen_image": "vllm_omni.models.qwen_image.spec:SPEC",
     "flux": "vllm_omni.models.flux.spec:SPEC",
     "z_image": "vllm_omni.models.z_image.spec:SPEC",
+    "qwen_image_21": "vllm_omni.models.qwen_image_21.spec:SPEC",
     "flux2": "vllm_omni.models.flux2.spec:SPEC",
     "wan": "vllm_omni.models.wan.spec:SPEC",
     "qwen3_omni": "vllm_omni.models.qwen3_omni.spec:SPEC",

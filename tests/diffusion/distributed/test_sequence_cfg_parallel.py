@@ -1,6 +1,7 @@
 """Sequence parallel (Ulysses, ring, USP), CFG parallel and their products with TP, on 2 and 4 gloo ranks.
 
-What it pins: for Qwen-Image, FLUX, Z-Image, FLUX.2 klein and Wan (tiny checkpoints, fp32, 2 steps, CFG on)
+What it pins: for Qwen-Image, FLUX, Z-Image, FLUX.2 klein, Qwen-Image-2.1 (CFG and TP only: it refuses sequence
+parallel) and Wan (tiny checkpoints, fp32, 2 steps, CFG on)
 every parallel layout (the later families: SHORT_LAYOUTS) gives the single-rank latents and decoded output
 (PSNR >= 60 dB); the sharded attention layer equals whole-sequence attention with text at the rear (Qwen-Image)
 or front (FLUX), for MHA, GQA and MQA; a Ulysses degree that does not divide the heads fails when the model is
@@ -25,6 +26,8 @@ LAYOUTS = {
     "cfg2_ulysses2": {"cfg_parallel_size": 2, "ulysses_degree": 2},
     "tp2_ulysses2": {"tensor_parallel_size": 2, "ulysses_degree": 2},
 }
+NAMED_ONLY = {"cfg2_tp2": {"cfg_parallel_size": 2, "tensor_parallel_size": 2}}
+"""Layouts run only by the families that name them in SHORT_LAYOUTS."""
 CFG = {"prompt": "a red cube on a table", "negative_prompt": "blurry"}
 MODELS = {
     "qwen-image": (CFG, dict(height=64, width=64, num_inference_steps=2, seed=0, true_cfg_scale=4.0,
@@ -34,11 +37,14 @@ MODELS = {
                                 output_type="np")),
     "flux2-klein-base": (CFG, dict(height=64, width=64, num_inference_steps=2, seed=0, guidance_scale=4.0,
                                    max_sequence_length=32, output_type="np")),
+    "qwen-image-2.1": (CFG, dict(height=64, width=64, num_inference_steps=2, seed=0, true_cfg_scale=4.0,
+                                 output_type="np")),
     "wan2.1-t2v": ({"prompt": "a cat walks", "negative_prompt": "blurry"},
                    dict(height=32, width=32, num_frames=5, num_inference_steps=2, seed=0, max_sequence_length=16)),
 }
 SHORT_LAYOUTS = {"z-image-turbo": ("ulysses2", "cfg2_ulysses2", "tp2_ulysses2"),
-                 "flux2-klein-base": ("ulysses2", "cfg2_ulysses2", "tp2_ulysses2")}
+                 "flux2-klein-base": ("ulysses2", "cfg2_ulysses2", "tp2_ulysses2"),
+                 "qwen-image-2.1": ("cfg2", "cfg2_tp2")}
 """Families added later run the layouts that cover their own code (image-token sharding, the CFG split, TP
 sharding); ring and USP differ only inside the shared attention layer, checked below for every layout."""
 CASES = [(model, layout) for model in MODELS for layout in SHORT_LAYOUTS.get(model, LAYOUTS)]
@@ -52,7 +58,7 @@ def results():
     jobs, keys = [], []
     for name, (prompt, params) in MODELS.items():
         for layout in ("single", *SHORT_LAYOUTS.get(name, LAYOUTS)):
-            parallel = LAYOUTS.get(layout, {})
+            parallel = {**LAYOUTS, **NAMED_ONLY}.get(layout, {})
             jobs.append((parallel, run_pipeline, (dirs[name], parallel, prompt, params)))
             keys.append((name, layout))
     for layout in ("ulysses2", "ring2", "usp2x2"):
