@@ -312,8 +312,22 @@ class OmniDiffusionConfig:
     """auto = the checkpoint's weights; dummy = only its configs and tokenizers are read, every component is
     built from its config with small random weights (benchmarks of real model sizes without weight files)."""
 
+    enable_layerwise_offload: bool = False
+    """Keep the DiT's repeated blocks in (pinned) host memory and copy each in on a side stream while the block
+    before it computes (docs/memory.md): the transformer needs the device memory of its non-block layers plus a
+    few blocks. Runs the transformer eager (the blocks' weights move every step: no CUDA graph can hold them)."""
+    offload_resident_layers: int = 0
+    """Layerwise offload: how many of the first blocks stay on the device (each one fewer copied per step)."""
+    offload_prefetch_layers: int = 1
+    """Layerwise offload: how many blocks ahead a block's copy is issued (1 or 2; 2 absorbs uneven blocks at
+    the cost of one more block's memory)."""
+    enable_cpu_offload: bool = False
+    """Keep the text encoder(s) and the VAE in host memory and move each to the device only while it runs (as
+    diffusers' enable_model_cpu_offload): frees their memory for the denoise loop, costs a copy per request."""
+
     def __post_init__(self) -> None:
         refuse_unimplemented({f.name: getattr(self, f.name) for f in fields(self)})
+        self._check_offload()
         if self.enable_lora and self.enforce_eager is False:
             raise ValueError("enable_lora runs the transformer eager: drop enforce_eager=False")
         if self.enforce_eager is None:
@@ -343,6 +357,22 @@ class OmniDiffusionConfig:
             raise ValueError(f"max_stage_restarts must be >= 0, got {self.max_stage_restarts}")
         if self.load_format not in DIFFUSION_LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {list(DIFFUSION_LOAD_FORMATS)}, got {self.load_format!r}")
+
+    def _check_offload(self) -> None:
+        if self.offload_resident_layers < 0:
+            raise OmniClientError(f"offload_resident_layers={self.offload_resident_layers} "
+                                  "(--offload-resident-layers) must be >= 0", param="offload_resident_layers")
+        if self.offload_prefetch_layers not in (1, 2):
+            raise OmniClientError(f"offload_prefetch_layers={self.offload_prefetch_layers} "
+                                  "(--offload-prefetch-layers) must be 1 or 2", param="offload_prefetch_layers")
+        if not self.enable_layerwise_offload:
+            return
+        if self.enforce_eager is False:
+            raise OmniClientError("enable_layerwise_offload (--enable-layerwise-offload) runs the transformer "
+                                  "eager: its blocks' weights are swapped in every step, so neither a CUDA graph "
+                                  "nor the fullgraph-compiled blocks can hold them; drop --no-enforce-eager",
+                                  param="enable_layerwise_offload")
+        self.enforce_eager = True
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> OmniDiffusionConfig:

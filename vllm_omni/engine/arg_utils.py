@@ -123,6 +123,10 @@ class OmniEngineArgs(EngineArgs):
     cfg_parallel_size: int | None = None
     vae_patch_parallel_size: int | None = None
     diffusion_memory_budget_gb: float | None = None
+    enable_layerwise_offload: bool = False
+    offload_resident_layers: int = 0
+    offload_prefetch_layers: int = 1
+    enable_cpu_offload: bool = False
     max_stage_restarts: int | None = None
     """Times a stage re-creates what died (diffusion workers, an AR stage's EngineCore) before it is dead;
     None = the stage's default (3)."""

@@ -3,7 +3,7 @@
 Qwen-Image, FLUX and Wan used to build their DiTs three ways, and the Wan way dropped the attention backend.
 `load_native_transformer` always applies every stage setting, in this order: dtype and device, the attention
 config (`--diffusion-attention-backend`, `--fa-deterministic`) as a constructor argument that the model hands to
-each of its attention layers, the weights (or dummy ones), fp32 islands, and acceleration.
+each of its attention layers, the weights (or dummy ones), fp32 islands, layerwise offload, and acceleration.
 
 The model class provides `from_config(config: dict, *, prefix, attn_config)` (diffusers' constructor name),
 `load_weights` (vLLM's), and optionally `_keep_in_fp32_modules` (diffusers' convention).
@@ -21,6 +21,7 @@ from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.layers.compile import accelerate_if_requested
 from vllm_omni.diffusion.model_loader.diffusers_loader import read_component_config
 from vllm_omni.diffusion.model_loader.dummy import load_native_weights
+from vllm_omni.diffusion.offload.layerwise import apply_layerwise_offload
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.data import OmniDiffusionConfig
@@ -36,10 +37,14 @@ def load_native_transformer(cls: type[ModelT], model_dir: Path, subfolder: str, 
 
     attn_config = DiffusionAttentionConfig.from_od_config(od_config)
     config = read_component_config(model_dir, subfolder)
-    with set_default_torch_dtype(dtype), torch.device(device):
+    # Offloaded, the model is built in host memory: it need never fit the device whole.
+    build_device = torch.device("cpu") if od_config.enable_layerwise_offload else device
+    with set_default_torch_dtype(dtype), build_device:
         model = cls.from_config(config, prefix=f"{subfolder}.", attn_config=attn_config)
     load_native_weights(model, model_dir, subfolder, od_config.load_format, dtype)
     keep_in_fp32_modules(model)
+    if od_config.enable_layerwise_offload:
+        apply_layerwise_offload(model, device, od_config.offload_resident_layers, od_config.offload_prefetch_layers)
     accelerate_if_requested(model, od_config, device, cuda_graphs=cuda_graphs)
     return model.eval()
 
