@@ -324,6 +324,15 @@ class OmniDiffusionConfig:
     enable_cpu_offload: bool = False
     """Keep the text encoder(s) and the VAE in host memory and move each to the device only while it runs (as
     diffusers' enable_model_cpu_offload): frees their memory for the denoise loop, costs a copy per request."""
+    enable_distributed_layerwise_offload: bool = False
+    """DLO: the stage's --data-parallel-size ranks form one engine in which each rank keeps 1/N of every DiT block
+    and reassembles a block just before it runs; each rank runs its own request, in waves of compatible requests
+    (docs/memory.md). A model that fits only across N devices serves N requests at a time."""
+    dlo_use_allgather: bool = True
+    """DLO: each rank keeps a 1/N shard of every block, all-gathered before it runs; False: each block is kept
+    whole by one rank (block i by rank i mod N) and broadcast from it."""
+    dlo_resident_layers: int = 0
+    """DLO: how many of the first blocks stay whole on every rank (no collective for them)."""
 
     def __post_init__(self) -> None:
         refuse_unimplemented({f.name: getattr(self, f.name) for f in fields(self)})
@@ -365,14 +374,39 @@ class OmniDiffusionConfig:
         if self.offload_prefetch_layers not in (1, 2):
             raise OmniClientError(f"offload_prefetch_layers={self.offload_prefetch_layers} "
                                   "(--offload-prefetch-layers) must be 1 or 2", param="offload_prefetch_layers")
-        if not self.enable_layerwise_offload:
+        if self.enable_distributed_layerwise_offload:
+            self._check_dlo()
+        elif not self.enable_layerwise_offload:
             return
         if self.enforce_eager is False:
-            raise OmniClientError("enable_layerwise_offload (--enable-layerwise-offload) runs the transformer "
-                                  "eager: its blocks' weights are swapped in every step, so neither a CUDA graph "
-                                  "nor the fullgraph-compiled blocks can hold them; drop --no-enforce-eager",
-                                  param="enable_layerwise_offload")
+            name = ("enable_layerwise_offload" if self.enable_layerwise_offload
+                    else "enable_distributed_layerwise_offload")
+            raise OmniClientError(f"{name} ({_flag(name)}) runs the transformer eager: its blocks' weights are "
+                                  "swapped in every step, so neither a CUDA graph nor the fullgraph-compiled blocks "
+                                  "can hold them; drop --no-enforce-eager", param=name)
         self.enforce_eager = True
+
+    def _check_dlo(self) -> None:
+        """DLO's ranks must all run the same blocks in the same order, whatever their requests."""
+        name = "enable_distributed_layerwise_offload"
+        parallel = self.parallel_config
+        why = None
+        if parallel.data_parallel_size < 2:
+            why = "needs --data-parallel-size >= 2 (the ranks that share the blocks)"
+        elif parallel.denoise_world_size > 1 or parallel.vae_patch_parallel_size > 1:
+            why = "is not combined with tensor / sequence / CFG / VAE patch parallelism"
+        elif self.enable_layerwise_offload:
+            why = "replaces --enable-layerwise-offload (choose one)"
+        elif self.step_execution:
+            why = "runs whole requests in waves, not --step-execution"
+        elif self.cache_backend not in (None, "none"):
+            why = f"cannot run --cache-backend {self.cache_backend}: each rank would skip different blocks"
+        elif self.max_num_seqs != 1:
+            why = "runs one request per rank (a wave is --data-parallel-size requests); leave --max-num-seqs 1"
+        elif self.dlo_resident_layers < 0:
+            name, why = "dlo_resident_layers", "must be >= 0"
+        if why is not None:
+            raise OmniClientError(f"{name} ({_flag(name)}) {why}", param=name)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> OmniDiffusionConfig:

@@ -21,6 +21,7 @@ from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.layers.compile import accelerate_if_requested
 from vllm_omni.diffusion.model_loader.diffusers_loader import read_component_config
 from vllm_omni.diffusion.model_loader.dummy import load_native_weights
+from vllm_omni.diffusion.offload.distributed import apply_distributed_layerwise_offload
 from vllm_omni.diffusion.offload.layerwise import apply_layerwise_offload
 
 if TYPE_CHECKING:
@@ -38,13 +39,17 @@ def load_native_transformer(cls: type[ModelT], model_dir: Path, subfolder: str, 
     attn_config = DiffusionAttentionConfig.from_od_config(od_config)
     config = read_component_config(model_dir, subfolder)
     # Offloaded, the model is built in host memory: it need never fit the device whole.
-    build_device = torch.device("cpu") if od_config.enable_layerwise_offload else device
+    offload = od_config.enable_layerwise_offload or od_config.enable_distributed_layerwise_offload
+    build_device = torch.device("cpu") if offload else device
     with set_default_torch_dtype(dtype), build_device:
         model = cls.from_config(config, prefix=f"{subfolder}.", attn_config=attn_config)
     load_native_weights(model, model_dir, subfolder, od_config.load_format, dtype)
     keep_in_fp32_modules(model)
     if od_config.enable_layerwise_offload:
         apply_layerwise_offload(model, device, od_config.offload_resident_layers, od_config.offload_prefetch_layers)
+    elif od_config.enable_distributed_layerwise_offload:  # over the world: DLO runs without other parallelism
+        apply_distributed_layerwise_offload(model, device, None, od_config.dlo_resident_layers,
+                                            od_config.dlo_use_allgather)
     accelerate_if_requested(model, od_config, device, cuda_graphs=cuda_graphs)
     return model.eval()
 
