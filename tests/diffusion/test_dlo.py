@@ -10,6 +10,7 @@ wave rules (what a wave's requests must share) and the config rules are checked 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -190,3 +191,56 @@ def test_dlo_config_rules():
     ):
         with pytest.raises(OmniClientError, match=message):
             config(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def dlo_engine():
+    """A real engine on 2 CPU ranks: tiny Qwen-Image with DLO, waves of 2 filled within 2 s."""
+    from vllm_omni.catalog.tiny import build_tiny
+    from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
+
+    config = OmniDiffusionConfig.from_kwargs(
+        model=str(build_tiny("qwen-image")),
+        dtype="float32",
+        device="cpu",
+        data_parallel_size=2,
+        enable_distributed_layerwise_offload=True,
+        request_batch_max_wait_ms=2000.0,
+    )
+    engine = DiffusionEngine(config)
+    yield engine
+    engine.close()
+    assert all(not p.is_alive() for p in engine.executor.processes)
+
+
+def _wave(engine, prompts: list, seeds: list[int]) -> list:
+    sp = dict(height=32, width=32, num_inference_steps=2, true_cfg_scale=4.0)
+    futures = [
+        engine.submit(OmniDiffusionRequest(p, OmniDiffusionSamplingParams(seed=s, **sp), f"{s}"))
+        for p, s in zip(prompts, seeds, strict=True)
+    ]
+    return [f.result(300) for f in futures]
+
+
+def test_engine_runs_one_request_per_rank_and_refuses_a_bad_wave(dlo_engine, dist_world):
+    from vllm_omni.catalog.tiny import build_tiny
+    from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
+    from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+
+    prompts = [{"prompt": "a red fox", "negative_prompt": "blurry"}, {"prompt": "a blue whale", "negative_prompt": "x"}]
+    outs = _wave(dlo_engine, prompts, [1, 2])
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    resident = DiffusionModelRunner(
+        OmniDiffusionConfig(model=str(build_tiny("qwen-image")), dtype="float32"), torch.device("cpu")
+    )
+    resident.load_model()
+    sp = dict(height=32, width=32, num_inference_steps=2, true_cfg_scale=4.0)
+    for out, prompt, seed in zip(outs, prompts, [1, 2], strict=True):
+        request = OmniDiffusionRequest(prompt, OmniDiffusionSamplingParams(seed=seed, **sp), "ref")
+        (expected,) = resident.pipeline.forward(DiffusionRequestBatch([request]))
+        np.testing.assert_array_equal(np.asarray(out.output[0]), np.asarray(expected.output[0]))
+    assert not np.array_equal(np.asarray(outs[0].output[0]), np.asarray(outs[1].output[0]))
+    # An empty prompt fails its whole wave before dispatch (exactly two errors); the next wave still runs.
+    bad = _wave(dlo_engine, [{"prompt": "", "negative_prompt": "x"}, prompts[0]], [3, 4])
+    assert all(o.error is not None and "non-empty prompt" in o.error and o.error_status_code == 400 for o in bad)
+    assert all(o.error is None for o in _wave(dlo_engine, prompts, [5, 6]))

@@ -96,7 +96,11 @@ class DiffusionModelRunner:
             raise RuntimeError("the diffusion worker is asleep; call wake_up() first")
         self._reset_peak_memory()
         start = time.perf_counter()
-        outputs = self._agreed(self._forward(batch, partial_sink, abort_requested), len(batch))
+        if self.od_config.enable_distributed_layerwise_offload:  # DLO: each rank owns its request's outcome
+            outputs = self._forward(batch, partial_sink, abort_requested)
+            outputs = [outputs] * len(batch) if isinstance(outputs, DiffusionOutput) else outputs
+        else:
+            outputs = self._agreed(self._forward(batch, partial_sink, abort_requested), len(batch))
         if outputs is None:
             logger.warning("[diffusion rank %d] batch of %d failed; retrying one by one", self.rank, len(batch))
             outputs = [self._agreed(self._forward(DiffusionRequestBatch([request]), partial_sink,
