@@ -62,15 +62,26 @@ def _inputs(family: str, model_dir: str, rank: int) -> tuple[tuple, dict]:
     ), {}
 
 
-def _load(family: str, model_dir: str, od_config: OmniDiffusionConfig):
+def _load(family: str, model_dir: str, od_config: OmniDiffusionConfig | None = None):
+    """The DiT through the loader with `od_config`; None = resident, its linears' weights kept as parameters (as
+    the offloaded loads keep them) so that sharding it in place moves them."""
     import importlib
     from pathlib import Path
 
-    from vllm_omni.diffusion.model_loader.components import load_native_transformer
+    from vllm_omni.diffusion.model_loader.components import keep_linear_weights, load_native_transformer
+    from vllm_omni.diffusion.model_loader.diffusers_loader import read_component_config
+    from vllm_omni.diffusion.model_loader.dummy import load_native_weights
 
     module, name = TRANSFORMERS[family].split(":")
     cls = getattr(importlib.import_module(module), name)
-    return load_native_transformer(cls, Path(model_dir), "transformer", od_config, torch.device("cpu"), torch.float32)
+    if od_config is not None:
+        return load_native_transformer(
+            cls, Path(model_dir), "transformer", od_config, torch.device("cpu"), torch.float32
+        )
+    model = cls.from_config(read_component_config(model_dir, "transformer"), prefix="transformer.")
+    keep_linear_weights(model)
+    load_native_weights(model, Path(model_dir), "transformer", "auto", torch.float32)
+    return model.eval()
 
 
 def _rank_main(rank: int, world: int, port: int, model_dirs: dict[str, str]) -> None:
@@ -97,7 +108,7 @@ def _rank_main(rank: int, world: int, port: int, model_dirs: dict[str, str]) -> 
     try:
         with set_current_vllm_config(config), torch.inference_mode():
             for i, (family, model_dir) in enumerate(model_dirs.items()):
-                model = _load(family, model_dir, OmniDiffusionConfig(model=model_dir, dtype="float32"))
+                model = _load(family, model_dir)
                 args, kwargs = _inputs(family, model_dir, rank)
                 expected = model(*args, **kwargs)
                 # 2 ranks; FLUX runs the broadcast variant, Qwen-Image and Wan the all-gather one.
@@ -124,6 +135,7 @@ def _rank_main(rank: int, world: int, port: int, model_dirs: dict[str, str]) -> 
 
 def _check(model, args, kwargs, expected, offloader, rank: int, world: int, use_allgather: bool, family: str) -> None:
     assert offloader.num_offloaded >= 1 and expected.std() > 0, family
+    assert all(slot.shape.numel() > 0 for p in offloader.packed for slots in p.slots.values() for slot in slots)
     for _ in range(2):
         torch.testing.assert_close(
             model(*args, **kwargs), expected, rtol=0, atol=0, msg=lambda m: f"{family} rank {rank}, {world} ranks: {m}"

@@ -92,7 +92,9 @@ def test_offloaded_pipeline_equals_resident(dist_world, family):
     np.testing.assert_array_equal(got, expected)
     steps = FAMILIES[family][1]["num_inference_steps"]
     assert offloader.fetches >= steps * offloader.num_offloaded, "every offloaded block was fetched every step"
-    for packed in offloader.packed:  # nothing of an offloaded block stays bound after the forward
+    # The blocks' weights really moved (on CPU vLLM would otherwise keep linears in oneDNN handles)...
+    assert all(slot.shape.numel() > 0 for p in offloader.packed for slots in p.slots.values() for slot in slots)
+    for packed in offloader.packed:  # ...and nothing of an offloaded block stays bound after the forward
         assert all(packed._get(slot).numel() == 0 for slots in packed.slots.values() for slot in slots)
     assert pipe._cpu_offloader.active is None or pipe._cpu_offloader.active == "vae"
 
@@ -172,3 +174,16 @@ def test_offload_flags_are_checked():
         OmniDiffusionConfig(model="m", offload_resident_layers=-1)
     with pytest.raises(OmniClientError, match="1 or 2"):
         OmniDiffusionConfig(model="m", offload_prefetch_layers=3)
+
+
+def test_fp8_blocks_offload_like_any_other(dist_world):
+    """FP8 weights and their scales are packed and streamed as the block's other tensors."""
+    from vllm_omni.catalog.tiny import build_tiny
+    from vllm_omni.diffusion.layers.fp8 import FP8_DTYPE
+
+    model_dir = build_tiny("qwen-image")
+    expected = generate(load("qwen-image", model_dir, quantization="fp8"), "qwen-image")
+    pipe = load("qwen-image", model_dir, quantization="fp8", enable_layerwise_offload=True)
+    (offloader,) = iter_offloaders(pipe.transformer)
+    assert FP8_DTYPE in offloader.packed[0].slots
+    np.testing.assert_array_equal(generate(pipe, "qwen-image"), expected)

@@ -324,6 +324,13 @@ class OmniDiffusionConfig:
     enable_cpu_offload: bool = False
     """Keep the text encoder(s) and the VAE in host memory and move each to the device only while it runs (as
     diffusers' enable_model_cpu_offload): frees their memory for the denoise loop, costs a copy per request."""
+    quantization: Literal["fp8"] | None = None
+    """Online quantization of the DiT (vLLM's flag): fp8 = FP8 weights with per-channel scales and per-token dynamic
+    activation scales, GEMMs through torch._scaled_mm (docs/memory.md); embeddings, adaLN modulation, norms and
+    the final projection stay in the stage dtype. Needs compute capability >= 8.9 on CUDA."""
+    quantization_config: dict[str, Any] = field(default_factory=dict)
+    """With --quantization fp8: {"ignored_layers": [fnmatch patterns of module names]} replaces the default list
+    of layers kept in the stage dtype."""
     enable_distributed_layerwise_offload: bool = False
     """DLO: the stage's --data-parallel-size ranks form one engine in which each rank keeps 1/N of every DiT block
     and reassembles a block just before it runs; each rank runs its own request, in waves of compatible requests
@@ -336,6 +343,7 @@ class OmniDiffusionConfig:
 
     def __post_init__(self) -> None:
         refuse_unimplemented({f.name: getattr(self, f.name) for f in fields(self)})
+        self._check_quantization()
         self._check_offload()
         if self.enable_lora and self.enforce_eager is False:
             raise ValueError("enable_lora runs the transformer eager: drop enforce_eager=False")
@@ -366,6 +374,16 @@ class OmniDiffusionConfig:
             raise ValueError(f"max_stage_restarts must be >= 0, got {self.max_stage_restarts}")
         if self.load_format not in DIFFUSION_LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {list(DIFFUSION_LOAD_FORMATS)}, got {self.load_format!r}")
+
+    def _check_quantization(self) -> None:
+        if self.quantization not in (None, "fp8"):
+            raise OmniClientError(f"quantization={self.quantization!r} (--quantization): diffusion stages take only "
+                                  "'fp8' (online FP8)", param="quantization")
+        unknown = sorted(set(self.quantization_config) - {"ignored_layers"})
+        if unknown or (self.quantization_config and self.quantization is None):
+            why = f"unknown key(s) {unknown}" if unknown else "set without --quantization fp8"
+            raise OmniClientError(f"quantization_config (--quantization-config): {why}; it takes "
+                                  '{"ignored_layers": [...]}', param="quantization_config")
 
     def _check_offload(self) -> None:
         if self.offload_resident_layers < 0:
