@@ -173,18 +173,22 @@ def test_wave_rules():
         ("lora", {"name": "style", "path": "/x"}),
     ):
         error = dlo_wave_error([_request(rid="a"), _request(rid="b", **{name: value})])
-        assert error is not None and "compatible shape, CFG, denoise schedule, output count, and LoRA" in error, name
-    assert "compatible" in dlo_wave_error(
-        [
-            _request(rid="a"),
-            OmniDiffusionRequest({"prompt": "a cat", "negative_prompt": "x"}, OmniDiffusionSamplingParams(), "b"),
-        ]
+        assert "compatible shape, CFG, denoise schedule, output count, and LoRA" in error.message, name
+        assert error.status_code == 400
+    assert (
+        "compatible"
+        in dlo_wave_error(
+            [
+                _request(rid="a"),
+                OmniDiffusionRequest({"prompt": "a cat", "negative_prompt": "x"}, OmniDiffusionSamplingParams(), "b"),
+            ]
+        ).message
     )
     for empty in ("", {"prompt": ""}):
-        assert "non-empty prompt" in dlo_wave_error(
-            [OmniDiffusionRequest(empty, OmniDiffusionSamplingParams(), "e"), _request(rid="ok")]
-        )
-    assert "quality=high" in dlo_wave_error([_request(rid="a", quality="high"), _request(rid="b", quality="high")])
+        error = dlo_wave_error([OmniDiffusionRequest(empty, OmniDiffusionSamplingParams(), "e"), _request(rid="ok")])
+        assert "non-empty prompt" in error.message and error.param == "prompt"
+    error = dlo_wave_error([_request(rid="a", quality="high"), _request(rid="b", quality="high")])
+    assert "quality=high" in error.message and error.param == "quality"
 
 
 def test_dlo_config_rules():

@@ -252,10 +252,10 @@ class MultiprocDiffusionExecutor:
         pending = _PendingBatch([r.request_id for r in requests], failed)
         if self.od_config.enable_distributed_layerwise_offload:
             # Checked before anything is sent: a rank that skipped a block's collective would hang its peers.
-            why = dlo_wave_error(requests) or (next(iter(failed.values())).error if failed else None)
-            if why is not None:
-                error = DiffusionOutput.from_exception(OmniClientError(why, param="prompt"))
-                pending.future.set_result([error] * len(requests))
+            error = dlo_wave_error(requests)
+            if error is not None or failed:  # the whole wave, or none of it: every rank must run a request
+                output = DiffusionOutput.from_exception(error) if error is not None else next(iter(failed.values()))
+                pending.future.set_result([output] * len(requests))
                 return pending.future
             pending = _PendingWave(pending.request_ids)
         if len(failed) == len(requests):

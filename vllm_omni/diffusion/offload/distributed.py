@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from vllm_omni.diffusion.offload.layerwise import Fetch, LayerwiseOffloader, PackedBlock, repeated_blocks
+from vllm_omni.errors import OmniClientError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -117,23 +118,24 @@ def dlo_wave_key(request: OmniDiffusionRequest) -> tuple:
     return build_request_batch_sampling_params_key(request), json.dumps(lora, sort_keys=True, default=repr)
 
 
-def dlo_wave_error(requests: list[OmniDiffusionRequest]) -> str | None:
+def dlo_wave_error(requests: list[OmniDiffusionRequest]) -> OmniClientError | None:
     """Why `requests` cannot run as one DLO wave (checked before anything is dispatched), or None."""
     for request in requests:
         if not request.prompt_text.strip():
-            return (
+            return OmniClientError(
                 f"request {request.request_id}: distributed layerwise offload needs a non-empty prompt "
-                "(every rank of the wave must run the same blocks)"
+                "(every rank of the wave must run the same blocks)",
+                param="prompt",
             )
         if request.sampling_params.quality in ("high", "fast"):
-            return (
+            return OmniClientError(
                 f"request {request.request_id}: quality={request.sampling_params.quality} runs TeaCache, which skips "
                 "the blocks at steps it picks from the request's own data; the ranks of a distributed-layerwise-"
-                "offload wave must run the same blocks (use quality=lossless or leave it unset)"
+                "offload wave must run the same blocks (use quality=lossless or leave it unset)",
+                param="quality",
             )
-    keys = {dlo_wave_key(request) for request in requests}
-    if len(keys) > 1:
-        return (
+    if len({dlo_wave_key(request) for request in requests}) > 1:
+        return OmniClientError(
             "the requests of one distributed-layerwise-offload wave must have compatible shape, CFG, denoise "
             "schedule, output count, and LoRA settings (and equal extra_args): their ranks all-gather every block "
             "together"
