@@ -329,8 +329,8 @@ class OmniDiffusionConfig:
     activation scales, GEMMs through torch._scaled_mm (docs/memory.md); embeddings, adaLN modulation, norms and
     the final projection stay in the stage dtype. Needs compute capability >= 8.9 on CUDA."""
     quantization_config: dict[str, Any] = field(default_factory=dict)
-    """With --quantization fp8: {"ignored_layers": [fnmatch patterns of module names]} replaces the default list
-    of layers kept in the stage dtype."""
+    """With --quantization fp8: {"ignore": [fnmatch patterns of module names]} (vLLM's key) replaces the default
+    list of layers kept in the stage dtype."""
     enable_distributed_layerwise_offload: bool = False
     """DLO: the stage's --data-parallel-size ranks form one engine in which each rank keeps 1/N of every DiT block
     and reassembles a block just before it runs; each rank runs its own request, in waves of compatible requests
@@ -379,11 +379,16 @@ class OmniDiffusionConfig:
         if self.quantization not in (None, "fp8"):
             raise OmniClientError(f"quantization={self.quantization!r} (--quantization): diffusion stages take only "
                                   "'fp8' (online FP8)", param="quantization")
-        unknown = sorted(set(self.quantization_config) - {"ignored_layers"})
+        config = self.quantization_config
+        if not isinstance(config, dict):  # vLLM's CLI parses --quantization-config into QuantizationConfigArgs
+            extra = [name for name in ("linear", "moe", "targets") if getattr(config, name, None)]
+            config = {"ignore": list(config.ignore), **dict.fromkeys(extra, True)}
+        self.quantization_config = {key: value for key, value in config.items() if value or key != "ignore"}
+        unknown = sorted(set(self.quantization_config) - {"ignore"})
         if unknown or (self.quantization_config and self.quantization is None):
             why = f"unknown key(s) {unknown}" if unknown else "set without --quantization fp8"
-            raise OmniClientError(f"quantization_config (--quantization-config): {why}; it takes "
-                                  '{"ignored_layers": [...]}', param="quantization_config")
+            raise OmniClientError(f"quantization_config (--quantization-config): {why}; diffusion stages take "
+                                  '{"ignore": [fnmatch patterns of module names]}', param="quantization_config")
 
     def _check_offload(self) -> None:
         if self.offload_resident_layers < 0:

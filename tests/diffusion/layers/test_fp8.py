@@ -91,7 +91,13 @@ def test_hardware_without_fp8_is_refused(monkeypatch):
 def test_quantization_flags_are_checked():
     with pytest.raises(OmniClientError, match="only 'fp8'"):
         OmniDiffusionConfig(model="m", quantization="int4")
+    from vllm.config.quantization import QuantizationConfigArgs
+
+    parsed = OmniDiffusionConfig(
+        model="m", quantization="fp8", quantization_config=QuantizationConfigArgs(ignore=["a*"])
+    )
+    assert parsed.quantization_config == {"ignore": ["a*"]}
     with pytest.raises(OmniClientError, match="unknown key"):
         OmniDiffusionConfig(model="m", quantization="fp8", quantization_config={"group_size": 128})
     with pytest.raises(OmniClientError, match="without --quantization fp8"):
-        OmniDiffusionConfig(model="m", quantization_config={"ignored_layers": []})
+        OmniDiffusionConfig(model="m", quantization_config={"ignore": ["x"]})

@@ -5,7 +5,7 @@ every call quantizes its input with one scale per token (dynamic), so the GEMM i
 row-wise scales on both sides, accumulated and returned in the activation dtype. The layer's vLLM quant method is
 replaced (vLLM's `LinearMethodBase.apply` hook), so callers are unchanged. Layers whose error costs most and whose
 GEMMs are small are kept in the stage dtype (`DEFAULT_FP8_IGNORED_LAYERS`): input embeddings, adaLN modulation and
-norms, timestep embedders, the final projection; `quantization_config={"ignored_layers": [...]}` replaces that
+norms, timestep embedders, the final projection; `--quantization-config '{"ignore": [...]}'` (vLLM's key) replaces that
 list (fnmatch patterns over module names, e.g. "transformer_blocks.0.*").
 
 FP8 needs a GPU with FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell) or the CPU (torch's

@@ -51,7 +51,7 @@ def load_native_transformer(cls: type[ModelT], model_dir: Path, subfolder: str, 
     load_native_weights(model, model_dir, subfolder, od_config.load_format, dtype)
     keep_in_fp32_modules(model)
     if od_config.quantization == "fp8":  # before offload: the blocks are packed as they will run
-        apply_online_fp8(model, device, od_config.quantization_config.get("ignored_layers"))
+        apply_online_fp8(model, device, od_config.quantization_config.get("ignore"))
     if od_config.enable_layerwise_offload:
         apply_layerwise_offload(model, device, od_config.offload_resident_layers, od_config.offload_prefetch_layers)
     elif od_config.enable_distributed_layerwise_offload:  # over the world: DLO runs without other parallelism
