@@ -44,12 +44,15 @@ class ShardFetch(Fetch):
         self.rank = dist.get_rank(group)
         self.kept: list[dict[torch.dtype, torch.Tensor] | None] = []
         """What this rank keeps of each block: its shards (all-gather), the whole block if it owns it, or None."""
-        for index, block in enumerate(packed):
+        for index, block in enumerate(packed):  # block by block: the full model is never held twice
             if use_allgather:
                 flats = block.pack("cpu")
-                self.kept.append({dtype: flat.chunk(self.world)[self.rank].to(device) for dtype, flat in flats.items()})
+                self.kept.append(
+                    {dtype: flat.chunk(self.world)[self.rank].to(device, copy=True) for dtype, flat in flats.items()}
+                )
             else:
                 self.kept.append(block.pack(device) if self._owner(index) == self.rank else None)
+            block.release(torch.device("cpu"))
         self.sizes = [block.sizes for block in packed]
 
     def _owner(self, index: int) -> int:

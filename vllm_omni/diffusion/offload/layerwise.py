@@ -70,9 +70,11 @@ class PackedBlock:
                     sizes[tensor.dtype] = offset + tensor.numel()
         self.sizes = {dtype: -(-size // align) * align for dtype, size in sizes.items()}
 
-    def pack(self, device: torch.device | str = "cpu") -> dict[torch.dtype, torch.Tensor]:
-        """The block's current tensors copied into new flat tensors on `device`."""
-        flats = {dtype: torch.zeros(size, dtype=dtype, device=device) for dtype, size in self.sizes.items()}
+    def pack(self, device: torch.device | str = "cpu", pin: bool = False) -> dict[torch.dtype, torch.Tensor]:
+        """The block's current tensors copied into new flat tensors on `device` (in pinned host memory: `pin`)."""
+        flats = {
+            dtype: torch.zeros(size, dtype=dtype, device=device, pin_memory=pin) for dtype, size in self.sizes.items()
+        }
         for dtype, slots in self.slots.items():
             for slot in slots:
                 tensor = self._get(slot)
@@ -125,11 +127,11 @@ class HostFetch(Fetch):
     """Blocks in host memory (pinned when the device is CUDA), copied in on a side stream."""
 
     def __init__(self, packed: list[PackedBlock], device: torch.device) -> None:
-        pin = device.type == "cuda"
         self.device = device
-        self.host = [
-            {dtype: flat.pin_memory() if pin else flat for dtype, flat in block.pack("cpu").items()} for block in packed
-        ]
+        self.host = []
+        for block in packed:  # one block at a time: host memory holds the model plus one block's copy, not two models
+            self.host.append(block.pack("cpu", pin=device.type == "cuda"))
+            block.release(torch.device("cpu"))
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def start(self, index: int) -> Any:
