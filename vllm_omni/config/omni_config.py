@@ -175,7 +175,11 @@ def _check_edge_fields(spec: PipelineStageConfig) -> None:
 
 def _diffusion_replicas(stage_id: int, args: dict[str, Any], deploy_replicas: int) -> int:
     """A diffusion stage's `data_parallel_size` is its replica count (vLLM's flag, the deploy config's
-    `num_replicas`); it leaves the engine arguments, since each replica is a whole engine of its own."""
+    `num_replicas`); it leaves the engine arguments, since each replica is a whole engine of its own. Except
+    under distributed layerwise offload, where the data-parallel ranks share each block's weights: they are the
+    ranks of one engine (one replica)."""
+    if args.get("enable_distributed_layerwise_offload"):
+        return deploy_replicas
     parallel = args.get("parallel_config")
     nested = parallel.pop("data_parallel_size", None) if isinstance(parallel, dict) else None
     size = args.pop("data_parallel_size", None)

@@ -312,8 +312,39 @@ class OmniDiffusionConfig:
     """auto = the checkpoint's weights; dummy = only its configs and tokenizers are read, every component is
     built from its config with small random weights (benchmarks of real model sizes without weight files)."""
 
+    enable_layerwise_offload: bool = False
+    """Keep the DiT's repeated blocks in (pinned) host memory and copy each in on a side stream while the block
+    before it computes (docs/memory.md): the transformer needs the device memory of its non-block layers plus a
+    few blocks. Runs the transformer eager (the blocks' weights move every step: no CUDA graph can hold them)."""
+    offload_resident_layers: int = 0
+    """Layerwise offload: how many of the first blocks stay on the device (each one fewer copied per step)."""
+    offload_prefetch_layers: int = 1
+    """Layerwise offload: how many blocks ahead a block's copy is issued (1 or 2; 2 absorbs uneven blocks at
+    the cost of one more block's memory)."""
+    enable_cpu_offload: bool = False
+    """Keep the text encoder(s) and the VAE in host memory and move each to the device only while it runs (as
+    diffusers' enable_model_cpu_offload): frees their memory for the denoise loop, costs a copy per request."""
+    quantization: Literal["fp8"] | None = None
+    """Online quantization of the DiT (vLLM's flag): fp8 = FP8 weights with per-channel scales and per-token dynamic
+    activation scales, GEMMs through torch._scaled_mm (docs/memory.md); embeddings, adaLN modulation, norms and
+    the final projection stay in the stage dtype. Needs compute capability >= 8.9 on CUDA."""
+    quantization_config: dict[str, Any] = field(default_factory=dict)
+    """With --quantization fp8: {"ignore": [fnmatch patterns of module names]} (vLLM's key) replaces the default
+    list of layers kept in the stage dtype."""
+    enable_distributed_layerwise_offload: bool = False
+    """DLO: the stage's --data-parallel-size ranks form one engine in which each rank keeps 1/N of every DiT block
+    and reassembles a block just before it runs; each rank runs its own request, in waves of compatible requests
+    (docs/memory.md). A model that fits only across N devices serves N requests at a time."""
+    dlo_use_allgather: bool = True
+    """DLO: each rank keeps a 1/N shard of every block, all-gathered before it runs; False: each block is kept
+    whole by one rank (block i by rank i mod N) and broadcast from it."""
+    dlo_resident_layers: int = 0
+    """DLO: how many of the first blocks stay whole on every rank (no collective for them)."""
+
     def __post_init__(self) -> None:
         refuse_unimplemented({f.name: getattr(self, f.name) for f in fields(self)})
+        self._check_quantization()
+        self._check_offload()
         if self.enable_lora and self.enforce_eager is False:
             raise ValueError("enable_lora runs the transformer eager: drop enforce_eager=False")
         if self.enforce_eager is None:
@@ -343,6 +374,62 @@ class OmniDiffusionConfig:
             raise ValueError(f"max_stage_restarts must be >= 0, got {self.max_stage_restarts}")
         if self.load_format not in DIFFUSION_LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {list(DIFFUSION_LOAD_FORMATS)}, got {self.load_format!r}")
+
+    def _check_quantization(self) -> None:
+        if self.quantization not in (None, "fp8"):
+            raise OmniClientError(f"quantization={self.quantization!r} (--quantization): diffusion stages take only "
+                                  "'fp8' (online FP8)", param="quantization")
+        config = self.quantization_config
+        if not isinstance(config, dict):  # vLLM's CLI parses --quantization-config into QuantizationConfigArgs
+            extra = [name for name in ("linear", "moe", "targets") if getattr(config, name, None)]
+            config = {"ignore": list(config.ignore), **dict.fromkeys(extra, True)}
+        self.quantization_config = {key: value for key, value in config.items() if value or key != "ignore"}
+        unknown = sorted(set(self.quantization_config) - {"ignore"})
+        if unknown or (self.quantization_config and self.quantization is None):
+            why = f"unknown key(s) {unknown}" if unknown else "set without --quantization fp8"
+            raise OmniClientError(f"quantization_config (--quantization-config): {why}; diffusion stages take "
+                                  '{"ignore": [fnmatch patterns of module names]}', param="quantization_config")
+
+    def _check_offload(self) -> None:
+        if self.offload_resident_layers < 0:
+            raise OmniClientError(f"offload_resident_layers={self.offload_resident_layers} "
+                                  "(--offload-resident-layers) must be >= 0", param="offload_resident_layers")
+        if self.offload_prefetch_layers not in (1, 2):
+            raise OmniClientError(f"offload_prefetch_layers={self.offload_prefetch_layers} "
+                                  "(--offload-prefetch-layers) must be 1 or 2", param="offload_prefetch_layers")
+        if self.enable_distributed_layerwise_offload:
+            self._check_dlo()
+        elif not self.enable_layerwise_offload:
+            return
+        if self.enforce_eager is False:
+            name = ("enable_layerwise_offload" if self.enable_layerwise_offload
+                    else "enable_distributed_layerwise_offload")
+            raise OmniClientError(f"{name} ({_flag(name)}) runs the transformer eager: its blocks' weights are "
+                                  "swapped in every step, so neither a CUDA graph nor the fullgraph-compiled blocks "
+                                  "can hold them; drop --no-enforce-eager", param=name)
+        self.enforce_eager = True
+
+    def _check_dlo(self) -> None:
+        """DLO's ranks must all run the same blocks in the same order, whatever their requests."""
+        name = "enable_distributed_layerwise_offload"
+        parallel = self.parallel_config
+        why = None
+        if parallel.data_parallel_size < 2:
+            why = "needs --data-parallel-size >= 2 (the ranks that share the blocks)"
+        elif parallel.denoise_world_size > 1 or parallel.vae_patch_parallel_size > 1:
+            why = "is not combined with tensor / sequence / CFG / VAE patch parallelism"
+        elif self.enable_layerwise_offload:
+            why = "replaces --enable-layerwise-offload (choose one)"
+        elif self.step_execution:
+            why = "runs whole requests in waves, not --step-execution"
+        elif self.cache_backend not in (None, "none"):
+            why = f"cannot run --cache-backend {self.cache_backend}: each rank would skip different blocks"
+        elif self.max_num_seqs != 1:
+            why = "runs one request per rank (a wave is --data-parallel-size requests); leave --max-num-seqs 1"
+        elif self.dlo_resident_layers < 0:
+            name, why = "dlo_resident_layers", "must be >= 0"
+        if why is not None:
+            raise OmniClientError(f"{name} ({_flag(name)}) {why}", param=name)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> OmniDiffusionConfig:

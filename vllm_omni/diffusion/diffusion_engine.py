@@ -78,8 +78,11 @@ class DiffusionEngine:
                 f"{pipeline_cls.__name__} (serving {self.model_class_name}) does not support request-level "
                 f"batching. Use max_num_seqs=1 (got {od_config.max_num_seqs})."
             )
+        # DLO: a batch is a wave, one request per data-parallel rank.
+        batch_size = (od_config.parallel_config.data_parallel_size if od_config.enable_distributed_layerwise_offload
+                      else od_config.max_num_seqs)
         self.scheduler = None if self.step_execution else RequestScheduler(
-            od_config.max_num_seqs, od_config.request_batch_max_wait_ms, od_config.diffusion_scheduler_policy,
+            batch_size, od_config.request_batch_max_wait_ms, od_config.diffusion_scheduler_policy,
             od_config.default_deadline_ms)
         self.steps = StepScheduler(self.od_config) if self.step_execution else None
         """Step mode's scheduler (request mode's is `scheduler`)."""

@@ -62,8 +62,8 @@ def add_dataclass_args(group, cls: type, names: list[str], docs: dict[str, str],
         options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
         base = next(t for t in options if t is not type(None))
         kwargs: dict[str, Any] = {"default": field.default, "help": docs[name]}
-        if base is bool:
-            kwargs["action"] = "store_true"
+        if base is bool:  # a switch; one that defaults to on also gets its --no- form
+            kwargs["action"] = argparse.BooleanOptionalAction if field.default is True else "store_true"
         elif typing.get_origin(base) is Literal:
             kwargs["choices"] = list(typing.get_args(base))
         elif typing.get_origin(base) is dict:
@@ -123,6 +123,13 @@ class OmniEngineArgs(EngineArgs):
     cfg_parallel_size: int | None = None
     vae_patch_parallel_size: int | None = None
     diffusion_memory_budget_gb: float | None = None
+    enable_layerwise_offload: bool = False
+    offload_resident_layers: int = 0
+    offload_prefetch_layers: int = 1
+    enable_cpu_offload: bool = False
+    enable_distributed_layerwise_offload: bool = False
+    dlo_use_allgather: bool = True
+    dlo_resident_layers: int = 0
     max_stage_restarts: int | None = None
     """Times a stage re-creates what died (diffusion workers, an AR stage's EngineCore) before it is dead;
     None = the stage's default (3)."""

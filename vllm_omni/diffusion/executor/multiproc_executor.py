@@ -45,6 +45,7 @@ from vllm_omni.diffusion.ipc import (
     cleanup_shm,
     new_shm_prefix,
 )
+from vllm_omni.diffusion.offload.distributed import dlo_wave_error
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.worker_proc import WorkerSpec, worker_main
 from vllm_omni.errors import EngineDeadError, OmniClientError
@@ -75,6 +76,24 @@ class _PendingBatch:
         missing = DiffusionOutput.from_exception(RuntimeError("the worker returned too few outputs"))
         return [self.failed[i] if i in self.failed else next(sent_iter, missing)
                 for i in range(len(self.request_ids))]
+
+
+class _PendingWave(_PendingBatch):
+    """A DLO wave: request i runs on rank i, and each of those ranks sends its own output."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(request_ids, {})
+        self.by_rank: dict[int, DiffusionOutput] = {}
+
+    def add(self, rank: int, outputs: list[DiffusionOutput]) -> bool:
+        """Record rank `rank`'s output; True once every request's rank has sent it."""
+        if rank < len(self.request_ids):
+            missing = DiffusionOutput.from_exception(RuntimeError(f"rank {rank} returned no output"))
+            self.by_rank[rank] = outputs[0] if outputs else missing
+        return len(self.by_rank) == len(self.request_ids)
+
+    def wave_outputs(self) -> list[DiffusionOutput]:
+        return [self.by_rank[i] for i in range(len(self.request_ids))]
 
 
 class _PendingPlan:
@@ -231,6 +250,14 @@ class MultiprocDiffusionExecutor:
         encoded, errors = self._codec.encode_each(requests)
         failed = {i: _unsendable(exc) for i, exc in enumerate(errors) if exc is not None}
         pending = _PendingBatch([r.request_id for r in requests], failed)
+        if self.od_config.enable_distributed_layerwise_offload:
+            # Checked before anything is sent: a rank that skipped a block's collective would hang its peers.
+            error = dlo_wave_error(requests)
+            if error is not None or failed:  # the whole wave, or none of it: every rank must run a request
+                output = DiffusionOutput.from_exception(error) if error is not None else next(iter(failed.values()))
+                pending.future.set_result([output] * len(requests))
+                return pending.future
+            pending = _PendingWave(pending.request_ids)
         if len(failed) == len(requests):
             pending.future.set_result(pending.outputs([]))
             return pending.future
@@ -346,12 +373,16 @@ class MultiprocDiffusionExecutor:
                         logger.exception("partial-output handler of batch %d raised", msg.batch_id)
             elif isinstance(msg, BatchResult):
                 with self._lock:
-                    pending = self._batches.pop(msg.batch_id, None)
-                    self._partial_handlers.pop(msg.batch_id, None)
+                    pending = self._batches.get(msg.batch_id)
+                    wave = isinstance(pending, _PendingWave)
+                    done = not wave or pending.add(msg.rank, msg.outputs)
+                    if done:
+                        self._batches.pop(msg.batch_id, None)
+                        self._partial_handlers.pop(msg.batch_id, None)
                 if msg.out_of_step is not None:  # the workers exit next: restarting starts before this resolves
                     self.fail(f"diffusion worker rank {msg.rank}: {msg.out_of_step}")
-                if pending is not None:
-                    pending.future.set_result(pending.outputs(msg.outputs))
+                if pending is not None and done:
+                    pending.future.set_result(pending.wave_outputs() if wave else pending.outputs(msg.outputs))
             elif isinstance(msg, StepResult):
                 with self._lock:
                     pending = self._plans.pop(msg.round_id, None)

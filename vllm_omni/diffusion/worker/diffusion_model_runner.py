@@ -19,6 +19,7 @@ from vllm_omni.catalog.resolution import resolve_model_dir, resolve_pipeline_cla
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.rank_errors import RanksDesynchronized, agree_on_failures
 from vllm_omni.diffusion.layers.compile import compile_stats
+from vllm_omni.diffusion.offload.components import apply_cpu_offload
 from vllm_omni.diffusion.step_context import PartialSink, StepContext
 from vllm_omni.diffusion.warmup import warm_up
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
@@ -62,6 +63,8 @@ class DiffusionModelRunner:
         cls = MODEL_REGISTRY.load_pipeline_class(self.pipeline_class_name, self.od_config.use_diffusers_adapter)
         start = time.perf_counter()
         self.pipeline = cls.from_pretrained(self.od_config, model_dir, self.device, self.dtype)
+        if self.od_config.enable_cpu_offload:
+            apply_cpu_offload(self.pipeline, self.device)
         loaded = time.perf_counter()
         logger.info(
             "[diffusion rank %d] loaded %s as %s on %s (%s) in %.2f s",
@@ -93,7 +96,11 @@ class DiffusionModelRunner:
             raise RuntimeError("the diffusion worker is asleep; call wake_up() first")
         self._reset_peak_memory()
         start = time.perf_counter()
-        outputs = self._agreed(self._forward(batch, partial_sink, abort_requested), len(batch))
+        if self.od_config.enable_distributed_layerwise_offload:  # DLO: each rank owns its request's outcome
+            outputs = self._forward(batch, partial_sink, abort_requested)
+            outputs = [outputs] * len(batch) if isinstance(outputs, DiffusionOutput) else outputs
+        else:
+            outputs = self._agreed(self._forward(batch, partial_sink, abort_requested), len(batch))
         if outputs is None:
             logger.warning("[diffusion rank %d] batch of %d failed; retrying one by one", self.rank, len(batch))
             outputs = [self._agreed(self._forward(DiffusionRequestBatch([request]), partial_sink,

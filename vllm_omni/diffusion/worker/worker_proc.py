@@ -107,6 +107,9 @@ class WorkerProc:
         """When this process began running our code (after its interpreter start and the spec's imports)."""
         self.spec = spec
         self.rank = spec.rank
+        self.dlo_wave = spec.od_config.enable_distributed_layerwise_offload
+        """DLO: every batch is a wave in which this rank runs request `rank` (or, beyond the wave, a copy of
+        request 0 whose output it drops) and sends its own output."""
         self.context, self.input, self.output = connect_to_parent(spec.input_address, spec.output_address)
         self.codec = MsgCodec(None, spec.shm_prefix)
         self.decoder = MsgCodec(WorkerInput, spec.shm_prefix).decoder()
@@ -229,6 +232,9 @@ class WorkerProc:
     def _execute(self, msg: ExecuteBatch) -> None:
         from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 
+        if self.dlo_wave:
+            self._execute_wave(msg)
+            return
         sink = self._partial_sink(msg.batch_id, msg.stream_request_ids)
         try:
             outputs = self.worker.execute_model(
@@ -245,6 +251,28 @@ class WorkerProc:
             self.aborted.forget_through(msg.batch_id)
         if self.rank == 0:
             self._send_outputs(msg.batch_id, outputs)
+
+    def _execute_wave(self, msg: ExecuteBatch) -> None:
+        """One DLO wave. An aborted request keeps running to the end here (its rank's peers need every block's
+        collective) and is reported aborted."""
+        from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+        from vllm_omni.errors import RequestAbortedError
+
+        own = self.rank < len(msg.requests)
+        request = msg.requests[self.rank if own else 0]
+        sink = None
+        if own and request.request_id in msg.stream_request_ids:
+            def sink(request_id: str, kind: str, data: dict) -> None:
+                self._send_partial(PartialResult(msg.batch_id, request_id, kind, data))
+        try:
+            (output,) = self.worker.execute_model(DiffusionRequestBatch([request]), partial_sink=sink)
+        except Exception as exc:
+            output = DiffusionOutput.from_exception(exc)
+        if self.aborted.contains(msg.batch_id, request.request_id):
+            output = DiffusionOutput.from_exception(RequestAbortedError(f"request {request.request_id} aborted"))
+        self.aborted.forget_through(msg.batch_id)
+        if own:
+            self._send_outputs(msg.batch_id, [output])
 
     def _send_outputs(self, batch_id: int, outputs: list[DiffusionOutput], out_of_step: str | None = None) -> None:
         encoded, errors = self.codec.encode_each(outputs)
