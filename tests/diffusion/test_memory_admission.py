@@ -13,12 +13,12 @@ import dataclasses
 import threading
 
 import pytest
+from test_diffusion_scheduler import next_batch, request_scheduler
 
 from vllm_omni.catalog.shapes import ShapeRule
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.sched.request_scheduler import RequestScheduler
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
 
@@ -59,11 +59,10 @@ def test_never_fits_names_the_field(params, param):
 
 
 def test_scheduler_trims_the_batch_to_what_fits():
-    scheduler = RequestScheduler(max_num_seqs=4)
+    scheduler = request_scheduler(max_num_seqs=4)
     for i in range(3):
-        scheduler.add_request(OmniDiffusionRequest("x", SP(), f"r{i}"), now=0.0)
-    assert scheduler.schedule(now=1.0, fits=lambda rs: False) == ([], None)  # the oldest keeps its place
-    batch, _ = scheduler.schedule(now=1.0, fits=lambda rs: len(rs) <= 2)
+        scheduler.add(OmniDiffusionRequest("x", SP(), f"r{i}"), now=0.0)
+    batch, _ = next_batch(scheduler, now=1.0, fits=lambda rs: len(rs) <= 2)
     assert [r.request_id for r in batch] == ["r0", "r1"] and scheduler.num_waiting == 1
 
 

@@ -2,12 +2,10 @@
 
 `submit` is thread-safe and returns a future per request; an optional `on_partial` callback receives the
 request's partial results (`PartialResult`: denoise progress, decoded video chunks) on the executor's result
-thread, all of them before the future resolves. A scheduler thread forms batches with
-`RequestScheduler` and keeps one batch in flight; the batch's results resolve the request futures directly
-from the executor's result thread, so a request pays one thread hand-off on the way back. In step mode
-(`step_execution`) the same thread runs the rounds of the `StepScheduler` (`core/scheduler.py`): it sends each
-round's `StepPlan` to every rank, and rank 0's `StepResult` updates the scheduler and resolves the requests that
-left the round.
+thread, all of them before the future resolves. A scheduler thread runs the rounds of the one
+`DiffusionScheduler` (`core/scheduler.py`), one round in flight: in step mode it sends each round's `StepPlan`
+to every rank; in request mode the plan is a batch of whole requests the workers run to their end. Rank 0's
+result updates the scheduler and resolves the requests that left the round.
 
 `abort` resolves the request's future at once and tells the workers, which stop it at the next denoise
 step. When a worker dies, the requests it ran fail with `StageRestartingError` (503) and the engine
@@ -29,7 +27,7 @@ from vllm_omni.catalog.registry import MODEL_REGISTRY
 from vllm_omni.catalog.resolution import resolve_model_dir, resolve_pipeline_class_name
 from vllm_omni.catalog.shapes import ShapeRule
 from vllm_omni.catalog.spec import import_target
-from vllm_omni.diffusion.core.scheduler import StepScheduler
+from vllm_omni.diffusion.core.scheduler import DiffusionScheduler
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.executor.multiproc_executor import MultiprocDiffusionExecutor
 from vllm_omni.diffusion.interface import supports_request_batch, supports_step_execution
@@ -37,7 +35,6 @@ from vllm_omni.diffusion.ipc import PartialResult, StepPlan, StepResult
 from vllm_omni.diffusion.model_loader.dummy import check_weights_present
 from vllm_omni.diffusion.prompt_bound import PromptBound
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.sched.request_scheduler import RequestScheduler
 from vllm_omni.errors import EngineDeadError, OmniClientError, StageRestartingError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.logger import init_logger
@@ -61,15 +58,22 @@ class DiffusionEngine:
         pipeline_cls = MODEL_REGISTRY.load_pipeline_class(target)
         self.step_execution = od_config.step_execution and supports_step_execution(pipeline_cls)
         if od_config.step_execution and not self.step_execution:
-            logger.warning("%s cannot step: --step-execution is off for this stage and requests run in request "
-                           "mode (docs/execution_modes.md)", pipeline_cls.__name__)
+            logger.warning(
+                "%s cannot step: --step-execution is off for this stage and requests run in request "
+                "mode (docs/execution_modes.md)",
+                pipeline_cls.__name__,
+            )
         _refuse_inert_flags(od_config, self.step_execution)
         # Resolved once here: the workers get the checkpoint directory and our class as "module:Class".
-        self.od_config = dataclasses.replace(od_config, model=str(model_dir), model_class_name=target,
-                                             step_execution=self.step_execution)
+        self.od_config = dataclasses.replace(
+            od_config, model=str(model_dir), model_class_name=target, step_execution=self.step_execution
+        )
         entry = MODEL_REGISTRY.diffusion_entry(self.model_class_name)
-        self.prompt_bound = (PromptBound.for_model(model_dir, entry.prompt_tokenizer, entry.max_prompt_tokens)
-                             if entry is not None and entry.max_prompt_tokens else None)
+        self.prompt_bound = (
+            PromptBound.for_model(model_dir, entry.prompt_tokenizer, entry.max_prompt_tokens)
+            if entry is not None and entry.max_prompt_tokens
+            else None
+        )
         """The text encoder's token limit, checked by the stage client off the event loop before `submit`."""
         rule = import_target(entry.shape_rule)(model_dir) if entry is not None and entry.shape_rule else None
         self.supports_request_batch = supports_request_batch(pipeline_cls)
@@ -78,16 +82,12 @@ class DiffusionEngine:
                 f"{pipeline_cls.__name__} (serving {self.model_class_name}) does not support request-level "
                 f"batching. Use max_num_seqs=1 (got {od_config.max_num_seqs})."
             )
-        self.scheduler = None if self.step_execution else RequestScheduler(
-            od_config.max_num_seqs, od_config.request_batch_max_wait_ms, od_config.diffusion_scheduler_policy,
-            od_config.default_deadline_ms)
-        self.steps = StepScheduler(self.od_config) if self.step_execution else None
-        """Step mode's scheduler (request mode's is `scheduler`)."""
+        self.scheduler = DiffusionScheduler(self.od_config)
+        """Both modes' (request mode is its policy that never preempts)."""
         self._cond = threading.Condition()
         self._waiting: dict[str, tuple[Future[DiffusionOutput], float]] = {}
         self._running: dict[str, Future[DiffusionOutput]] = {}
         self._partial_callbacks: dict[str, Callable[[PartialResult], None]] = {}
-        self._batch_in_flight = False
         self._stopping = False
         self._dead = False
         self._restarting = False
@@ -99,7 +99,7 @@ class DiffusionEngine:
         self._reserved: dict[str, int] = {}
         """Estimated bytes of each request on the workers (memory admission)."""
         self._queued: dict[str, float] = {}
-        """Step mode: seconds each request on the workers waited in the engine's queue."""
+        """Seconds each request on the workers waited in the engine's queue."""
         self.executor = MultiprocDiffusionExecutor(self.od_config)
         self.shape_rule = _with_budget(rule, od_config, self.executor.worker_info)
         """The sizes the pipeline makes and the memory budget of its requests; the API process checks both
@@ -109,8 +109,13 @@ class DiffusionEngine:
         self._thread.start()
         logger.info(
             "diffusion engine ready: %s (%s, %s output), %d rank(s), %s mode, max_num_seqs=%d, batch wait %.1f ms",
-            od_config.model, self.model_class_name, self.output_modality, self.executor.world_size,
-            "step" if self.step_execution else "request", od_config.max_num_seqs, od_config.request_batch_max_wait_ms,
+            od_config.model,
+            self.model_class_name,
+            self.output_modality,
+            self.executor.world_size,
+            "step" if self.step_execution else "request",
+            od_config.max_num_seqs,
+            od_config.request_batch_max_wait_ms,
         )
 
     # ---- public API ----------------------------------------------------------------------------------
@@ -124,8 +129,9 @@ class DiffusionEngine:
         """A worker died and new workers are starting: the stage is degraded, not dead."""
         return self._restarting
 
-    def submit(self, request: OmniDiffusionRequest, on_partial: Callable[[PartialResult], None] | None = None
-               ) -> Future[DiffusionOutput]:
+    def submit(
+        self, request: OmniDiffusionRequest, on_partial: Callable[[PartialResult], None] | None = None
+    ) -> Future[DiffusionOutput]:
         """Queue a request; invalid input raises `OmniClientError` here, before anything is queued.
 
         `on_partial` must return quickly (hand the item to a queue): it runs on the thread that reads the
@@ -143,10 +149,7 @@ class DiffusionEngine:
             rid = request.request_id
             if rid in self._waiting or rid in self._running:
                 raise OmniClientError(f"request_id {rid!r} is already in flight", param="request_id")
-            if self.steps is not None:
-                self.steps.add(request, stream=on_partial is not None)
-            else:
-                self.scheduler.add_request(request)
+            self.scheduler.add(request, stream=on_partial is not None)
             self._waiting[rid] = (future, time.perf_counter())
             if on_partial is not None:
                 self._partial_callbacks[rid] = on_partial
@@ -159,10 +162,8 @@ class DiffusionEngine:
         with self._cond:
             for rid in request_ids:
                 self._partial_callbacks.pop(rid, None)
-            dropped = (self.scheduler.abort(request_ids) if self.steps is None
-                       else [job.request for job in self.steps.abort(request_ids)])
-            for request in dropped:
-                self._waiting.pop(request.request_id)[0].cancel()
+            for job in self.scheduler.abort(request_ids):
+                self._waiting.pop(job.request_id)[0].cancel()
                 self._counters["num_aborted"] += 1
             running = [rid for rid in request_ids if rid in self._running]
             for rid in running:
@@ -170,7 +171,7 @@ class DiffusionEngine:
                     self._counters["num_aborted"] += 1
             executor = self.executor
             self._cond.notify_all()  # step mode: the next round drops them
-        if running and self.steps is None:
+        if running and self.scheduler.whole_requests:  # request mode: the workers stop them inside the batch
             executor.abort(running)
 
     def wait_stopped(self, request_ids: list[str], timeout: float) -> bool:
@@ -202,7 +203,7 @@ class DiffusionEngine:
                 "num_aborted": self._counters["num_aborted"],
                 "batch_sizes": dict(self._batch_sizes),
                 "num_running": len(self._running),
-                "num_waiting": (self.steps or self.scheduler).num_waiting,
+                "num_waiting": self.scheduler.num_waiting,
                 "num_restarts": self._restarts,
                 "is_restarting": self._restarting,
                 "is_dead": self.is_dead,
@@ -232,65 +233,28 @@ class DiffusionEngine:
 
     def _schedule_loop(self) -> None:
         try:
-            if self.steps is not None:
-                self._step_forever()
-            else:
-                self._schedule_forever()
+            self._run_forever()
         except Exception as exc:  # a bug here must not leave callers waiting forever
             logger.exception("diffusion scheduler thread crashed")
             self._give_up(f"diffusion scheduler thread crashed: {exc}")  # no restart: the scheduler is gone
             self.executor.fail(f"diffusion scheduler thread crashed: {exc}")
 
-    def _schedule_forever(self) -> None:
-        while True:
-            with self._cond:
-                batch: list[OmniDiffusionRequest] = []
-                while not batch:
-                    if self._stopping or self._dead:
-                        return
-                    wait = _SCHEDULER_IDLE_WAIT_S
-                    if not self._batch_in_flight and not self._restarting:
-                        batch, due = self.scheduler.schedule(fits=self._fits)
-                        wait = due if due is not None else wait
-                    if not batch:
-                        self._cond.wait(wait)
-                now = time.perf_counter()
-                futures = {}
-                for request in batch:
-                    future, arrival = self._waiting.pop(request.request_id)
-                    futures[request.request_id] = (future, now - arrival)
-                    self._running[request.request_id] = future
-                    if self.shape_rule is not None:
-                        self._reserved[request.request_id] = self.shape_rule.estimate_bytes(request.sampling_params)
-                self._batch_in_flight = True
-                self._batch_sizes[len(batch)] += 1
-                self._counters["num_forwards"] += 1
-                executor = self.executor
-            streamed = [r.request_id for r in batch if r.request_id in self._partial_callbacks]
-            try:
-                batch_future = executor.execute_batch(batch, streamed, self._on_partial if streamed else None)
-            except Exception as exc:
-                batch_future = Future()
-                batch_future.set_exception(exc)
-            else:  # aborted between leaving the queue and reaching the executor: tell the workers now
-                if aborted := [rid for rid, (future, _) in futures.items() if future.cancelled()]:
-                    executor.abort(aborted)
-            batch_future.add_done_callback(lambda f, futures=futures: self._finish_batch(f, futures))
-
-    def _step_forever(self) -> None:
-        """Step mode: one round in flight; schedule, the workers execute the plan, update, until stopped."""
+    def _run_forever(self) -> None:
+        """One round in flight, in either mode: schedule, the workers execute the plan, update, until stopped."""
         while True:
             with self._cond:
                 plan = None
                 while plan is None:
                     if self._stopping or self._dead:
                         return
-                    if not (self._restarting or self.executor.is_failed) and self.steps.has_work:
-                        plan = self.steps.schedule(fits=self._fits)
-                        if not (plan.step or plan.abort):  # nothing fits yet: wait for memory to free
+                    wait = _SCHEDULER_IDLE_WAIT_S
+                    if not (self._restarting or self.executor.is_failed) and self.scheduler.has_work:
+                        plan = self.scheduler.schedule(fits=self._fits)
+                        if not (plan.step or plan.abort):  # nothing fits yet, or a batch waits for company
                             plan = None
+                            wait = self.scheduler.due or wait
                     if plan is None:
-                        self._cond.wait(_SCHEDULER_IDLE_WAIT_S)
+                        self._cond.wait(wait)
                 now = time.perf_counter()
                 for request in plan.new:
                     future, arrival = self._waiting.pop(request.request_id)
@@ -298,11 +262,13 @@ class DiffusionEngine:
                     self._queued[request.request_id] = now - arrival
                     if self.shape_rule is not None:
                         self._reserved[request.request_id] = self.shape_rule.estimate_bytes(request.sampling_params)
-                    self._batch_sizes[1] += 1
-                    self._counters["num_forwards"] += 1
+                if plan.new:
+                    batches = [len(plan.new)] if self.scheduler.whole_requests else [1] * len(plan.new)
+                    self._batch_sizes.update(batches)
+                    self._counters["num_forwards"] += len(batches)
                 executor = self.executor
             try:
-                result = self._await_round(executor.execute_plan(plan, self._on_partial))
+                result = self._execute(executor, plan)
             except EngineDeadError as exc:
                 self._fail_on_workers(exc)
                 continue
@@ -310,8 +276,30 @@ class DiffusionEngine:
                 return
             self._finish_round(plan, result)
 
-    def _await_round(self, future: Future[StepResult]) -> StepResult | None:
-        """The round's result; None once the engine is closing (close fails what ran)."""
+    def _execute(self, executor: MultiprocDiffusionExecutor, plan: StepPlan) -> StepResult | None:
+        """Run the plan on the workers: step mode one round, request mode its batch's whole requests; None once
+        the engine is closing (close fails what ran)."""
+        if not self.scheduler.whole_requests:
+            return self._await(executor.execute_plan(plan, self._on_partial))
+        try:
+            future = executor.execute_batch(plan.new, plan.stream, self._on_partial if plan.stream else None)
+        except EngineDeadError:
+            raise
+        except Exception as exc:  # e.g. the batch could not be sent: its requests fail, the engine goes on
+            return StepResult(plan.round_id, 0, outputs={rid: DiffusionOutput.from_exception(exc) for rid in plan.step})
+        with self._cond:  # aborted between leaving the queue and reaching the executor: tell the workers now
+            aborted = [rid for rid in plan.step if rid in self._running and self._running[rid].cancelled()]
+        if aborted:
+            executor.abort(aborted)
+        outputs = self._await(future)
+        return (
+            None
+            if outputs is None
+            else StepResult(plan.round_id, 0, outputs=dict(zip(plan.step, outputs, strict=True)))
+        )
+
+    def _await(self, future: Future) -> Any:
+        """The workers' result; None once the engine is closing."""
         while True:
             try:
                 return future.result(timeout=_SCHEDULER_IDLE_WAIT_S)
@@ -323,10 +311,11 @@ class DiffusionEngine:
         for rid in [*plan.step, *plan.abort]:  # a request the workers do not account for must not wait forever
             if rid not in result.outputs and rid not in result.progress:
                 result.outputs[rid] = DiffusionOutput.from_exception(
-                    RuntimeError(f"the diffusion workers lost request {rid} (round {plan.round_id})"))
+                    RuntimeError(f"the diffusion workers lost request {rid} (round {plan.round_id})")
+                )
         resolved = []
         with self._cond:
-            for job, output in self.steps.update(plan, result):
+            for job, output in self.scheduler.update(plan, result):
                 rid = job.request_id
                 future = self._running.pop(rid, None)
                 self._reserved.pop(rid, None)
@@ -341,11 +330,11 @@ class DiffusionEngine:
 
     def _fail_on_workers(self, exc: EngineDeadError) -> None:
         """The workers died mid-round: their requests fail (503 while the stage restarts); waiting ones stay."""
-        if self._can_restart():
+        if self._restarting or self._can_restart():  # the failure callback may have started the restart already
             exc = StageRestartingError(f"{exc}; the diffusion stage is restarting its workers")
         failed = []
         with self._cond:
-            for job in self.steps.forget_workers():
+            for job in self.scheduler.forget_workers():
                 rid = job.request_id
                 future = self._running.pop(rid, None)
                 self._reserved.pop(rid, None)
@@ -372,38 +361,6 @@ class DiffusionEngine:
         if callback is not None:
             callback(partial)
 
-    def _finish_batch(
-        self, batch_future: Future[list[DiffusionOutput]], futures: dict[str, tuple[Future, float]]
-    ) -> None:
-        """Runs on the executor's result thread (or wherever the batch future completed)."""
-        exc = batch_future.exception()
-        outputs = batch_future.result() if exc is None else None
-        if isinstance(exc, EngineDeadError) and self._can_restart():
-            exc = StageRestartingError(f"{exc}; the diffusion stage is restarting its workers")
-        with self._cond:
-            for rid in futures:
-                self._running.pop(rid, None)
-                self._reserved.pop(rid, None)
-                self._partial_callbacks.pop(rid, None)
-            self._batch_in_flight = False
-            self._cond.notify_all()  # the scheduler, and `wait_stopped` callers
-        for i, (future, queued) in enumerate(futures.values()):
-            if future.cancelled():
-                continue
-            if isinstance(exc, EngineDeadError | StageRestartingError):
-                with self._cond:
-                    self._counters["num_failed"] += 1
-                _set(future, exception=exc)
-                continue
-            if exc is not None:  # e.g. the batch could not be sent: its requests fail, the engine goes on
-                _set(future, result=DiffusionOutput.from_exception(exc))
-                continue
-            output = outputs[i]
-            output.stage_durations["queue"] = queued
-            with self._cond:
-                self._counters["num_failed" if output.error else "num_finished"] += 1
-            _set(future, result=output)
-
     # ---- worker death and restart -------------------------------------------------------------------
 
     def _can_restart(self) -> bool:
@@ -423,15 +380,19 @@ class DiffusionEngine:
             if restart:
                 self._restarts += 1
                 self._restarting = True
-                self._restart_thread = threading.Thread(target=self._restart, args=(executor,),
-                                                        name="DiffusionRestart", daemon=True)
+                self._restart_thread = threading.Thread(
+                    target=self._restart, args=(executor,), name="DiffusionRestart", daemon=True
+                )
                 self._restart_thread.start()
         if not restart:
             self._give_up("a diffusion worker died; the engine is dead")
 
     def _restart(self, failed: MultiprocDiffusionExecutor) -> None:
-        logger.warning("restarting the diffusion workers (restart %d of at most %d)", self._restarts,
-                       self.od_config.max_stage_restarts)
+        logger.warning(
+            "restarting the diffusion workers (restart %d of at most %d)",
+            self._restarts,
+            self.od_config.max_stage_restarts,
+        )
         failed.shutdown()
         try:
             executor = MultiprocDiffusionExecutor(self.od_config)
@@ -468,20 +429,18 @@ class DiffusionEngine:
             waiting = [future for future, _ in self._waiting.values()]
             self._waiting.clear()
             self._partial_callbacks.clear()
-            if self.steps is not None:  # the step thread no longer resolves what ran on the workers
-                self.steps.drain()
-                waiting += self._running.values()
-                self._running.clear()
-                self._reserved.clear()
-            else:
-                self.scheduler.drain()
+            self.scheduler.drain()  # the scheduler thread no longer resolves what ran on the workers
+            waiting += self._running.values()
+            self._running.clear()
+            self._reserved.clear()
             self._cond.notify_all()
         for future in waiting:
             _set(future, exception=error)
 
 
-def _with_budget(rule: ShapeRule | None, od_config: OmniDiffusionConfig, worker_info: list[dict[str, Any]]
-                 ) -> ShapeRule | None:
+def _with_budget(
+    rule: ShapeRule | None, od_config: OmniDiffusionConfig, worker_info: list[dict[str, Any]]
+) -> ShapeRule | None:
     """The family's rule with this stage's activation width and memory budget: the configured GiB, else the
     least free device memory any rank measured after loading (CUDA), else none (CPU)."""
     if rule is None:
@@ -496,22 +455,24 @@ def _with_budget(rule: ShapeRule | None, od_config: OmniDiffusionConfig, worker_
     return dataclasses.replace(rule, dtype_bytes=4 if dtype == "float32" else 2, memory_budget_bytes=budget)
 
 
-_STEP_MODE_ONLY = ("diffusion_max_tokens_per_forward", "slo_starvation_factor", "slo_deadline_factor",
-                   "max_paused_states")
+_STEP_MODE_ONLY = ("diffusion_max_tokens_per_forward", "max_paused_states")
 _REQUEST_MODE_ONLY = ("request_batch_max_wait_ms",)
 
 
 def _refuse_inert_flags(od_config: OmniDiffusionConfig, step_execution: bool) -> None:
     """A scheduler setting the stage's mode has no use for is refused, not ignored (its default is fine): a
-    request-mode batch runs whole requests (nothing to pause, split or starve), and a step-mode request joins at
-    the next step boundary (no batch to wait for)."""
+    request-mode batch runs whole requests (nothing to pause or split), and a step-mode request joins at the next
+    step boundary (no batch to wait for). The policy's settings (max_num_seqs, policy, deadlines, starvation
+    bound, memory budget) apply to both modes: one scheduler reads them."""
     defaults = {f.name: f.default for f in dataclasses.fields(OmniDiffusionConfig)}
     mode, other = ("step", "request") if step_execution else ("request", "step")
     cannot_step = " (its pipeline cannot step)" if od_config.step_execution and not step_execution else ""
     for name in _REQUEST_MODE_ONLY if step_execution else _STEP_MODE_ONLY:
         if getattr(od_config, name) != defaults[name]:
-            raise ValueError(f"--{name.replace('_', '-')} applies to {other} mode only; this diffusion stage runs "
-                             f"in {mode} mode{cannot_step}")
+            raise ValueError(
+                f"--{name.replace('_', '-')} applies to {other} mode only; this diffusion stage runs "
+                f"in {mode} mode{cannot_step}"
+            )
 
 
 def _validated(request: OmniDiffusionRequest) -> OmniDiffusionRequest:
