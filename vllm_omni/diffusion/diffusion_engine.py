@@ -1,11 +1,13 @@
 """The diffusion stage's engine: validates requests, co-batches them, and runs them on the workers.
 
 `submit` is thread-safe and returns a future per request; an optional `on_partial` callback receives the
-request's partial results (`PartialResult`: denoise progress, decoded video chunks) on the executor's result
-thread, all of them before the future resolves. A scheduler thread runs the rounds of the one
-`DiffusionScheduler` (`core/scheduler.py`), one round in flight: in step mode it sends each round's `StepPlan`
-to every rank; in request mode the plan is a batch of whole requests the workers run to their end. Rank 0's
-result updates the scheduler and resolves the requests that left the round.
+request's partial results (`PartialResult`: denoise progress, decoded video chunks), all of them before the
+future resolves. One loop drives everything, one pass per `run_once`, as vLLM's EngineCore busy loop: finish the
+round whose result came (update the one `DiffusionScheduler` of `core/scheduler.py`, resolve the requests that
+left), schedule and send the next round, then wait for the workers' results (or a death, a wake-up, the
+caller's own sockets) and dispatch them. In step mode a round is a `StepPlan` every rank executes; in request
+mode it is a batch of whole requests the workers run to their end. The diffusion core's busy loop calls
+`run_once` (`own_loop=False`); in-process callers (tests, offline benchmarks) get a thread that does.
 
 `abort` resolves the request's future at once and tells the workers, which stop it at the next denoise
 step. When a worker dies, the requests it ran fail with `StageRestartingError` (503) and the engine
@@ -15,13 +17,17 @@ workers. Past that budget the engine is dead (`EngineDeadError`, failure callbac
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
+
+import zmq
 
 from vllm_omni.catalog.registry import MODEL_REGISTRY
 from vllm_omni.catalog.resolution import resolve_model_dir, resolve_pipeline_class_name
@@ -41,13 +47,16 @@ from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SCHEDULER_IDLE_WAIT_S = 1.0
-_SCHEDULER_JOIN_TIMEOUT_S = 2.0
+_IDLE_WAIT_S = 1.0
+"""Longest wait of the loop with nothing due (every event that matters wakes it earlier)."""
+_LOOP_JOIN_TIMEOUT_S = 2.0
 _CLOSE_TIMEOUT_S = 10.0
 
 
 class DiffusionEngine:
-    def __init__(self, od_config: OmniDiffusionConfig) -> None:
+    def __init__(self, od_config: OmniDiffusionConfig, own_loop: bool = True) -> None:
+        """`own_loop`: run the loop on a thread of the engine's (in-process callers); the diffusion core drives
+        `run_once` from its busy loop instead."""
         model_dir = resolve_model_dir(od_config.model, od_config.revision, od_config.load_format != "dummy")
         if od_config.load_format == "auto":
             check_weights_present(model_dir)  # one clear error here rather than a worker's load traceback
@@ -93,6 +102,15 @@ class DiffusionEngine:
         self._restarting = False
         self._restarts = 0
         self._restart_thread: threading.Thread | None = None
+        self._replacement: MultiprocDiffusionExecutor | BaseException | None = None
+        """What the restart thread built (new workers, or why it could not); the loop swaps it in."""
+        self._round: tuple[StepPlan, Future] | None = None
+        """The round on the workers and the future of its result (one at a time, either mode)."""
+        self._wake_r, self._wake_w = socket.socketpair()
+        """A byte on it ends the loop's wait (closed sockets refuse writes: no stray fd after close)."""
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._poller: tuple[MultiprocDiffusionExecutor, tuple, zmq.Poller] | None = None
         self._counters: Counter[str] = Counter()
         self._batch_sizes: Counter[int] = Counter()
         self._failure_callbacks: list[Callable[[], None]] = []
@@ -105,8 +123,10 @@ class DiffusionEngine:
         """The sizes the pipeline makes and the memory budget of its requests; the API process checks both
         before queuing, `submit` checks them again, and the scheduler admits by the budget."""
         self._watch(self.executor)
-        self._thread = threading.Thread(target=self._schedule_loop, name="DiffusionScheduler", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if own_loop:
+            self._thread = threading.Thread(target=self._loop, name="DiffusionEngineLoop", daemon=True)
+            self._thread.start()
         logger.info(
             "diffusion engine ready: %s (%s, %s output), %d rank(s), %s mode, max_num_seqs=%d, batch wait %.1f ms",
             od_config.model,
@@ -153,7 +173,7 @@ class DiffusionEngine:
             self._waiting[rid] = (future, time.perf_counter())
             if on_partial is not None:
                 self._partial_callbacks[rid] = on_partial
-            self._cond.notify()
+        self._wake()
         return future
 
     def abort(self, request_ids: list[str]) -> None:
@@ -170,9 +190,9 @@ class DiffusionEngine:
                 if self._running[rid].cancel():
                     self._counters["num_aborted"] += 1
             executor = self.executor
-            self._cond.notify_all()  # step mode: the next round drops them
         if running and self.scheduler.whole_requests:  # request mode: the workers stop them inside the batch
             executor.abort(running)
+        self._wake()  # step mode: the next round drops them
 
     def wait_stopped(self, request_ids: list[str], timeout: float) -> bool:
         """Wait until none of these requests runs on the workers (an aborted one leaves at its next denoise
@@ -217,11 +237,17 @@ class DiffusionEngine:
                 return
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join(min(_SCHEDULER_JOIN_TIMEOUT_S, max(deadline - time.monotonic(), 0.0)))
-        if self._restart_thread is not None:  # it shuts down what it starts once it sees _stopping
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(min(_LOOP_JOIN_TIMEOUT_S, max(deadline - time.monotonic(), 0.0)))
+        if self._restart_thread is not None:
             self._restart_thread.join(max(deadline - time.monotonic() - 1.0, 0.0))
+        if isinstance(self._replacement, MultiprocDiffusionExecutor):  # built but never swapped in
+            self._replacement.shutdown(timeout=max(deadline - time.monotonic(), 1.0))
         self.executor.shutdown(timeout=max(deadline - time.monotonic(), 1.0))
         self._fail_waiting(EngineDeadError("the diffusion engine was closed"))
+        self._wake_r.close()
+        self._wake_w.close()
 
     def __enter__(self) -> DiffusionEngine:
         return self
@@ -231,81 +257,118 @@ class DiffusionEngine:
 
     # ---- scheduling ----------------------------------------------------------------------------------
 
-    def _schedule_loop(self) -> None:
+    def run_once(self, extra: tuple[zmq.Socket, ...] = (), max_wait_s: float = _IDLE_WAIT_S) -> list[zmq.Socket]:
+        """One pass of the loop: finish the round whose result came, schedule and send the next, then wait (up to
+        what the scheduler has due, at most `max_wait_s`) for the workers, a wake-up or the `extra` sockets, and
+        dispatch what the workers sent. Returns the `extra` sockets that are ready."""
         try:
-            self._run_forever()
+            wait = self._advance()
         except Exception as exc:  # a bug here must not leave callers waiting forever
-            logger.exception("diffusion scheduler thread crashed")
-            self._give_up(f"diffusion scheduler thread crashed: {exc}")  # no restart: the scheduler is gone
-            self.executor.fail(f"diffusion scheduler thread crashed: {exc}")
+            logger.exception("the diffusion engine loop crashed")
+            self._give_up(f"the diffusion engine loop crashed: {exc}")  # no restart: the scheduler state is gone
+            self.executor.fail(f"the diffusion engine loop crashed: {exc}")
+            wait = max_wait_s
+        return self._poll(min(wait, max_wait_s), extra)
 
-    def _run_forever(self) -> None:
-        """One round in flight, in either mode: schedule, the workers execute the plan, update, until stopped."""
-        while True:
-            with self._cond:
-                plan = None
-                while plan is None:
-                    if self._stopping or self._dead:
-                        return
-                    wait = _SCHEDULER_IDLE_WAIT_S
-                    if not (self._restarting or self.executor.is_failed) and self.scheduler.has_work:
-                        plan = self.scheduler.schedule(fits=self._fits)
-                        if not (plan.step or plan.abort):  # nothing fits yet, or a batch waits for company
-                            plan = None
-                            wait = self.scheduler.due or wait
-                    if plan is None:
-                        self._cond.wait(wait)
-                now = time.perf_counter()
-                for request in plan.new:
-                    future, arrival = self._waiting.pop(request.request_id)
-                    self._running[request.request_id] = future
-                    self._queued[request.request_id] = now - arrival
-                    if self.shape_rule is not None:
-                        self._reserved[request.request_id] = self.shape_rule.estimate_bytes(request.sampling_params)
-                if plan.new:
-                    batches = [len(plan.new)] if self.scheduler.whole_requests else [1] * len(plan.new)
-                    self._batch_sizes.update(batches)
-                    self._counters["num_forwards"] += len(batches)
-                executor = self.executor
+    def _loop(self) -> None:
+        while not (self._stopping or self._dead):
+            self.run_once()
+
+    def _wake(self) -> None:
+        """Interrupt the loop's wait (a request came, an abort, new workers)."""
+        with contextlib.suppress(OSError):  # full: the loop wakes anyway; closed: the engine is closed
+            self._wake_w.send(b"\0")
+
+    def _poll(self, timeout_s: float, extra: tuple[zmq.Socket, ...]) -> list[zmq.Socket]:
+        executor = self.executor
+        if self._poller is None or self._poller[0] is not executor or self._poller[1] != extra:
+            poller = zmq.Poller()
+            for item in [*extra, self._wake_r, *executor.result_sockets, *executor.sentinels]:
+                poller.register(item, zmq.POLLIN)
+            self._poller = executor, extra, poller
+        poller = self._poller[2]
+        if executor.is_failed:  # nothing more to read from it; new workers replace it
+            poller = zmq.Poller()
+            for item in [*extra, self._wake_r]:
+                poller.register(item, zmq.POLLIN)
+        events = dict(poller.poll(max(int(timeout_s * 1000), 0)))
+        if self._wake_r in events:
+            with contextlib.suppress(BlockingIOError):
+                while self._wake_r.recv(4096):
+                    pass
+        if not executor.is_failed:
+            executor.process_results()
+            if any(sentinel in events for sentinel in executor.sentinels):
+                executor.check_workers()
+        return [sock for sock in extra if sock in events]
+
+    def _advance(self) -> float:
+        """Finish the round in flight once its result came; then schedule and send the next. Returns how long the
+        loop may wait for an event before this needs to run again."""
+        self._swap_in_new_workers()
+        if self._round is not None:
+            plan, future = self._round
+            if not future.done():
+                return _IDLE_WAIT_S
+            self._round = None
             try:
-                result = self._execute(executor, plan)
+                result = self._result(plan, future)
             except EngineDeadError as exc:
                 self._fail_on_workers(exc)
-                continue
-            if result is None:
-                return
-            self._finish_round(plan, result)
+            else:
+                self._finish_round(plan, result)
+        with self._cond:
+            if self._stopping or self._dead or self._restarting or self.executor.is_failed:
+                return _IDLE_WAIT_S
+            if not self.scheduler.has_work:
+                return _IDLE_WAIT_S
+            plan = self.scheduler.schedule(fits=self._fits)
+            if not (plan.step or plan.abort):  # nothing fits yet, or a batch waits for company
+                return self.scheduler.due or _IDLE_WAIT_S
+            now = time.perf_counter()
+            for request in plan.new:
+                future, arrival = self._waiting.pop(request.request_id)
+                self._running[request.request_id] = future
+                self._queued[request.request_id] = now - arrival
+                if self.shape_rule is not None:
+                    self._reserved[request.request_id] = self.shape_rule.estimate_bytes(request.sampling_params)
+            if plan.new:
+                batches = [len(plan.new)] if self.scheduler.whole_requests else [1] * len(plan.new)
+                self._batch_sizes.update(batches)
+                self._counters["num_forwards"] += len(batches)
+            executor = self.executor
+        try:
+            future = self._execute(executor, plan)
+        except EngineDeadError as exc:
+            self._fail_on_workers(exc)
+            return 0.0
+        self._round = plan, future
+        return 0.0 if future.done() else _IDLE_WAIT_S
 
-    def _execute(self, executor: MultiprocDiffusionExecutor, plan: StepPlan) -> StepResult | None:
-        """Run the plan on the workers: step mode one round, request mode its batch's whole requests; None once
-        the engine is closing (close fails what ran)."""
+    def _execute(self, executor: MultiprocDiffusionExecutor, plan: StepPlan) -> Future:
+        """Send the plan to the workers: step mode one round, request mode its batch's whole requests."""
         if not self.scheduler.whole_requests:
-            return self._await(executor.execute_plan(plan, self._on_partial))
+            return executor.execute_plan(plan, self._on_partial)
         try:
             future = executor.execute_batch(plan.new, plan.stream, self._on_partial if plan.stream else None)
         except EngineDeadError:
             raise
         except Exception as exc:  # e.g. the batch could not be sent: its requests fail, the engine goes on
-            return StepResult(plan.round_id, 0, outputs={rid: DiffusionOutput.from_exception(exc) for rid in plan.step})
+            future = Future()
+            future.set_result([DiffusionOutput.from_exception(exc) for _ in plan.step])
+            return future
         with self._cond:  # aborted between leaving the queue and reaching the executor: tell the workers now
             aborted = [rid for rid in plan.step if rid in self._running and self._running[rid].cancelled()]
         if aborted:
             executor.abort(aborted)
-        outputs = self._await(future)
-        return (
-            None
-            if outputs is None
-            else StepResult(plan.round_id, 0, outputs=dict(zip(plan.step, outputs, strict=True)))
-        )
+        return future
 
-    def _await(self, future: Future) -> Any:
-        """The workers' result; None once the engine is closing."""
-        while True:
-            try:
-                return future.result(timeout=_SCHEDULER_IDLE_WAIT_S)
-            except TimeoutError:
-                if self._stopping:
-                    return None
+    def _result(self, plan: StepPlan, future: Future) -> StepResult:
+        """The round's `StepResult` (request mode: the batch's outputs by request id); raises `EngineDeadError`."""
+        result = future.result()
+        if isinstance(result, StepResult):
+            return result
+        return StepResult(plan.round_id, 0, outputs=dict(zip(plan.step, result, strict=True)))
 
     def _finish_round(self, plan: StepPlan, result: StepResult) -> None:
         for rid in [*plan.step, *plan.abort]:  # a request the workers do not account for must not wait forever
@@ -372,7 +435,7 @@ class DiffusionEngine:
             self._on_executor_failure(executor)
 
     def _on_executor_failure(self, executor: MultiprocDiffusionExecutor) -> None:
-        """Runs on the executor's monitor thread once its in-flight batch has failed."""
+        """Runs where the executor failed (the loop, or a utility call that found a worker gone)."""
         with self._cond:
             if self._stopping or self._dead or self._restarting or executor is not self.executor:
                 return
@@ -388,31 +451,41 @@ class DiffusionEngine:
             self._give_up("a diffusion worker died; the engine is dead")
 
     def _restart(self, failed: MultiprocDiffusionExecutor) -> None:
+        """Off the loop (loading takes long): new workers once the old ones are gone; the loop swaps them in."""
         logger.warning(
             "restarting the diffusion workers (restart %d of at most %d)",
             self._restarts,
             self.od_config.max_stage_restarts,
         )
-        failed.shutdown()
+        failed.stop_workers()  # their device memory is free before the new ones load
         try:
-            executor = MultiprocDiffusionExecutor(self.od_config)
+            replacement: MultiprocDiffusionExecutor | BaseException = MultiprocDiffusionExecutor(self.od_config)
         except Exception as exc:
             logger.exception("restarting the diffusion workers failed")
+            replacement = exc
+        with self._cond:
+            self._replacement = replacement
+        self._wake()
+
+    def _swap_in_new_workers(self) -> None:
+        """On the loop: the failed executor (whose sockets only the loop touches) goes, its replacement comes."""
+        with self._cond:
+            replacement, self._replacement = self._replacement, None
+            if replacement is None or self._stopping:
+                self._replacement = replacement  # close() shuts a built one down
+                return
+        self.executor.shutdown()
+        if isinstance(replacement, BaseException):
             with self._cond:
                 self._restarting = False
-            self._give_up(f"a diffusion worker died and restarting the workers failed: {exc}")
+            self._give_up(f"a diffusion worker died and restarting the workers failed: {replacement}")
             return
         with self._cond:
-            stopping = self._stopping
-            if not stopping:
-                self.executor = executor
-                self._restarting = False
-                self._cond.notify_all()
-        if stopping:
-            executor.shutdown()
-            return
+            self.executor = replacement
+            self._restarting = False
+            self._cond.notify_all()
         logger.info("diffusion workers restarted")
-        self._watch(executor)
+        self._watch(replacement)
 
     def _give_up(self, reason: str) -> None:
         with self._cond:
