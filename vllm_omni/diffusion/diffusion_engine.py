@@ -283,16 +283,16 @@ class DiffusionEngine:
         executor = self.executor
         if self._poller is None or self._poller[0] is not executor or self._poller[1] != extra:
             poller = zmq.Poller()
-            for item in [*extra, self._wake_r, *executor.result_sockets, *executor.sentinels]:
+            for item in [*extra, self._wake_r.fileno(), *executor.result_sockets, *executor.sentinels]:
                 poller.register(item, zmq.POLLIN)
             self._poller = executor, extra, poller
         poller = self._poller[2]
         if executor.is_failed:  # nothing more to read from it; new workers replace it
             poller = zmq.Poller()
-            for item in [*extra, self._wake_r]:
+            for item in [*extra, self._wake_r.fileno()]:
                 poller.register(item, zmq.POLLIN)
         events = dict(poller.poll(max(int(timeout_s * 1000), 0)))
-        if self._wake_r in events:
+        if self._wake_r.fileno() in events:  # zmq's poller reports a plain fd by its number
             with contextlib.suppress(BlockingIOError):
                 while self._wake_r.recv(4096):
                     pass
