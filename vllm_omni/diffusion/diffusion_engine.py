@@ -224,6 +224,8 @@ class DiffusionEngine:
                 "batch_sizes": dict(self._batch_sizes),
                 "num_running": len(self._running),
                 "num_waiting": self.scheduler.num_waiting,
+                "memory_reserved_bytes": sum(self._reserved.values()),
+                "memory_budget_bytes": self._budget,
                 "num_restarts": self._restarts,
                 "is_restarting": self._restarting,
                 "is_dead": self.is_dead,
@@ -387,6 +389,10 @@ class DiffusionEngine:
                 if future is not None and not future.cancelled():
                     self._counters["num_failed" if output.error else "num_finished"] += 1
                     resolved.append((future, output))
+            for _, output in resolved:
+                if output.step_stats is not None:
+                    output.step_stats.reserved_bytes = sum(self._reserved.values())
+                    output.step_stats.budget_bytes = self._budget
             self._cond.notify_all()  # `wait_stopped` callers
         for future, output in resolved:
             _set(future, result=output)
@@ -410,10 +416,14 @@ class DiffusionEngine:
         for future in failed:
             _set(future, exception=exc)
 
+    @property
+    def _budget(self) -> int | None:
+        return None if self.shape_rule is None else self.shape_rule.memory_budget_bytes
+
     def _fits(self, requests: list[OmniDiffusionRequest]) -> bool:
         """Memory admission (called under the lock): what runs plus these requests' estimates fit the budget.
         A lone request on idle workers always fits: `submit` refused the ones that never could."""
-        budget = None if self.shape_rule is None else self.shape_rule.memory_budget_bytes
+        budget = self._budget
         if budget is None or (not self._reserved and len(requests) == 1):
             return True
         need = sum(self.shape_rule.estimate_bytes(r.sampling_params) for r in requests)
