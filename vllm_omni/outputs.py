@@ -44,7 +44,8 @@ class OmniRequestOutput:
 
 @dataclass
 class StepStats:
-    """How a step-mode request was scheduled; travels with its output to the server's Prometheus metrics."""
+    """How a diffusion request was scheduled (either mode); travels with its output to the server's Prometheus
+    metrics."""
 
     shape: str
     """`shape_label` of the request (e.g. "512x512+cfg")."""
@@ -59,6 +60,10 @@ class StepStats:
     """Requests waiting (queued or paused) in the worker when this one left."""
     running: int = 0
     """Resident states stepping in the worker when this one left."""
+    reserved_bytes: int = 0
+    """Memory admission: the estimated bytes of the requests still on the workers when this one left."""
+    budget_bytes: int | None = None
+    """The stage's memory admission budget (None: no admission, e.g. CPU without --diffusion-memory-budget-gb)."""
 
 
 @dataclass

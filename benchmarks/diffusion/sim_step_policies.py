@@ -1,7 +1,7 @@
 """What step-boundary scheduling can buy: the step policies replayed on a fake clock, over many seeds.
 
 Replays seeded Poisson arrivals of a mix of (size, steps) classes, deadline = 2x solo, with the real
-`StepPolicy` (or a candidate ordering below) deciding every round, as the `StepScheduler` runs it: a job is encoded
+`StepPolicy` (or a candidate ordering below) deciding every round, as the `DiffusionScheduler` runs it: a job is encoded
 when first admitted, every chosen job takes one step, a finished job is decoded, all on one clock. A step costs
 fixed seconds per size; k co-run states of a size cost (1 + (k - 1) x gain) solo steps, the gain derived from
 a measured per-request speed-up at batch 8 (`--batch-speedup`). Request FCFS = one request at a time, encode
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from vllm_omni.diffusion.core.policy import StepPolicy, shape_key
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.sched.step_policy import StepPolicy, shape_key
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 TARGETS = {"mean": 0.7, "p95": 0.8, "attain": 0.9, "thr": 0.98}

@@ -1,9 +1,9 @@
-"""The engine's `StepScheduler` and one rank's `StepWorker` driven in this process, round by round, for the
+"""The engine's `DiffusionScheduler` and one rank's `StepWorker` driven in this process, round by round, for the
 step-execution tests (what the engine's step thread and a worker's loop do, without the sockets)."""
 
 from __future__ import annotations
 
-from vllm_omni.diffusion.core.scheduler import StepScheduler
+from vllm_omni.diffusion.core.scheduler import DiffusionScheduler
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.step_runner import StepWorker
@@ -15,7 +15,7 @@ class Runner:
 
     def __init__(self, pipeline, max_num_seqs: int, **config) -> None:
         self.pipeline = pipeline
-        self.od_config = OmniDiffusionConfig(model="tiny", max_num_seqs=max_num_seqs, **config)
+        self.od_config = OmniDiffusionConfig(model="tiny", max_num_seqs=max_num_seqs, step_execution=True, **config)
 
     def peak_memory_mb(self) -> float:
         return 0.0
@@ -38,7 +38,7 @@ class InProcessSteps:
 
     def __init__(self, runner, send, aborts) -> None:
         self.runner = runner
-        self.scheduler = StepScheduler(runner.od_config)
+        self.scheduler = DiffusionScheduler(runner.od_config)
         self.worker = StepWorker(runner)
         self.send = send
         self.aborts = aborts

@@ -1,10 +1,14 @@
-"""Memory admission of diffusion requests by their estimated cost at their shape (issue 13).
+"""Memory admission of diffusion requests by their estimated cost at their shape (issues 13 and 32).
 
 Why it matters: one request at a huge shape (or many outputs) could take the worker's whole memory, and
 requests that fit only one at a time ran together. What it pins: the estimate grows with what a request asks
 for and is of the right order for a real model; a request that can never fit the stage's budget is a 400
 naming the field that makes it too big (in `submit`, before queuing); one that fits only once a running
-request finishes waits in the scheduler (oldest first) and then runs — on real tiny Qwen-Image workers.
+request finishes waits in the scheduler (oldest first) and then runs; a burst whose estimates add up to more
+than the budget completes in either mode (or is refused, request by request) and the worker never dies; the
+budget and what is reserved reach each output's stats (/metrics) — on real tiny Qwen-Image workers. On CUDA
+the same burst runs on a worker capped with `torch.cuda.set_per_process_memory_fraction`, whose budget is
+what the cap leaves free after loading.
 """
 
 from __future__ import annotations
@@ -13,14 +17,18 @@ import dataclasses
 import threading
 
 import pytest
+import torch
+from test_diffusion_scheduler import next_batch, request_scheduler
 
+from vllm_omni.catalog.registry import MODEL_REGISTRY
 from vllm_omni.catalog.shapes import ShapeRule
+from vllm_omni.catalog.spec import ModelSpec
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.sched.request_scheduler import RequestScheduler
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
+from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
 
 QWEN_IMAGE = ShapeRule(size_multiple=16, min_size=16, hidden_size=3072, latent_channels=16, vae_channels=96,
                        text_tokens=1024, step_table_width=12 * 60, dtype_bytes=2)
@@ -59,11 +67,10 @@ def test_never_fits_names_the_field(params, param):
 
 
 def test_scheduler_trims_the_batch_to_what_fits():
-    scheduler = RequestScheduler(max_num_seqs=4)
+    scheduler = request_scheduler(max_num_seqs=4)
     for i in range(3):
-        scheduler.add_request(OmniDiffusionRequest("x", SP(), f"r{i}"), now=0.0)
-    assert scheduler.schedule(now=1.0, fits=lambda rs: False) == ([], None)  # the oldest keeps its place
-    batch, _ = scheduler.schedule(now=1.0, fits=lambda rs: len(rs) <= 2)
+        scheduler.add(OmniDiffusionRequest("x", SP(), f"r{i}"), now=0.0)
+    batch, _ = next_batch(scheduler, now=1.0, fits=lambda rs: len(rs) <= 2)
     assert [r.request_id for r in batch] == ["r0", "r1"] and scheduler.num_waiting == 1
 
 
@@ -75,6 +82,15 @@ MB) do not fit 16 MB together; each fits alone; 4 outputs (~34 MB) never fit."""
 @pytest.fixture(scope="module")
 def engine():
     engine = DiffusionEngine(OmniDiffusionConfig(model="tiny/qwen-image", step_execution=True, max_num_seqs=4,
+                                                 diffusion_memory_budget_gb=BUDGET_GB))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def request_engine():
+    """Request mode, where without the budget the burst below would co-batch 4 at a time."""
+    engine = DiffusionEngine(OmniDiffusionConfig(model="tiny/qwen-image", max_num_seqs=4,
                                                  diffusion_memory_budget_gb=BUDGET_GB))
     yield engine
     engine.close()
@@ -106,3 +122,75 @@ def test_request_that_fits_later_waits_then_runs(engine):
     assert long.done(), "the short request ran beside the long one although both do not fit the budget"
     assert long.result().error is None and short_out.error is None
     assert short_out.stage_durations["queue"] > 0.0
+
+
+def run_burst(engine: DiffusionEngine, tag: str, shape: dict) -> list:
+    """Six requests at once, one of which can never fit (a 400 naming `num_outputs_per_prompt`); the other five
+    add up to more than the budget. Returns their outputs, after checking that each completed, the memory
+    reserved beside each never left room for less than its own estimate, and the worker is alive."""
+    def request(rid: str, **extra) -> OmniDiffusionRequest:
+        sp = {"height": 32, "width": 32, "num_inference_steps": 2, "seed": 0, "output_type": "np", **shape, **extra}
+        return OmniDiffusionRequest("a cat", SP(**sp), rid)
+
+    before = engine.stats()
+    with pytest.raises(OmniClientError) as err:
+        engine.submit(request(f"{tag}-never", num_outputs_per_prompt=8))
+    assert err.value.param == "num_outputs_per_prompt"
+    requests = [request(f"{tag}-{i}") for i in range(5)]
+    budget = engine.shape_rule.memory_budget_bytes
+    need = engine.shape_rule.estimate_bytes(requests[0].sampling_params)
+    assert 5 * need > budget >= need
+    futures = [engine.submit(request) for request in requests]
+    outputs = [future.result(600) for future in futures]
+    assert [out.error for out in outputs] == [None] * 5
+    for out in outputs:
+        assert out.step_stats.budget_bytes == budget
+        assert out.step_stats.reserved_bytes + need <= budget
+    stats = engine.stats()
+    assert stats["num_restarts"] == before["num_restarts"] and not stats["is_dead"]
+    assert stats["memory_reserved_bytes"] == 0 and stats["memory_budget_bytes"] == budget
+    return outputs
+
+
+@pytest.mark.parametrize("mode", ["step", "request"])
+def test_a_burst_over_the_budget_completes_or_is_refused(mode, engine, request_engine):
+    engine = engine if mode == "step" else request_engine
+    before = engine.stats()["batch_sizes"]
+    run_burst(engine, mode, {})
+    if mode == "request":  # one at a time although max_num_seqs=4 and all five share a batch key
+        after = engine.stats()["batch_sizes"]
+        assert after.get(1, 0) - before.get(1, 0) == 5 and max(after) == 1
+
+
+CUDA_CAP_BYTES = 2 * 2**30
+
+
+class CappedQwenImagePipeline(QwenImagePipeline):
+    """Tiny Qwen-Image whose worker process may allocate at most `CUDA_CAP_BYTES` (a small card)."""
+
+    @classmethod
+    def from_pretrained(cls, od_config, model_dir, device, dtype):
+        torch.cuda.set_per_process_memory_fraction(CUDA_CAP_BYTES / torch.cuda.mem_get_info(device)[1], device)
+        return super().from_pretrained(od_config, model_dir, device, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("step_execution", [True, False])
+def test_a_burst_on_a_capped_gpu_never_runs_out_of_memory(step_execution):
+    qwen = next(spec for spec in MODEL_REGISTRY.specs() if "QwenImagePipeline" in spec.diffusion_pipelines)
+    entry = dataclasses.replace(qwen.diffusion_pipelines["QwenImagePipeline"],
+                                target=f"{__name__}:CappedQwenImagePipeline")
+    MODEL_REGISTRY.register_family(ModelSpec(family="capped-qwen-image", description="tiny Qwen-Image, capped",
+                                             diffusion_pipelines={"CappedQwenImagePipeline": entry}))
+    engine = DiffusionEngine(OmniDiffusionConfig(model="tiny/qwen-image", model_class_name="CappedQwenImagePipeline",
+                                                 step_execution=step_execution, max_num_seqs=4, enforce_eager=True))
+    try:
+        budget = engine.shape_rule.memory_budget_bytes
+        assert 0 < budget < CUDA_CAP_BYTES  # what the cap leaves after the weights, not the H200's free memory
+        side = 16 * round((budget / 3 / engine.shape_rule.estimate_bytes(SP(height=1024, width=1024,
+                                                                              num_inference_steps=2))) ** 0.5 * 64)
+        side = min(max(side, 64), 4096)  # each request's estimate about a third of the budget: 5 never fit at once
+        outputs = run_burst(engine, f"cuda-{step_execution}", {"height": side, "width": side})
+        assert all(out.peak_memory_mb * 2**20 <= CUDA_CAP_BYTES for out in outputs)
+    finally:
+        engine.close()

@@ -116,7 +116,6 @@ def test_a_pipeline_that_cannot_step_serves_in_request_mode(tmp_path, caplog):
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"max_paused_states": 2}, "--max-paused-states applies to step mode only"),
-    ({"slo_starvation_factor": 1.0}, "--slo-starvation-factor applies to step mode only"),
     ({"diffusion_max_tokens_per_forward": 1}, "--diffusion-max-tokens-per-forward applies to step mode only"),
     ({"step_execution": True, "max_paused_states": 2}, "request mode (its pipeline cannot step)"),
     ({"step_execution": True, "request_batch_max_wait_ms": 5.0}, "--request-batch-max-wait-ms applies to request"),

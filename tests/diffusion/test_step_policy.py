@@ -12,14 +12,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_diffusion_scheduler import next_batch, request_scheduler
 from test_step_execution import Harness, make, solo
 
 from vllm_omni.catalog.tiny import build_tiny
 from vllm_omni.config import StageConfigFactory
+from vllm_omni.diffusion.core.policy import StepCostModel, StepPolicy, shape_key
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.sched import RequestScheduler
-from vllm_omni.diffusion.sched.step_policy import StepCostModel, StepPolicy, shape_key
 from vllm_omni.engine.arg_utils import OmniEngineArgs
 from vllm_omni.entrypoints.cli import docs
 from vllm_omni.errors import OmniClientError
@@ -169,14 +169,14 @@ def test_request_mode_orders_its_queue_by_the_policy():
     def req(rid, **sp):
         return OmniDiffusionRequest("p", SP(height=64, **sp), rid)
 
-    sched = RequestScheduler(max_num_seqs=1, policy="priority")
+    sched = request_scheduler(max_num_seqs=1, diffusion_scheduler_policy="priority")
     for rid, prio in (("a", 2), ("b", 0), ("c", 0)):
-        sched.add_request(req(rid, priority=prio), now=0.0)
-    assert [sched.schedule(now=1.0)[0][0].request_id for _ in range(3)] == ["b", "c", "a"]
-    sched = RequestScheduler(max_num_seqs=1, policy="slo", default_deadline_ms=1000)
-    sched.add_request(req("default"), now=0.0)  # due at 1.0
-    sched.add_request(req("tight", deadline_ms=100), now=0.5)  # due at 0.6
-    assert sched.schedule(now=0.6)[0][0].request_id == "tight"
+        sched.add(req(rid, priority=prio), now=0.0)
+    assert [next_batch(sched, now=1.0)[0][0].request_id for _ in range(3)] == ["b", "c", "a"]
+    sched = request_scheduler(max_num_seqs=1, diffusion_scheduler_policy="slo", default_deadline_ms=1000)
+    sched.add(req("default"), now=0.0)  # due at 1.0
+    sched.add(req("tight", deadline_ms=100), now=0.5)  # due at 0.6
+    assert next_batch(sched, now=0.6)[0][0].request_id == "tight"
 
 
 def test_knobs_are_validated():

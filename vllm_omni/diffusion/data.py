@@ -215,7 +215,7 @@ class OmniDiffusionConfig:
     """Attention backend of the transformer's layers; None = env DIFFUSION_ATTENTION_BACKEND, then the
     fastest one installed for the device (see docs/attention_backends.md)."""
     max_num_seqs: int = 1
-    """Most requests co-batched into one forward (request-batch mode)."""
+    """Most requests co-batched into one forward (request mode), or resident and stepping (step mode)."""
     request_batch_max_wait_ms: float = 0.0
     """Request mode: milliseconds the scheduler waits for compatible requests to fill a batch (refused in step
     mode, where a request joins at the next step boundary)."""
@@ -235,19 +235,19 @@ class OmniDiffusionConfig:
     diffusion_scheduler_policy: Literal["fcfs", "priority", "slo"] = "fcfs"
     """Which waiting requests run first. fcfs: arrival order. priority: vLLM's priority scheduling (lower
     `priority` first, then arrival). slo: earliest deadline first (`deadline_ms`, else --default-deadline-ms),
-    requests that can no longer make theirs last (in step mode until --slo-starvation-factor). In step mode
+    requests that can no longer make theirs last (until --slo-starvation-factor). In step mode
     priority and slo also pick which resident states take the step slots: a more urgent arrival pauses a less
     urgent state at a step boundary (it keeps its latents and resumes later). In request mode they order the
     queue of whole requests."""
     default_deadline_ms: float = 60000.0
     """Deadline of a request that sets no `deadline_ms` (slo policy), in milliseconds after its arrival."""
     slo_deadline_factor: float = 2.0
-    """slo policy, step mode: a request that sets no `deadline_ms` gets arrival + this x its solo time as the
+    """slo policy (both modes): a request that sets no `deadline_ms` gets arrival + this x its solo time as the
     cost model estimates it (measured seconds per step of its shape x its steps, plus encode and decode), so a
     short request overtakes a long one by default; `default_deadline_ms` until its shape (or a solo step of another
     shape, scaled by pixels) was measured. 0 = always `default_deadline_ms`."""
     slo_starvation_factor: float = 4.0
-    """slo policy, step mode: a request that can no longer make its deadline waits behind the ones that can only
+    """slo policy (both modes): a request that can no longer make its deadline waits behind the ones that can only
     until it is late by this x its deadline window (deadline - arrival); then it runs before them, so under
     sustained load it is not starved. Lower = shorter worst-case wait (p95/p99), fewer deadlines met; inf = no
     bound. The default is from benchmarks/diffusion/sim_step_policies.py (docs/execution_modes.md)."""

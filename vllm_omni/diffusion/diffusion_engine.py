@@ -1,13 +1,13 @@
 """The diffusion stage's engine: validates requests, co-batches them, and runs them on the workers.
 
 `submit` is thread-safe and returns a future per request; an optional `on_partial` callback receives the
-request's partial results (`PartialResult`: denoise progress, decoded video chunks) on the executor's result
-thread, all of them before the future resolves. A scheduler thread forms batches with
-`RequestScheduler` and keeps one batch in flight; the batch's results resolve the request futures directly
-from the executor's result thread, so a request pays one thread hand-off on the way back. In step mode
-(`step_execution`) the same thread runs the rounds of the `StepScheduler` (`core/scheduler.py`): it sends each
-round's `StepPlan` to every rank, and rank 0's `StepResult` updates the scheduler and resolves the requests that
-left the round.
+request's partial results (`PartialResult`: denoise progress, decoded video chunks), all of them before the
+future resolves. One loop drives everything, one pass per `run_once`, as vLLM's EngineCore busy loop: finish the
+round whose result came (update the one `DiffusionScheduler` of `core/scheduler.py`, resolve the requests that
+left), schedule and send the next round, then wait for the workers' results (or a death, a wake-up, the
+caller's own sockets) and dispatch them. In step mode a round is a `StepPlan` every rank executes; in request
+mode it is a batch of whole requests the workers run to their end. The diffusion core's busy loop calls
+`run_once` (`own_loop=False`); in-process callers (tests, offline benchmarks) get a thread that does.
 
 `abort` resolves the request's future at once and tells the workers, which stop it at the next denoise
 step. When a worker dies, the requests it ran fail with `StageRestartingError` (503) and the engine
@@ -17,7 +17,9 @@ workers. Past that budget the engine is dead (`EngineDeadError`, failure callbac
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import socket
 import threading
 import time
 from collections import Counter
@@ -25,11 +27,13 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
+import zmq
+
 from vllm_omni.catalog.registry import MODEL_REGISTRY
 from vllm_omni.catalog.resolution import resolve_model_dir, resolve_pipeline_class_name
 from vllm_omni.catalog.shapes import ShapeRule
 from vllm_omni.catalog.spec import import_target
-from vllm_omni.diffusion.core.scheduler import StepScheduler
+from vllm_omni.diffusion.core.scheduler import DiffusionScheduler
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.executor.multiproc_executor import MultiprocDiffusionExecutor
 from vllm_omni.diffusion.interface import supports_request_batch, supports_step_execution
@@ -37,20 +41,22 @@ from vllm_omni.diffusion.ipc import PartialResult, StepPlan, StepResult
 from vllm_omni.diffusion.model_loader.dummy import check_weights_present
 from vllm_omni.diffusion.prompt_bound import PromptBound
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.sched.request_scheduler import RequestScheduler
 from vllm_omni.errors import EngineDeadError, OmniClientError, StageRestartingError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SCHEDULER_IDLE_WAIT_S = 1.0
-_SCHEDULER_JOIN_TIMEOUT_S = 2.0
+_IDLE_WAIT_S = 1.0
+"""Longest wait of the loop with nothing due (every event that matters wakes it earlier)."""
+_LOOP_JOIN_TIMEOUT_S = 2.0
 _CLOSE_TIMEOUT_S = 10.0
 
 
 class DiffusionEngine:
-    def __init__(self, od_config: OmniDiffusionConfig) -> None:
+    def __init__(self, od_config: OmniDiffusionConfig, own_loop: bool = True) -> None:
+        """`own_loop`: run the loop on a thread of the engine's (in-process callers); the diffusion core drives
+        `run_once` from its busy loop instead."""
         model_dir = resolve_model_dir(od_config.model, od_config.revision, od_config.load_format != "dummy")
         if od_config.load_format == "auto":
             check_weights_present(model_dir)  # one clear error here rather than a worker's load traceback
@@ -61,15 +67,22 @@ class DiffusionEngine:
         pipeline_cls = MODEL_REGISTRY.load_pipeline_class(target)
         self.step_execution = od_config.step_execution and supports_step_execution(pipeline_cls)
         if od_config.step_execution and not self.step_execution:
-            logger.warning("%s cannot step: --step-execution is off for this stage and requests run in request "
-                           "mode (docs/execution_modes.md)", pipeline_cls.__name__)
+            logger.warning(
+                "%s cannot step: --step-execution is off for this stage and requests run in request "
+                "mode (docs/execution_modes.md)",
+                pipeline_cls.__name__,
+            )
         _refuse_inert_flags(od_config, self.step_execution)
         # Resolved once here: the workers get the checkpoint directory and our class as "module:Class".
-        self.od_config = dataclasses.replace(od_config, model=str(model_dir), model_class_name=target,
-                                             step_execution=self.step_execution)
+        self.od_config = dataclasses.replace(
+            od_config, model=str(model_dir), model_class_name=target, step_execution=self.step_execution
+        )
         entry = MODEL_REGISTRY.diffusion_entry(self.model_class_name)
-        self.prompt_bound = (PromptBound.for_model(model_dir, entry.prompt_tokenizer, entry.max_prompt_tokens)
-                             if entry is not None and entry.max_prompt_tokens else None)
+        self.prompt_bound = (
+            PromptBound.for_model(model_dir, entry.prompt_tokenizer, entry.max_prompt_tokens)
+            if entry is not None and entry.max_prompt_tokens
+            else None
+        )
         """The text encoder's token limit, checked by the stage client off the event loop before `submit`."""
         rule = import_target(entry.shape_rule)(model_dir) if entry is not None and entry.shape_rule else None
         self.supports_request_batch = supports_request_batch(pipeline_cls)
@@ -78,42 +91,51 @@ class DiffusionEngine:
                 f"{pipeline_cls.__name__} (serving {self.model_class_name}) does not support request-level "
                 f"batching. Use max_num_seqs=1 (got {od_config.max_num_seqs})."
             )
-        # DLO: a batch is a wave, one request per data-parallel rank.
-        batch_size = (od_config.parallel_config.data_parallel_size if od_config.enable_distributed_layerwise_offload
-                      else od_config.max_num_seqs)
-        self.scheduler = None if self.step_execution else RequestScheduler(
-            batch_size, od_config.request_batch_max_wait_ms, od_config.diffusion_scheduler_policy,
-            od_config.default_deadline_ms)
-        self.steps = StepScheduler(self.od_config) if self.step_execution else None
-        """Step mode's scheduler (request mode's is `scheduler`)."""
+        self.scheduler = DiffusionScheduler(self.od_config)
+        """Both modes' (request mode is its policy that never preempts)."""
         self._cond = threading.Condition()
         self._waiting: dict[str, tuple[Future[DiffusionOutput], float]] = {}
         self._running: dict[str, Future[DiffusionOutput]] = {}
         self._partial_callbacks: dict[str, Callable[[PartialResult], None]] = {}
-        self._batch_in_flight = False
         self._stopping = False
         self._dead = False
         self._restarting = False
         self._restarts = 0
         self._restart_thread: threading.Thread | None = None
+        self._replacement: MultiprocDiffusionExecutor | BaseException | None = None
+        """What the restart thread built (new workers, or why it could not); the loop swaps it in."""
+        self._round: tuple[StepPlan, Future] | None = None
+        """The round on the workers and the future of its result (one at a time, either mode)."""
+        self._wake_r, self._wake_w = socket.socketpair()
+        """A byte on it ends the loop's wait (closed sockets refuse writes: no stray fd after close)."""
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._poller: tuple[MultiprocDiffusionExecutor, tuple, zmq.Poller] | None = None
         self._counters: Counter[str] = Counter()
         self._batch_sizes: Counter[int] = Counter()
         self._failure_callbacks: list[Callable[[], None]] = []
         self._reserved: dict[str, int] = {}
         """Estimated bytes of each request on the workers (memory admission)."""
         self._queued: dict[str, float] = {}
-        """Step mode: seconds each request on the workers waited in the engine's queue."""
+        """Seconds each request on the workers waited in the engine's queue."""
         self.executor = MultiprocDiffusionExecutor(self.od_config)
         self.shape_rule = _with_budget(rule, od_config, self.executor.worker_info)
         """The sizes the pipeline makes and the memory budget of its requests; the API process checks both
         before queuing, `submit` checks them again, and the scheduler admits by the budget."""
         self._watch(self.executor)
-        self._thread = threading.Thread(target=self._schedule_loop, name="DiffusionScheduler", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if own_loop:
+            self._thread = threading.Thread(target=self._loop, name="DiffusionEngineLoop", daemon=True)
+            self._thread.start()
         logger.info(
             "diffusion engine ready: %s (%s, %s output), %d rank(s), %s mode, max_num_seqs=%d, batch wait %.1f ms",
-            od_config.model, self.model_class_name, self.output_modality, self.executor.world_size,
-            "step" if self.step_execution else "request", od_config.max_num_seqs, od_config.request_batch_max_wait_ms,
+            od_config.model,
+            self.model_class_name,
+            self.output_modality,
+            self.executor.world_size,
+            "step" if self.step_execution else "request",
+            od_config.max_num_seqs,
+            od_config.request_batch_max_wait_ms,
         )
 
     # ---- public API ----------------------------------------------------------------------------------
@@ -127,8 +149,9 @@ class DiffusionEngine:
         """A worker died and new workers are starting: the stage is degraded, not dead."""
         return self._restarting
 
-    def submit(self, request: OmniDiffusionRequest, on_partial: Callable[[PartialResult], None] | None = None
-               ) -> Future[DiffusionOutput]:
+    def submit(
+        self, request: OmniDiffusionRequest, on_partial: Callable[[PartialResult], None] | None = None
+    ) -> Future[DiffusionOutput]:
         """Queue a request; invalid input raises `OmniClientError` here, before anything is queued.
 
         `on_partial` must return quickly (hand the item to a queue): it runs on the thread that reads the
@@ -146,14 +169,11 @@ class DiffusionEngine:
             rid = request.request_id
             if rid in self._waiting or rid in self._running:
                 raise OmniClientError(f"request_id {rid!r} is already in flight", param="request_id")
-            if self.steps is not None:
-                self.steps.add(request, stream=on_partial is not None)
-            else:
-                self.scheduler.add_request(request)
+            self.scheduler.add(request, stream=on_partial is not None)
             self._waiting[rid] = (future, time.perf_counter())
             if on_partial is not None:
                 self._partial_callbacks[rid] = on_partial
-            self._cond.notify()
+        self._wake()
         return future
 
     def abort(self, request_ids: list[str]) -> None:
@@ -162,19 +182,17 @@ class DiffusionEngine:
         with self._cond:
             for rid in request_ids:
                 self._partial_callbacks.pop(rid, None)
-            dropped = (self.scheduler.abort(request_ids) if self.steps is None
-                       else [job.request for job in self.steps.abort(request_ids)])
-            for request in dropped:
-                self._waiting.pop(request.request_id)[0].cancel()
+            for job in self.scheduler.abort(request_ids):
+                self._waiting.pop(job.request_id)[0].cancel()
                 self._counters["num_aborted"] += 1
             running = [rid for rid in request_ids if rid in self._running]
             for rid in running:
                 if self._running[rid].cancel():
                     self._counters["num_aborted"] += 1
             executor = self.executor
-            self._cond.notify_all()  # step mode: the next round drops them
-        if running and self.steps is None:
+        if running and self.scheduler.whole_requests:  # request mode: the workers stop them inside the batch
             executor.abort(running)
+        self._wake()  # step mode: the next round drops them
 
     def wait_stopped(self, request_ids: list[str], timeout: float) -> bool:
         """Wait until none of these requests runs on the workers (an aborted one leaves at its next denoise
@@ -205,7 +223,9 @@ class DiffusionEngine:
                 "num_aborted": self._counters["num_aborted"],
                 "batch_sizes": dict(self._batch_sizes),
                 "num_running": len(self._running),
-                "num_waiting": (self.steps or self.scheduler).num_waiting,
+                "num_waiting": self.scheduler.num_waiting,
+                "memory_reserved_bytes": sum(self._reserved.values()),
+                "memory_budget_bytes": self._budget,
                 "num_restarts": self._restarts,
                 "is_restarting": self._restarting,
                 "is_dead": self.is_dead,
@@ -219,11 +239,17 @@ class DiffusionEngine:
                 return
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join(min(_SCHEDULER_JOIN_TIMEOUT_S, max(deadline - time.monotonic(), 0.0)))
-        if self._restart_thread is not None:  # it shuts down what it starts once it sees _stopping
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(min(_LOOP_JOIN_TIMEOUT_S, max(deadline - time.monotonic(), 0.0)))
+        if self._restart_thread is not None:
             self._restart_thread.join(max(deadline - time.monotonic() - 1.0, 0.0))
+        if isinstance(self._replacement, MultiprocDiffusionExecutor):  # built but never swapped in
+            self._replacement.shutdown(timeout=max(deadline - time.monotonic(), 1.0))
         self.executor.shutdown(timeout=max(deadline - time.monotonic(), 1.0))
         self._fail_waiting(EngineDeadError("the diffusion engine was closed"))
+        self._wake_r.close()
+        self._wake_w.close()
 
     def __enter__(self) -> DiffusionEngine:
         return self
@@ -233,103 +259,128 @@ class DiffusionEngine:
 
     # ---- scheduling ----------------------------------------------------------------------------------
 
-    def _schedule_loop(self) -> None:
+    def run_once(self, extra: tuple[zmq.Socket, ...] = (), max_wait_s: float = _IDLE_WAIT_S) -> list[zmq.Socket]:
+        """One pass of the loop: finish the round whose result came, schedule and send the next, then wait (up to
+        what the scheduler has due, at most `max_wait_s`) for the workers, a wake-up or the `extra` sockets, and
+        dispatch what the workers sent. Returns the `extra` sockets that are ready."""
         try:
-            if self.steps is not None:
-                self._step_forever()
-            else:
-                self._schedule_forever()
+            wait = self._advance()
         except Exception as exc:  # a bug here must not leave callers waiting forever
-            logger.exception("diffusion scheduler thread crashed")
-            self._give_up(f"diffusion scheduler thread crashed: {exc}")  # no restart: the scheduler is gone
-            self.executor.fail(f"diffusion scheduler thread crashed: {exc}")
+            logger.exception("the diffusion engine loop crashed")
+            self._give_up(f"the diffusion engine loop crashed: {exc}")  # no restart: the scheduler state is gone
+            self.executor.fail(f"the diffusion engine loop crashed: {exc}")
+            wait = max_wait_s
+        return self._poll(min(wait, max_wait_s), extra)
 
-    def _schedule_forever(self) -> None:
-        while True:
-            with self._cond:
-                batch: list[OmniDiffusionRequest] = []
-                while not batch:
-                    if self._stopping or self._dead:
-                        return
-                    wait = _SCHEDULER_IDLE_WAIT_S
-                    if not self._batch_in_flight and not self._restarting:
-                        batch, due = self.scheduler.schedule(fits=self._fits)
-                        wait = due if due is not None else wait
-                    if not batch:
-                        self._cond.wait(wait)
-                now = time.perf_counter()
-                futures = {}
-                for request in batch:
-                    future, arrival = self._waiting.pop(request.request_id)
-                    futures[request.request_id] = (future, now - arrival)
-                    self._running[request.request_id] = future
-                    if self.shape_rule is not None:
-                        self._reserved[request.request_id] = self.shape_rule.estimate_bytes(request.sampling_params)
-                self._batch_in_flight = True
-                self._batch_sizes[len(batch)] += 1
-                self._counters["num_forwards"] += 1
-                executor = self.executor
-            streamed = [r.request_id for r in batch if r.request_id in self._partial_callbacks]
-            try:
-                batch_future = executor.execute_batch(batch, streamed, self._on_partial if streamed else None)
-            except Exception as exc:
-                batch_future = Future()
-                batch_future.set_exception(exc)
-            else:  # aborted between leaving the queue and reaching the executor: tell the workers now
-                if aborted := [rid for rid, (future, _) in futures.items() if future.cancelled()]:
-                    executor.abort(aborted)
-            batch_future.add_done_callback(lambda f, futures=futures: self._finish_batch(f, futures))
+    def _loop(self) -> None:
+        while not (self._stopping or self._dead):
+            self.run_once()
 
-    def _step_forever(self) -> None:
-        """Step mode: one round in flight; schedule, the workers execute the plan, update, until stopped."""
-        while True:
-            with self._cond:
-                plan = None
-                while plan is None:
-                    if self._stopping or self._dead:
-                        return
-                    if not (self._restarting or self.executor.is_failed) and self.steps.has_work:
-                        plan = self.steps.schedule(fits=self._fits)
-                        if not (plan.step or plan.abort):  # nothing fits yet: wait for memory to free
-                            plan = None
-                    if plan is None:
-                        self._cond.wait(_SCHEDULER_IDLE_WAIT_S)
-                now = time.perf_counter()
-                for request in plan.new:
-                    future, arrival = self._waiting.pop(request.request_id)
-                    self._running[request.request_id] = future
-                    self._queued[request.request_id] = now - arrival
-                    if self.shape_rule is not None:
-                        self._reserved[request.request_id] = self.shape_rule.estimate_bytes(request.sampling_params)
-                    self._batch_sizes[1] += 1
-                    self._counters["num_forwards"] += 1
-                executor = self.executor
+    def _wake(self) -> None:
+        """Interrupt the loop's wait (a request came, an abort, new workers)."""
+        with contextlib.suppress(OSError):  # full: the loop wakes anyway; closed: the engine is closed
+            self._wake_w.send(b"\0")
+
+    def _poll(self, timeout_s: float, extra: tuple[zmq.Socket, ...]) -> list[zmq.Socket]:
+        executor = self.executor
+        if self._poller is None or self._poller[0] is not executor or self._poller[1] != extra:
+            poller = zmq.Poller()
+            for item in [*extra, self._wake_r.fileno(), *executor.result_sockets, *executor.sentinels]:
+                poller.register(item, zmq.POLLIN)
+            self._poller = executor, extra, poller
+        poller = self._poller[2]
+        if executor.is_failed:  # nothing more to read from it; new workers replace it
+            poller = zmq.Poller()
+            for item in [*extra, self._wake_r.fileno()]:
+                poller.register(item, zmq.POLLIN)
+        events = dict(poller.poll(max(int(timeout_s * 1000), 0)))
+        if self._wake_r.fileno() in events:  # zmq's poller reports a plain fd by its number
+            with contextlib.suppress(BlockingIOError):
+                while self._wake_r.recv(4096):
+                    pass
+        if not executor.is_failed:
+            executor.process_results()
+            if any(sentinel in events for sentinel in executor.sentinels):
+                executor.check_workers()
+        return [sock for sock in extra if sock in events]
+
+    def _advance(self) -> float:
+        """Finish the round in flight once its result came; then schedule and send the next. Returns how long the
+        loop may wait for an event before this needs to run again."""
+        self._swap_in_new_workers()
+        if self._round is not None:
+            plan, future = self._round
+            if not future.done():
+                return _IDLE_WAIT_S
+            self._round = None
             try:
-                result = self._await_round(executor.execute_plan(plan, self._on_partial))
+                result = self._result(plan, future)
             except EngineDeadError as exc:
                 self._fail_on_workers(exc)
-                continue
-            if result is None:
-                return
-            self._finish_round(plan, result)
+            else:
+                self._finish_round(plan, result)
+        with self._cond:
+            if self._stopping or self._dead or self._restarting or self.executor.is_failed:
+                return _IDLE_WAIT_S
+            if not self.scheduler.has_work:
+                return _IDLE_WAIT_S
+            plan = self.scheduler.schedule(fits=self._fits)
+            if not (plan.step or plan.abort):  # nothing fits yet, or a batch waits for company
+                return self.scheduler.due or _IDLE_WAIT_S
+            now = time.perf_counter()
+            for request in plan.new:
+                future, arrival = self._waiting.pop(request.request_id)
+                self._running[request.request_id] = future
+                self._queued[request.request_id] = now - arrival
+                if self.shape_rule is not None:
+                    self._reserved[request.request_id] = self.shape_rule.estimate_bytes(request.sampling_params)
+            if plan.new:
+                batches = [len(plan.new)] if self.scheduler.whole_requests else [1] * len(plan.new)
+                self._batch_sizes.update(batches)
+                self._counters["num_forwards"] += len(batches)
+            executor = self.executor
+        try:
+            future = self._execute(executor, plan)
+        except EngineDeadError as exc:
+            self._fail_on_workers(exc)
+            return 0.0
+        self._round = plan, future
+        return 0.0 if future.done() else _IDLE_WAIT_S
 
-    def _await_round(self, future: Future[StepResult]) -> StepResult | None:
-        """The round's result; None once the engine is closing (close fails what ran)."""
-        while True:
-            try:
-                return future.result(timeout=_SCHEDULER_IDLE_WAIT_S)
-            except TimeoutError:
-                if self._stopping:
-                    return None
+    def _execute(self, executor: MultiprocDiffusionExecutor, plan: StepPlan) -> Future:
+        """Send the plan to the workers: step mode one round, request mode its batch's whole requests."""
+        if not self.scheduler.whole_requests:
+            return executor.execute_plan(plan, self._on_partial)
+        try:
+            future = executor.execute_batch(plan.new, plan.stream, self._on_partial if plan.stream else None)
+        except EngineDeadError:
+            raise
+        except Exception as exc:  # e.g. the batch could not be sent: its requests fail, the engine goes on
+            future = Future()
+            future.set_result([DiffusionOutput.from_exception(exc) for _ in plan.step])
+            return future
+        with self._cond:  # aborted between leaving the queue and reaching the executor: tell the workers now
+            aborted = [rid for rid in plan.step if rid in self._running and self._running[rid].cancelled()]
+        if aborted:
+            executor.abort(aborted)
+        return future
+
+    def _result(self, plan: StepPlan, future: Future) -> StepResult:
+        """The round's `StepResult` (request mode: the batch's outputs by request id); raises `EngineDeadError`."""
+        result = future.result()
+        if isinstance(result, StepResult):
+            return result
+        return StepResult(plan.round_id, 0, outputs=dict(zip(plan.step, result, strict=True)))
 
     def _finish_round(self, plan: StepPlan, result: StepResult) -> None:
         for rid in [*plan.step, *plan.abort]:  # a request the workers do not account for must not wait forever
             if rid not in result.outputs and rid not in result.progress:
                 result.outputs[rid] = DiffusionOutput.from_exception(
-                    RuntimeError(f"the diffusion workers lost request {rid} (round {plan.round_id})"))
+                    RuntimeError(f"the diffusion workers lost request {rid} (round {plan.round_id})")
+                )
         resolved = []
         with self._cond:
-            for job, output in self.steps.update(plan, result):
+            for job, output in self.scheduler.update(plan, result):
                 rid = job.request_id
                 future = self._running.pop(rid, None)
                 self._reserved.pop(rid, None)
@@ -338,17 +389,21 @@ class DiffusionEngine:
                 if future is not None and not future.cancelled():
                     self._counters["num_failed" if output.error else "num_finished"] += 1
                     resolved.append((future, output))
+            for _, output in resolved:
+                if output.step_stats is not None:
+                    output.step_stats.reserved_bytes = sum(self._reserved.values())
+                    output.step_stats.budget_bytes = self._budget
             self._cond.notify_all()  # `wait_stopped` callers
         for future, output in resolved:
             _set(future, result=output)
 
     def _fail_on_workers(self, exc: EngineDeadError) -> None:
         """The workers died mid-round: their requests fail (503 while the stage restarts); waiting ones stay."""
-        if self._can_restart():
+        if self._restarting or self._can_restart():  # the failure callback may have started the restart already
             exc = StageRestartingError(f"{exc}; the diffusion stage is restarting its workers")
         failed = []
         with self._cond:
-            for job in self.steps.forget_workers():
+            for job in self.scheduler.forget_workers():
                 rid = job.request_id
                 future = self._running.pop(rid, None)
                 self._reserved.pop(rid, None)
@@ -361,10 +416,14 @@ class DiffusionEngine:
         for future in failed:
             _set(future, exception=exc)
 
+    @property
+    def _budget(self) -> int | None:
+        return None if self.shape_rule is None else self.shape_rule.memory_budget_bytes
+
     def _fits(self, requests: list[OmniDiffusionRequest]) -> bool:
         """Memory admission (called under the lock): what runs plus these requests' estimates fit the budget.
         A lone request on idle workers always fits: `submit` refused the ones that never could."""
-        budget = None if self.shape_rule is None else self.shape_rule.memory_budget_bytes
+        budget = self._budget
         if budget is None or (not self._reserved and len(requests) == 1):
             return True
         need = sum(self.shape_rule.estimate_bytes(r.sampling_params) for r in requests)
@@ -374,38 +433,6 @@ class DiffusionEngine:
         callback = self._partial_callbacks.get(partial.request_id)
         if callback is not None:
             callback(partial)
-
-    def _finish_batch(
-        self, batch_future: Future[list[DiffusionOutput]], futures: dict[str, tuple[Future, float]]
-    ) -> None:
-        """Runs on the executor's result thread (or wherever the batch future completed)."""
-        exc = batch_future.exception()
-        outputs = batch_future.result() if exc is None else None
-        if isinstance(exc, EngineDeadError) and self._can_restart():
-            exc = StageRestartingError(f"{exc}; the diffusion stage is restarting its workers")
-        with self._cond:
-            for rid in futures:
-                self._running.pop(rid, None)
-                self._reserved.pop(rid, None)
-                self._partial_callbacks.pop(rid, None)
-            self._batch_in_flight = False
-            self._cond.notify_all()  # the scheduler, and `wait_stopped` callers
-        for i, (future, queued) in enumerate(futures.values()):
-            if future.cancelled():
-                continue
-            if isinstance(exc, EngineDeadError | StageRestartingError):
-                with self._cond:
-                    self._counters["num_failed"] += 1
-                _set(future, exception=exc)
-                continue
-            if exc is not None:  # e.g. the batch could not be sent: its requests fail, the engine goes on
-                _set(future, result=DiffusionOutput.from_exception(exc))
-                continue
-            output = outputs[i]
-            output.stage_durations["queue"] = queued
-            with self._cond:
-                self._counters["num_failed" if output.error else "num_finished"] += 1
-            _set(future, result=output)
 
     # ---- worker death and restart -------------------------------------------------------------------
 
@@ -418,7 +445,7 @@ class DiffusionEngine:
             self._on_executor_failure(executor)
 
     def _on_executor_failure(self, executor: MultiprocDiffusionExecutor) -> None:
-        """Runs on the executor's monitor thread once its in-flight batch has failed."""
+        """Runs where the executor failed (the loop, or a utility call that found a worker gone)."""
         with self._cond:
             if self._stopping or self._dead or self._restarting or executor is not self.executor:
                 return
@@ -426,35 +453,49 @@ class DiffusionEngine:
             if restart:
                 self._restarts += 1
                 self._restarting = True
-                self._restart_thread = threading.Thread(target=self._restart, args=(executor,),
-                                                        name="DiffusionRestart", daemon=True)
+                self._restart_thread = threading.Thread(
+                    target=self._restart, args=(executor,), name="DiffusionRestart", daemon=True
+                )
                 self._restart_thread.start()
         if not restart:
             self._give_up("a diffusion worker died; the engine is dead")
 
     def _restart(self, failed: MultiprocDiffusionExecutor) -> None:
-        logger.warning("restarting the diffusion workers (restart %d of at most %d)", self._restarts,
-                       self.od_config.max_stage_restarts)
-        failed.shutdown()
+        """Off the loop (loading takes long): new workers once the old ones are gone; the loop swaps them in."""
+        logger.warning(
+            "restarting the diffusion workers (restart %d of at most %d)",
+            self._restarts,
+            self.od_config.max_stage_restarts,
+        )
+        failed.stop_workers()  # their device memory is free before the new ones load
         try:
-            executor = MultiprocDiffusionExecutor(self.od_config)
+            replacement: MultiprocDiffusionExecutor | BaseException = MultiprocDiffusionExecutor(self.od_config)
         except Exception as exc:
             logger.exception("restarting the diffusion workers failed")
+            replacement = exc
+        with self._cond:
+            self._replacement = replacement
+        self._wake()
+
+    def _swap_in_new_workers(self) -> None:
+        """On the loop: the failed executor (whose sockets only the loop touches) goes, its replacement comes."""
+        with self._cond:
+            replacement, self._replacement = self._replacement, None
+            if replacement is None or self._stopping:
+                self._replacement = replacement  # close() shuts a built one down
+                return
+        self.executor.shutdown()
+        if isinstance(replacement, BaseException):
             with self._cond:
                 self._restarting = False
-            self._give_up(f"a diffusion worker died and restarting the workers failed: {exc}")
+            self._give_up(f"a diffusion worker died and restarting the workers failed: {replacement}")
             return
         with self._cond:
-            stopping = self._stopping
-            if not stopping:
-                self.executor = executor
-                self._restarting = False
-                self._cond.notify_all()
-        if stopping:
-            executor.shutdown()
-            return
+            self.executor = replacement
+            self._restarting = False
+            self._cond.notify_all()
         logger.info("diffusion workers restarted")
-        self._watch(executor)
+        self._watch(replacement)
 
     def _give_up(self, reason: str) -> None:
         with self._cond:
@@ -471,20 +512,18 @@ class DiffusionEngine:
             waiting = [future for future, _ in self._waiting.values()]
             self._waiting.clear()
             self._partial_callbacks.clear()
-            if self.steps is not None:  # the step thread no longer resolves what ran on the workers
-                self.steps.drain()
-                waiting += self._running.values()
-                self._running.clear()
-                self._reserved.clear()
-            else:
-                self.scheduler.drain()
+            self.scheduler.drain()  # the scheduler thread no longer resolves what ran on the workers
+            waiting += self._running.values()
+            self._running.clear()
+            self._reserved.clear()
             self._cond.notify_all()
         for future in waiting:
             _set(future, exception=error)
 
 
-def _with_budget(rule: ShapeRule | None, od_config: OmniDiffusionConfig, worker_info: list[dict[str, Any]]
-                 ) -> ShapeRule | None:
+def _with_budget(
+    rule: ShapeRule | None, od_config: OmniDiffusionConfig, worker_info: list[dict[str, Any]]
+) -> ShapeRule | None:
     """The family's rule with this stage's activation width and memory budget: the configured GiB, else the
     least free device memory any rank measured after loading (CUDA), else none (CPU)."""
     if rule is None:
@@ -499,22 +538,24 @@ def _with_budget(rule: ShapeRule | None, od_config: OmniDiffusionConfig, worker_
     return dataclasses.replace(rule, dtype_bytes=4 if dtype == "float32" else 2, memory_budget_bytes=budget)
 
 
-_STEP_MODE_ONLY = ("diffusion_max_tokens_per_forward", "slo_starvation_factor", "slo_deadline_factor",
-                   "max_paused_states")
+_STEP_MODE_ONLY = ("diffusion_max_tokens_per_forward", "max_paused_states")
 _REQUEST_MODE_ONLY = ("request_batch_max_wait_ms",)
 
 
 def _refuse_inert_flags(od_config: OmniDiffusionConfig, step_execution: bool) -> None:
     """A scheduler setting the stage's mode has no use for is refused, not ignored (its default is fine): a
-    request-mode batch runs whole requests (nothing to pause, split or starve), and a step-mode request joins at
-    the next step boundary (no batch to wait for)."""
+    request-mode batch runs whole requests (nothing to pause or split), and a step-mode request joins at the next
+    step boundary (no batch to wait for). The policy's settings (max_num_seqs, policy, deadlines, starvation
+    bound, memory budget) apply to both modes: one scheduler reads them."""
     defaults = {f.name: f.default for f in dataclasses.fields(OmniDiffusionConfig)}
     mode, other = ("step", "request") if step_execution else ("request", "step")
     cannot_step = " (its pipeline cannot step)" if od_config.step_execution and not step_execution else ""
     for name in _REQUEST_MODE_ONLY if step_execution else _STEP_MODE_ONLY:
         if getattr(od_config, name) != defaults[name]:
-            raise ValueError(f"--{name.replace('_', '-')} applies to {other} mode only; this diffusion stage runs "
-                             f"in {mode} mode{cannot_step}")
+            raise ValueError(
+                f"--{name.replace('_', '-')} applies to {other} mode only; this diffusion stage runs "
+                f"in {mode} mode{cannot_step}"
+            )
 
 
 def _validated(request: OmniDiffusionRequest) -> OmniDiffusionRequest:

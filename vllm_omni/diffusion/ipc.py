@@ -110,7 +110,7 @@ class PartialResult(msgspec.Struct, tag="partial", array_like=True, gc=False):
 
 
 class StepPlan(msgspec.Struct, tag="plan", array_like=True, gc=False):
-    """One step-mode round, decided by the engine's `StepScheduler` and executed alike by every rank.
+    """One step-mode round, decided by the engine's `DiffusionScheduler` and executed alike by every rank.
 
     The ranks keep each admitted request's `DenoiseState` by request id between rounds; a resident request left
     out of `step` stays paused with its latents. A state whose last step ran is decoded in the same round."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vllm_omni.catalog.tiny import build_tiny
-from vllm_omni.diffusion.core.scheduler import StepScheduler
+from vllm_omni.diffusion.core.scheduler import DiffusionScheduler
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
@@ -118,7 +118,7 @@ def test_a_step_wave_of_mixed_qualities_gives_each_request_its_solo_output(pipes
                 make(name, "adaptive", 4, cache_config={"rel_l1_thresh": 0.5, "max_cached_steps": 2})]
     outputs: dict[int, DiffusionOutput] = {}
     runner = _Runner(cached, max_num_seqs=3)
-    scheduler, worker = StepScheduler(runner.od_config), StepWorker(runner)  # the engine's and one rank's side
+    scheduler, worker = DiffusionScheduler(runner.od_config), StepWorker(runner)  # the engine's and one rank's side
 
     def run_round() -> None:
         plan = scheduler.schedule()

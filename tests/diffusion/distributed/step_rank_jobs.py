@@ -1,6 +1,6 @@
 """What each rank runs in the multi-rank step-mode tests (importable by name for the spawned ranks).
 
-`run_step_script` drives a real `StepWorker` per rank with the plans of a real `StepScheduler`, the way the
+`run_step_script` drives a real `StepWorker` per rank with the plans of a real `DiffusionScheduler`, the way the
 engine's step thread does: requests reach the scheduler and aborts land at the engine's rounds (`arrivals[0]`,
 `aborts[0]`: what the other ranks' entries say about their own sockets no longer matters, since a rank reads
 nothing but the plan). Every rank builds the same plans from the same inputs, as every rank receives the one plan
@@ -29,7 +29,7 @@ def run_step_script(model_dir: str, parallel: dict, requests: dict[str, tuple[di
     how many object broadcasts the rank made in them."""
     from vllm.distributed.parallel_state import GroupCoordinator, get_world_group
 
-    from vllm_omni.diffusion.core.scheduler import StepScheduler
+    from vllm_omni.diffusion.core.scheduler import DiffusionScheduler
     from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
     from vllm_omni.diffusion.worker.step_runner import StepWorker
 
@@ -38,7 +38,7 @@ def run_step_script(model_dir: str, parallel: dict, requests: dict[str, tuple[di
                                     step_execution=True, max_num_seqs=max_num_seqs)
     runner = DiffusionModelRunner(od_config, torch.device("cpu"), group.rank_in_group)
     runner.load_model()
-    scheduler = StepScheduler(od_config)
+    scheduler = DiffusionScheduler(od_config)
     worker = StepWorker(runner, group.rank_in_group, multi_rank=group.world_size > 1)
     inbox = sorted(requests, key=lambda rid: arrivals[0][rid])
     outputs: dict[str, Any] = {}

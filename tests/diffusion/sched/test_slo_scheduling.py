@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from vllm_omni.diffusion.core.policy import COBATCH_GAIN, StepCostModel, StepPolicy, shape_key
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.sched.step_policy import COBATCH_GAIN, StepCostModel, StepPolicy, shape_key
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
 
 
@@ -224,10 +224,10 @@ def test_a_request_without_deadline_gets_k_times_its_estimated_solo_time():
 
 
 def test_the_step_scheduler_takes_its_deadlines_from_the_policy():
-    from vllm_omni.diffusion.core.scheduler import StepScheduler
+    from vllm_omni.diffusion.core.scheduler import DiffusionScheduler
     from vllm_omni.diffusion.data import OmniDiffusionConfig
 
-    scheduler = StepScheduler(OmniDiffusionConfig(model="m", diffusion_scheduler_policy="slo",
+    scheduler = DiffusionScheduler(OmniDiffusionConfig(model="m", diffusion_scheduler_policy="slo",
                                                   slo_deadline_factor=3.0, default_deadline_ms=7000.0))
     request = OmniDiffusionRequest("p", SP(width=64, height=64, num_inference_steps=10), "r")
     assert scheduler.add(request).deadline_ms == 7000.0

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import msgspec
 
-from vllm_omni.diffusion.core.scheduler import StepScheduler
+from vllm_omni.diffusion.core.policy import shape_key
+from vllm_omni.diffusion.core.scheduler import DiffusionScheduler
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.ipc import EncodedStepPlan, MsgCodec, StepResult, WorkerInput
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.sched.step_policy import shape_key
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
 
 
@@ -22,8 +22,8 @@ def request(rid: str, steps: int = 2) -> OmniDiffusionRequest:
     return OmniDiffusionRequest({"prompt": rid}, SP(num_inference_steps=steps, height=32, width=32), rid)
 
 
-def scheduler(**config) -> StepScheduler:
-    return StepScheduler(OmniDiffusionConfig(model="m", step_execution=True, **config))
+def scheduler(**config) -> DiffusionScheduler:
+    return DiffusionScheduler(OmniDiffusionConfig(model="m", step_execution=True, **config))
 
 
 def result(plan, outputs=(), progress=None, forwards=()) -> StepResult:

@@ -68,3 +68,14 @@ def test_compiles_and_captures_count_the_increase_by_phase():
     metrics.observe_compiles(0, CompileStats(compiles=2, captures=10))
     assert _value(registry, "vllm_omni:diffusion_graph_compiles_total", phase="warmup") == 5
     assert _value(registry, "vllm_omni:diffusion_cuda_graph_captures_total", phase="warmup") == 22
+
+
+def test_memory_admission_gauges_per_stage():
+    metrics = OmniMetrics("m")
+    metrics.diffusion_steps.observe(StepStats("64x64"), stage_id=0)  # no budget (CPU, no flag): no series
+    assert not any(name.startswith("vllm_omni:diffusion_memory") for name, _ in samples(metrics))
+    metrics.diffusion_steps.observe(StepStats("64x64", reserved_bytes=3 * 2**20, budget_bytes=2**30), stage_id=1)
+    got = samples(metrics)
+    stage = (("model_name", "m"), ("stage", "1"))
+    assert got[("vllm_omni:diffusion_memory_reserved_bytes", stage)] == 3 * 2**20
+    assert got[("vllm_omni:diffusion_memory_budget_bytes", stage)] == 2**30

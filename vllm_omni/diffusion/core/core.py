@@ -1,17 +1,20 @@
 """The diffusion core process, shaped like vLLM's `EngineCoreProc`: the API process talks to it over one socket
 pair; it owns the stage's scheduler and executor (`DiffusionEngine`), whose worker processes are its children.
 
-    API process                         diffusion core process                   worker rank r
-    DiffusionCoreClient  --CoreInput-->  busy loop: poll -> admit / abort      ExecuteBatch / StepPlan
-      (caller's loop)    <-CoreOutput--  DiffusionEngine: schedule -> execute    -> pipeline
-                                           -> update (its scheduler thread)
+    API process                         diffusion core process (main thread)       worker rank r
+    DiffusionCoreClient  --CoreInput-->  busy loop: poll input + worker results   ExecuteBatch / StepPlan
+      (caller's loop)    <-CoreOutput--    -> admit / abort -> schedule            -> pipeline
+                                           -> execute -> update -> outputs
 
-The busy loop reads the input socket and hands each message to the engine: a request is checked (prompt
-bound, shapes) and queued, an abort stops it, a utility call (`collective_rpc`) runs on the core's
-utility thread. Everything the engine produces for a request (its partials, then its final output or error)
-goes out on the output socket as it comes, from whichever engine thread produced it, in order per request.
-Health changes (restarting its workers, dead) go out as `CoreState`. SIGTERM, or the API process going away,
-ends the loop; the engine then stops its workers within its close timeout.
+One thread runs it all (`DiffusionEngine.run_once`, as vLLM's EngineCoreProc busy loop): each pass finishes the
+round whose result came and schedules and sends the next, then polls the input socket, the workers' result
+sockets and their process sentinels together. A request read from the input is checked (prompt bound, shapes)
+and queued, an abort stops it; a utility call (`collective_rpc`, or waiting for aborted requests to leave the
+workers) blocks, so it runs on the core's utility thread while the loop goes on. Everything the engine produces
+for a request (its partials, then its final output or error) goes out on the output socket as it comes, in order
+per request. Health changes (restarting its workers, dead) go out as `CoreState`; new workers load on a restart
+thread while the loop keeps serving aborts and queueing requests. SIGTERM, or the API process going away, ends
+the loop; the engine then stops its workers within its close timeout.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ class DiffusionCoreProc:
         self.codec = MsgCodec(None, spec.shm_prefix)
         self.decoder = MsgCodec(CoreInput, spec.client_shm_prefix).decoder()
         self._send_lock = threading.Lock()
-        """The output socket is written from the loop, the utility thread and the engine's result threads."""
+        """The output socket is written from the loop and the utility thread."""
         self._utility = ThreadPoolExecutor(max_workers=1, thread_name_prefix="DiffusionCoreUtility")
         self._stop = threading.Event()
         self.engine = None
@@ -89,7 +92,7 @@ class DiffusionCoreProc:
         from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
 
         try:
-            self.engine = DiffusionEngine(self.spec.od_config)
+            self.engine = DiffusionEngine(self.spec.od_config, own_loop=False)
         except BaseException:
             self._send(CoreInitFailed(error=traceback.format_exc()))
             return False
@@ -110,9 +113,10 @@ class DiffusionCoreProc:
         return True
 
     def run_busy_loop(self, parent_pid: int) -> bool:
-        """poll -> hand to the engine, until SIGTERM (True) or the parent is gone (False)."""
+        """schedule -> execute -> poll -> update / admit, until SIGTERM (True) or the parent is gone (False)."""
+        inputs = (self.input,)
         while not self._stop.is_set():
-            if self.input.poll(_POLL_MS):
+            if self.engine.run_once(inputs, max_wait_s=_POLL_MS / 1000):
                 while self.input.poll(0):
                     self._handle(self.input.recv(copy=False).buffer)
             self._publish_state()
@@ -163,7 +167,7 @@ class DiffusionCoreProc:
         future.add_done_callback(lambda f, rid=rid: self._final(rid, f))
 
     def _partial(self, partial: PartialResult) -> None:
-        """On the engine's result thread, ahead of the request's final output."""
+        """On the loop, ahead of the request's final output."""
         self._send(CorePartial(partial.request_id, partial.kind, partial.data))
 
     def _final(self, request_id: str, future: Future[DiffusionOutput]) -> None:

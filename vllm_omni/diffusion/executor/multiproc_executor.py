@@ -1,12 +1,14 @@
 """One spawned worker process per rank, driven over ZeroMQ sockets with msgspec messages.
 
-Each rank has its own input socket and its own result socket; a pump thread per result socket resolves
-futures as results arrive (no polling sleeps on the hot path). One more socket publishes aborts to every
-rank: a worker reads it on a side thread while it is busy inside a forward. A monitor thread waits on the
-worker processes' sentinels: a worker that dies for any reason fails every in-flight future with
-`EngineDeadError` at once, fires the failure callbacks, and then reaps every worker and removes the
-shared memory and socket files (not at shutdown: a dead executor is replaced, not kept). `shutdown` works
-against one global deadline (abort, ask, join, terminate, kill) and cleans up the same way.
+Each rank has its own input socket and its own result socket. The executor runs no thread of its own: the
+thread that drives it (the engine's loop: the diffusion core's busy loop) polls `result_sockets` and the
+worker processes' `sentinels` with its other sockets, then calls `process_results` (resolves futures, hands
+partials on) and, when a sentinel is ready, `check_workers`. One more socket publishes aborts to every rank: a
+worker reads it on a side thread while it is busy inside a forward. A worker that dies for any reason fails
+every in-flight future with `EngineDeadError` once what it sent before dying was read, fires the failure
+callbacks, and then every worker is reaped and the shared memory and socket files removed (not at shutdown: a
+dead executor is replaced, not kept). `shutdown` works against one global deadline (abort, ask, join,
+terminate, kill) and cleans up the same way.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from multiprocessing.connection import wait as wait_for_objects
 from typing import Any
 
 import zmq
@@ -53,8 +54,8 @@ from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
 
-_PUMP_POLL_MS = 200
-_PUMP_JOIN_TIMEOUT_S = 2.0
+_DRAIN_MS = 100
+"""After a worker died: how long what the ranks sent before (e.g. their requests' errors) may take to arrive."""
 _DEFAULT_RPC_TIMEOUT_S = 600.0
 _SEND_TIMEOUT_MS = 5000
 _SHUTDOWN_TIMEOUT_S = 10.0
@@ -74,8 +75,7 @@ class _PendingBatch:
         """All outputs in request order: the workers' for the requests sent, the known failures for the rest."""
         sent_iter = iter(sent)
         missing = DiffusionOutput.from_exception(RuntimeError("the worker returned too few outputs"))
-        return [self.failed[i] if i in self.failed else next(sent_iter, missing)
-                for i in range(len(self.request_ids))]
+        return [self.failed[i] if i in self.failed else next(sent_iter, missing) for i in range(len(self.request_ids))]
 
 
 class _PendingWave(_PendingBatch):
@@ -148,27 +148,18 @@ class MultiprocDiffusionExecutor:
         self._failure_callbacks: list[Callable[[], None]] = []
         self._is_failed = False
         self._closed = False
-        self._stop = threading.Event()
-        self._pumps_idle = [threading.Event() for _ in range(self.world_size)]
-        """Set by each result pump when a poll found nothing: the monitor waits for it before failing batches."""
-        self._monitor_stop_r, self._monitor_stop_w = multiprocessing.Pipe(duplex=False)
         self._tp_shm_prefixes: list[str] = []
         """vLLM CPU's TP communicator segments are named after the ranks' init port; its workers do not unlink them."""
         self.processes = self._launch_workers()
-        self._finalizer = weakref.finalize(self, _reap, self.processes, self.shm_prefix, self._ipc_dir,
-                                           self._tp_shm_prefixes)
+        self._finalizer = weakref.finalize(
+            self, _reap, self.processes, self.shm_prefix, self._ipc_dir, self._tp_shm_prefixes
+        )
         try:
             self.worker_info = self._wait_until_ready(od_config.init_timeout)
         except BaseException:
             self.shutdown(timeout=5.0)
             raise
-        self._threads = [
-            threading.Thread(target=self._pump, args=(rank,), name=f"DiffusionResultPump-{rank}", daemon=True)
-            for rank in range(self.world_size)
-        ]
-        self._threads.append(threading.Thread(target=self._monitor, name="diffusion-worker-monitor", daemon=True))
-        for thread in self._threads:
-            thread.start()
+        self._decoder = self._output_codec.decoder()
 
     # ---- startup -------------------------------------------------------------------------------------
 
@@ -236,11 +227,25 @@ class MultiprocDiffusionExecutor:
     def is_failed(self) -> bool:
         return self._is_failed
 
+    @property
+    def result_sockets(self) -> list[zmq.Socket]:
+        """One per rank, for the driving thread's poller (`process_results` reads them)."""
+        return self._outputs
+
+    @property
+    def sentinels(self) -> list[int]:
+        """The worker processes' sentinels, ready once a worker exited (then `check_workers`)."""
+        return [proc.sentinel for proc in self.processes]
+
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
         self._failure_callbacks.append(callback)
 
-    def execute_batch(self, requests: list[OmniDiffusionRequest], stream_request_ids: list[str] | None = None,
-                      on_partial: Callable[[PartialResult], None] | None = None) -> Future[list[DiffusionOutput]]:
+    def execute_batch(
+        self,
+        requests: list[OmniDiffusionRequest],
+        stream_request_ids: list[str] | None = None,
+        on_partial: Callable[[PartialResult], None] | None = None,
+    ) -> Future[list[DiffusionOutput]]:
         """Run one batch on every rank; the future holds rank 0's outputs (one per request).
 
         `on_partial` gets the `PartialResult`s of `stream_request_ids` on the result thread, in order and all
@@ -261,8 +266,11 @@ class MultiprocDiffusionExecutor:
         if len(failed) == len(requests):
             pending.future.set_result(pending.outputs([]))
             return pending.future
-        msg = EncodedBatch(batch_id=batch_id, requests=[raw for raw in encoded if raw is not None],
-                           stream_request_ids=list(stream_request_ids or []) if on_partial is not None else [])
+        msg = EncodedBatch(
+            batch_id=batch_id,
+            requests=[raw for raw in encoded if raw is not None],
+            stream_request_ids=list(stream_request_ids or []) if on_partial is not None else [],
+        )
         data = self._codec.encode(msg)
         with self._lock:
             self._check_alive()
@@ -272,17 +280,25 @@ class MultiprocDiffusionExecutor:
         self._broadcast(data)
         return pending.future
 
-    def execute_plan(self, plan: StepPlan, on_partial: Callable[[PartialResult], None] | None = None
-                     ) -> Future[StepResult]:
+    def execute_plan(
+        self, plan: StepPlan, on_partial: Callable[[PartialResult], None] | None = None
+    ) -> Future[StepResult]:
         """Send one step round to every rank; the future holds rank 0's result. A new request that cannot be
         encoded leaves the plan and fails alone (its output is in the result). `on_partial` gets the partials of
         the plan's streamed requests, in every later round too, on the result thread; it must not block."""
         encoded, errors = self._codec.encode_each(plan.new)
-        failed = {request.request_id: _unsendable(exc)
-                  for request, exc in zip(plan.new, errors, strict=True) if exc is not None}
-        msg = EncodedStepPlan(round_id=plan.round_id, new=[raw for raw in encoded if raw is not None],
-                              stream=[rid for rid in plan.stream if rid not in failed],
-                              step=[rid for rid in plan.step if rid not in failed], abort=list(plan.abort))
+        failed = {
+            request.request_id: _unsendable(exc)
+            for request, exc in zip(plan.new, errors, strict=True)
+            if exc is not None
+        }
+        msg = EncodedStepPlan(
+            round_id=plan.round_id,
+            new=[raw for raw in encoded if raw is not None],
+            stream=[rid for rid in plan.stream if rid not in failed],
+            step=[rid for rid in plan.step if rid not in failed],
+            abort=list(plan.abort),
+        )
         pending = _PendingPlan(failed)
         data = self._codec.encode(msg)
         with self._lock:
@@ -298,8 +314,10 @@ class MultiprocDiffusionExecutor:
         steps); their batch's result still comes, with the aborted requests' outputs marked as aborted."""
         wanted = set(request_ids)
         with self._lock:
-            targets = {batch_id: [rid for rid in pending.request_ids if rid in wanted]
-                       for batch_id, pending in self._batches.items()}
+            targets = {
+                batch_id: [rid for rid in pending.request_ids if rid in wanted]
+                for batch_id, pending in self._batches.items()
+            }
         for batch_id, ids in targets.items():
             if ids:
                 self._publish_abort(batch_id, ids)
@@ -347,81 +365,87 @@ class MultiprocDiffusionExecutor:
             self.fail("a diffusion worker stopped reading its input")
             raise EngineDeadError("a diffusion worker stopped reading its input") from exc
 
-    # ---- background threads --------------------------------------------------------------------------
+    # ---- results and worker death (on the driving thread) ------------------------------------------
 
-    def _pump(self, rank: int) -> None:
-        sock = self._outputs[rank]
-        decoder = self._output_codec.decoder()
-        while not self._stop.is_set():
-            if not sock.poll(_PUMP_POLL_MS):
-                self._pumps_idle[rank].set()
-                continue
-            try:
-                msg = decoder.decode(sock.recv(copy=False).buffer)
-            except Exception as exc:  # we cannot tell whose result it was: nobody may wait forever
-                logger.exception("undecodable message from diffusion worker rank %d", rank)
-                self.fail(f"undecodable message from diffusion worker rank {rank}: {exc}")
-                return
-            if isinstance(msg, PartialResult):
-                with self._lock:
-                    handler = (self._step_partials if self.od_config.step_execution
-                               else self._partial_handlers.get(msg.batch_id))
-                if handler is not None:
-                    try:
-                        handler(msg)
-                    except Exception:
-                        logger.exception("partial-output handler of batch %d raised", msg.batch_id)
-            elif isinstance(msg, BatchResult):
-                with self._lock:
-                    pending = self._batches.get(msg.batch_id)
-                    wave = isinstance(pending, _PendingWave)
-                    done = not wave or pending.add(msg.rank, msg.outputs)
-                    if done:
-                        self._batches.pop(msg.batch_id, None)
-                        self._partial_handlers.pop(msg.batch_id, None)
-                if msg.out_of_step is not None:  # the workers exit next: restarting starts before this resolves
-                    self.fail(f"diffusion worker rank {msg.rank}: {msg.out_of_step}")
-                if pending is not None and done:
-                    pending.future.set_result(pending.wave_outputs() if wave else pending.outputs(msg.outputs))
-            elif isinstance(msg, StepResult):
-                with self._lock:
-                    pending = self._plans.pop(msg.round_id, None)
-                if msg.out_of_step is not None:
-                    self.fail(f"diffusion worker rank {msg.rank}: {msg.out_of_step}")
-                if pending is not None:
-                    msg.outputs.update(pending.failed)
-                    pending.future.set_result(msg)
-            elif isinstance(msg, RpcResult):
-                with self._lock:
-                    pending = self._rpc_waits.get(msg.call_id)
-                if pending is not None:
-                    pending.results[msg.rank] = msg
-                    if len(pending.results) == pending.world_size:
-                        pending.done.set()
+    def process_results(self) -> None:
+        """Dispatch every result the ranks sent so far; never blocks. Only the driving thread reads the result
+        sockets (zmq sockets are not thread-safe); futures resolve and partial handlers run on it."""
+        for rank, sock in enumerate(self._outputs):
+            while True:
+                try:
+                    frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                except zmq.ZMQError:  # closed by shutdown
+                    return
+                try:
+                    msg = self._decoder.decode(frame.buffer)
+                except Exception as exc:  # we cannot tell whose result it was: nobody may wait forever
+                    logger.exception("undecodable message from diffusion worker rank %d", rank)
+                    self.fail(f"undecodable message from diffusion worker rank {rank}: {exc}")
+                    return
+                self._dispatch(msg)
 
-    def _monitor(self) -> None:
-        sentinels = {proc.sentinel: proc for proc in self.processes}
-        ready = wait_for_objects([*sentinels, self._monitor_stop_r])
-        if self._closed or self._monitor_stop_r in ready:
+    def _dispatch(self, msg: WorkerOutput) -> None:
+        if isinstance(msg, PartialResult):
+            with self._lock:
+                handler = (
+                    self._step_partials if self.od_config.step_execution else self._partial_handlers.get(msg.batch_id)
+                )
+            if handler is not None:
+                try:
+                    handler(msg)
+                except Exception:
+                    logger.exception("partial-output handler of batch %d raised", msg.batch_id)
+        elif isinstance(msg, BatchResult):
+            with self._lock:
+                pending = self._batches.get(msg.batch_id)
+                wave = isinstance(pending, _PendingWave)  # DLO: every rank returns its own request's output
+                done = not wave or pending.add(msg.rank, msg.outputs)
+                if done:
+                    self._batches.pop(msg.batch_id, None)
+                    self._partial_handlers.pop(msg.batch_id, None)
+            if msg.out_of_step is not None:  # the workers exit next: restarting starts before this resolves
+                self.fail(f"diffusion worker rank {msg.rank}: {msg.out_of_step}")
+            if pending is not None and done:
+                pending.future.set_result(pending.wave_outputs() if wave else pending.outputs(msg.outputs))
+        elif isinstance(msg, StepResult):
+            with self._lock:
+                pending = self._plans.pop(msg.round_id, None)
+            if msg.out_of_step is not None:
+                self.fail(f"diffusion worker rank {msg.rank}: {msg.out_of_step}")
+            if pending is not None:
+                msg.outputs.update(pending.failed)
+                pending.future.set_result(msg)
+        elif isinstance(msg, RpcResult):
+            with self._lock:
+                pending = self._rpc_waits.get(msg.call_id)
+            if pending is not None:
+                pending.results[msg.rank] = msg
+                if len(pending.results) == pending.world_size:
+                    pending.done.set()
+
+    def check_workers(self) -> None:
+        """After a sentinel was ready: a worker that exited fails the executor (once), after what the ranks sent
+        before it died was dispatched (ranks that exit because they failed differently send their requests'
+        errors first); then every worker is reaped and its resources freed."""
+        dead = [(rank, proc) for rank, proc in enumerate(self.processes) if not proc.is_alive()]
+        if not dead or self._closed or self._is_failed:
             return
-        dead = [(rank, proc) for rank, proc in enumerate(self.processes) if proc.sentinel in ready]
         for _, proc in dead:
             proc.join(0)  # reap now: no zombie, and the exit code for the log
-        reason = "; ".join(f"diffusion worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
-                           for rank, proc in dead)
+        reason = "; ".join(
+            f"diffusion worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}" for rank, proc in dead
+        )
         logger.error("%s; failing all in-flight diffusion requests", reason)
-        self._drain_results()
+        poller = zmq.Poller()
+        for sock in self._outputs:
+            poller.register(sock, zmq.POLLIN)
+        self.process_results()
+        while poller.poll(_DRAIN_MS):
+            self.process_results()
         self.fail(reason)
         self._finalizer()  # reap the dead (no zombie), stop the other ranks, free their shm and sockets
-
-    def _drain_results(self) -> None:
-        """Let the pumps deliver what the workers sent before dying (e.g. ranks that exit because they failed
-        differently send their requests' errors first): wait until each pump has polled an empty socket."""
-        for idle in self._pumps_idle:
-            idle.clear()
-        deadline = time.monotonic() + 2 * _PUMP_POLL_MS / 1000
-        for idle in self._pumps_idle:
-            idle.wait(max(deadline - time.monotonic(), 0.0))
 
     def fail(self, reason: str) -> None:
         """Mark the executor dead: fail every pending future and fire the failure callbacks (once)."""
@@ -448,6 +472,11 @@ class MultiprocDiffusionExecutor:
 
     # ---- shutdown ------------------------------------------------------------------------------------
 
+    def stop_workers(self, timeout: float = _SHUTDOWN_TIMEOUT_S) -> None:
+        """Make sure every worker process is gone (a failed executor's last ones exit on their own, else are
+        terminated); touches no socket, so any thread may call it while the driving thread still polls."""
+        _stop_processes(self.processes, time.monotonic() + timeout)
+
     def shutdown(self, timeout: float = _SHUTDOWN_TIMEOUT_S) -> None:
         """Stop every worker within `timeout` seconds overall; always returns.
 
@@ -457,7 +486,6 @@ class MultiprocDiffusionExecutor:
             return
         deadline = time.monotonic() + timeout
         self._closed = True
-        self._monitor_stop_w.send(None)
         with self._lock:
             running = {batch_id: pending.request_ids for batch_id, pending in self._batches.items()}
         for batch_id, ids in running.items():
@@ -465,24 +493,19 @@ class MultiprocDiffusionExecutor:
         with contextlib.suppress(zmq.ZMQError, EngineDeadError):
             self._broadcast(self._codec.encode(Shutdown()), flags=zmq.NOBLOCK)
         _stop_processes(self.processes, deadline)
-        self._stop.set()
-        for thread in getattr(self, "_threads", []):
-            if thread is not threading.current_thread():
-                thread.join(_PUMP_JOIN_TIMEOUT_S)
         self.fail("the diffusion engine was shut down")
         for sock in [*self._inputs, *self._outputs, self._abort_pub]:
             sock.close(linger=0)
         self._context.term()
-        self._monitor_stop_r.close()
-        self._monitor_stop_w.close()
         self._finalizer()
 
 
 def _unsendable(exc: Exception) -> DiffusionOutput:
     """Text that is not valid Unicode (a lone surrogate) came from the client: 400; anything else is ours."""
     if isinstance(exc, UnicodeEncodeError):
-        return DiffusionOutput.from_exception(OmniClientError(f"the request has text that is not valid "
-                                                              f"Unicode and cannot be sent to the workers: {exc}"))
+        return DiffusionOutput.from_exception(
+            OmniClientError(f"the request has text that is not valid Unicode and cannot be sent to the workers: {exc}")
+        )
     return DiffusionOutput.from_exception(exc)
 
 

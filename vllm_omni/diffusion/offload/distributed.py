@@ -115,7 +115,7 @@ def dlo_wave_key(request: OmniDiffusionRequest) -> tuple:
     """What must be equal across one wave's requests for every rank to run the same collectives: the batch key
     (shape, CFG, denoise schedule, output count, extra_args: what a co-batched forward needs equal) and the LoRA
     adapters (a co-batched forward applies them per row; a wave's ranks would run different layers)."""
-    from vllm_omni.diffusion.sched.interface import build_request_batch_sampling_params_key
+    from vllm_omni.diffusion.core.batch_key import build_request_batch_sampling_params_key
 
     lora = request.sampling_params.lora
     return build_request_batch_sampling_params_key(request), json.dumps(lora, sort_keys=True, default=repr)

@@ -1,7 +1,7 @@
 """Step execution on one worker rank: the rank's `DenoiseState`s, kept by request id, and the plans that move them.
 
 In request mode a forward runs its requests from encode to decode, so a request that arrives meanwhile waits for
-all of it. In step mode the engine's `StepScheduler` (`diffusion/core/scheduler.py`) decides every round and sends
+all of it. In step mode the engine's `DiffusionScheduler` (`diffusion/core/scheduler.py`) decides every round and sends
 the same `StepPlan` to every rank; a rank executes it in four phases:
 
     drop     the plan's aborted requests leave (their states are freed)

@@ -171,7 +171,12 @@ class WorkerProc:
         if self.worker.device.type == "cuda":  # what requests may use: the engine's memory admission budget
             import torch
 
-            info["free_memory_bytes"] = torch.cuda.mem_get_info(self.worker.device)[0]
+            device = self.worker.device
+            free, total = torch.cuda.mem_get_info(device)
+            # A per-process cap (torch.cuda.set_per_process_memory_fraction) bounds what this process may allocate.
+            fraction = torch.cuda.get_per_process_memory_fraction(device)
+            capped = int(fraction * total) - torch.cuda.memory_reserved(device)
+            info["free_memory_bytes"] = max(min(free, capped), 0)
         self._send(WorkerReady(rank=self.rank, info=info))
         return True
 

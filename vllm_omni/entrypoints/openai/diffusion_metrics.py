@@ -1,9 +1,10 @@
-"""Prometheus series of diffusion stages, fed by each finished request's output: the step scheduler's
-`StepStats` (`--step-execution`; worker -> `DiffusionOutput.step_stats` -> `OmniRequestOutput.step_stats`) and
-the compiled path's `CompileStats` (either mode).
+"""Prometheus series of diffusion stages, fed by each finished request's output: the scheduler's `StepStats`
+(either mode; the core's scheduler -> `DiffusionOutput.step_stats` -> `OmniRequestOutput.step_stats`) and the
+compiled path's `CompileStats` (either mode).
 
-The two gauges are the worker's counts at the moment the latest request left, so they move whenever a request
-finishes (an idle server shows 0 once its last request is done). The compile and capture counters rise by what
+The gauges (requests waiting / running, memory reserved / budget per stage) are the scheduler's at the moment the
+latest request left, so they move whenever a request finishes (an idle server shows 0 once its last request is
+done). The compile and capture counters rise by what
 the worker's cumulative counts grew since the last output of that stage: the start-up warm-up's counts
 (`phase="warmup"`) show with the first finished request, and any serving-time compile or capture (a stall of
 its batch, also logged as a WARNING) under `phase="serving"`.
@@ -26,6 +27,12 @@ class DiffusionStepMetrics:
                              registry=registry)
         self.running = Gauge("vllm_omni:diffusion_requests_running",
                              "Resident diffusion states taking denoise steps.", ["model_name"], registry=registry)
+        self.memory_reserved = Gauge("vllm_omni:diffusion_memory_reserved_bytes",
+                                     "Bytes memory admission holds for the requests on a diffusion stage's workers.",
+                                     ["model_name", "stage"], registry=registry)
+        self.memory_budget = Gauge("vllm_omni:diffusion_memory_budget_bytes",
+                                   "A diffusion stage's memory admission budget (free device memory after load, or "
+                                   "--diffusion-memory-budget-gb).", ["model_name", "stage"], registry=registry)
         self.step_time = Histogram("vllm_omni:diffusion_step_seconds",
                                    "Seconds per denoise step, by shape and by the states that shared its forward.",
                                    ["model_name", "shape", "batch"], buckets=_STEP_BUCKETS, registry=registry)
@@ -51,12 +58,15 @@ class DiffusionStepMetrics:
         self._compile_seen: dict[int, CompileStats] = {}
         """Per stage id: the counts of its latest output (the worker's are cumulative)."""
 
-    def observe(self, stats: StepStats | None) -> None:
+    def observe(self, stats: StepStats | None, stage_id: int = 0) -> None:
         if stats is None:
             return
         name = self.model_name
         self.waiting.labels(name).set(stats.waiting)
         self.running.labels(name).set(stats.running)
+        if stats.budget_bytes is not None:
+            self.memory_reserved.labels(name, str(stage_id)).set(stats.reserved_bytes)
+            self.memory_budget.labels(name, str(stage_id)).set(stats.budget_bytes)
         batches = stats.step_batches or [1] * len(stats.step_seconds)
         for seconds, batch in zip(stats.step_seconds, batches, strict=True):
             self.step_time.labels(name, stats.shape, str(batch)).observe(seconds)

@@ -232,7 +232,7 @@ class OmniServingBase:
                 if output.finished:
                     self.metrics.observe_stages(output.stage_durations)
                     self.metrics.observe_cache(output.cache)
-                    self.metrics.diffusion_steps.observe(output.step_stats)
+                    self.metrics.diffusion_steps.observe(output.step_stats, output.stage_id)
                     self.metrics.diffusion_steps.observe_compiles(output.stage_id, output.compile_stats)
                 yield output
             completed = True

@@ -1,7 +1,9 @@
-"""Step scheduling policies: which requests a step-mode stage serves first (`--diffusion-scheduler-policy`).
+"""Scheduling policies: which requests a diffusion stage serves first (`--diffusion-scheduler-policy`).
 
-At every step boundary the engine's `StepScheduler` asks its `StepPolicy` which jobs (resident, paused or
-waiting) take a step in the next round (at most `max_num_seqs`):
+In step mode, at every step boundary the engine's `DiffusionScheduler` asks its `StepPolicy` which jobs (resident,
+paused or waiting) take a step in the next round (at most `max_num_seqs`), as below. In request mode the same
+`urgency` (with the same deadlines, cost model and starvation bound) orders the queue of whole requests: the most
+urgent one picks the next batch.
 
     fcfs      arrival order; a resident state is never paused (the resident states share the rounds)
     priority  vLLM's priority scheduling: lower `priority` first, then arrival; the `max_num_seqs` most urgent
@@ -56,7 +58,7 @@ def shape_key(request: OmniDiffusionRequest) -> ShapeKey:
 
 
 def shape_label(key: ShapeKey) -> str:
-    """"1024x1024", "832x480x81f", "+cfg" appended: the metrics label of a shape (None = pipeline default)."""
+    """ "1024x1024", "832x480x81f", "+cfg" appended: the metrics label of a shape (None = pipeline default)."""
     width, height, frames, cfg = key
     label = f"{width or 'default'}x{height or 'default'}" + (f"x{frames}f" if frames else "")
     return label + ("+cfg" if cfg else "")
@@ -129,9 +131,14 @@ class Schedulable(Protocol):
 
 
 class StepPolicy:
-    def __init__(self, policy: Policy, cost: StepCostModel | None = None,
-                 starvation_factor: float = math.inf, default_deadline_ms: float = 60000.0,
-                 deadline_factor: float = 0.0) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        cost: StepCostModel | None = None,
+        starvation_factor: float = math.inf,
+        default_deadline_ms: float = 60000.0,
+        deadline_factor: float = 0.0,
+    ) -> None:
         """`starvation_factor`: the slo starvation bound (`--slo-starvation-factor`); inf = hopeless jobs wait
         behind every feasible one. `deadline_factor`: a request without `deadline_ms` is given `deadline_factor`
         x its estimated solo time (`--slo-deadline-factor`; 0 = `default_deadline_ms`)."""
@@ -193,14 +200,15 @@ class StepPolicy:
     def choose(self, running: list, paused: list, waiting: list, slots: int, max_paused: int, now: float) -> list:
         """The jobs that take a step next round, most urgent first."""
         if self.policy == "fcfs":
-            return running + waiting[:max(slots - len(running), 0)]
+            return running + waiting[: max(slots - len(running), 0)]
         ranked = sorted(running + paused + waiting, key=lambda job: self.urgency(job, now))
         if self.policy == "slo" and ranked:
             return self._choose_slo(ranked, [*running, *paused], slots, max_paused, now)
         return self._keep_paused_bound(ranked, ranked[:slots], waiting, slots, max_paused, now)
 
-    def _keep_paused_bound(self, ranked: list, chosen: list, waiting: list, slots: int, max_paused: int,
-                           now: float) -> list:
+    def _keep_paused_bound(
+        self, ranked: list, chosen: list, waiting: list, slots: int, max_paused: int, now: float
+    ) -> list:
         """`chosen`, where leaving out more than `max_paused` prepared jobs would pause one more: then the least
         urgent newcomers give way to the most urgent held states (and free slots are filled with held states)."""
         chosen_ids = {id(job) for job in chosen}
@@ -238,5 +246,4 @@ class StepPolicy:
             return solo is not None
         if batched > COBATCH_GAIN * batch * solo:
             return False
-        return not any(self.can_make_deadline(job, now) and not self.can_make_deadline(job, now, batch)
-                       for job in jobs)
+        return not any(self.can_make_deadline(job, now) and not self.can_make_deadline(job, now, batch) for job in jobs)
