@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import multiprocessing
+import os
 import shutil
 import tempfile
 import threading
@@ -73,8 +74,7 @@ class _PendingBatch:
         """All outputs in request order: the workers' for the requests sent, the known failures for the rest."""
         sent_iter = iter(sent)
         missing = DiffusionOutput.from_exception(RuntimeError("the worker returned too few outputs"))
-        return [self.failed[i] if i in self.failed else next(sent_iter, missing)
-                for i in range(len(self.request_ids))]
+        return [self.failed[i] if i in self.failed else next(sent_iter, missing) for i in range(len(self.request_ids))]
 
 
 class _PendingPlan:
@@ -136,8 +136,9 @@ class MultiprocDiffusionExecutor:
         self._tp_shm_prefixes: list[str] = []
         """vLLM CPU's TP communicator segments are named after the ranks' init port; its workers do not unlink them."""
         self.processes = self._launch_workers()
-        self._finalizer = weakref.finalize(self, _reap, self.processes, self.shm_prefix, self._ipc_dir,
-                                           self._tp_shm_prefixes)
+        self._finalizer = weakref.finalize(
+            self, _reap, self.processes, self.shm_prefix, self._ipc_dir, self._tp_shm_prefixes
+        )
         try:
             self.worker_info = self._wait_until_ready(od_config.init_timeout)
         except BaseException:
@@ -154,7 +155,7 @@ class MultiprocDiffusionExecutor:
     # ---- startup -------------------------------------------------------------------------------------
 
     def _launch_workers(self) -> list[multiprocessing.process.BaseProcess]:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _worker_context()
         init_method = None
         if self.world_size > 1:
             from vllm.utils.network_utils import get_open_port
@@ -220,8 +221,12 @@ class MultiprocDiffusionExecutor:
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
         self._failure_callbacks.append(callback)
 
-    def execute_batch(self, requests: list[OmniDiffusionRequest], stream_request_ids: list[str] | None = None,
-                      on_partial: Callable[[PartialResult], None] | None = None) -> Future[list[DiffusionOutput]]:
+    def execute_batch(
+        self,
+        requests: list[OmniDiffusionRequest],
+        stream_request_ids: list[str] | None = None,
+        on_partial: Callable[[PartialResult], None] | None = None,
+    ) -> Future[list[DiffusionOutput]]:
         """Run one batch on every rank; the future holds rank 0's outputs (one per request).
 
         `on_partial` gets the `PartialResult`s of `stream_request_ids` on the result thread, in order and all
@@ -234,8 +239,11 @@ class MultiprocDiffusionExecutor:
         if len(failed) == len(requests):
             pending.future.set_result(pending.outputs([]))
             return pending.future
-        msg = EncodedBatch(batch_id=batch_id, requests=[raw for raw in encoded if raw is not None],
-                           stream_request_ids=list(stream_request_ids or []) if on_partial is not None else [])
+        msg = EncodedBatch(
+            batch_id=batch_id,
+            requests=[raw for raw in encoded if raw is not None],
+            stream_request_ids=list(stream_request_ids or []) if on_partial is not None else [],
+        )
         data = self._codec.encode(msg)
         with self._lock:
             self._check_alive()
@@ -245,17 +253,25 @@ class MultiprocDiffusionExecutor:
         self._broadcast(data)
         return pending.future
 
-    def execute_plan(self, plan: StepPlan, on_partial: Callable[[PartialResult], None] | None = None
-                     ) -> Future[StepResult]:
+    def execute_plan(
+        self, plan: StepPlan, on_partial: Callable[[PartialResult], None] | None = None
+    ) -> Future[StepResult]:
         """Send one step round to every rank; the future holds rank 0's result. A new request that cannot be
         encoded leaves the plan and fails alone (its output is in the result). `on_partial` gets the partials of
         the plan's streamed requests, in every later round too, on the result thread; it must not block."""
         encoded, errors = self._codec.encode_each(plan.new)
-        failed = {request.request_id: _unsendable(exc)
-                  for request, exc in zip(plan.new, errors, strict=True) if exc is not None}
-        msg = EncodedStepPlan(round_id=plan.round_id, new=[raw for raw in encoded if raw is not None],
-                              stream=[rid for rid in plan.stream if rid not in failed],
-                              step=[rid for rid in plan.step if rid not in failed], abort=list(plan.abort))
+        failed = {
+            request.request_id: _unsendable(exc)
+            for request, exc in zip(plan.new, errors, strict=True)
+            if exc is not None
+        }
+        msg = EncodedStepPlan(
+            round_id=plan.round_id,
+            new=[raw for raw in encoded if raw is not None],
+            stream=[rid for rid in plan.stream if rid not in failed],
+            step=[rid for rid in plan.step if rid not in failed],
+            abort=list(plan.abort),
+        )
         pending = _PendingPlan(failed)
         data = self._codec.encode(msg)
         with self._lock:
@@ -271,8 +287,10 @@ class MultiprocDiffusionExecutor:
         steps); their batch's result still comes, with the aborted requests' outputs marked as aborted."""
         wanted = set(request_ids)
         with self._lock:
-            targets = {batch_id: [rid for rid in pending.request_ids if rid in wanted]
-                       for batch_id, pending in self._batches.items()}
+            targets = {
+                batch_id: [rid for rid in pending.request_ids if rid in wanted]
+                for batch_id, pending in self._batches.items()
+            }
         for batch_id, ids in targets.items():
             if ids:
                 self._publish_abort(batch_id, ids)
@@ -337,8 +355,11 @@ class MultiprocDiffusionExecutor:
                 return
             if isinstance(msg, PartialResult):
                 with self._lock:
-                    handler = (self._step_partials if self.od_config.step_execution
-                               else self._partial_handlers.get(msg.batch_id))
+                    handler = (
+                        self._step_partials
+                        if self.od_config.step_execution
+                        else self._partial_handlers.get(msg.batch_id)
+                    )
                 if handler is not None:
                     try:
                         handler(msg)
@@ -376,8 +397,9 @@ class MultiprocDiffusionExecutor:
         dead = [(rank, proc) for rank, proc in enumerate(self.processes) if proc.sentinel in ready]
         for _, proc in dead:
             proc.join(0)  # reap now: no zombie, and the exit code for the log
-        reason = "; ".join(f"diffusion worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
-                           for rank, proc in dead)
+        reason = "; ".join(
+            f"diffusion worker rank {rank} (pid {proc.pid}) died with exit code {proc.exitcode}" for rank, proc in dead
+        )
         logger.error("%s; failing all in-flight diffusion requests", reason)
         self._drain_results()
         self.fail(reason)
@@ -447,11 +469,24 @@ class MultiprocDiffusionExecutor:
         self._finalizer()
 
 
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """Spawn, unless this process was told to fork (`VLLM_WORKER_MULTIPROC_METHOD=fork`: the diffusion core sets it
+    where the user chose no start method, plugins.py) and still runs one thread: a forked worker starts with the
+    torch and vLLM this process imported. A restart, from a core whose engine threads run, spawns; so does vLLM's
+    `get_mp_context` where fork is unsafe (CUDA initialized)."""
+    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "fork" or threading.active_count() > 1:
+        return multiprocessing.get_context("spawn")
+    from vllm.utils.system_utils import get_mp_context
+
+    return get_mp_context()
+
+
 def _unsendable(exc: Exception) -> DiffusionOutput:
     """Text that is not valid Unicode (a lone surrogate) came from the client: 400; anything else is ours."""
     if isinstance(exc, UnicodeEncodeError):
-        return DiffusionOutput.from_exception(OmniClientError(f"the request has text that is not valid "
-                                                              f"Unicode and cannot be sent to the workers: {exc}"))
+        return DiffusionOutput.from_exception(
+            OmniClientError(f"the request has text that is not valid Unicode and cannot be sent to the workers: {exc}")
+        )
     return DiffusionOutput.from_exception(exc)
 
 
