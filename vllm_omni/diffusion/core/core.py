@@ -21,10 +21,13 @@ import shutil
 import signal
 import sys
 import threading
+import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+import psutil
 
 from vllm_omni.catalog.registry import MODEL_REGISTRY
 from vllm_omni.catalog.spec import ModelSpec
@@ -89,8 +92,11 @@ class DiffusionCoreProc:
         self._state_lock = threading.Lock()
 
     def start_engine(self) -> bool:
+        process_s = time.time() - psutil.Process().create_time()  # the interpreter's start and our imports
+        start = time.perf_counter()
         from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
 
+        imported = time.perf_counter()
         try:
             self.engine = DiffusionEngine(self.spec.od_config)
         except BaseException:
@@ -106,7 +112,11 @@ class DiffusionCoreProc:
                     shape_rule=engine.shape_rule,
                     step_execution=engine.step_execution,
                     world_size=engine.executor.world_size,
-                    startup_s=_worker_startup_phases(engine.executor.worker_info),
+                    startup_s={
+                        "core process": process_s,
+                        "core imports": imported - start,
+                        **_worker_startup_phases(engine.executor.worker_info),
+                    },
                 )
             )
         )
