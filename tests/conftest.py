@@ -12,9 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from vllm_omni.plugins import ENGINE_CORE_FORKS_WORKERS
+
 # vLLM CPU: keep the KV cache small so several engines fit beside each other on a 24 GiB machine.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+if "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ:
+    # What our front end sets where the user chose no start method (async_omni_engine.py), so every test process
+    # and server starts its stages as a user's does: the stage processes spawned (this process runs threads), each
+    # core forking its workers.
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    os.environ[ENGINE_CORE_FORKS_WORKERS] = "1"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -1,5 +1,6 @@
 """Start-up and shutdown phases a user waits for: `vllm serve tiny/qwen-image --omni`, `vllm serve tiny/qwen3-omni
---omni` (3 stages) and `Omni("tiny/qwen2")`, each in a fresh process as a user starts it (issue 30).
+--omni` (3 stages), `Omni("tiny/qwen2")` and `Omni("tiny/qwen-image")`, each in a fresh process as a user starts it
+(issue 30).
 
 For a server: seconds from the spawn to each start-up log line that marks a phase (the first log line, after the
 imports; weights loaded; vLLM's warm-up; the first EngineCore ready; each stage ready; all stages ready; HTTP up),
@@ -62,15 +63,17 @@ def stage_phases(log: str) -> dict[str, dict[str, float]]:
 TARGETS = {"serve-qwen-image": {"ready_s": 8.0, "sigterm_exit_s": 3.0},
            "serve-qwen3-omni": {"ready_s": 15.0, "sigterm_exit_s": 3.0},
            "omni-qwen2": {"ready_s": 8.0, "close_s": 1.5},
+           "omni-qwen-image": {"ready_s": 8.0, "close_s": 1.5},
            "omni-qwen2-eager": {"ready_s": 8.0, "close_s": 1.5},
            "vllm-asyncllm-qwen2-eager": {"ready_s": 8.0, "close_s": 1.5}}
 """Issue 30's targets, on 2 cores of a quiet machine."""
 
 SERVE = {"serve-qwen-image": ["tiny/qwen-image"],
          "serve-qwen3-omni": ["tiny/qwen3-omni"]}
-OMNI = ("omni-qwen2", "omni-qwen2-eager", "vllm-asyncllm-qwen2-eager")
-"""`vllm-asyncllm-qwen2-eager` is the reference: vLLM's own `AsyncLLM` for the same checkpoint and engine arguments
-(vLLM forks its EngineCore where the caller chose no start method; our front end spawns it)."""
+OMNI = ("omni-qwen2", "omni-qwen2-eager", "omni-qwen-image", "vllm-asyncllm-qwen2-eager")
+"""`omni-qwen-image` is the one-stage diffusion start without the HTTP server (the issue sets no target of its own:
+the server's are shown). `vllm-asyncllm-qwen2-eager` is the reference: vLLM's own `AsyncLLM` for the same checkpoint
+and engine arguments (vLLM forks its EngineCore where the caller chose no start method; our front end spawns it)."""
 
 OMNI_SCRIPT = """
 import sys
@@ -89,6 +92,8 @@ if __name__ == "__main__":
         engine_args = AsyncEngineArgs(model=resolve_model("tiny/qwen2"), gpu_memory_utilization=0.15,
                                       max_model_len=256, **EXTRA)
         stop = AsyncLLM.from_engine_args(engine_args).shutdown
+    elif "image" in sys.argv[1:]:
+        stop = Omni("tiny/qwen-image").close
     else:
         stop = Omni("tiny/qwen2", gpu_memory_utilization=0.15, max_model_len=256, **EXTRA).close
     t2 = time.perf_counter()
@@ -167,7 +172,8 @@ def bench_omni(target: str) -> dict:
     reference, vLLM's `AsyncLLM`."""
     load_before = load1()
     start = time.monotonic()
-    extra = (["eager"] if target.endswith("-eager") else []) + (["vllm"] if target.startswith("vllm-") else [])
+    extra = ((["eager"] if target.endswith("-eager") else []) + (["vllm"] if target.startswith("vllm-") else [])
+             + (["image"] if target == "omni-qwen-image" else []))
     out = subprocess.run([sys.executable, "-c", OMNI_SCRIPT, *extra], env=ENV, capture_output=True, text=True,
                          timeout=TIMEOUT_S, cwd=ROOT)
     total_s = time.monotonic() - start

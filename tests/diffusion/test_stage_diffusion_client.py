@@ -2,8 +2,9 @@
 
 What it pins: params are cloned per request and the output has the stage's shape and timings; a request's own
 error keeps its status; an abort returns once the workers left the request; a utility call reaches every rank;
-the API process runs no thread for the stage; the core's death marks the stage dead at once (seen through its
-sentinel on the loop) and new requests fail fast; shutdown is idempotent and leaves no process behind.
+the API process runs no thread for the stage; the workers are forked from the core; the core's death marks the
+stage dead at once (seen through its sentinel on the loop) and new requests fail fast; shutdown is idempotent and
+leaves no process behind.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import signal
 import threading
 import time
 
+import psutil
 import pytest
 from fake_pipelines import FakeStepPipeline, class_path
 
@@ -81,6 +83,15 @@ async def test_abort_returns_once_the_workers_stopped(client):
 async def test_collective_rpc_reaches_every_rank(client):
     (info,) = await client.collective_rpc_async("ping", timeout=30)
     assert info["rank"] == 0 and info["pid"] != os.getpid()
+
+
+async def test_the_workers_are_forked_from_the_core(client):
+    """Why: a spawned worker imports torch and vLLM again in a fresh interpreter (6-12 s of a stage start on
+    CPU); forked from the core, which has imported them, it starts with them."""
+    (info,) = await client.collective_rpc_async("ping", timeout=30)
+    worker, core = psutil.Process(info["pid"]), psutil.Process(client._core.proc.pid)
+    assert worker.ppid() == core.pid
+    assert worker.cmdline() == core.cmdline()  # the core's interpreter, not a `spawn_main` of its own
 
 
 async def test_core_death_marks_the_stage_dead(client):

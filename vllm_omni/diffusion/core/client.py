@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import multiprocessing
+import os
 import shutil
 import tempfile
 import time
@@ -46,6 +47,7 @@ from vllm_omni.diffusion.ipc import MsgCodec, cleanup_shm, new_shm_prefix
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.errors import EngineDeadError, OmniClientError
 from vllm_omni.logger import init_logger
+from vllm_omni.plugins import ENGINE_CORE_FORKS_WORKERS
 
 logger = init_logger(__name__)
 
@@ -139,6 +141,7 @@ class DiffusionCoreClient:
             client_shm_prefix=self.shm_prefix,
             ipc_dir=self._ipc_dir,
             families=MODEL_REGISTRY.registered_families(),
+            fork_workers=_user_chose_no_start_method(),
         )
         # Not a daemon: the core starts the worker processes. Stopped before multiprocessing joins it at exit.
         self.proc = multiprocessing.get_context("spawn").Process(
@@ -318,6 +321,12 @@ class DiffusionCoreClient:
         else:
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(fail)
+
+
+def _user_chose_no_start_method() -> bool:
+    """No `VLLM_WORKER_MULTIPROC_METHOD`, or only the `spawn` our front end set for its own process
+    (async_omni_engine.py)."""
+    return "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ or os.environ.get(ENGINE_CORE_FORKS_WORKERS) == "1"
 
 
 def _stop_core(proc: multiprocessing.process.BaseProcess, shm_prefixes: list[str], ipc_dir: str) -> None:

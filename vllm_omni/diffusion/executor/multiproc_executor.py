@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import multiprocessing
+import os
 import shutil
 import tempfile
 import threading
@@ -164,7 +165,7 @@ class MultiprocDiffusionExecutor:
     # ---- startup -------------------------------------------------------------------------------------
 
     def _launch_workers(self) -> list[multiprocessing.process.BaseProcess]:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _worker_context()
         init_method = None
         if self.world_size > 1:
             from vllm.utils.network_utils import get_open_port
@@ -498,6 +499,18 @@ class MultiprocDiffusionExecutor:
             sock.close(linger=0)
         self._context.term()
         self._finalizer()
+
+
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """Spawn, unless this process was told to fork (`VLLM_WORKER_MULTIPROC_METHOD=fork`: the diffusion core sets it
+    where the user chose no start method, plugins.py) and still runs one thread: a forked worker starts with the
+    torch and vLLM this process imported. A restart, from a core whose engine threads run, spawns; so does vLLM's
+    `get_mp_context` where fork is unsafe (CUDA initialized)."""
+    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "fork" or threading.active_count() > 1:
+        return multiprocessing.get_context("spawn")
+    from vllm.utils.system_utils import get_mp_context
+
+    return get_mp_context()
 
 
 def _unsendable(exc: Exception) -> DiffusionOutput:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -389,6 +390,7 @@ def worker_main(spec: WorkerSpec) -> None:
     """Process entry point. Everything is released by the time `run` returns, so after the exit handlers the
     process skips the interpreter teardown (seconds of module finalization with torch loaded)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a worker forked from the core inherits the core's handler
     configure_process_logging(spec.od_config.logging_config, f"DiffusionWorker_S{spec.od_config.stage_id}_R{spec.rank}")
     threading.Thread(target=_watch_parent, args=(spec, os.getppid()), name="parent-watchdog", daemon=True).start()
     code = 1
