@@ -198,3 +198,34 @@ def test_lossless_is_bitwise_uncached_and_high_reuses_steps(ltx2, ltx2_dir):
     assert (info["backend"], info["computed_steps"], info["reused_steps"]) == ("tea_cache", 4, 1)
     assert not np.array_equal(high.output["audio"], plain.output["audio"])
     assert psnr(high.output["video"], plain.output["video"]) > 15.0
+
+
+def test_image_to_video_matches_diffusers(ltx2, ltx2_dir):
+    """A request with an image is image-to-video (diffusers' LTX2ImageToVideoPipeline on the same checkpoint):
+    the first latent frame holds the image and stays clean."""
+    from diffusers import LTX2ImageToVideoPipeline
+    from PIL import Image
+
+    ours, _ = ltx2
+    ref = LTX2ImageToVideoPipeline.from_pretrained(ltx2_dir, dtype=torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    gradient = np.linspace(0, 255, 64 * 32 * 3).reshape(32, 64, 3).astype(np.uint8)
+    image = Image.fromarray(gradient)
+    prompt = {"prompt": "A cat walks on the grass.", "multi_modal_data": {"image": image}}
+    (out,) = ours.forward(DiffusionRequestBatch([request(prompt, 5, "i2v", guidance_scale=3.0, fps=24)]))
+    assert out.error is None, out.error
+    expected = ref(
+        image=image,
+        prompt="A cat walks on the grass.",
+        generator=torch.Generator("cpu").manual_seed(5),
+        output_type="np",
+        guidance_scale=3.0,
+        audio_guidance_scale=3.0,
+        frame_rate=24.0,
+        **SIZE,
+        **CFG_ONLY,
+    )
+    assert psnr(out.output["video"], (expected.frames[0] * 255).round().astype(np.uint8)) >= 35.0
+    assert snr(out.output["audio"], expected.audio[0].float().numpy()) >= 40.0
+    (t2v,) = ours.forward(DiffusionRequestBatch([request("A cat walks on the grass.", 5, "t2v", guidance_scale=3.0)]))
+    assert psnr(out.output["video"], t2v.output["video"]) < 30.0, "the image must condition the clip"

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import nn
 
 from vllm_omni.diffusion.cache.policy import FamilyPresets
@@ -85,6 +86,9 @@ class LTX2Conditioning:
     """(text rows, tokens) 1 where a connector token is real."""
     do_cfg: bool
     guidance: float
+    first_frame: torch.Tensor | None = None
+    """Image-to-video: (video tokens,) 1 on the tokens of the first latent frame, which hold the encoded input
+    image and stay clean (timestep 0, no update); None for text-to-video."""
 
     def select(self, rows: torch.Tensor) -> LTX2Conditioning:
         num_rows = self.video_embeds.shape[0] // (2 if self.do_cfg else 1)
@@ -102,6 +106,8 @@ class LTX2StepInput:
     x: torch.Tensor = rows()
     """Flat (rows, video + audio numbers) latents in the DiT's dtype, CFG rows included."""
     timestep: torch.Tensor = rows()
+    video_timestep: torch.Tensor | None = rows()
+    """Image-to-video: (rows, video tokens), 0 on the first frame's tokens."""
     video_embeds: torch.Tensor = rows()
     audio_embeds: torch.Tensor = rows()
     text_mask: torch.Tensor = rows()
@@ -110,8 +116,25 @@ class LTX2StepInput:
     fps: int
 
 
+def request_image(request: OmniDiffusionRequest) -> Image.Image | None:
+    """The request's first frame (image-to-video), None for text-to-video."""
+    image = (request.multi_modal_data or {}).get("image")
+    if image is None:
+        return None
+    if isinstance(image, list | tuple):
+        if len(image) != 1:
+            raise OmniClientError(f"image-to-video takes exactly one image, got {len(image)}", param="image")
+        image = image[0]
+    if not isinstance(image, Image.Image):
+        raise OmniClientError("image-to-video needs multi_modal_data['image'] as a PIL image", param="image")
+    return image.convert("RGB")
+
+
 class LTX2Pipeline(NativeDiffusionPipeline):
-    """Text to a video clip with its soundtrack (LTX-2 one-stage)."""
+    """Text (and optionally a first frame: image-to-video) to a video clip with its soundtrack (LTX-2 one-stage).
+
+    One pipeline serves both, as the one Lightricks/LTX-2 checkpoint does (diffusers' `LTX2Pipeline` and
+    `LTX2ImageToVideoPipeline`): a request with `multi_modal_data["image"]` is image-to-video."""
 
     progress_desc: ClassVar[str] = "LTX-2 denoise"
     lora_loader: ClassVar[str | None] = "LTX2LoraLoaderMixin"
@@ -204,6 +227,7 @@ class LTX2Pipeline(NativeDiffusionPipeline):
             sp.guidance_scale,
             sp.num_outputs_per_prompt,
             sp.max_sequence_length,
+            request_image(request) is not None,
         )
 
     def validate_request(self, request: OmniDiffusionRequest) -> None:
@@ -213,6 +237,7 @@ class LTX2Pipeline(NativeDiffusionPipeline):
         for name in _UNSUPPORTED:
             if getattr(sp, name) is not None:
                 raise OmniClientError(f"{name} does not apply to LTX-2", param=name)
+        request_image(request)
 
     def encode_prompt(self, requests: list[OmniDiffusionRequest]) -> LTX2Conditioning:
         sp = requests[0].sampling_params
@@ -225,6 +250,11 @@ class LTX2Pipeline(NativeDiffusionPipeline):
             prompts + negatives, sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
         )
         per = sp.num_outputs_per_prompt
+        first_frame = None
+        if request_image(requests[0]) is not None:
+            first_frame = torch.zeros(geometry.latent_frames, geometry.latent_height * geometry.latent_width)
+            first_frame[0] = 1
+            first_frame = first_frame.flatten().to(self.device)
         return LTX2Conditioning(
             geometry,
             video.repeat_interleave(per, 0),
@@ -232,6 +262,7 @@ class LTX2Pipeline(NativeDiffusionPipeline):
             mask.repeat_interleave(per, 0),
             do_cfg,
             guidance,
+            first_frame,
         )
 
     def prepare_latents(self, requests: list[OmniDiffusionRequest], conditioning: LTX2Conditioning) -> torch.Tensor:
@@ -246,6 +277,8 @@ class LTX2Pipeline(NativeDiffusionPipeline):
             generator = torch.Generator(device="cpu").manual_seed(shared_random_seed() if seed is None else seed)
             video = torch.randn(video_shape, generator=generator, dtype=torch.float32)
             audio = torch.randn(audio_shape, generator=generator, dtype=torch.float32)
+            if conditioning.first_frame is not None:  # the image's latents replace the first frame's noise
+                video[:, :, :1] = self.encode_image(request_image(request), g).expand(per, -1, -1, -1, -1)
             noise.append(self.pack(video, audio))
         return torch.cat(noise).to(self.device)
 
@@ -272,7 +305,7 @@ class LTX2Pipeline(NativeDiffusionPipeline):
         """Same geometry (token counts and RoPE positions) and text length; prompts, seeds, guidance, CFG on/off
         and step counts may differ."""
         cond = state.conditioning
-        return (cond.geometry, cond.video_embeds.shape[1], state.latents.dtype)
+        return (cond.geometry, cond.video_embeds.shape[1], cond.first_frame is not None, state.latents.dtype)
 
     def step_tokens(self, state: DenoiseState) -> int:
         cond, g = state.conditioning, state.conditioning.geometry
@@ -284,10 +317,14 @@ class LTX2Pipeline(NativeDiffusionPipeline):
     def step_inputs(self, state: DenoiseState) -> LTX2StepInput:
         cond, g = state.conditioning, state.conditioning.geometry
         x = torch.cat([state.latents, state.latents]) if cond.do_cfg else state.latents
-        t = state.timesteps[state.step_index]
+        timestep = state.timesteps[state.step_index].expand(x.shape[0])
+        video_timestep = None
+        if cond.first_frame is not None:  # the given first frame's tokens are clean: timestep 0
+            video_timestep = timestep[:, None] * (1 - cond.first_frame)[None].to(timestep.dtype)
         return LTX2StepInput(
             x.to(self.dtype),
-            t.expand(x.shape[0]),
+            timestep,
+            video_timestep,
             cond.video_embeds,
             cond.audio_embeds,
             cond.text_mask,
@@ -304,6 +341,7 @@ class LTX2Pipeline(NativeDiffusionPipeline):
             inp.video_embeds,
             inp.audio_embeds,
             inp.text_mask,
+            video_timestep=inp.video_timestep,
             video_shape=inp.video_shape,
             audio_frames=inp.audio_frames,
             fps=float(inp.fps),
@@ -316,6 +354,16 @@ class LTX2Pipeline(NativeDiffusionPipeline):
         num_rows = state.latents.shape[0]
         positive, negative = pred[:num_rows], pred[num_rows:]
         return positive + (cond.guidance - 1) * (positive - negative)
+
+    def scheduler_step(self, state: DenoiseState, noise_pred: torch.Tensor) -> torch.Tensor:
+        """Image-to-video: the first frame's tokens get no update (they stay the image's latents)."""
+        first_frame = state.conditioning.first_frame
+        if first_frame is not None:
+            channels = self.transformer.config.in_channels
+            keep = torch.zeros_like(noise_pred[0])
+            keep[: first_frame.numel() * channels] = first_frame.repeat_interleave(channels)
+            noise_pred = noise_pred * (1 - keep)
+        return super().scheduler_step(state, noise_pred)
 
     def finish(self, state: DenoiseState, ctx: StepContext) -> list[DiffusionOutput]:
         start = synchronized_now(self.device)  # step mode: the last steps may still be queued
@@ -369,6 +417,22 @@ class LTX2Pipeline(NativeDiffusionPipeline):
             round(num_frames / fps * per_second),
             audio_cfg.mel_bins // self.audio_vae.mel_compression_ratio,
         )
+
+    def encode_image(self, image: Image.Image, g: LTX2Geometry) -> torch.Tensor:
+        """The first frame's normalized latents (1, C, 1, h, w): the image re-compressed with H.264 at the CRF the
+        model was trained with (as LTX-2's reference preprocessing does), resized, VAE-encoded (mode)."""
+        from diffusers.pipelines.ltx2.utils import apply_image_conditioning_crf, resolve_default_image_crf
+        from diffusers.video_processor import VideoProcessor
+
+        crf = resolve_default_image_crf(self.text_encoder)
+        if crf:
+            image = Image.fromarray(apply_image_conditioning_crf(np.asarray(image), crf))
+        processor = VideoProcessor(vae_scale_factor=self.vae.spatial_compression_ratio)
+        pixels = processor.preprocess(image, height=g.height, width=g.width).to(self.device, self.dtype)
+        latent = self.vae.encode(pixels.unsqueeze(2).to(self.vae.dtype)).latent_dist.mode().float()
+        mean = self.vae.latents_mean.view(1, -1, 1, 1, 1).to(latent)
+        std = self.vae.latents_std.view(1, -1, 1, 1, 1).to(latent)
+        return ((latent - mean) / std).cpu()  # diffusers normalizes the image latents without scaling_factor
 
     def encode_texts(self, prompts: list[str], max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every Gemma3 layer's hidden states (stacked per token) through the connectors: (video tokens, audio

@@ -5,10 +5,13 @@ from vllm_omni.catalog.spec import DiffusionPipelineEntry, ModelSpec
 
 SPEC = ModelSpec(
     family="ltx2",
-    description="Lightricks LTX-2 text-to-video with audio (native pipeline, matches diffusers)",
+    description="Lightricks LTX-2 text/image-to-video with audio (native pipeline, matches diffusers)",
     diffusion_pipelines={
         "LTX2Pipeline": DiffusionPipelineEntry(
-            "vllm_omni.models.ltx2.pipeline:LTX2Pipeline", "video", max_prompt_tokens=1024
+            "vllm_omni.models.ltx2.pipeline:LTX2Pipeline",
+            "video",
+            input_modalities=frozenset({"text", "image"}),
+            max_prompt_tokens=1024,
         ),
     },
     tiny={"ltx2": "vllm_omni.models.ltx2.tiny:build_ltx2"},

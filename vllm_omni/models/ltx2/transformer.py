@@ -15,7 +15,9 @@ from diffusers import LTX2VideoTransformer3DModel
 
 
 class LTX2Transformer(LTX2VideoTransformer3DModel):
-    """Flat rows in, flat rows out: `x` is (rows, video_tokens * C_video + audio_tokens * C_audio)."""
+    """Flat rows in, flat rows out: `x` is (rows, video_tokens * C_video + audio_tokens * C_audio). `timestep`
+    (rows,) conditions both streams; `video_timestep` (rows, video tokens), when given, the video tokens
+    (image-to-video: 0 on the given first frame)."""
 
     def forward(
         self,
@@ -25,6 +27,7 @@ class LTX2Transformer(LTX2VideoTransformer3DModel):
         audio_embeds: torch.Tensor,
         text_mask: torch.Tensor,
         *,
+        video_timestep: torch.Tensor | None = None,
         video_shape: tuple[int, int, int],
         audio_frames: int,
         fps: float,
@@ -42,7 +45,8 @@ class LTX2Transformer(LTX2VideoTransformer3DModel):
                 audio_hidden_states=audio,
                 encoder_hidden_states=video_embeds,
                 audio_encoder_hidden_states=audio_embeds,
-                timestep=timestep,
+                timestep=timestep if video_timestep is None else video_timestep,
+                audio_timestep=timestep,
                 sigma=timestep,
                 encoder_attention_mask=text_mask,
                 audio_encoder_attention_mask=text_mask,
