@@ -93,6 +93,7 @@ def write_real_size_checkpoint(out: Path) -> Path:
         "vocoder": {"_class_name": "LTX2Vocoder"},
     }
     tiny_text = json.loads((tiny / "text_encoder" / "config.json").read_text())
+    tiny_text["text_config"].pop("layer_types", None)  # derived from num_hidden_layers once the tiny list is gone
     text = {
         **tiny_text,
         "text_config": {**tiny_text["text_config"], **GEMMA3_12B_TEXT},
