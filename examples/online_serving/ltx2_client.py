@@ -44,8 +44,10 @@ def main() -> None:
     data = client.videos.download_content(job.id).read()
     Path(args.out).write_bytes(data)
     audio, rate = decode_mp4_audio(data)
-    print(f"saved {args.out}: {decode_mp4(data).shape[0]} frames, soundtrack {audio.shape[0]} ch x "
-          f"{audio.shape[1]} samples at {rate} Hz")
+    print(
+        f"saved {args.out}: {decode_mp4(data).shape[0]} frames, soundtrack {audio.shape[0]} ch x "
+        f"{audio.shape[1]} samples at {rate} Hz"
+    )
 
 
 if __name__ == "__main__":
