@@ -9,7 +9,6 @@ saved as an MP4 (H.264 video + FLAC audio) that any player plays with sound.
 from __future__ import annotations
 
 import argparse
-import base64
 import time
 from pathlib import Path
 
@@ -31,10 +30,10 @@ def main() -> None:
     parser.add_argument("--out", default="ltx2.mp4")
     args = parser.parse_args()
     extra = {"num_frames": args.frames, "fps": args.fps, "num_inference_steps": args.steps, "seed": args.seed}
-    if args.image is not None:
-        extra["input_reference"] = "data:image/png;base64," + base64.b64encode(args.image.read_bytes()).decode()
     client = server_args.client(args)
-    job = client.videos.create(prompt=args.prompt, size=args.size, extra_body=extra)
+    # The SDK sends a multipart form: the first frame goes as the `input_reference` file.
+    image = {} if args.image is None else {"input_reference": (args.image.name, args.image.read_bytes(), "image/png")}
+    job = client.videos.create(prompt=args.prompt, size=args.size, extra_body=extra, **image)
     while job.status not in ("completed", "failed"):
         time.sleep(1.0)
         job = client.videos.retrieve(job.id)
