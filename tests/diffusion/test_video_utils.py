@@ -12,7 +12,9 @@ import pytest
 
 from vllm_omni.diffusion.video_utils import (
     STREAMED_FRAMES,
+    FragmentedMp4Writer,
     decode_mp4,
+    decode_mp4_audio,
     encode_mp4,
     join_streamed_video,
 )
@@ -70,3 +72,24 @@ def test_streamed_video_is_joined_from_its_chunks_or_fails_when_one_is_missing()
     assert join_streamed_video(plain, []) is plain
     with pytest.raises(RuntimeError, match="5 of its 9 frames"):
         join_streamed_video({STREAMED_FRAMES: 9}, chunks[:2])
+
+
+def test_soundtrack_is_muxed_losslessly_whole_and_in_fragments():
+    """LTX-2's clips carry a waveform: the MP4's FLAC track decodes to it at 16-bit (whole file, fragmented
+    file, and fragment by fragment with each chunk's samples); a silent clip has no audio track."""
+    frames = _frames(9, 32, 48)
+    t = np.linspace(0, 1, 6000, dtype=np.float32)
+    wave = np.stack([0.5 * np.sin(2 * np.pi * 440 * t), 0.25 * np.sin(2 * np.pi * 220 * t)])
+    for fragmented in (False, True):
+        data = encode_mp4(frames, 24, audio=wave, sample_rate=16000, fragmented=fragmented)
+        audio, rate = decode_mp4_audio(data)
+        assert decode_mp4(data).shape == frames.shape and rate == 16000 and audio.shape == wave.shape
+        assert np.abs(audio - wave).max() <= 1 / 32767
+    writer = FragmentedMp4Writer(24, 48, 32, sample_rate=16000, channels=2)
+    data = writer.write(frames[:4], wave[:, :2666]) + writer.write(frames[4:], wave[:, 2666:]) + writer.close()
+    audio, _ = decode_mp4_audio(data)
+    assert decode_mp4(data).shape == frames.shape and np.abs(audio - wave).max() <= 1 / 32767
+    assert decode_mp4_audio(encode_mp4(frames, 24)) is None
+    with pytest.raises(ValueError, match="sample_rate"):
+        encode_mp4(frames, 24, audio=wave)
+

@@ -25,6 +25,7 @@ _BUILTIN_FAMILIES: dict[str, str] = {
     "qwen_image_21": "vllm_omni.models.qwen_image_21.spec:SPEC",
     "flux2": "vllm_omni.models.flux2.spec:SPEC",
     "wan": "vllm_omni.models.wan.spec:SPEC",
+    "ltx2": "vllm_omni.models.ltx2.spec:SPEC",
     "qwen3_omni": "vllm_omni.models.qwen3_omni.spec:SPEC",
     "llm": "vllm_omni.models.llm.spec:SPEC",
 }

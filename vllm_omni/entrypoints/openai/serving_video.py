@@ -58,6 +58,12 @@ class GeneratedVideo:
     frames: np.ndarray
     """uint8 (T, H, W, 3)."""
     fps: int
+    audio: np.ndarray | None = None
+    """The clip's soundtrack (float (channels, samples)) for models that make one (LTX-2), muxed into the MP4."""
+    sample_rate: int | None = None
+
+    def encode(self) -> bytes:
+        return encode_mp4(self.frames, self.fps, audio=self.audio, sample_rate=self.sample_rate)
 
 
 @dataclass
@@ -174,7 +180,11 @@ class OmniOpenAIServingVideo(OmniServingBase):
                 continue
             frames = np.asarray(mm["video"])
             fps = int(mm.get("fps") or DEFAULT_FPS)
-            videos.extend(GeneratedVideo(f, fps) for f in (frames if frames.ndim == 5 else frames[None]))
+            clips = frames if frames.ndim == 5 else frames[None]
+            audio = mm.get("audio")
+            tracks = [None] * len(clips) if audio is None else list(audio) if frames.ndim == 5 else [audio]
+            videos.extend(GeneratedVideo(clip, fps, track, mm.get("sample_rate"))
+                          for clip, track in zip(clips, tracks, strict=True))
         if not videos:
             raise OmniClientError(f"`{self.model_name}` returned no video for this request", status_code=422)
         return videos, durations, next((out.cache for out in finals if out.cache is not None), None)
@@ -207,7 +217,7 @@ class OmniOpenAIServingVideo(OmniServingBase):
         except TimeoutError as exc:
             raise OmniError(f"video generation took longer than {SYNC_TIMEOUT_S:g} s "
                             "(VLLM_OMNI_VIDEO_SYNC_TIMEOUT)", status_code=504) from exc
-        return await asyncio.to_thread(encode_mp4, videos[0].frames, videos[0].fps)
+        return await asyncio.to_thread(videos[0].encode)
 
     # ---- async jobs ----------------------------------------------------------------------------------------
 
@@ -228,7 +238,7 @@ class OmniOpenAIServingVideo(OmniServingBase):
         try:
             videos, durations, cache = await self.generate_videos(prompt, response.id, params,
                                                            on_progress=functools.partial(_set_progress, job))
-            job.mp4 = [await asyncio.to_thread(encode_mp4, v.frames, v.fps) for v in videos]
+            job.mp4 = [await asyncio.to_thread(v.encode) for v in videos]
             response.stage_durations, response.cache = durations, cache
             response.progress = 100
             response.status = VideoGenerationStatus.COMPLETED

@@ -3,7 +3,8 @@
 Protocol (JSON text messages, binary media):
   client -> `session.start` {prompt, sampling_params?: {...}, input_reference?: data URL, output_format?: "fmp4",
             frames_per_chunk?: int}, `session.stop`, `session.ping`
-  server -> `video.start` {fps, width, height, num_frames (asked for), codec, container, mime_type}, then per
+  server -> `video.start` {fps, width, height, num_frames (asked for), codec, container, mime_type, and for a
+            clip with a soundtrack (LTX-2) audio_codec "flac", sample_rate, channels}, then per
             fragment a `video.chunk_metadata` {index, frame_start, frame_end, timestamp_start, timestamp_end,
             num_bytes} followed by one binary message (the first carries the init segment; the concatenation of
             all binary messages is one playable MP4), then `session.done` {timing}; `session.pong`;
@@ -11,7 +12,8 @@ Protocol (JSON text messages, binary media):
 Frames are encoded as the engine decodes them: pipelines that stream (Wan) hand over each temporally decoded
 chunk, which becomes one fragment, sent once the muxer has closed it (when the next chunk arrives, or at the
 end), so the first fragment leaves long before the last frame is decoded. A model that returns the whole clip
-at once is cut into `frames_per_chunk`-frame fragments after generation. Encoding runs in a thread. The
+at once is cut into `frames_per_chunk`-frame fragments after generation, its soundtrack (LTX-2) cut with the
+frames so that each fragment carries the audio of its frames. Encoding runs in a thread. The
 client closing the socket or sending `session.stop` cancels the generation, which aborts the request in the
 engine.
 """
@@ -165,8 +167,13 @@ class OmniStreamingVideoOutputHandler:
             raise OmniClientError(f"`{self.serving.model_name}` returned no video for this request", status_code=422)
         if sender.writer is None:
             frames, fps = _first_video(final["video"]), int(final.get("fps") or DEFAULT_FPS)
-            for first in range(0, frames.shape[0], frames_per_chunk):
-                await sender.add(frames[first:first + frames_per_chunk], fps)
+            audio = _first_audio(final)  # cut with the frames: each fragment carries its frames' share
+            num_frames = frames.shape[0]
+            for first in range(0, num_frames, frames_per_chunk):
+                last = min(first + frames_per_chunk, num_frames)
+                track = None if audio is None else \
+                    audio[:, first * audio.shape[1] // num_frames:last * audio.shape[1] // num_frames]
+                await sender.add(frames[first:last], fps, track, final.get("sample_rate"))
         await sender.finish()
         return durations, cache
 
@@ -195,14 +202,21 @@ class _FragmentSender:
         """When the engine's final output (the whole clip) reached the server, since the session started."""
         self._encoding: asyncio.Future | None = None
 
-    async def add(self, frames: np.ndarray, fps: int) -> None:
+    async def add(self, frames: np.ndarray, fps: int, audio: np.ndarray | None = None,
+                  sample_rate: int | None = None) -> None:
+        """Frames (and, for a clip with a soundtrack, the float waveform they cover) as the next fragment."""
         if self.writer is None:
             height, width = frames.shape[1:3]
-            self.writer = FragmentedMp4Writer(fps, width, height)
-            await OmniStreamingVideoOutputHandler._send(self.ws, {
-                "type": "video.start", "fps": fps, "width": width, "height": height, "num_frames": self.num_frames,
-                "codec": "h264", "container": "fmp4", "mime_type": 'video/mp4; codecs="avc1"'})
-        await self._flush(await self._encode(self.writer.write, frames))
+            channels = 0 if audio is None else audio.shape[0]
+            self.writer = FragmentedMp4Writer(fps, width, height, sample_rate=sample_rate, channels=channels)
+            codecs = "avc1" if audio is None else "avc1, fLaC"
+            start = {"type": "video.start", "fps": fps, "width": width, "height": height,
+                     "num_frames": self.num_frames, "codec": "h264", "container": "fmp4",
+                     "mime_type": f'video/mp4; codecs="{codecs}"'}
+            if audio is not None:
+                start.update(audio_codec="flac", sample_rate=sample_rate, channels=channels)
+            await OmniStreamingVideoOutputHandler._send(self.ws, start)
+        await self._flush(await self._encode(self.writer.write, frames, audio))
 
     async def finish(self) -> None:
         await self._flush(await self._encode(self.writer.close))
@@ -244,6 +258,15 @@ def _first_video(video: Any) -> np.ndarray:
     """(T, H, W, 3) of the first output when a request asked for several (N, T, H, W, 3)."""
     frames = np.asarray(video)
     return frames[0] if frames.ndim == 5 else frames
+
+
+def _first_audio(final: dict[str, Any]) -> np.ndarray | None:
+    """(channels, samples) soundtrack of the first output (None: the model makes no sound)."""
+    if final.get("audio") is None:
+        return None
+    audio = np.asarray(final["audio"])
+    audio = audio[0] if np.asarray(final["video"]).ndim == 5 else audio
+    return audio[None] if audio.ndim == 1 else audio
 
 
 async def _close(ws: WebSocket, code: int) -> None:

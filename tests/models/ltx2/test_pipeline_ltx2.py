@@ -1,0 +1,231 @@
+"""Our LTX-2 pipeline vs diffusers' LTX2Pipeline on the same tiny weights and seed (issue 28).
+
+Why it matters: the acceptance bar for native LTX-2: decoded frames within PSNR >= 35 dB and the waveform within
+SNR >= 40 dB of diffusers, with CFG rows and two requests batched into one DiT forward; the step contract
+(step-mode co-batched == solo) and the cache contract (quality=lossless is bitwise the uncached path).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_omni.diffusion.data import OmniDiffusionConfig
+from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+SIZE = dict(height=32, width=64, num_frames=9, num_inference_steps=3, max_sequence_length=32)
+# diffusers' CFG-only configuration: what our pipeline runs.
+CFG_ONLY = dict(
+    stg_scale=0.0,
+    audio_stg_scale=0.0,
+    modality_scale=1.0,
+    audio_modality_scale=1.0,
+    guidance_rescale=0.0,
+    audio_guidance_rescale=0.0,
+)
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def snr(signal: np.ndarray, reference: np.ndarray) -> float:
+    noise = np.sum((signal.astype(np.float64) - reference.astype(np.float64)) ** 2)
+    return float("inf") if noise == 0 else 10 * np.log10(np.sum(reference.astype(np.float64) ** 2) / noise)
+
+
+def reference(pipe, prompt: str, seed: int, guidance: float, fps: int, negative: str | None = None):
+    out = pipe(
+        prompt=prompt,
+        negative_prompt=negative,
+        generator=torch.Generator("cpu").manual_seed(seed),
+        output_type="np",
+        guidance_scale=guidance,
+        audio_guidance_scale=guidance,
+        frame_rate=float(fps),
+        **SIZE,
+        **CFG_ONLY,
+    )
+    return (out.frames[0] * 255).round().astype(np.uint8), out.audio[0].float().numpy()
+
+
+def request(prompt, seed: int, rid: str, **params) -> OmniDiffusionRequest:
+    sp = OmniDiffusionSamplingParams(seed=seed, **{**SIZE, **params})
+    return OmniDiffusionRequest(prompt=prompt, sampling_params=sp, request_id=rid)
+
+
+@pytest.fixture(scope="module")
+def ltx2(dist_world, ltx2_dir):
+    from diffusers import LTX2Pipeline as RefPipeline
+
+    from vllm_omni.models.ltx2.pipeline import LTX2Pipeline
+
+    ours = LTX2Pipeline.from_pretrained(
+        OmniDiffusionConfig(model=str(ltx2_dir)), ltx2_dir, torch.device("cpu"), torch.float32
+    )
+    ref = RefPipeline.from_pretrained(ltx2_dir, dtype=torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    return ours, ref
+
+
+def test_batched_cfg_matches_diffusers(ltx2):
+    ours, ref = ltx2
+    items = [("A cat walks on the grass while birds sing.", 7), ("Ocean waves crash against the rocks.", 11)]
+    outputs = ours.forward(
+        DiffusionRequestBatch([request(p, s, f"r{i}", guidance_scale=3.0, fps=24) for i, (p, s) in enumerate(items)])
+    )
+    for (prompt, seed), out in zip(items, outputs, strict=True):
+        assert out.error is None
+        video, audio = out.output["video"], out.output["audio"]
+        assert video.dtype == np.uint8 and video.shape == (9, 32, 64, 3) and out.output["fps"] == 24
+        assert out.output["sample_rate"] == 16000 and audio.dtype == np.float32 and audio.shape[0] == 2
+        expected_video, expected_audio = reference(ref, prompt, seed, 3.0, 24)
+        assert audio.shape == expected_audio.shape
+        assert video.std() > 1.0 and np.abs(audio).max() > 1e-3, "a constant output would prove nothing"
+        assert psnr(video, expected_video) >= 35.0
+        assert snr(audio, expected_audio) >= 40.0
+    assert psnr(outputs[0].output["video"], outputs[1].output["video"]) < 30.0, "different prompts/seeds differ"
+
+
+def test_negative_prompt_outputs_per_prompt_and_fps(ltx2):
+    ours, ref = ltx2
+    rq = request(
+        {"prompt": "A dog barks and runs.", "negative_prompt": "blurry"},
+        3,
+        "neg",
+        guidance_scale=4.0,
+        num_outputs_per_prompt=2,
+        fps=12,
+    )
+    (out,) = ours.forward(DiffusionRequestBatch([rq]))
+    assert out.output["video"].shape == (2, 9, 32, 64, 3) and out.output["fps"] == 12
+    expected = ref(
+        prompt="A dog barks and runs.",
+        negative_prompt="blurry",
+        num_videos_per_prompt=2,
+        generator=torch.Generator("cpu").manual_seed(3),
+        output_type="np",
+        guidance_scale=4.0,
+        audio_guidance_scale=4.0,
+        frame_rate=12.0,
+        **SIZE,
+        **CFG_ONLY,
+    )
+    assert psnr(out.output["video"], (expected.frames * 255).round().astype(np.uint8)) >= 35.0
+    assert snr(out.output["audio"], expected.audio.float().numpy()) >= 40.0
+    # 12 fps: the same 9 frames last twice as long, so the soundtrack has twice the latent frames.
+    assert (
+        out.output["audio"].shape[-1]
+        > 1.5
+        * ours.forward(DiffusionRequestBatch([request("A dog barks.", 3, "fps24", fps=24)]))[0]
+        .output["audio"]
+        .shape[-1]
+    )
+
+
+def test_invalid_requests_fail_alone(ltx2):
+    ours, _ = ltx2
+    good = request("A red car.", 1, "good")
+    outs = ours.forward(
+        DiffusionRequestBatch(
+            [
+                request("   ", 1, "bad"),
+                good,
+                request("x", 1, "odd", height=33),
+                request("x", 1, "g2", guidance_scale_2=2.0),
+            ]
+        )
+    )
+    assert outs[0].error_status_code == 400 and "prompt" in outs[0].error
+    assert outs[1].error is None and outs[1].output["video"].shape == (9, 32, 64, 3)
+    assert outs[2].error_status_code == 400 and "height" in outs[2].error
+    assert outs[3].error_status_code == 400 and "guidance_scale_2" in outs[3].error
+
+
+def test_step_mode_cobatched_requests_equal_their_solo_outputs(ltx2):
+    """max_num_seqs 4: different prompts, step counts, CFG on/off; one of another frame count (its own forward).
+    They join mid-flight; each ends with its solo frames and waveform."""
+    from tests.diffusion.step_harness import Harness
+
+    ours, _ = ltx2
+    reqs = [
+        request("A cat walks on the grass.", 1, "a", guidance_scale=3.0),
+        request("A dog barks.", 2, "b", num_inference_steps=2, guidance_scale=1.0),
+        request("Waves crash.", 3, "c", num_inference_steps=2, num_frames=5, guidance_scale=1.0),
+    ]
+    forwards: list[int] = []
+    forward = ours.forward_step_inputs
+    ours.forward_step_inputs = lambda inputs, states: forwards.append(len(inputs)) or forward(inputs, states)
+    try:
+        harness = Harness(ours, max_num_seqs=4)
+        harness.add(reqs[0])
+        harness.round()
+        for req in reqs[1:]:
+            harness.add(req)
+        harness.drain()
+    finally:
+        del ours.forward_step_inputs
+    assert max(forwards) == 2  # a and b shared forwards; c (other frame count) never joined them
+    for req in reqs:
+        out = harness.outputs[req.request_id]
+        assert out.error is None, out.error
+        (solo,) = ours.forward(DiffusionRequestBatch([req]))
+        assert psnr(out.output["video"], solo.output["video"]) >= 60.0
+        assert snr(out.output["audio"], solo.output["audio"]) >= 60.0
+
+
+def test_lossless_is_bitwise_uncached_and_high_reuses_steps(ltx2, ltx2_dir):
+    from vllm_omni.models.ltx2.pipeline import LTX2Pipeline
+
+    ours, _ = ltx2
+    cached = LTX2Pipeline.from_pretrained(
+        OmniDiffusionConfig(model=str(ltx2_dir), cache_backend="tea_cache"),
+        ltx2_dir,
+        torch.device("cpu"),
+        torch.float32,
+    )
+    params = dict(num_inference_steps=5, guidance_scale=3.0)
+    (plain,) = ours.forward(DiffusionRequestBatch([request("A cat walks.", 5, "p", **params)]))
+    (lossless,) = cached.forward(DiffusionRequestBatch([request("A cat walks.", 5, "l", quality="lossless", **params)]))
+    np.testing.assert_array_equal(lossless.output["video"], plain.output["video"])
+    np.testing.assert_array_equal(lossless.output["audio"], plain.output["audio"])
+    (high,) = cached.forward(DiffusionRequestBatch([request("A cat walks.", 5, "h", quality="high", **params)]))
+    info = high.extra["cache"]
+    assert (info["backend"], info["computed_steps"], info["reused_steps"]) == ("tea_cache", 4, 1)
+    assert not np.array_equal(high.output["audio"], plain.output["audio"])
+    assert psnr(high.output["video"], plain.output["video"]) > 15.0
+
+
+def test_image_to_video_matches_diffusers(ltx2, ltx2_dir):
+    """A request with an image is image-to-video (diffusers' LTX2ImageToVideoPipeline on the same checkpoint):
+    the first latent frame holds the image and stays clean."""
+    from diffusers import LTX2ImageToVideoPipeline
+    from PIL import Image
+
+    ours, _ = ltx2
+    ref = LTX2ImageToVideoPipeline.from_pretrained(ltx2_dir, dtype=torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    gradient = np.linspace(0, 255, 64 * 32 * 3).reshape(32, 64, 3).astype(np.uint8)
+    image = Image.fromarray(gradient)
+    prompt = {"prompt": "A cat walks on the grass.", "multi_modal_data": {"image": image}}
+    (out,) = ours.forward(DiffusionRequestBatch([request(prompt, 5, "i2v", guidance_scale=3.0, fps=24)]))
+    assert out.error is None, out.error
+    expected = ref(
+        image=image,
+        prompt="A cat walks on the grass.",
+        generator=torch.Generator("cpu").manual_seed(5),
+        output_type="np",
+        guidance_scale=3.0,
+        audio_guidance_scale=3.0,
+        frame_rate=24.0,
+        **SIZE,
+        **CFG_ONLY,
+    )
+    assert psnr(out.output["video"], (expected.frames[0] * 255).round().astype(np.uint8)) >= 35.0
+    assert snr(out.output["audio"], expected.audio[0].float().numpy()) >= 40.0
+    (t2v,) = ours.forward(DiffusionRequestBatch([request("A cat walks on the grass.", 5, "t2v", guidance_scale=3.0)]))
+    assert psnr(out.output["video"], t2v.output["video"]) < 30.0, "the image must condition the clip"
