@@ -81,3 +81,38 @@ def test_openai_voice_names_select_the_first_speaker(tiny_path):
     for voice in (None, "alloy"):
         result = text_to_talker_request([], {"prompt": "Hi there.", "voice": voice}, context)
         assert first in result.sampling_params.extra_args["qwen3_omni_talker"]["codec_ids"]
+
+
+def _variant(tiny_path, tmp_path, **config):
+    """The tiny checkpoint with config.json fields replaced (the rest linked)."""
+    tmp_path.mkdir()
+    for item in tiny_path.iterdir():
+        (tmp_path / item.name).symlink_to(item)
+    (tmp_path / "config.json").unlink()
+    raw = json.loads((tiny_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, **config}))
+    return SimpleNamespace(request_id="r", stage=SimpleNamespace(model=str(tmp_path), engine_args={}),
+                           sampling_params=None)
+
+
+def test_instructions_only_where_the_checkpoint_takes_them(tiny_path, tmp_path):
+    """A 0.6B CustomVoice checkpoint takes no instructions (the reference drops them): a 400 naming the field;
+    a VoiceDesign checkpoint takes them, has no named voices (OpenAI's names: none) and refuses other names."""
+    small = _variant(tiny_path, tmp_path / "small", tts_model_size="0b6")
+    with pytest.raises(OmniClientError) as err:
+        text_to_talker_request([], {"prompt": "Hi there.", "instructions": "Whisper."}, small)
+    assert err.value.param == "instructions"
+    design = _variant(tiny_path, tmp_path / "design", tts_model_type="voice_design")
+    result = text_to_talker_request([], {"prompt": "Hi there.", "voice": "alloy", "instructions": "A calm voice."},
+                                    design)
+    spec = result.sampling_params.extra_args["qwen3_omni_talker"]
+    speakers = json.loads((tiny_path / "config.json").read_text())["talker_config"]["spk_id"].values()
+    plain = text_to_talker_request([], {"prompt": "Hi there."}, design).sampling_params.extra_args
+    from transformers import AutoTokenizer
+
+    instruction = AutoTokenizer.from_pretrained(tiny_path)("<|im_start|>user\nA calm voice.<|im_end|>\n")["input_ids"]
+    assert not set(spec["codec_ids"]) & set(speakers)  # no speaker in the preamble
+    assert spec["thinker_ids"] == instruction + plain["qwen3_omni_talker"]["thinker_ids"]  # the instruction first
+    with pytest.raises(OmniClientError) as err:
+        text_to_talker_request([], {"prompt": "Hi there.", "voice": "vivian"}, design)
+    assert err.value.param == "voice"
