@@ -1,5 +1,5 @@
-"""vLLM plugin hook (entry point group `vllm.general_plugins`): registers our AR model classes, lets an
-EngineCore fork its workers, and lets a CPU process use AMX.
+"""vLLM plugin hook (entry point group `vllm.general_plugins`): registers our AR model classes (and the HF config
+classes they need), lets an EngineCore fork its workers, and lets a CPU process use AMX.
 
 vLLM calls this in every process it starts (API server, EngineCore, workers), so it must be idempotent and
 cheap.
@@ -18,12 +18,26 @@ def register_models() -> None:
 
     alias_qwen2_vl_image_processing()  # vLLM's Qwen-VL/Omni models import torchvision-only code otherwise
 
+    register_hf_configs()
     supported = set(ModelRegistry.get_supported_archs())
     for arch, target in MODEL_REGISTRY.ar_models().items():
         if arch not in supported:
             ModelRegistry.register_model(arch, target)
     _fork_workers_in_engine_core()
     _allow_amx_on_cpu()
+
+
+def register_hf_configs() -> None:
+    """The config classes of checkpoints transformers does not know (e.g. Qwen3-TTS's), so that vLLM and our
+    config resolution read them with `AutoConfig` (idempotent)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from vllm_omni.catalog.spec import import_target
+
+    for model_type, target in MODEL_REGISTRY.hf_configs().items():
+        if model_type not in CONFIG_MAPPING:
+            AutoConfig.register(model_type, import_target(target))
 
 
 ENGINE_CORE_FORKS_WORKERS = "_VLLM_OMNI_ENGINE_CORE_FORKS_WORKERS"

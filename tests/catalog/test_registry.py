@@ -79,7 +79,8 @@ def test_specs_are_light_and_every_name_resolves():
     for spec in MODEL_REGISTRY.specs():
         targets = [e.target for e in spec.diffusion_pipelines.values()]
         targets += [*spec.ar_models.values(), *spec.stage_input_processors.values(), *spec.output_collectors.values(),
-                    *spec.tiny.values(), *([spec.topology] if isinstance(spec.topology, str) else [])]
+                    *spec.tiny.values(), *spec.hf_configs.values(),
+                    *([spec.topology] if isinstance(spec.topology, str) else [])]
         for target in targets:
             if isinstance(target, str):
                 assert callable(import_target(target)), target
@@ -87,4 +88,9 @@ def test_specs_are_light_and_every_name_resolves():
         "Qwen3OmniMoeTalkerForConditionalGeneration":
             "vllm_omni.models.qwen3_omni.vllm_talker:Qwen3OmniMoeTalkerForConditionalGeneration",
         "Qwen3OmniMoeOmniThinkerForConditionalGeneration":
-            "vllm_omni.models.qwen3_omni.vllm_thinker:Qwen3OmniMoeOmniThinkerForConditionalGeneration"}
+            "vllm_omni.models.qwen3_omni.vllm_thinker:Qwen3OmniMoeOmniThinkerForConditionalGeneration",
+        "Qwen3TTSTalkerForConditionalGeneration":
+            "vllm_omni.models.qwen3_tts.vllm_talker:Qwen3TTSTalkerForConditionalGeneration"}
+    from transformers import AutoConfig
+
+    assert AutoConfig.for_model("qwen3_tts").model_type == "qwen3_tts"  # the plugin registered the config class

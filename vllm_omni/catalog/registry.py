@@ -27,6 +27,7 @@ _BUILTIN_FAMILIES: dict[str, str] = {
     "wan": "vllm_omni.models.wan.spec:SPEC",
     "ltx2": "vllm_omni.models.ltx2.spec:SPEC",
     "qwen3_omni": "vllm_omni.models.qwen3_omni.spec:SPEC",
+    "qwen3_tts": "vllm_omni.models.qwen3_tts.spec:SPEC",
     "llm": "vllm_omni.models.llm.spec:SPEC",
 }
 DIFFUSERS_ADAPTER = "vllm_omni.models.diffusers_adapter.pipeline:DiffusersAdapterPipeline"
@@ -137,6 +138,9 @@ class OmniModelRegistry:
 
     def ar_models(self) -> dict[str, str]:
         return {arch: target for spec in self.specs() for arch, target in spec.ar_models.items()}
+
+    def hf_configs(self) -> dict[str, str]:
+        return {model_type: target for spec in self.specs() for model_type, target in spec.hf_configs.items()}
 
     # --- tiny checkpoints -----------------------------------------------------------------------------------
 

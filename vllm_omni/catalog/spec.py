@@ -56,6 +56,9 @@ class ModelSpec:
     diffusion_pipelines: dict[str, DiffusionPipelineEntry] = field(default_factory=dict)
     ar_models: dict[str, str] = field(default_factory=dict)
     """vLLM architecture name -> "module:Class" registered with vLLM's `ModelRegistry`."""
+    hf_configs: dict[str, str] = field(default_factory=dict)
+    """HF `model_type` -> "module:ConfigClass" registered with transformers' `AutoConfig` (checkpoints whose
+    config class transformers does not ship), in every vLLM process, by our plugin."""
     stage_input_processors: dict[str, str] = field(default_factory=dict)
     """Name used in a pipeline's `input_processor:` -> "module:fn"."""
     output_collectors: dict[str, str] = field(default_factory=dict)

@@ -76,7 +76,8 @@ class PipelineStageConfig:
     edges (or a processor that declares it reads them), `chunk_schedule` only to a processor that declares it
     (`stage_input_processors.reads`)."""
     input_processor: str | None = None
-    """Name of the stage-input processor (engine/stage_input_processors.py) building this stage's input."""
+    """Name of the stage-input processor (engine/stage_input_processors.py) building this stage's input (on an
+    entry stage, from the caller's prompt)."""
     output_collector: str | None = None
     """Name of the output collector (engine/output_collectors.py) an AR stage awaits per finished request."""
     final_output: bool = False

@@ -43,6 +43,12 @@ class ModelCapabilities:
         """The prompt goes to an AR (text) model first: chat templates, tools and n > 1 apply to it."""
         return self.stage_kinds[0] is StageKind.AR
 
+    @property
+    def speaks_input(self) -> bool:
+        """Text-to-speech (audio out, no text out, e.g. Qwen3-TTS): `/v1/audio/speech` hands it the text as it
+        is, where a model that also answers in text (Qwen3-Omni) speaks its answer to it."""
+        return "audio" in self.output_modalities and "text" not in self.output_modalities
+
     def shape_rule(self, stage_id: int) -> ShapeRule | None:
         return self.shape_rules[stage_id] if stage_id < len(self.shape_rules) else None
 

@@ -54,9 +54,10 @@ class StageGraph:
     # ---- payloads on the edges ----------------------------------------------------------------------------
     def stage_input(self, request_id: str, handles: dict[tuple[int, int], PayloadHandle], stage_id: int,
                     original_prompt: Any, params: Any) -> tuple[Any, Any]:
-        """(prompt, sampling params) of the request for `stage_id`, from its upstreams' whole outputs."""
+        """(prompt, sampling params) of the request for `stage_id`, from its upstreams' whole outputs (an entry
+        stage: the caller's, or what its input processor makes of them, e.g. a talker prompt from text)."""
         stage = self.stages[stage_id]
-        if not stage.inputs:
+        if not stage.inputs and stage.input_processor is None:
             return original_prompt, params
         payloads = [self.connectors[(src, stage_id)].get(handles.pop((src, stage_id))) for src in stage.inputs]
         edge = stage.stream_inputs.get(stage.inputs[0]) if len(stage.inputs) == 1 else None

@@ -64,10 +64,12 @@ VLLM_ROUTES = ("/v1/completions", "/v1/responses", "/v1/embeddings", "/tokenize"
 
 
 def vllm_engine_client(engine: Any) -> OmniStageEngineClient | None:
-    """vLLM's EngineClient on stage 0 when that stage is an AR stage on vLLM's AsyncLLM, else None."""
+    """vLLM's EngineClient on stage 0 when that stage is an AR stage on vLLM's AsyncLLM, else None (also for a
+    text-to-speech talker: its prompts are placeholder ids its input processor makes, not text)."""
     capabilities = getattr(engine, "capabilities", None)
     stage_clients = getattr(getattr(engine, "engine", None), "stage_clients", None) or []
-    if capabilities is None or not capabilities.starts_with_ar or not hasattr(stage_clients[0], "llm"):
+    if (capabilities is None or not capabilities.starts_with_ar or capabilities.speaks_input
+            or not hasattr(stage_clients[0], "llm")):
         return None
     return OmniStageEngineClient(engine, stage_id=0)
 

@@ -121,8 +121,9 @@ class OmniOpenAIServingSpeech(OmniServingBase):
 
     async def speech_prompt(self, request: SpeechRequest) -> str:
         """A pipeline that starts with a chat model (e.g. Qwen3-Omni's thinker) speaks its answer to `input`,
-        so `input` becomes a user turn (with `instructions` as the system turn) under the chat template."""
-        if not self.capabilities.starts_with_ar:
+        so `input` becomes a user turn (with `instructions` as the system turn) under the chat template; a
+        text-to-speech model (Qwen3-TTS) speaks `input` itself (its `instructions` describe the voice)."""
+        if not self.capabilities.starts_with_ar or self.capabilities.speaks_input:
             return request.input
         tokenizer = await maybe_await(self.engine.get_tokenizer())
         if not getattr(tokenizer, "chat_template", None):

@@ -131,7 +131,7 @@ def _talker_setup(original_prompt: Any, context: StageInputContext) -> tuple[Any
     voice = original_prompt.get("voice") if isinstance(original_prompt, dict) else None
     ids = Qwen3OmniTokenIds.from_config(config)
     speaker = resolve_voice(voice, ids.speakers)  # OpenAI's voice names: the default speaker
-    return config, ids, speaker or DEFAULT_SPEAKER, _talker_sampling(context.sampling_params)
+    return config, ids, speaker or DEFAULT_SPEAKER, talker_sampling(context.sampling_params)
 
 
 def _talker_prompt(thinker: dict[str, Any], ids: Qwen3OmniTokenIds, voice: str):
@@ -195,7 +195,7 @@ def _talker_input_chunk(upstream: list[StagePayload], original_prompt: Any,
     return StageInput(vllm_prompt, params)
 
 
-def _talker_sampling(params: Any) -> TalkerSamplingParams:
+def talker_sampling(params: Any) -> TalkerSamplingParams:
     """The talker's decoding from the caller's stage-1 `SamplingParams` (None: greedy, 4096 frames at most)."""
     from vllm_omni.models.qwen3_omni.talker import TalkerSamplingParams
 

@@ -78,45 +78,16 @@ class _RequestState:
     """Codebooks 1..G-1 (the code predictor): greedy, or sampled when the request samples codebook 0."""
 
 
-class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
-    def __init__(self, *, vllm_config, prefix: str = "") -> None:
-        super().__init__()
-        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
-            Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration,
-            Qwen3OmniMoeTalkerResizeMLP,
-        )
-        from vllm.model_executor.layers.logits_processor import LogitsProcessor
-        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-        from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel
+class CodecTalkerBase(nn.Module):
+    """The request-identity machinery of a codec talker on vLLM (shared with Qwen3-TTS's talker): per-request
+    conditioning from `extra_args`, the code predictor per decode token, the frames collected by RPC. A subclass
+    builds `model` (a vLLM decoder over codec ids), `codec_head`, `logits_processor`, `code_predictor` and
+    `codec_eos`, and says how a text id is embedded (`_project`)."""
 
-        config = vllm_config.model_config.hf_config
-        text = config.text_config
-        self.config = config
-        self.model = Qwen3MoeModel(vllm_config=vllm_config, prefix="model")
-        self.codec_head = ParallelLMHead(text.vocab_size, text.hidden_size, prefix="codec_head")
-        self.logits_processor = LogitsProcessor(text.vocab_size)
-        self.text_projection = Qwen3OmniMoeTalkerResizeMLP(config)
-        self.hidden_projection = Qwen3OmniMoeTalkerResizeMLP(config)
-        self._use_mrope(config, text)
-        self.thinker_embed = nn.Embedding(config.thinker_vocab_size, config.thinker_hidden_size)
-        # Tiny dense transformer over <= G+1 positions per frame: transformers' module, no paged cache needed.
-        self.code_predictor = Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration._from_config(
-            config.code_predictor_config)
-        self.codec_eos = config.codec_eos_token_id
+    def __init__(self) -> None:
+        super().__init__()
         self._requests: dict[str, _RequestState] = {}
         self._finished: dict[str, list[list[int]]] = {}
-
-    def _use_mrope(self, config, text) -> None:
-        from vllm.model_executor.layers.rotary_embedding import get_rope
-
-        rope = getattr(config, "talker_mrope_parameters", None)
-        if not rope or "mrope_section" not in rope:
-            return
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        mrope = get_rope(head_dim, max_position=text.max_position_embeddings, rope_parameters=rope)
-        for layer in self.model.layers:
-            if hasattr(layer, "self_attn"):  # pipeline-parallel placeholders have none
-                layer.self_attn.rotary_emb = mrope
 
     # ---- request identity (talker_rows.py) ------------------------------------------------------------
     @staticmethod
@@ -243,8 +214,8 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
         state.mrope_positions = torch.tensor(hidden["mrope_positions"], dtype=torch.long, device=device)
         state.mrope_delta = int(hidden["mrope_delta"])
 
-    def _project(self, thinker_ids: torch.Tensor) -> torch.Tensor:
-        return self.text_projection(self.thinker_embed(thinker_ids))
+    def _project(self, text_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def _condition_row(self, row: RequestRows, input_ids, positions, embeds: torch.Tensor) -> None:
         state = self._state(row, embeds.device)
@@ -287,6 +258,49 @@ class Qwen3OmniMoeTalkerForConditionalGeneration(nn.Module):
             text = self._project(torch.tensor([text_id], device=embeds.device))[0]
             embeds[i] = (frame_embed + text).to(embeds.dtype)
 
+
+
+class Qwen3OmniMoeTalkerForConditionalGeneration(CodecTalkerBase):
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__()
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+            Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration,
+            Qwen3OmniMoeTalkerResizeMLP,
+        )
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+        from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+        from vllm.model_executor.models.qwen3_moe import Qwen3MoeModel
+
+        config = vllm_config.model_config.hf_config
+        text = config.text_config
+        self.config = config
+        self.model = Qwen3MoeModel(vllm_config=vllm_config, prefix="model")
+        self.codec_head = ParallelLMHead(text.vocab_size, text.hidden_size, prefix="codec_head")
+        self.logits_processor = LogitsProcessor(text.vocab_size)
+        self.text_projection = Qwen3OmniMoeTalkerResizeMLP(config)
+        self.hidden_projection = Qwen3OmniMoeTalkerResizeMLP(config)
+        self._use_mrope(config, text)
+        self.thinker_embed = nn.Embedding(config.thinker_vocab_size, config.thinker_hidden_size)
+        # Tiny dense transformer over <= G+1 positions per frame: transformers' module, no paged cache needed.
+        self.code_predictor = Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration._from_config(
+            config.code_predictor_config)
+        self.codec_eos = config.codec_eos_token_id
+
+    def _use_mrope(self, config, text) -> None:
+        from vllm.model_executor.layers.rotary_embedding import get_rope
+
+        rope = getattr(config, "talker_mrope_parameters", None)
+        if not rope or "mrope_section" not in rope:
+            return
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        mrope = get_rope(head_dim, max_position=text.max_position_embeddings, rope_parameters=rope)
+        for layer in self.model.layers:
+            if hasattr(layer, "self_attn"):  # pipeline-parallel placeholders have none
+                layer.self_attn.rotary_emb = mrope
+
+    def _project(self, thinker_ids: torch.Tensor) -> torch.Tensor:
+        return self.text_projection(self.thinker_embed(thinker_ids))
+
     # ---- weights -------------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
@@ -316,6 +330,10 @@ def talker_engine_kwargs() -> dict:
             "async_scheduling": False, "enforce_eager": True, **talker_rows_engine_kwargs()}
 
 
+OMNI_CODE_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 0.8}
+"""How transformers' Qwen3-Omni talker samples the code predictor."""
+
+
 def talker_request(prompt: TalkerPrompt, key: str, talker_config, *, max_new_tokens: int = 4096,
                    sampling: TalkerSamplingParams | None = None, thinker_hidden: dict | None = None):
     """(vLLM prompt, SamplingParams) of one talker request; its frames are collected under `key`.
@@ -325,29 +343,37 @@ def talker_request(prompt: TalkerPrompt, key: str, talker_config, *, max_new_tok
     from a generator seeded with the same seed, and decodes greedily when codebook 0 does. `thinker_hidden`: the
     thinker stage's capture (thinker_hidden.py), required when the prompt has multimodal positions.
     """
+    if prompt.multimodal_positions and thinker_hidden is None:
+        raise ValueError("talker prompt has multimodal positions but no thinker hidden states (thinker_hidden.py)")
+    extra = {"thinker_hidden": _talker_hidden(thinker_hidden, prompt)} if prompt.multimodal_positions else {}
+    return codec_talker_request(prompt, key, vocab_size=talker_config.text_config.vocab_size,
+                                codec_eos=talker_config.codec_eos_token_id, max_new_tokens=max_new_tokens,
+                                sampling=sampling, code_sampling=OMNI_CODE_SAMPLING, extra=extra)
+
+
+def codec_talker_request(prompt: TalkerPrompt, key: str, *, vocab_size: int, codec_eos: int, max_new_tokens: int,
+                         sampling: TalkerSamplingParams | None, code_sampling: dict, min_tokens: int = 0,
+                         extra: dict | None = None):
+    """(vLLM prompt, SamplingParams) of a `CodecTalkerBase` request: codebook 0 drawn by vLLM's sampler from the
+    codebook entries and codec EOS (the top 1024 codec ids are specials), the code predictor sampled with
+    `code_sampling` (temperature / top_k / top_p) when codebook 0 is, else greedy."""
     import msgspec
     from vllm import SamplingParams
 
-    if prompt.multimodal_positions and thinker_hidden is None:
-        raise ValueError("talker prompt has multimodal positions but no thinker hidden states (thinker_hidden.py)")
     sampling = sampling or TalkerSamplingParams()
-    vocab = talker_config.text_config.vocab_size
-    eos = talker_config.codec_eos_token_id
-    spec = {"key": key, **msgspec.to_builtins(prompt)}
-    if prompt.multimodal_positions:
-        spec["thinker_hidden"] = _talker_hidden(thinker_hidden, prompt)
+    spec = {"key": key, **msgspec.to_builtins(prompt), **(extra or {})}
     sample = sampling.temperature > 0
     if sample:
-        spec["code_sampling"] = {"temperature": 1.0, "top_k": 50, "top_p": 0.8, "seed": sampling.seed}
+        spec["code_sampling"] = {**code_sampling, "seed": sampling.seed}
     params = SamplingParams(
         temperature=sampling.temperature, top_k=sampling.top_k if sample else 0, top_p=sampling.top_p,
         repetition_penalty=sampling.repetition_penalty, seed=sampling.seed, max_tokens=max_new_tokens,
-        stop_token_ids=[eos], detokenize=False,
-        allowed_token_ids=[*range(vocab - 1024), eos],  # codebook entries and codec EOS only, as transformers
+        min_tokens=min_tokens, stop_token_ids=[codec_eos], detokenize=False,
+        allowed_token_ids=[*range(vocab_size - 1024), codec_eos],  # codebook entries and codec EOS only
         extra_args={EXTRA_ARGS_KEY: spec})
     # Prompt embeddings come from `spec`, so the ids only hold places: one the sampler never allows, so vLLM's
     # repetition penalty (which counts prompt ids) weighs the generated codes alone, as transformers' does.
-    placeholder = next(i for i in range(vocab - 1, vocab - 1025, -1) if i != eos)
+    placeholder = next(i for i in range(vocab_size - 1, vocab_size - 1025, -1) if i != codec_eos)
     return {"prompt_token_ids": [placeholder] * len(prompt.thinker_ids)}, params
 
 
