@@ -78,6 +78,9 @@ class WorkerSpec:
     """The engine's socket directory: removed by the worker that outlives the engine."""
     shm_prefix: str
     distributed_init_method: str | None
+    shm_threshold: int
+    """Tensors above this many bytes go through shared memory (the engine's choice: none when ranks may be
+    on other nodes)."""
 
 
 class AbortedRequests:
@@ -108,7 +111,7 @@ class WorkerProc:
         self.spec = spec
         self.rank = spec.rank
         self.context, self.input, self.output = connect_to_parent(spec.input_address, spec.output_address)
-        self.codec = MsgCodec(None, spec.shm_prefix)
+        self.codec = MsgCodec(None, spec.shm_prefix, spec.shm_threshold)
         self.decoder = MsgCodec(WorkerInput, spec.shm_prefix).decoder()
         self.worker = None
         self.steps = None
