@@ -31,7 +31,7 @@ class ConnectorConfig:
 class PlacementConfig:
     """Where a stage's ranks run on a Ray cluster (`worker_backend: ray`): one placement-group bundle per rank."""
 
-    resources: dict[str, float] = Field(default_factory=dict)
+    resources: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
     """Ray resources each rank's bundle asks for beyond its device (a node's custom resource, e.g.
     `{"node:thinker": 1}` for a node started with `ray start --resources '{"node:thinker": 4}'`)."""
     strategy: PlacementStrategy = "STRICT_PACK"

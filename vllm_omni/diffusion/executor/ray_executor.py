@@ -53,7 +53,7 @@ def connect(address: str | None) -> None:
                 f"--ray-address {target!r}: no Ray cluster answers there ({exc})", param="ray_address"
             ) from None
     try:
-        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+        ray.init(address=address, logging_level="WARNING")  # the ranks' output reaches this process's log
     except ConnectionError as exc:
         raise OmniClientError(f"--ray-address {target!r}: {' '.join(str(exc).split())}", param="ray_address") from None
 
