@@ -51,6 +51,8 @@ if [ "$target" = cpu ]; then
 else
   "${pip[@]}" -r "$root/requirements/cuda.txt" -r "$root/requirements/common.txt" -r "$root/requirements/dev.txt"
 fi
+# Ray (--worker-backend ray, Ray Serve replicas): its wheel pulls no torch or CUDA packages.
+"${pip[@]}" "ray[serve]==2.60.0"
 "${pip[@]}" --no-deps --no-build-isolation -e "$root"
 "$py" -c "import vllm_omni, vllm, torch; print('[setup_env] torch', torch.__version__, '| vllm', vllm.__version__)"
 echo "$stamp" > "$venv/.vllm-omni-stamp"

@@ -15,6 +15,8 @@ from pydantic.dataclasses import dataclass
 from vllm_omni.config.pipeline_config import FORBID
 
 ConnectorName = Literal["inproc", "shm"]
+WorkerBackend = Literal["mp", "ray"]
+PlacementStrategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 
 
 @dataclass(config=FORBID)
@@ -23,6 +25,17 @@ class ConnectorConfig:
     """inproc: stage payloads stay in the engine process; shm: tensors go through shared memory."""
     shm_threshold_bytes: int = Field(default=1_000_000, ge=0)
     """shm only: tensors smaller than this travel inline with the metadata."""
+
+
+@dataclass(config=FORBID)
+class PlacementConfig:
+    """Where a stage's ranks run on a Ray cluster (`worker_backend: ray`): one placement-group bundle per rank."""
+
+    resources: dict[str, Annotated[float, Field(gt=0)]] = Field(default_factory=dict)
+    """Ray resources each rank's bundle asks for beyond its device (a node's custom resource, e.g.
+    `{"node:thinker": 1}` for a node started with `ray start --resources '{"node:thinker": 4}'`)."""
+    strategy: PlacementStrategy = "STRICT_PACK"
+    """Ray's placement-group strategy: STRICT_PACK keeps a stage's sequence / CFG parallel ranks on one node."""
 
 
 @dataclass(config=FORBID)
@@ -36,6 +49,8 @@ class StageDeployConfig:
     `VLLM_CPU_OMP_THREADS_BIND` syntax ("0-3", "0,2", "nobind"; "|" between tensor-parallel ranks), set in the
     environment of each of its EngineCores. None: `VLLM_CPU_OMP_THREADS_BIND` if set, else when several AR
     EngineCores share the host each gets its own share of the cores (`split_cpus`), else vLLM's `auto`."""
+    placement: PlacementConfig | None = None
+    """Ray backend only: the resources this stage's ranks need; None = a device (or one CPU) per rank anywhere."""
     engine_args: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -67,6 +82,12 @@ class DeployConfig:
     edge_connectors: dict[str, ConnectorConfig] = Field(default_factory=dict)
     stage_init_timeout: float = Field(default=600.0, gt=0)
     """Seconds each stage may take to become ready."""
+    worker_backend: WorkerBackend = "mp"
+    """mp: every stage's workers are processes of this host; ray: diffusion ranks are Ray actors placed by each
+    stage's `placement` (`--worker-backend`)."""
+    ray_address: str | None = None
+    """Ray backend: the cluster to join (`--ray-address`; "auto" or host:port); None = $RAY_ADDRESS, else a
+    cluster started on this host."""
 
     def for_stage(self, stage_id: int) -> StageDeployConfig:
         for stage in self.stages:

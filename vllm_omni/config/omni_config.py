@@ -7,6 +7,7 @@ config, global Python/CLI arguments (applied to every stage that understands the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
@@ -16,7 +17,7 @@ from typing import Any
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
-from vllm_omni.config.deploy_config import ConnectorConfig, DeployConfig, split_cpus
+from vllm_omni.config.deploy_config import ConnectorConfig, DeployConfig, StageDeployConfig, split_cpus
 from vllm_omni.config.pipeline_config import FORBID, HAND_OFF_FIELDS, PipelineConfig, PipelineStageConfig
 from vllm_omni.config.stage_config import (
     StageConfig,
@@ -98,6 +99,7 @@ class VllmOmniConfig:
             if stage_deploy.devices is not None and len(device_ids(stage_deploy.devices)) % num_replicas:
                 raise OmniClientError(f"stage {spec.stage_id}: devices {stage_deploy.devices!r} cannot be split "
                                       f"evenly over its {num_replicas} replicas", param="devices")
+            _check_placement(spec.stage_id, spec.execution_type, deploy.worker_backend, stage_deploy)
             stages.append(stage_cls(
                 stage_id=spec.stage_id,
                 model=_stage_model(model_path, spec.model, spec.model_subfolder),
@@ -112,6 +114,9 @@ class VllmOmniConfig:
                 engine_args=args,
                 default_sampling_params=dict(spec.default_sampling_params),
                 stage_init_timeout=deploy.stage_init_timeout,
+                worker_backend=deploy.worker_backend,
+                ray_address=deploy.ray_address,
+                placement=stage_deploy.placement,
             ))
         _bind_cpu_threads(stages, deploy)
         unused = sorted(set(global_args) - used_globals)
@@ -122,6 +127,29 @@ class VllmOmniConfig:
                       for s in stages for src in s.inputs}
         return cls(model=model, model_path=model_path, pipeline_name=pipeline.name, stages=stages,
                    connectors=connectors, init_timeout=init_timeout)
+
+
+def _check_placement(stage_id: int, kind: StageKind, backend: str, stage_deploy: StageDeployConfig) -> None:
+    """What the Ray backend can place: diffusion ranks (our actors) and AR ranks (vLLM's Ray executor, where
+    vLLM's platform has one); a GENERATION stage runs in the engine process."""
+    if backend != "ray":
+        if stage_deploy.placement is not None:
+            raise OmniClientError(f"stage {stage_id}: placement needs --worker-backend ray (the deploy config's "
+                                  f"worker_backend is {backend})", param="worker_backend")
+        return
+    if kind is StageKind.DIFFUSION:
+        return
+    if stage_deploy.placement is not None:
+        why = "vLLM's Ray executor places AR ranks itself" if kind is StageKind.AR else "it runs in the engine"
+        raise OmniClientError(f"stage {stage_id} ({kind.stage_type}): placement applies to diffusion stages; {why}",
+                              param="placement")
+    if kind is StageKind.AR:
+        from vllm.platforms import current_platform
+
+        if not current_platform.ray_device_key:
+            raise OmniClientError(f"stage {stage_id} (llm): --worker-backend ray runs AR stages on vLLM's Ray "
+                                  f"executor, which vLLM's {current_platform.device_name} platform does not have",
+                                  param="worker_backend")
 
 
 def _bind_cpu_threads(stages: list[StageConfig], deploy: DeployConfig) -> None:
@@ -206,7 +234,8 @@ class StageConfigFactory:
         pipeline = kwargs.pop("pipeline_config", None)
         deploy = kwargs.pop("deploy_config", None)
         stage_overrides = kwargs.pop("stage_overrides", None) or {}
-        stage_init_timeout = kwargs.pop("stage_init_timeout", None)
+        deploy_overrides = {key: value for key in ("stage_init_timeout", "worker_backend", "ray_address")
+                            if (value := kwargs.pop(key, None)) is not None}
         init_timeout = kwargs.pop("init_timeout", None)
         if isinstance(stage_overrides, str):
             stage_overrides = json.loads(stage_overrides)
@@ -221,9 +250,8 @@ class StageConfigFactory:
             deploy = DeployConfig()
         elif not isinstance(deploy, DeployConfig):
             deploy = DeployConfig.from_yaml(deploy)
-        if stage_init_timeout is not None:
-            deploy = DeployConfig(stages=deploy.stages, connector=deploy.connector,
-                                  edge_connectors=deploy.edge_connectors, stage_init_timeout=stage_init_timeout)
+        if deploy_overrides:
+            deploy = dataclasses.replace(deploy, **deploy_overrides)
         if init_timeout is not None and pipeline_has(pipeline, StageKind.DIFFUSION):
             kwargs["init_timeout"] = init_timeout  # a diffusion stage also bounds its own worker start-up
         return VllmOmniConfig.from_pipeline_config(model, model_path, pipeline, deploy, kwargs, stage_overrides,

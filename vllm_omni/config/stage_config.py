@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
+from vllm_omni.config.deploy_config import PlacementConfig, WorkerBackend
 from vllm_omni.config.pipeline_config import FORBID, EdgeStreamConfig, OutputModality
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.errors import OmniClientError
@@ -40,6 +41,11 @@ class BaseVllmOmniStageConfig:
     """Merged engine arguments (pipeline defaults < deploy < global overrides < per-stage overrides)."""
     default_sampling_params: dict[str, Any] = Field(default_factory=dict)
     stage_init_timeout: float = 600.0
+    worker_backend: WorkerBackend = "mp"
+    ray_address: str | None = None
+    """Ray backend: the cluster to join (None = $RAY_ADDRESS, else one on this host)."""
+    placement: PlacementConfig | None = None
+    """Ray backend: what each of the stage's ranks needs of a node (None = a device or one CPU anywhere)."""
     kind: ClassVar[StageKind]
 
     @property
@@ -70,8 +76,13 @@ class BaseVllmOmniStageConfig:
 
     def spawn_env(self, replica: int) -> dict[str, str]:
         """The environment replica `replica`'s processes are started with beyond the engine process's own."""
+        env = {}
         devices = self.replica_devices(replica)
-        return {"CUDA_VISIBLE_DEVICES": devices} if devices is not None else {}
+        if devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices
+        if self.worker_backend == "ray" and self.ray_address is not None:
+            env["RAY_ADDRESS"] = self.ray_address  # the cluster `ray.init()` joins inside the stage's processes
+        return env
 
 
 @dataclass(config=FORBID)
@@ -112,6 +123,8 @@ class VllmOmniARStageConfig(BaseVllmOmniStageConfig):
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         args = {k: v for k, v in self.engine_args.items() if k not in _AR_STAGE_ARGS}
+        if self.worker_backend == "ray":  # vLLM places the stage's ranks on the cluster itself
+            args["distributed_executor_backend"] = "ray"
         return AsyncEngineArgs(model=self.model, **args)
 
 
@@ -139,9 +152,14 @@ class VllmOmniDiffusionStageConfig(BaseVllmOmniStageConfig):
         check_diffusion_args(engine_args)
 
     def make_od_config(self):
-        from vllm_omni.diffusion.data import OmniDiffusionConfig
+        from vllm_omni.diffusion.data import OmniDiffusionConfig, RayPlacement
 
-        return OmniDiffusionConfig.from_kwargs(model=self.model, stage_id=self.stage_id, **self.engine_args)
+        ray = None
+        if self.worker_backend == "ray":
+            placement = self.placement or PlacementConfig()
+            ray = RayPlacement(address=self.ray_address, resources=dict(placement.resources),
+                               strategy=placement.strategy)
+        return OmniDiffusionConfig.from_kwargs(model=self.model, stage_id=self.stage_id, ray=ray, **self.engine_args)
 
 
 # AR stage arguments that are the stage's own, not vLLM's; the default is the diffusion stages' one.
@@ -164,4 +182,4 @@ def _diffusion_arg_names() -> frozenset[str]:
 
     names = {f.name for f in dataclasses.fields(OmniDiffusionConfig)}
     names |= {f.name for f in dataclasses.fields(DiffusionParallelConfig)}
-    return frozenset(names - {"model", "stage_id"})
+    return frozenset(names - {"model", "stage_id", "ray"})

@@ -194,6 +194,18 @@ _PARALLEL_FIELDS = frozenset(f.name for f in fields(DiffusionParallelConfig))
 
 
 @dataclass
+class RayPlacement:
+    """Where a stage's ranks run when its workers are Ray actors (the deploy config's `worker_backend: ray`)."""
+
+    address: str | None = None
+    """The cluster `ray.init` joins; None = $RAY_ADDRESS, else a cluster started on this host."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Ray resources of each rank's placement-group bundle beyond its device."""
+    strategy: str = "STRICT_PACK"
+    """Placement-group strategy: STRICT_PACK keeps the ranks (and their collectives) on one node."""
+
+
+@dataclass
 class OmniDiffusionConfig:
     """Everything a diffusion stage needs, materialized inside the process that owns the engine.
 
@@ -308,6 +320,8 @@ class OmniDiffusionConfig:
     logging_config: LoggingConfig | None = None
     """vLLM logging config of the server (`--log-level`, `--logging-config`) applied in every worker process;
     None = vLLM's defaults from the environment."""
+    ray: RayPlacement | None = None
+    """Set from the deploy config when the stage's ranks are Ray actors; None = worker processes of this host."""
     load_format: str = "auto"
     """auto = the checkpoint's weights; dummy = only its configs and tokenizers are read, every component is
     built from its config with small random weights (benchmarks of real model sizes without weight files)."""
@@ -444,6 +458,8 @@ class OmniDiffusionConfig:
             kwargs["parallel_config"] = DiffusionParallelConfig(**parallel)
         elif isinstance(kwargs["parallel_config"], dict):
             kwargs["parallel_config"] = DiffusionParallelConfig(**kwargs["parallel_config"])
+        if isinstance(kwargs.get("ray"), dict):
+            kwargs["ray"] = RayPlacement(**kwargs["ray"])
         return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from vllm_omni.catalog.shapes import ShapeRule
 from vllm_omni.catalog.spec import import_target
 from vllm_omni.diffusion.core.scheduler import DiffusionScheduler
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
+from vllm_omni.diffusion.executor import make_executor
 from vllm_omni.diffusion.executor.multiproc_executor import MultiprocDiffusionExecutor
 from vllm_omni.diffusion.interface import supports_request_batch, supports_step_execution
 from vllm_omni.diffusion.ipc import PartialResult, StepPlan, StepResult
@@ -118,7 +119,7 @@ class DiffusionEngine:
         """Estimated bytes of each request on the workers (memory admission)."""
         self._queued: dict[str, float] = {}
         """Seconds each request on the workers waited in the engine's queue."""
-        self.executor = MultiprocDiffusionExecutor(self.od_config)
+        self.executor = make_executor(self.od_config)
         self.shape_rule = _with_budget(rule, od_config, self.executor.worker_info)
         """The sizes the pipeline makes and the memory budget of its requests; the API process checks both
         before queuing, `submit` checks them again, and the scheduler admits by the budget."""
@@ -469,7 +470,7 @@ class DiffusionEngine:
         )
         failed.stop_workers()  # their device memory is free before the new ones load
         try:
-            replacement: MultiprocDiffusionExecutor | BaseException = MultiprocDiffusionExecutor(self.od_config)
+            replacement: MultiprocDiffusionExecutor | BaseException = make_executor(self.od_config)
         except Exception as exc:
             logger.exception("restarting the diffusion workers failed")
             replacement = exc

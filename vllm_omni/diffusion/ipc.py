@@ -1,7 +1,7 @@
 """Messages between the diffusion engine and its worker processes, and how they travel.
 
 Every message is a tagged msgspec struct encoded as msgpack. Arrays, tensors and PIL images inside a
-message are msgpack extensions: small ones ride inline, ones above `_SHM_TENSOR_THRESHOLD` bytes go
+message are msgpack extensions: small ones ride inline, ones above `SHM_TENSOR_THRESHOLD` bytes go
 through a POSIX shared-memory segment that the receiver copies out and unlinks at once. Segment names
 start with the engine's prefix (`vllm_omni_<token>_`), so the engine can sweep whatever a killed process
 left behind. Dtypes numpy lacks (bfloat16, float8) travel as same-width integers and are restored bit-exact.
@@ -25,7 +25,7 @@ import zmq
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 
-_SHM_TENSOR_THRESHOLD = 1_000_000
+SHM_TENSOR_THRESHOLD = 1_000_000
 SHM_NAME_PREFIX = "vllm_omni_"
 _SHM_DIR = "/dev/shm"
 
@@ -202,7 +202,7 @@ def new_shm_prefix() -> str:
 class MsgCodec:
     """Encodes/decodes one direction's messages; large buffers go through shm segments named `prefix*`."""
 
-    def __init__(self, decode_type: Any, shm_prefix: str, shm_threshold: int = _SHM_TENSOR_THRESHOLD) -> None:
+    def __init__(self, decode_type: Any, shm_prefix: str, shm_threshold: int = SHM_TENSOR_THRESHOLD) -> None:
         self.shm_prefix = shm_prefix
         self.shm_threshold = shm_threshold
         self._counter = itertools.count()

@@ -97,6 +97,12 @@ class OmniEngineArgs(EngineArgs):
     """Seconds one stage may take to start; None = the control plane's default."""
     init_timeout: float | None = None
     """Seconds the whole pipeline may take to start; None = the control plane's default."""
+    worker_backend: Literal["mp", "ray"] | None = None
+    """Where stages' workers run: mp = processes of this host; ray = Ray actors placed on a Ray cluster by the
+    deploy config's `stages[].placement`. None = the deploy config's (mp by default)."""
+    ray_address: str | None = None
+    """--worker-backend ray: the Ray cluster to join ("auto", host:port); None = the deploy config's, else
+    $RAY_ADDRESS, else a cluster started on this host."""
     diffusion_attention_backend: str | None = None
     request_batch_max_wait_ms: float = 0.0
     step_execution: bool = False

@@ -43,7 +43,12 @@ class StageDiffusionClient(StageClientBase):
         self._engine_dead = False
 
     async def start(self) -> None:
-        self._core = DiffusionCoreClient(self.config.make_od_config())
+        od_config = self.config.make_od_config()
+        if od_config.ray is not None:  # a bad address or a placement no node has: one line, before any process
+            from vllm_omni.diffusion.executor.ray_executor import check_placement
+
+            await asyncio.to_thread(check_placement, od_config)
+        self._core = DiffusionCoreClient(od_config)
         starting = None
         try:
             # The core and its workers take this replica's devices (they keep the environment the core starts

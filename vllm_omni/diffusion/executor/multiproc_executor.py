@@ -30,6 +30,7 @@ import zmq
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.ipc import (
+    SHM_TENSOR_THRESHOLD,
     AbortRequests,
     BatchResult,
     EncodedBatch,
@@ -114,6 +115,9 @@ class _RpcWait:
 
 
 class MultiprocDiffusionExecutor:
+    shm_threshold = SHM_TENSOR_THRESHOLD
+    """Tensors above this many bytes travel through shared memory (every rank is a process of this host)."""
+
     def __init__(self, od_config: OmniDiffusionConfig) -> None:
         self.od_config = od_config
         self.world_size = od_config.parallel_config.world_size
@@ -122,21 +126,23 @@ class MultiprocDiffusionExecutor:
         self._context = zmq.Context(io_threads=1)
         self._inputs: list[zmq.Socket] = []
         self._outputs: list[zmq.Socket] = []
+        self._addresses: dict[str, str] = {}
+        """The address each worker connects to, by socket name ("abort", "in<rank>", "out<rank>")."""
         self._abort_pub = self._context.socket(zmq.PUB)
         self._abort_pub.setsockopt(zmq.LINGER, 0)
-        self._abort_pub.bind(f"ipc://{self._ipc_dir}/abort")
+        self._bind(self._abort_pub, "abort")
         for rank in range(self.world_size):
             push = self._context.socket(zmq.PUSH)
             push.setsockopt(zmq.LINGER, 0)
             push.setsockopt(zmq.SNDTIMEO, _SEND_TIMEOUT_MS)  # a PUSH without a live peer would block forever
-            push.bind(f"ipc://{self._ipc_dir}/in{rank}")
+            self._bind(push, f"in{rank}")
             pull = self._context.socket(zmq.PULL)
             pull.setsockopt(zmq.LINGER, 0)
-            pull.bind(f"ipc://{self._ipc_dir}/out{rank}")
+            self._bind(pull, f"out{rank}")
             self._inputs.append(push)
             self._outputs.append(pull)
-        self._codec = MsgCodec(None, self.shm_prefix)
-        self._output_codec = MsgCodec(WorkerOutput, self.shm_prefix)
+        self._codec = MsgCodec(None, self.shm_prefix, self.shm_threshold)
+        self._output_codec = MsgCodec(WorkerOutput, self.shm_prefix, self.shm_threshold)
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
@@ -164,6 +170,25 @@ class MultiprocDiffusionExecutor:
 
     # ---- startup -------------------------------------------------------------------------------------
 
+    def _bind(self, sock: zmq.Socket, name: str) -> None:
+        address = f"ipc://{self._ipc_dir}/{name}"
+        sock.bind(address)
+        self._addresses[name] = address
+
+    def _worker_spec(self, rank: int, init_method: str | None) -> WorkerSpec:
+        return WorkerSpec(
+            od_config=self.od_config,
+            rank=rank,
+            world_size=self.world_size,
+            input_address=self._addresses[f"in{rank}"],
+            output_address=self._addresses[f"out{rank}"],
+            abort_address=self._addresses["abort"],
+            ipc_dir=self._ipc_dir,
+            shm_prefix=self.shm_prefix,
+            distributed_init_method=init_method,
+            shm_threshold=self.shm_threshold,
+        )
+
     def _launch_workers(self) -> list[multiprocessing.process.BaseProcess]:
         ctx = _worker_context()
         init_method = None
@@ -175,17 +200,7 @@ class MultiprocDiffusionExecutor:
             self._tp_shm_prefixes.append(f"{port}-")  # VLLM_DIST_IDENT (parallel_state.py)
         processes = []
         for rank in range(self.world_size):
-            spec = WorkerSpec(
-                od_config=self.od_config,
-                rank=rank,
-                world_size=self.world_size,
-                input_address=f"ipc://{self._ipc_dir}/in{rank}",
-                output_address=f"ipc://{self._ipc_dir}/out{rank}",
-                abort_address=f"ipc://{self._ipc_dir}/abort",
-                ipc_dir=self._ipc_dir,
-                shm_prefix=self.shm_prefix,
-                distributed_init_method=init_method,
-            )
+            spec = self._worker_spec(rank, init_method)
             proc = ctx.Process(target=worker_main, args=(spec,), name=f"DiffusionWorker-{rank}", daemon=True)
             proc.start()
             processes.append(proc)

@@ -79,6 +79,9 @@ class WorkerSpec:
     """The engine's socket directory: removed by the worker that outlives the engine."""
     shm_prefix: str
     distributed_init_method: str | None
+    shm_threshold: int
+    """Tensors above this many bytes go through shared memory (the engine's choice: none when ranks may be
+    on other nodes)."""
 
 
 class AbortedRequests:
@@ -112,7 +115,7 @@ class WorkerProc:
         """DLO: every batch is a wave in which this rank runs request `rank` (or, beyond the wave, a copy of
         request 0 whose output it drops) and sends its own output."""
         self.context, self.input, self.output = connect_to_parent(spec.input_address, spec.output_address)
-        self.codec = MsgCodec(None, spec.shm_prefix)
+        self.codec = MsgCodec(None, spec.shm_prefix, spec.shm_threshold)
         self.decoder = MsgCodec(WorkerInput, spec.shm_prefix).decoder()
         self.worker = None
         self.steps = None
