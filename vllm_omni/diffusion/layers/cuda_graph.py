@@ -15,6 +15,16 @@ from typing import Any
 import torch
 
 
+def device_ints(values: list[int] | tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A long tensor of host ints written on `device` by fill kernels: `torch.tensor(values, device=cuda)` is a
+    host-to-device copy, which CUDA-graph capture refuses (a forward replayed as a graph bakes the ints in, and
+    they are part of its signature)."""
+    out = torch.empty(len(values), dtype=torch.long, device=device)
+    for i, value in enumerate(values):
+        out[i] = value
+    return out
+
+
 def _signature(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return ("T", tuple(value.shape), value.dtype, value.device)

@@ -30,6 +30,7 @@ from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.cache.state import BlockCache
 from vllm_omni.diffusion.distributed.parallel_state import sequence_parallel_size
+from vllm_omni.diffusion.layers.cuda_graph import device_ints
 from vllm_omni.diffusion.layers.embeddings import timestep_sinusoid
 from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
 
@@ -85,7 +86,7 @@ def prefix_attention(
         return attn(q, torch.cat([prefix_k[:, :n], k], dim=1), torch.cat([prefix_v[:, :n], v], dim=1))
     out = torch.empty_like(q)
     for n in lengths:
-        idx = torch.tensor([b for b, m in enumerate(prefix_lengths) if m == n], device=q.device)
+        idx = device_ints([b for b, m in enumerate(prefix_lengths) if m == n], q.device)
         keys = torch.cat([prefix_k[idx, :n], k[idx]], dim=1)
         values = torch.cat([prefix_v[idx, :n], v[idx]], dim=1)
         out[idx] = attn(q[idx], keys, values)

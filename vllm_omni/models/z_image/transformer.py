@@ -28,6 +28,7 @@ from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.cache.state import BlockCache
 from vllm_omni.diffusion.distributed.parallel_state import sequence_parallel_size
 from vllm_omni.diffusion.distributed.sequence import gather_sequence, shard_sequence
+from vllm_omni.diffusion.layers.cuda_graph import device_ints
 from vllm_omni.diffusion.layers.embeddings import timestep_sinusoid
 from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
 
@@ -74,7 +75,7 @@ def prefix_attention(
     out = torch.zeros_like(q)
     for n in sorted(set(lengths)):
         rows = [b for b, m in enumerate(lengths) if m == n]
-        idx = torch.tensor(rows, device=q.device)
+        idx = device_ints(rows, q.device)
         out[idx, :n] = attn(q[idx, :n], k[idx, :n], v[idx, :n], joint_len=n - image_len)
     return out
 
@@ -292,9 +293,9 @@ class ZImageTransformer2DModel(nn.Module):
         cap_padded = [padded(m) for m in cap_lengths]
         cap_len = max(cap_padded)
         cap = self.cap_embedder(F.pad(cap_feats[:, :cap_len], (0, 0, 0, cap_len - min(cap_len, cap_feats.shape[1]))))
-        real = torch.arange(cap_len, device=cap.device) < torch.tensor(cap_lengths, device=cap.device)[:, None]
+        real = torch.arange(cap_len, device=cap.device) < device_ints(cap_lengths, cap.device)[:, None]
         cap = torch.where(real[..., None], cap, self.cap_pad_token.to(cap.dtype))
-        img_rope, cap_rope = self.rope(b, (h, w), torch.tensor(cap_padded, device=x.device), cap_len, x.device)
+        img_rope, cap_rope = self.rope(b, (h, w), device_ints(cap_padded, x.device), cap_len, x.device)
         # Sequence parallel: this rank's slice of the (padded) image tokens and of their RoPE; text stays whole.
         if sequence_parallel_size() > 1:
             x = shard_sequence(x)
