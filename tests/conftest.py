@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_omni.plugins import ENGINE_CORE_FORKS_WORKERS
+from vllm_omni.envs import ENGINE_CORE_FORKS_WORKERS
 
 # vLLM CPU: keep the KV cache small so several engines fit beside each other on a 24 GiB machine.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -11,7 +11,8 @@ import pytest
 
 from vllm_omni.diffusion.core.client import _user_chose_no_start_method
 from vllm_omni.diffusion.executor.multiproc_executor import _worker_context
-from vllm_omni.plugins import ENGINE_CORE_FORKS_WORKERS, register_models
+from vllm_omni.envs import ENGINE_CORE_FORKS_WORKERS
+from vllm_omni.plugins import register_models
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,11 @@ if TYPE_CHECKING:
     VLLM_OMNI_TINY_CACHE: Path = Path.home() / ".cache" / "vllm_omni" / "tiny"
 
 
+ENGINE_CORE_FORKS_WORKERS = "_VLLM_OMNI_ENGINE_CORE_FORKS_WORKERS"
+"""Set by our front end, beside the `VLLM_WORKER_MULTIPROC_METHOD=spawn` it chose, only when the user chose no
+start method: an explicit `VLLM_WORKER_MULTIPROC_METHOD` is kept in every process. Internal, not a setting (no
+`VLLM_` prefix: vLLM warns in every process about a `VLLM_*` variable it does not know)."""
+
 
 def _float(name: str, default: float) -> float:
     text = os.environ.get(name)

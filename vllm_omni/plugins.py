@@ -9,6 +9,7 @@ import multiprocessing
 import os
 
 from vllm_omni.catalog.registry import MODEL_REGISTRY
+from vllm_omni.envs import ENGINE_CORE_FORKS_WORKERS
 
 
 def register_models() -> None:
@@ -38,12 +39,6 @@ def register_hf_configs() -> None:
     for model_type, target in MODEL_REGISTRY.hf_configs().items():
         if model_type not in CONFIG_MAPPING:
             AutoConfig.register(model_type, import_target(target))
-
-
-ENGINE_CORE_FORKS_WORKERS = "_VLLM_OMNI_ENGINE_CORE_FORKS_WORKERS"
-"""Set by our front end, beside the `VLLM_WORKER_MULTIPROC_METHOD=spawn` it chose, only when the user chose no
-start method: an explicit `VLLM_WORKER_MULTIPROC_METHOD` is kept in every process. Internal, not a setting (no
-`VLLM_` prefix: vLLM warns in every process about a `VLLM_*` variable it does not know)."""
 
 
 def _fork_workers_in_engine_core() -> None:

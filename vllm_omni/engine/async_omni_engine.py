@@ -21,8 +21,8 @@ from vllm_omni.engine.capabilities import ModelCapabilities
 from vllm_omni.engine.edges import OutputSink
 from vllm_omni.engine.orchestrator import Orchestrator
 from vllm_omni.engine.stage_runtime import StageClientFactory, StageRuntime, make_stage_client
+from vllm_omni.envs import ENGINE_CORE_FORKS_WORKERS
 from vllm_omni.logger import init_logger
-from vllm_omni.plugins import ENGINE_CORE_FORKS_WORKERS
 
 logger = init_logger(__name__)
 

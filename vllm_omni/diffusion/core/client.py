@@ -45,9 +45,9 @@ from vllm_omni.diffusion.core.messages import (
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.ipc import MsgCodec, cleanup_shm, new_shm_prefix
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.envs import ENGINE_CORE_FORKS_WORKERS
 from vllm_omni.errors import EngineDeadError, OmniClientError
 from vllm_omni.logger import init_logger
-from vllm_omni.plugins import ENGINE_CORE_FORKS_WORKERS
 
 logger = init_logger(__name__)
 
