@@ -7,6 +7,8 @@ tree is installed, e.g. our GPU benchmark images).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 import torch
 
 
@@ -26,3 +28,26 @@ def process_weights_after_loading(model: torch.nn.Module) -> None:
         quant_method = getattr(module, "quant_method", None)
         if quant_method is not None:
             quant_method.process_weights_after_loading(module)
+
+
+def load_mapped_weights(
+    model: torch.nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    map_name: Callable[[str], tuple[str, str | int | None]],
+) -> set[str]:
+    """Load diffusers-named tensors into `model`: `map_name` gives each checkpoint name our parameter's name and
+    the shard of a stacked parameter (or None). Returns the names of the parameters that were filled."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        target, shard = map_name(name)
+        if target not in params:
+            raise KeyError(f"checkpoint tensor {name!r} has no matching parameter ({target!r})")
+        param = params[target]
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        if shard is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard)
+        loaded.add(target)
+    return loaded

@@ -32,7 +32,7 @@ from vllm_omni.diffusion.cache.state import BlockCache
 from vllm_omni.diffusion.distributed.parallel_state import sequence_parallel_size
 from vllm_omni.diffusion.layers.cuda_graph import device_ints
 from vllm_omni.diffusion.layers.embeddings import timestep_sinusoid
-from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
+from vllm_omni.diffusion.model_loader.weight_utils import load_mapped_weights
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 """(cos, sin) per channel pair, (rows, seq, head_dim / 2), float32."""
@@ -373,20 +373,7 @@ class QwenImage21Transformer2DModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load diffusers-named tensors; returns the names of our parameters that were filled."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            target, shard = _map_name(name)
-            if target not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter ({target!r})")
-            param = params[target]
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            if shard is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard)
-            loaded.add(target)
-        return loaded
+        return load_mapped_weights(self, weights, _map_name)
 
 
 _STACKED = (
