@@ -167,6 +167,29 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
     return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
+def summarise(rows: list[dict[str, Any]], images: dict[str, np.ndarray], bandwidth: float) -> None:
+    """Fill each row's ratios against the reference rows measured so far (fp8 vs bf16, offload vs its bound)."""
+    by = {row["variant"]: row for row in rows}
+    bf16, fp8, eager = by.get("bf16"), by.get("fp8"), by.get("bf16 eager")
+    if bf16 and fp8:
+        fp8.update(
+            x_bf16_time=round(fp8["pipeline_s"] / bf16["pipeline_s"], 3),
+            x_bf16_memory=round(fp8["transformer_bytes"] / bf16["transformer_bytes"], 3),
+            psnr_vs_bf16_db=round(psnr(images["fp8"], images["bf16"]), 2),
+        )
+    for row in rows:
+        row["transformer_gb"] = round(row["transformer_bytes"] / 2**30, 3)
+        if eager and "streamed_gb_per_step" in row:
+            bus_ms = row["streamed_gb_per_step"] * 2**30 / bandwidth * 1000
+            bound = max(eager["step_ms"], bus_ms)
+            row.update(
+                bus_ms=round(bus_ms, 2),
+                bound_ms=round(bound, 2),
+                x_bound=round(row["step_ms"] / bound, 3),
+                psnr_vs_eager_db=round(psnr(images[row["variant"]], images["bf16 eager"]), 2),
+            )
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from vllm_omni.catalog.tiny import build_tiny
 
@@ -178,7 +201,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # ones would make every image constant, and the PSNRs meaningless).
         model_dir = build_tiny("qwen-image") if args.tiny else write_checkpoint("qwen-image", Path(tmp) / "qwen-image")
         bandwidth = h2d_bandwidth(device)
-        rows, images = [], {}
+        result.update(h2d_gb_s=round(bandwidth / 1e9, 2), rows=[], bars=BARS)
+        rows, images = result["rows"], {}
         for label, steps, cap, flags in [
             ("bf16", args.steps, None, {}),
             ("fp8", args.steps, None, {"quantization": "fp8"}),
@@ -200,30 +224,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ]:
             row, images[label] = run_variant(label, model_dir, device, steps, args.size, cap, **flags)
             rows.append(row)
-    by = {row["variant"]: row for row in rows}
-    bf16, fp8, eager = by["bf16"], by["fp8"], by["bf16 eager"]
-    fp8.update(
-        x_bf16_time=round(fp8["pipeline_s"] / bf16["pipeline_s"], 3),
-        x_bf16_memory=round(fp8["transformer_bytes"] / bf16["transformer_bytes"], 3),
-        psnr_vs_bf16_db=round(psnr(images["fp8"], images["bf16"]), 2),
-    )
-    for row in rows:
-        if "streamed_gb_per_step" in row:
-            bus_ms = row["streamed_gb_per_step"] * 2**30 / bandwidth * 1000
-            bound = max(eager["step_ms"], bus_ms)
-            row.update(
-                bus_ms=round(bus_ms, 2),
-                bound_ms=round(bound, 2),
-                x_bound=round(row["step_ms"] / bound, 3),
-                psnr_vs_eager_db=round(psnr(images[row["variant"]], images["bf16 eager"]), 2),
-            )
-    for row in rows:
-        row["transformer_gb"] = round(row["transformer_bytes"] / 2**30, 3)
-    result.update(h2d_gb_s=round(bandwidth / 1e9, 2), rows=rows, bars=BARS)
+            summarise(rows, images, bandwidth)
+            print(f"[bench_memory] {label}: {row}", flush=True)
+            if args.out:  # after every variant: a run cut by a time limit still leaves what it measured
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
     if args.png:
         draw(result, args.png)
     return result
