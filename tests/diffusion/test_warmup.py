@@ -184,7 +184,9 @@ def test_warm_up_runs_each_bucket_then_warns_on_serving_compiles(dist_world, qwe
     with torch.inference_mode():
         request_mode = warm_up(pipe, OmniDiffusionConfig(model="m", max_num_seqs=2, diffusion_warmup_shapes="64x64"))
         texts = pipe.warmup_text_lengths()
-        assert [s.label for s in request_mode] == [f"64x64 batch {b} text {t}" for b in (1, 2) for t in texts]
+        assert [s.label for s in request_mode] == [
+            f"64x64 batch {b} text {t}{g}" for b in (1, 2) for g in ("", " guided") for t in texts
+        ]  # a negative prompt (true CFG) doubles the rows: a signature of its own
         forward.serving = False
 
         def tokens(size: int, text: int, batch: int) -> int:
@@ -210,8 +212,8 @@ def test_warm_up_runs_each_bucket_then_warns_on_serving_compiles(dist_world, qwe
             ),
         )
         assert [s.label for s in step_mode] == [
-            *(f"{size} batch 1 text {t}" for size in ("64x64", "32x32") for t in texts),
-            f"32x32 batch 2 text {texts[0]}",
+            *(f"{size} batch 1 text {t}{g}" for size in ("64x64", "32x32") for g in ("", " guided") for t in texts),
+            f"32x32 batch 2 text {texts[0]}",  # 2 guided states (twice the rows) exceed the cap
         ]
         assert forward.serving and forward.serving_compiles == 0
 
@@ -251,6 +253,9 @@ def test_default_serve_config_is_compiled_on_cuda_and_warmed_up(dist_world, qwen
     warmed = _warmup_request((64, 64), 0).prompt
     with torch.inference_mode():
         (out,) = runner.pipeline.forward(DiffusionRequestBatch([_request(warmed, height=64, width=64)]))
+        assert out.error is None, out.error
+        guided = {"prompt": warmed, "negative_prompt": "blurry"}  # true CFG (negative rows): warmed as well
+        (out,) = runner.pipeline.forward(DiffusionRequestBatch([_request(guided, height=64, width=64)]))
         assert out.error is None, out.error
         assert (forward.serving_compiles, forward.serving_captures) == (0, 0)
         (out,) = runner.pipeline.forward(DiffusionRequestBatch([_request(warmed, height=32, width=32)]))

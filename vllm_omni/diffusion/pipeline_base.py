@@ -222,6 +222,11 @@ class NativeDiffusionPipeline(nn.Module):
         [] = text length makes no signature (fixed-length encoders)."""
         return []
 
+    def warmup_guided(self) -> bool:
+        """Whether a negative prompt adds transformer rows (true CFG): the warm-up then runs each bucket guided
+        too, so that the first request with a negative prompt does not compile while serving."""
+        return False
+
     def advance(self, state: DenoiseState, ctx: StepContext, noise_pred: torch.Tensor) -> None:
         """The scheduler step of `state` with its guided prediction, then progress and any asked-for preview."""
         latents_before = state.latents

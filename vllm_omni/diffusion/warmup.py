@@ -9,6 +9,8 @@ capture sizes, in step mode only those whose tokens fit one co-batched forward, 
 a default request can reach (`TEXT_BUCKETS`: a family pads its prompt tokens to the next bucket under a key mask,
 so that prompt lengths make no new signature). A family without text buckets gets prompts of two lengths, which
 make Dynamo compile its symbolic-size graph here rather than at the first request with another prompt length.
+A family whose negative prompt adds transformer rows (true CFG, `warmup_guided`) runs every bucket unguided and
+guided: a guided request is a signature of its own (twice the rows, its own image-shape list).
 Afterwards every compile or capture logs a WARNING (`AcceleratedForward`).
 """
 
@@ -30,6 +32,8 @@ logger = init_logger(__name__)
 
 WARMUP_STEPS = 2
 """Denoise steps per warm-up generation: the first step compiles and captures, the second replays."""
+GUIDED_TRUE_CFG_SCALE = 4.0
+"""The guidance of guided warm-up requests: any scale > 1 makes the same signature."""
 TEXT_BUCKETS = (128, 256, 512, 1024)
 """Prompt-token lengths the compiled path pads text up to: few CUDA graphs per (size, batch), at most 2x the
 text tokens (a 512x512 image has 1024 image tokens, so the padding costs at most ~1/8 of a short prompt's
@@ -53,11 +57,14 @@ class WarmedSignature:
     captures: int
     text: int | None = None
     """Prompt words of the warm-up requests (one text bucket); None = the family has no text buckets."""
+    guided: bool = False
+    """Whether the requests carried a negative prompt with true CFG (negative rows in every forward)."""
 
     @property
     def label(self) -> str:
         size = "default size" if self.size is None else f"{self.size[0]}x{self.size[1]}"
-        return f"{size} batch {self.batch}" + ("" if self.text is None else f" text {self.text}")
+        text = "" if self.text is None else f" text {self.text}"
+        return f"{size} batch {self.batch}{text}" + (" guided" if self.guided else "")
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -83,15 +90,16 @@ def warm_up(pipeline: Any, od_config: OmniDiffusionConfig, rank: int = 0) -> lis
     if forwards and shapes != []:
         step_mode = od_config.step_execution and pipeline.supports_step_execution
         texts: list[int | None] = list(pipeline.warmup_text_lengths()) or [None]
+        guided = [False, True] if pipeline.warmup_guided() else [False]
         buckets = batch_buckets(od_config.max_num_seqs)
-        planned = len(shapes or [None]) * len(buckets) * len(texts)
+        planned = len(shapes or [None]) * len(buckets) * len(texts) * len(guided)
         for forward in forwards:
             if forward.runner is not None:  # keep every warmed graph (the LRU bound would evict some)
                 forward.runner.max_graphs = max(forward.runner.max_graphs, planned)
         for size in shapes or [None]:
             for smaller, batch in zip([0, *buckets], buckets, strict=False):
-                fits = [_warm_one(pipeline, od_config, forwards, size, batch, text, step_mode, smaller + 1, rank)
-                        for text in texts]
+                fits = [_warm_one(pipeline, od_config, forwards, size, batch, text, cfg, step_mode, smaller + 1, rank)
+                        for cfg in guided for text in texts]
                 warmed += [signature for signature in fits if signature is not None]
                 if fits[0] is None:
                     break  # larger buckets never co-batch either
@@ -101,36 +109,41 @@ def warm_up(pipeline: Any, od_config: OmniDiffusionConfig, rank: int = 0) -> lis
 
 
 def _warm_one(pipeline: Any, od_config: OmniDiffusionConfig, forwards: list[AcceleratedForward],
-              size: tuple[int, int] | None, batch: int, text: int | None, step_mode: bool, fewest: int,
-              rank: int) -> WarmedSignature | None:
-    """One (size, batch, text bucket) generation; None when step mode cannot co-batch `fewest` such states."""
+              size: tuple[int, int] | None, batch: int, text: int | None, guided: bool, step_mode: bool,
+              fewest: int, rank: int) -> WarmedSignature | None:
+    """One (size, batch, text bucket, guidance) generation; None when step mode cannot co-batch `fewest` such
+    states."""
     before = _counts(forwards)
     start = time.perf_counter()
     for lengths_set in range(2 if text is None else 1):
-        requests = [_request(size, i, lengths_set, text) for i in range(batch)]
+        requests = [_request(size, i, lengths_set, text, guided) for i in range(batch)]
         if step_mode:
             if not _step_batch(pipeline, od_config, requests, fewest):
                 return None
         else:
             pipeline.forward(DiffusionRequestBatch(requests))
     compiles, captures = (after - prior for after, prior in zip(_counts(forwards), before, strict=True))
-    signature = WarmedSignature(size, batch, time.perf_counter() - start, compiles, captures, text)
+    signature = WarmedSignature(size, batch, time.perf_counter() - start, compiles, captures, text, guided)
     logger.info("[diffusion rank %d] warm-up %s: %.2f s (%d graphs compiled, %d CUDA graphs captured)",
                 rank, signature.label, signature.seconds, compiles, captures)
     return signature
 
 
 def _request(size: tuple[int, int] | None, index: int, lengths_set: int = 0,
-             text: int | None = None) -> OmniDiffusionRequest:
+             text: int | None = None, guided: bool = False) -> OmniDiffusionRequest:
     """Warm-up request `index` of a batch: a prefix of `WARMUP_WORDS`, or (`text`) about `text` one-token words,
-    each row a little shorter than the last (rows of one batch differ in length, as served ones do)."""
+    each row a little shorter than the last (rows of one batch differ in length, as served ones do); `guided`
+    adds a negative prompt of the same length under true CFG."""
     width, height = size or (None, None)
-    params = OmniDiffusionSamplingParams(width=width, height=height, num_inference_steps=WARMUP_STEPS, seed=index)
+    params = OmniDiffusionSamplingParams(width=width, height=height, num_inference_steps=WARMUP_STEPS, seed=index,
+                                         true_cfg_scale=GUIDED_TRUE_CFG_SCALE if guided else None)
     if text is None:
         words = (2 + 3 * index + lengths_set) % len(WARMUP_WORDS) + 1
         prompt = " ".join(WARMUP_WORDS[:words])
     else:
         prompt = " ".join(["a"] * max(1, text - 3 * index))
+    if guided:
+        return OmniDiffusionRequest({"prompt": prompt, "negative_prompt": prompt}, params, f"warmup-{index}")
     return OmniDiffusionRequest(prompt, params, f"warmup-{index}")
 
 

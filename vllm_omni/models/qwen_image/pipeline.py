@@ -249,6 +249,9 @@ class QwenImagePipeline(NativeDiffusionPipeline):
         buckets = [b for b in self.text_buckets if b <= DEFAULT_MAX_SEQUENCE_LENGTH]
         return [b * 3 // 4 for b in buckets]
 
+    def warmup_guided(self) -> bool:
+        return True  # a negative prompt turns true CFG on (DEFAULT_TRUE_CFG_SCALE)
+
     def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
         cond, rows = state.conditioning, state.latents.shape[0]
         return _true_cfg(pred[:rows], pred[rows:], cond.cfg_scale) if cond.do_cfg else pred

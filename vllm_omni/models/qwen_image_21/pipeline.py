@@ -313,6 +313,9 @@ class QwenImage21Pipeline(NativeDiffusionPipeline):
     def transformer_forward(self, inp: QwenImage21StepInput, call: Callable[..., Any]) -> torch.Tensor:
         return call("transformer", inp.x, inp.timestep, inp.prefix_kv, inp.prefix_lengths, inp.frames, inp.grid)
 
+    def warmup_guided(self) -> bool:
+        return True  # true_cfg_scale > 1 with a negative prompt doubles the rows
+
     def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
         cond, rows = state.conditioning, state.latents.shape[0]
         if not cond.do_cfg:
