@@ -13,11 +13,12 @@ import torch
 
 from vllm_omni.config.deploy_config import ConnectorConfig
 from vllm_omni.connectors import StagePayload, make_connector
-from vllm_omni.connectors.shm_connector import SharedMemoryConnector
+from vllm_omni.connectors.shm_connector import SharedMemoryConnector, segment_prefix
 
 
 def segments() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith("omni_")}
+    """This process's segments (other test processes on the machine write theirs meanwhile)."""
+    return {f for f in os.listdir("/dev/shm") if f.startswith(segment_prefix())}
 
 
 @pytest.fixture

@@ -26,6 +26,11 @@ _INLINE_KEY = "__inline_tensors__"
 _SHM_DIR = "/dev/shm"
 
 
+def segment_prefix() -> str:
+    """Name prefix of the /dev/shm segments this process writes: a leaked segment says which process made it."""
+    return f"omni_{os.getpid()}_"
+
+
 @dataclass
 class _Entry:
     request_id: str
@@ -53,7 +58,8 @@ class SharedMemoryConnector(OmniConnector):
                 if nbytes < self.threshold_bytes or nbytes == 0:
                     inline[name] = tensor.cpu()
                     continue
-                shm = shared_memory.SharedMemory(create=True, size=nbytes, name=f"omni_{uuid.uuid4().hex[:20]}")
+                segment_name = f"{segment_prefix()}{uuid.uuid4().hex[:16]}"
+                shm = shared_memory.SharedMemory(create=True, size=nbytes, name=segment_name)
                 segments.append(shm)
                 _write(shm, tensor)
                 specs.append((name, shm.name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)))
