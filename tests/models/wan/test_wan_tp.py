@@ -7,12 +7,11 @@ TP communicator are gone once the engine is closed (its workers do not unlink th
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
+from tests.entrypoints.leak_checks import orphan_segments, shm_segments
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
 from vllm_omni.diffusion.request import OmniDiffusionRequest
@@ -25,7 +24,7 @@ SIZE = dict(height=32, width=48, num_frames=9, num_inference_steps=3, max_sequen
 def test_tp2_matches_diffusers(wan21_t2v_dir):
     from diffusers import WanPipeline as RefPipeline
 
-    before = set(os.listdir("/dev/shm"))
+    before = shm_segments()
     engine = DiffusionEngine(OmniDiffusionConfig.from_kwargs(model=str(wan21_t2v_dir), tensor_parallel_size=2))
     try:
         request = OmniDiffusionRequest("A cat walks.", OmniDiffusionSamplingParams(seed=7, **SIZE), "tp2")
@@ -33,7 +32,7 @@ def test_tp2_matches_diffusers(wan21_t2v_dir):
     finally:
         engine.close()
     assert out.error is None, out.error
-    assert not [name for name in set(os.listdir("/dev/shm")) - before if "-cpushm_" in name]
+    assert not [name for name in orphan_segments(before) if "-cpushm_" in name]  # other test processes' are mapped
     ref = RefPipeline.from_pretrained(wan21_t2v_dir, dtype=torch.float32)
     ref.set_progress_bar_config(disable=True)
     expected = ref(prompt="A cat walks.", generator=torch.Generator("cpu").manual_seed(7), output_type="np",
