@@ -74,6 +74,34 @@ def split_cpus(parts: int) -> list[str]:
     return [",".join(str(i) for i in usable[start:start + size]) for start, size in zip(starts, sizes, strict=True)]
 
 
+def cpus_left_by(binds: list[tuple[str, int]]) -> int:
+    """How many of this host's logical CPUs the vLLM CPU workers of AR EngineCores leave free, one
+    (`VLLM_CPU_OMP_THREADS_BIND` value, tensor x pipeline parallel ranks) per EngineCore, at least 1. An explicit
+    CPU list binds its CPUs; `auto` (vLLM's) one logical CPU per physical core of a NUMA node per rank, less the
+    reserved ones (`VLLM_CPU_NUM_OF_RESERVED_CPU`, else one per rank), which it leaves to the other processes;
+    `nobind` nothing (its threads float)."""
+    from vllm import envs
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, parse_id_list
+
+    allowed = get_allowed_cpu_list()
+    bound: set[int] = set()
+    for bind, ranks in binds:
+        if bind == "nobind":
+            continue
+        if bind != "auto":
+            bound.update(cpu for part in bind.split("|") for cpu in parse_id_list(part))
+            continue
+        nodes = sorted({cpu.numa_node for cpu in allowed})[:ranks]
+        cores: dict[tuple[int, int], int] = {}
+        for cpu in allowed:
+            if cpu.numa_node in nodes:
+                cores.setdefault((cpu.numa_node, cpu.physical_core), cpu.id)
+        reserved = envs.VLLM_CPU_NUM_OF_RESERVED_CPU if envs.VLLM_CPU_NUM_OF_RESERVED_CPU is not None else ranks
+        ids = [cores[key] for key in sorted(cores)]
+        bound.update(ids[:len(ids) - reserved] if len(ids) > reserved else ids)
+    return max(1, len({cpu.id for cpu in allowed} - bound))
+
+
 @dataclass(config=FORBID)
 class DeployConfig:
     stages: list[StageDeployConfig] = Field(default_factory=list)
