@@ -5,6 +5,7 @@ A `DeployConfig` never changes the graph; it may only refer to stage ids the pip
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -80,7 +81,6 @@ def cpus_left_by(binds: list[tuple[str, int]]) -> int:
     CPU list binds its CPUs; `auto` (vLLM's) one logical CPU per physical core of a NUMA node per rank, less the
     reserved ones (`VLLM_CPU_NUM_OF_RESERVED_CPU`, else one per rank), which it leaves to the other processes;
     `nobind` nothing (its threads float)."""
-    from vllm import envs
     from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, parse_id_list
 
     allowed = get_allowed_cpu_list()
@@ -96,7 +96,8 @@ def cpus_left_by(binds: list[tuple[str, int]]) -> int:
         for cpu in allowed:
             if cpu.numa_node in nodes:
                 cores.setdefault((cpu.numa_node, cpu.physical_core), cpu.id)
-        reserved = envs.VLLM_CPU_NUM_OF_RESERVED_CPU if envs.VLLM_CPU_NUM_OF_RESERVED_CPU is not None else ranks
+        # As the EngineCore's worker will read it when it starts (vllm.envs may have cached this process's).
+        reserved = int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", ranks))
         ids = [cores[key] for key in sorted(cores)]
         bound.update(ids[:len(ids) - reserved] if len(ids) > reserved else ids)
     return max(1, len({cpu.id for cpu in allowed} - bound))
