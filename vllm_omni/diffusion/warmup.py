@@ -126,9 +126,10 @@ class MeasuredPeak:
 
 def measure_peaks(pipeline: Any, od_config: OmniDiffusionConfig, device: Any, rank: int = 0) -> list[MeasuredPeak]:
     """On CUDA, after the warm-up: one default request per warm-up size, with a negative prompt (CFG on
-    wherever the family's default guidance runs it: the larger case) and `WARMUP_STEPS` steps, run twice; the
-    second run, on the captured graphs as serving runs them, is measured. Then the allocator's cache is
-    emptied, so that the free memory the worker reports next counts what the warm-up left cached."""
+    wherever the family's default guidance runs it: the larger case) and `WARMUP_STEPS` steps, measured on the
+    graphs the warm-up captured (guided too where a negative prompt adds rows), as serving runs them. Then the
+    allocator's cache is emptied, so that the free memory the worker reports next counts what the warm-up left
+    cached."""
     import torch
 
     if device.type != "cuda":
@@ -138,7 +139,6 @@ def measure_peaks(pipeline: Any, od_config: OmniDiffusionConfig, device: Any, ra
         plain = _request(size, 0)
         request = OmniDiffusionRequest({"prompt": plain.prompt, "negative_prompt": "blurry, low quality"},
                                        plain.sampling_params, "warmup-peak")
-        pipeline.forward(DiffusionRequestBatch([request]))  # captures the CFG rows' graphs if warm-up had none
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
