@@ -6,7 +6,9 @@ talker makes its frames) and store-and-forward (the decoder runs once the talker
 concurrency 1 / 4 / 8 (each level streamed, then store-and-forward, under the same load) it measures per request
 the time to the first audio chunk (TTFA), end-to-end latency (E2E) and the real-time factor (E2E / audio
 seconds), and checks that both modes give the same waveform (greedy, a fixed number of frames). It prints a
-table, writes benchmarks/results/bench_tts_stream_cpu-<UTC>.json and a PNG of TTFA and E2E per mode.
+table, writes benchmarks/results/bench_tts_stream_cpu-<UTC>.json and a PNG of TTFA and E2E per mode. The decoder
+runs in this process with the torch threads the pipeline resolves (`--torch-num-threads` unset: the CPUs the
+talker's vLLM worker leaves, 1 on 2 cores), or `--torch-num-threads N`.
 
     .venv/bin/python benchmarks/qwen3_tts/bench_stream_cpu.py --frames 32 --concurrency 1 4 8
 """
@@ -58,9 +60,14 @@ async def run(model: str, args, out: Path) -> dict:
     # ignore_eos: every request makes `frames` frames (random weights may stop at any time otherwise).
     params = [SamplingParams(temperature=0.0, max_tokens=args.frames + 1, ignore_eos=True), None]
     prompts = [{"prompt": t, "voice": v} for t, v in zip(TEXTS, VOICES, strict=True)]
+    threads = {} if args.torch_num_threads is None else {"torch_num_threads": args.torch_num_threads}
     engines = {mode: AsyncOmni(model, pipeline_config=qwen3_tts_pipeline(stream=mode == "streamed"),
                                dtype="float32", gpu_memory_utilization=0.15, max_model_len=1024, enforce_eager=True,
-                               seed=0) for mode in ("streamed", "stored")}
+                               seed=0, **threads) for mode in ("streamed", "stored")}
+    # The decoder's torch threads as the pipeline resolved them (--torch-num-threads unset: the engine process's
+    # share of the CPUs the talker's vLLM worker leaves).
+    threads = engines["streamed"].engine.stage_clients[1].config.torch_num_threads
+    print(f"decoder torch threads {threads}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}", flush=True)
     rows = {}
     try:
         for mode, omni in engines.items():
@@ -74,7 +81,9 @@ async def run(model: str, args, out: Path) -> dict:
             rows[concurrency] = summarize(level["streamed"], level["stored"])
             report(rows)
             out.write_text(json.dumps({"args": vars(args), "model": MID, "platform": platform.platform(),
-                                       "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "rows": rows}, indent=2))
+                                       "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
+                                       "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                                       "decoder_torch_threads": threads, "rows": rows}, indent=2))
     finally:
         for omni in engines.values():
             omni.close()
@@ -137,6 +146,8 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=32, help="codec frames per request (12.5 per audio second)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--size", choices=["mid", "tiny"], default="mid", help="tiny: tiny/qwen3-tts (smoke run)")
+    parser.add_argument("--torch-num-threads", type=int, default=None,
+                        help="the decoder's torch threads (--torch-num-threads); unset: as the pipeline resolves them")
     args = parser.parse_args()
 
     from vllm_omni.catalog.tiny import build_tiny

@@ -78,3 +78,38 @@ def test_stage_environ_restores(monkeypatch):
     with stage_environ({"VLLM_CPU_OMP_THREADS_BIND": "1"}):
         assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+
+
+@pytest.mark.parametrize(("cpus", "reserved", "threads"), [(2, None, 1), (16, None, 1), (16, "4", 4)])
+def test_qwen3_tts_decoder_gets_the_cpus_the_talker_leaves(monkeypatch, omni_dir, cpus, reserved, threads):
+    """vLLM's `auto` binds the talker's worker to all cores but the reserved ones (one by default,
+    VLLM_CPU_NUM_OF_RESERVED_CPU): the engine process, which runs the speech decoder, gets those."""
+    from vllm_omni.models.qwen3_tts.pipeline import qwen3_tts_pipeline
+
+    fake_cpus(monkeypatch, cpus)
+    if reserved is None:
+        monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", reserved)
+    talker, decoder = StageConfigFactory.create_from_model(str(omni_dir),
+                                                           pipeline_config=qwen3_tts_pipeline(True)).stages
+    assert decoder.torch_num_threads == threads and not hasattr(talker, "torch_num_threads")
+
+
+def test_torch_threads_split_over_the_computing_processes(monkeypatch, omni_dir, tmp_path):
+    fake_cpus(monkeypatch, 16)
+    *_, code2wav = StageConfigFactory.create_from_model(str(omni_dir)).stages
+    assert code2wav.torch_num_threads == 1  # thinker 0-7, talker 8-14 (`split_cpus`): core 15 is left
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # vLLM's workers float: nothing to subtract
+    *_, code2wav = StageConfigFactory.create_from_model(str(omni_dir)).stages
+    assert code2wav.torch_num_threads == 16
+    dit = tmp_path / "dit"
+    dit.mkdir()
+    (dit / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
+    (stage,) = StageConfigFactory.create_from_model(str(dit), tensor_parallel_size=2, cfg_parallel_size=2).stages
+    assert stage.torch_num_threads == 4 and stage.make_od_config().torch_num_threads == 4  # 4 ranks on 16 CPUs
+    (stage,) = StageConfigFactory.create_from_model(str(dit), torch_num_threads=3).stages
+    assert stage.torch_num_threads == 3 and "torch_num_threads" in stage.engine_args
+    with pytest.raises(OmniClientError, match="must be a positive integer") as e:
+        StageConfigFactory.create_from_model(str(dit), torch_num_threads=0)
+    assert e.value.param == "torch_num_threads"

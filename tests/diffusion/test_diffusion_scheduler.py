@@ -1,7 +1,8 @@
 """Request-batch scheduling (request mode's policy of the one `DiffusionScheduler`), driven with an explicit clock.
 
 What it pins: requests with equal sampling-params keys co-batch (different seeds included) up to
-max_num_seqs, and so do requests with different LoRA adapters (each row runs its own); different size, steps,
+max_num_seqs, and so do requests with different LoRA adapters (each row runs its own), except in a distributed-
+layerwise-offload wave (its ranks run their own requests: one adapter set per wave); different size, steps,
 CFG, negative-prompt presence or quality (None vs "lossless" too) never co-batch; an unfilled batch waits at
 most request_batch_max_wait_ms; FIFO across keys; abort.
 """
@@ -28,7 +29,7 @@ def ids(batch) -> list[str]:
 
 
 def request_scheduler(**config) -> DiffusionScheduler:
-    return DiffusionScheduler(OmniDiffusionConfig(model="m", **config))
+    return DiffusionScheduler(OmniDiffusionConfig.from_kwargs(model="m", **config))
 
 
 def next_batch(sched: DiffusionScheduler, now: float, fits=None) -> tuple[list[OmniDiffusionRequest], float | None]:
@@ -51,6 +52,27 @@ def test_different_loras_share_a_key():
     loras = [None, {"name": "a"}, {"name": "b", "scale": 0.5}, [{"name": "a"}, {"path": "/b"}]]
     keys = {build_request_batch_sampling_params_key(req(str(i), lora=lora)) for i, lora in enumerate(loras)}
     assert len(keys) == 1
+
+
+def test_dlo_waves_are_formed_by_lora_adapters():
+    """Under DLO the scheduler's key is the wave's (`dlo_wave_key`): the adapters, in any order, are part of it,
+    so a wave never mixes adapter sets (the executor would refuse it whole) and each set gets its own wave."""
+    a, b = {"name": "a", "path": "/a"}, {"name": "b", "path": "/b", "scale": 0.5}
+    sched = request_scheduler(data_parallel_size=2, enable_distributed_layerwise_offload=True,
+                              request_batch_max_wait_ms=100)
+    sched.add(req("a0", lora=[a, b]), now=0.0)
+    sched.add(req("none0"), now=0.1)
+    sched.add(req("a1", lora=[b, a]), now=0.2)
+    sched.add(req("none1"), now=0.3)
+    sched.add(req("b0", lora={**b, "scale": 1.0}), now=0.45)  # b at another scale: another adapter set
+    assert ids(next_batch(sched, now=0.5)[0]) == ["a0", "a1"]
+    assert ids(next_batch(sched, now=0.5)[0]) == ["none0", "none1"]
+    assert next_batch(sched, now=0.5) == ([], pytest.approx(0.05))  # b0 alone waits for company ...
+    assert ids(next_batch(sched, now=0.6)[0]) == ["b0"]  # ... at most its max wait (rank 1 then runs a copy)
+    plain = request_scheduler(max_num_seqs=2)
+    for job in ("a0", "none0"):
+        plain.add(req(job, lora=[a, b] if job == "a0" else None), now=0.0)
+    assert ids(next_batch(plain, now=0.0)[0]) == ["a0", "none0"]  # rows mix in one forward
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,25 @@ def test_estimate_follows_the_request_shape():
     assert ShapeRule().estimate_bytes(SP()) == 0  # no facts: no estimate
 
 
+def test_a_measured_size_is_predicted_from_its_measurement():
+    """At a size warm-up measured (2 steps), a default request is that peak plus the model's per-step tables for
+    its other step count, per output; explicit guidance, other frames and unmeasured sizes fall back to the
+    model."""
+    peak = 123 * 2**20
+    rule = dataclasses.replace(QWEN_IMAGE, measured_peaks=((1024, 1024, peak),), measured_steps=2)
+    tables = QWEN_IMAGE.modelled_bytes(SP(height=1024, width=1024, num_inference_steps=50)) - \
+        QWEN_IMAGE.modelled_bytes(SP(height=1024, width=1024, num_inference_steps=2))
+    assert tables == 48 * 2 * 12 * 60 * 3072 * 2
+    assert rule.estimate_bytes(SP(height=1024, width=1024, num_inference_steps=2)) == peak
+    assert rule.estimate_bytes(SP()) == peak + tables  # the default size, 50 steps
+    assert rule.estimate_bytes(SP(num_outputs_per_prompt=3)) == 3 * (peak + tables)
+    for sp in (SP(height=512, width=512), SP(true_cfg_scale=7.0), SP(guidance_scale=2.0)):
+        assert rule.estimate_bytes(sp) == QWEN_IMAGE.modelled_bytes(sp) == QWEN_IMAGE.estimate_bytes(sp)
+    video = dataclasses.replace(WAN, measured_peaks=((480, 832, peak),))
+    assert video.estimate_bytes(SP(num_frames=81)) == peak + 0  # Wan has no step tables
+    assert video.estimate_bytes(SP(num_frames=161)) == WAN.modelled_bytes(SP(num_frames=161))
+
+
 @pytest.mark.parametrize("params,param", [
     ({"num_outputs_per_prompt": 8}, "num_outputs_per_prompt"),
     ({"num_frames": 1001}, "num_frames"),
@@ -192,5 +211,30 @@ def test_a_burst_on_a_capped_gpu_never_runs_out_of_memory(step_execution):
         side = min(max(side, 64), 4096)  # each request's estimate about a third of the budget: 5 never fit at once
         outputs = run_burst(engine, f"cuda-{step_execution}", {"height": side, "width": side})
         assert all(out.peak_memory_mb * 2**20 <= CUDA_CAP_BYTES for out in outputs)
+    finally:
+        engine.close()
+
+
+@pytest.mark.cuda
+def test_warmup_measures_each_size_and_predicts_its_peak_within_10_percent():
+    """Compiled tiny Qwen-Image on CUDA warmed at 3 sizes: the worker measured each size's peak, admission
+    predicts a served request there from it (50 steps: the measurement plus the step tables), and the request's
+    measured peak beyond what the idle worker holds is within 10% of the prediction."""
+    sizes = [(256, 256), (512, 512), (768, 512)]
+    engine = DiffusionEngine(OmniDiffusionConfig(model="tiny/qwen-image", device="cuda",
+                                                 diffusion_warmup_shapes=",".join(f"{w}x{h}" for w, h in sizes)))
+    try:
+        rule = engine.shape_rule
+        assert {(h, w) for h, w, _ in rule.measured_peaks} == {(h, w) for w, h in sizes}
+        idle = max(info["allocated_bytes"] for info in engine.executor.worker_info)
+        for width, height in sizes:
+            sp = SP(height=height, width=width, num_inference_steps=50, seed=0, output_type="np")
+            predicted = rule.estimate_bytes(sp)
+            assert predicted != rule.modelled_bytes(sp)
+            out = engine.submit(OmniDiffusionRequest({"prompt": "a cat", "negative_prompt": "dog"}, sp,
+                                                     f"peak-{width}x{height}")).result(300)
+            assert out.error is None, out.error
+            measured = out.peak_memory_mb * 2**20 - idle
+            assert abs(predicted - measured) <= 0.10 * measured, (width, height, predicted, measured)
     finally:
         engine.close()

@@ -175,14 +175,17 @@ def test_warm_up_runs_each_bucket_then_warns_on_serving_compiles(dist_world, qwe
     nothing compiles)."""
     from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
 
+    cpu = torch.device("cpu")
     pipe = QwenImagePipeline.from_pretrained(
-        OmniDiffusionConfig(model=str(qwen_image_dir)), qwen_image_dir, torch.device("cpu"), torch.float32
+        OmniDiffusionConfig(model=str(qwen_image_dir)), qwen_image_dir, cpu, torch.float32
     )
-    assert warm_up(pipe, OmniDiffusionConfig(model="m", diffusion_warmup_shapes="64x64")) == []  # eager
+    assert warm_up(pipe, OmniDiffusionConfig(model="m", diffusion_warmup_shapes="64x64"), cpu) == ([], [])  # eager
     accelerate_transformer(pipe.transformer, compile_blocks=False, cuda_graphs=False)
     (forward,) = accelerated_forwards(pipe)
     with torch.inference_mode():
-        request_mode = warm_up(pipe, OmniDiffusionConfig(model="m", max_num_seqs=2, diffusion_warmup_shapes="64x64"))
+        request_mode, peaks = warm_up(pipe, OmniDiffusionConfig(model="m", max_num_seqs=2,
+                                                                diffusion_warmup_shapes="64x64"), cpu)
+        assert peaks == []  # measured on CUDA only
         texts = pipe.warmup_text_lengths()
         assert [s.label for s in request_mode] == [
             f"64x64 batch {b} text {t}{g}" for b in (1, 2) for g in ("", " guided") for t in texts
@@ -201,7 +204,7 @@ def test_warm_up_runs_each_bucket_then_warns_on_serving_compiles(dist_world, qwe
         # only (3 states, or longer prompts, do not fit).
         cap = tokens(32, texts[0], 2)
         assert tokens(64, texts[0], 2) > cap and tokens(32, texts[1], 2) > cap and tokens(32, texts[0], 3) > cap
-        step_mode = warm_up(
+        step_mode, _ = warm_up(
             pipe,
             OmniDiffusionConfig(
                 model="m",
@@ -210,6 +213,7 @@ def test_warm_up_runs_each_bucket_then_warns_on_serving_compiles(dist_world, qwe
                 diffusion_warmup_shapes="64x64,32x32",
                 diffusion_max_tokens_per_forward=cap,
             ),
+            cpu,
         )
         assert [s.label for s in step_mode] == [
             *(f"{size} batch 1 text {t}{g}" for size in ("64x64", "32x32") for g in ("", " guided") for t in texts),

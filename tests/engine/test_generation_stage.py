@@ -1,8 +1,8 @@
 """GENERATION stage type on a real non-autoregressive model: the tiny Qwen3-Omni Code2Wav vocoder.
 
 Pins: a one-stage generation pipeline declared in YAML runs through AsyncOmni; concurrent requests are
-co-batched into one forward; each request's audio equals the vocoder called directly on its chunks; an
-empty input is a client error naming `prompt`.
+co-batched into one forward, run with the stage's `torch_num_threads`; each request's audio equals the vocoder
+called directly on its chunks; an empty input is a client error naming `prompt`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 
 from vllm_omni import AsyncOmni
 from vllm_omni.catalog.tiny import build_tiny
@@ -29,7 +30,8 @@ def model_dir():
 def omni(model_dir, tmp_path_factory):
     pipeline = tmp_path_factory.mktemp("pipeline") / "code2wav.yaml"
     pipeline.write_text("name: code2wav\nstages:\n  - stage_id: 0\n    execution_type: generation\n"
-                        f"    engine_args: {{model_class: '{CODE2WAV}'}}\n    final_output: true\n")
+                        f"    engine_args: {{model_class: '{CODE2WAV}', torch_num_threads: 1}}\n"
+                        "    final_output: true\n")
     engine = AsyncOmni(str(model_dir), pipeline_config=str(pipeline))
     yield engine
     engine.close()
@@ -58,12 +60,13 @@ async def test_concurrent_requests_match_direct_vocoder(omni, model_dir):
     calls = []
     stage = omni.engine.stage_clients[0]
     forward = stage.model.forward
-    stage.model.forward = lambda items: calls.append(len(items)) or forward(items)
+    stage.model.forward = lambda items: calls.append((len(items), torch.get_num_threads())) or forward(items)
     try:
         results = await asyncio.gather(*(collect(omni, chunks, rid) for rid, chunks in inputs.items()))
     finally:
         stage.model.forward = forward
-    assert sum(calls) == sum(len(c) for c in inputs.values()) and len(calls) < len(inputs)  # co-batched
+    assert sum(n for n, _ in calls) == sum(len(c) for c in inputs.values()) and len(calls) < len(inputs)  # co-batched
+    assert {threads for _, threads in calls} == {1}  # torch_num_threads, on the thread that runs the model
     vocoder = Qwen3OmniCode2Wav.from_pretrained(model_dir)
     for chunks, (out,) in zip(inputs.values(), results, strict=True):
         assert out.finished and out.final_output_type == "audio" and out.multimodal_output["sample_rate"] == 24000

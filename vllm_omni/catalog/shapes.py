@@ -8,7 +8,8 @@ the pipeline would refuse is a 400 on every route before anything is queued (a `
 
 The engine sets `memory_budget_bytes` (what the stage has free); a request whose `estimate_bytes` exceeds it
 can never run and is a 400 naming the field that makes it too big, and the engine's scheduler admits a request
-only while the estimates of what runs plus its own fit (it waits otherwise).
+only while the estimates of what runs plus its own fit (it waits otherwise). On CUDA the warm-up measures one
+request's peak at each warm-up size, and the estimate at those sizes is that measurement (`measured_peaks`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ class ShapeRule:
     """Bytes per activation element (set by the engine from its dtype)."""
     memory_budget_bytes: int | None = None
     """What the stage has free for requests (set by the engine); None: no memory admission."""
+    measured_peaks: tuple[tuple[int, int, int], ...] = ()
+    """(height, width, bytes): the peak one request at that size took beyond what its worker held before it,
+    measured at warm-up (CUDA; set by the engine): a default request with a negative prompt (CFG on wherever
+    the family's default guidance runs it) of `measured_steps` steps."""
+    measured_steps: int = 2
 
     def check(self, sp: Any, prefix: str = "", size_field: str | None = None) -> None:
         """Refuse a height / width the pipeline cannot make. `size_field` names the request field the two came
@@ -80,9 +86,22 @@ class ShapeRule:
         self.check_memory(sp, prefix, size_field)
 
     def estimate_bytes(self, sp: Any) -> int:
-        """Peak memory of one request at its shape beyond the weights: transformer activations (tokens x hidden
-        x ACTIVATION_FACTOR, CFG rows counted), latents, the per-step tables and the VAE decode / output frames.
-        An upper bound of the right order, not a measurement."""
+        """Peak memory of one request at its shape beyond the weights. At a size warm-up measured, with the
+        default frames and guidance: that measurement per output, plus what the model below adds for its other
+        step count (the per-step tables). Elsewhere the model alone (`modelled_bytes`)."""
+        height, width = sp.height or self.default_size[0], sp.width or self.default_size[1]
+        peak = next((b for h, w, b in self.measured_peaks if (h, w) == (height, width)), None)
+        if peak is None or sp.guidance_scale is not None or sp.true_cfg_scale is not None or (
+                self.frame_stride and sp.num_frames not in (None, self.default_frames)):
+            return self.modelled_bytes(sp)
+        one = replace(sp, num_outputs_per_prompt=1)
+        steps = self.modelled_bytes(one) - self.modelled_bytes(replace(one, num_inference_steps=self.measured_steps))
+        return sp.num_outputs_per_prompt * (peak + steps)
+
+    def modelled_bytes(self, sp: Any) -> int:
+        """The model of one request's peak: transformer activations (tokens x hidden x ACTIVATION_FACTOR, CFG rows
+        counted), latents, the per-step tables and the VAE decode / output frames. An upper bound of the right
+        order, not a measurement."""
         if not self.hidden_size:
             return 0
         height, width = sp.height or self.default_size[0], sp.width or self.default_size[1]

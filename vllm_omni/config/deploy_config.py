@@ -5,6 +5,7 @@ A `DeployConfig` never changes the graph; it may only refer to stage ids the pip
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -72,6 +73,34 @@ def split_cpus(parts: int) -> list[str]:
     sizes = [len(usable) // parts + (k < len(usable) % parts) for k in range(parts)]
     starts = [sum(sizes[:k]) for k in range(parts)]
     return [",".join(str(i) for i in usable[start:start + size]) for start, size in zip(starts, sizes, strict=True)]
+
+
+def cpus_left_by(binds: list[tuple[str, int]]) -> int:
+    """How many of this host's logical CPUs the vLLM CPU workers of AR EngineCores leave free, one
+    (`VLLM_CPU_OMP_THREADS_BIND` value, tensor x pipeline parallel ranks) per EngineCore, at least 1. An explicit
+    CPU list binds its CPUs; `auto` (vLLM's) one logical CPU per physical core of a NUMA node per rank, less the
+    reserved ones (`VLLM_CPU_NUM_OF_RESERVED_CPU`, else one per rank), which it leaves to the other processes;
+    `nobind` nothing (its threads float)."""
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, parse_id_list
+
+    allowed = get_allowed_cpu_list()
+    bound: set[int] = set()
+    for bind, ranks in binds:
+        if bind == "nobind":
+            continue
+        if bind != "auto":
+            bound.update(cpu for part in bind.split("|") for cpu in parse_id_list(part))
+            continue
+        nodes = sorted({cpu.numa_node for cpu in allowed})[:ranks]
+        cores: dict[tuple[int, int], int] = {}
+        for cpu in allowed:
+            if cpu.numa_node in nodes:
+                cores.setdefault((cpu.numa_node, cpu.physical_core), cpu.id)
+        # As the EngineCore's worker will read it when it starts (vllm.envs may have cached this process's).
+        reserved = int(os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", ranks))
+        ids = [cores[key] for key in sorted(cores)]
+        bound.update(ids[:len(ids) - reserved] if len(ids) > reserved else ids)
+    return max(1, len({cpu.id for cpu in allowed} - bound))
 
 
 @dataclass(config=FORBID)

@@ -17,7 +17,13 @@ from typing import Any
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
-from vllm_omni.config.deploy_config import ConnectorConfig, DeployConfig, StageDeployConfig, split_cpus
+from vllm_omni.config.deploy_config import (
+    ConnectorConfig,
+    DeployConfig,
+    StageDeployConfig,
+    cpus_left_by,
+    split_cpus,
+)
 from vllm_omni.config.pipeline_config import FORBID, HAND_OFF_FIELDS, PipelineConfig, PipelineStageConfig
 from vllm_omni.config.stage_config import (
     StageConfig,
@@ -119,6 +125,7 @@ class VllmOmniConfig:
                 placement=stage_deploy.placement,
             ))
         _bind_cpu_threads(stages, deploy)
+        _split_torch_threads(stages)
         unused = sorted(set(global_args) - used_globals)
         if unused:
             raise OmniClientError(f"unknown engine argument(s) {unused} for pipeline {pipeline.name!r} "
@@ -181,6 +188,37 @@ def _bind_cpu_threads(stages: list[StageConfig], deploy: DeployConfig) -> None:
     shares = iter(split_cpus(engine_cores))
     for stage in ar:
         stage.cpu_threads_bind = [next(shares) for _ in range(stage.num_replicas)]
+
+
+def _split_torch_threads(stages: list[StageConfig]) -> None:
+    """Each diffusion and generation stage's `torch_num_threads` left unset: the CPUs the AR stages' vLLM CPU
+    workers leave free (`cpus_left_by`; all of them on an accelerator host) divided among the processes that
+    compute beside them: every diffusion rank of every replica, and the engine process once for all its
+    generation stages (they share its one torch pool)."""
+    computing = [s for s in stages if s.kind is not StageKind.AR]
+    for stage in computing:
+        stage.torch_num_threads = stage.engine_args.get("torch_num_threads")
+    if all(s.torch_num_threads is not None for s in computing):
+        return
+    from vllm.platforms import current_platform
+
+    from vllm_omni.diffusion.data import diffusion_world_size
+
+    binds = []
+    if current_platform.is_cpu():
+        for stage in (s for s in stages if s.kind is StageKind.AR):
+            ranks = (stage.engine_args.get("tensor_parallel_size") or 1) * (
+                stage.engine_args.get("pipeline_parallel_size") or 1)
+            for replica in range(stage.num_replicas):
+                bind = (stage.cpu_threads_bind[replica] if stage.cpu_threads_bind is not None
+                        else os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"))
+                binds.append((bind, ranks))
+    processes = any(s.kind is StageKind.GENERATION for s in stages) + sum(
+        diffusion_world_size(s.engine_args) * s.num_replicas for s in stages if s.kind is StageKind.DIFFUSION)
+    share = max(1, cpus_left_by(binds) // processes)
+    for stage in computing:
+        if stage.torch_num_threads is None:
+            stage.torch_num_threads = share
 
 
 def _check_edge_fields(spec: PipelineStageConfig) -> None:

@@ -131,15 +131,27 @@ class VllmOmniARStageConfig(BaseVllmOmniStageConfig):
 @dataclass(config=FORBID)
 class VllmOmniGenerationStageConfig(BaseVllmOmniStageConfig):
     kind: ClassVar[StageKind] = StageKind.GENERATION
+    torch_num_threads: int | None = None
+    """The torch threads of the engine process that runs this stage: its `torch_num_threads` engine argument,
+    else its share of the host's CPUs (resolved with the pipeline)."""
 
     @staticmethod
     def known_args() -> frozenset[str]:
-        return frozenset({"model_class", "dtype", "device", "max_batch_size"})
+        return frozenset({"model_class", "dtype", "device", "max_batch_size", "torch_num_threads"})
+
+    @staticmethod
+    def check_args(engine_args: dict[str, Any]) -> None:
+        from vllm_omni.diffusion.data import check_torch_num_threads
+
+        check_torch_num_threads(engine_args.get("torch_num_threads"))
 
 
 @dataclass(config=FORBID)
 class VllmOmniDiffusionStageConfig(BaseVllmOmniStageConfig):
     kind: ClassVar[StageKind] = StageKind.DIFFUSION
+    torch_num_threads: int | None = None
+    """The torch threads of each of this stage's worker processes: its `torch_num_threads` engine argument,
+    else its share of the host's CPUs (resolved with the pipeline)."""
 
     @staticmethod
     def known_args() -> frozenset[str]:
@@ -159,7 +171,8 @@ class VllmOmniDiffusionStageConfig(BaseVllmOmniStageConfig):
             placement = self.placement or PlacementConfig()
             ray = RayPlacement(address=self.ray_address, resources=dict(placement.resources),
                                strategy=placement.strategy)
-        return OmniDiffusionConfig.from_kwargs(model=self.model, stage_id=self.stage_id, ray=ray, **self.engine_args)
+        return OmniDiffusionConfig.from_kwargs(model=self.model, stage_id=self.stage_id, ray=ray,
+                                               **{**self.engine_args, "torch_num_threads": self.torch_num_threads})
 
 
 # AR stage arguments that are the stage's own, not vLLM's; the default is the diffusion stages' one.

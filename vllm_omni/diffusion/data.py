@@ -62,18 +62,38 @@ def check_cache_args(values: dict[str, Any]) -> None:
                               param="cache_backend")
 
 
+def _parallel_args(engine_args: dict[str, Any]) -> dict[str, Any]:
+    parallel = engine_args.get("parallel_config")  # a DiffusionParallelConfig object checked itself
+    return {**{k: v for k, v in engine_args.items() if k in _PARALLEL_FIELDS and v is not None},
+            **(parallel if isinstance(parallel, dict) else {})}
+
+
 def check_diffusion_args(engine_args: dict[str, Any]) -> None:
     """The checks of `OmniDiffusionConfig` that need no engine process, run when the stage is resolved."""
-    parallel = engine_args.get("parallel_config")  # a DiffusionParallelConfig object checked itself
-    parallel = {**{k: v for k, v in engine_args.items() if k in _PARALLEL_FIELDS and v is not None},
-                **(parallel if isinstance(parallel, dict) else {})}
+    parallel = _parallel_args(engine_args)
     refuse_unimplemented({**engine_args, **parallel})
     DiffusionParallelConfig(**parallel)
+    check_torch_num_threads(engine_args.get("torch_num_threads"))
     check_cache_args(engine_args)
     if engine_args.get("diffusion_attention_backend") is not None:
         check_attention_backend(engine_args["diffusion_attention_backend"])
     else:  # the env var is only the fallback of an unset flag
         check_attention_backend(envs.DIFFUSION_ATTENTION_BACKEND, "env DIFFUSION_ATTENTION_BACKEND")
+
+
+def check_torch_num_threads(value: Any) -> None:
+    """`torch_num_threads` (a diffusion or generation stage's) is None or a positive integer."""
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise OmniClientError(f"torch_num_threads={value!r} (--torch-num-threads) must be a positive integer",
+                              param="torch_num_threads")
+
+
+def diffusion_world_size(engine_args: dict[str, Any]) -> int:
+    """The worker processes of one engine of a stage with these (checked) arguments."""
+    parallel = engine_args.get("parallel_config")
+    if not isinstance(parallel, DiffusionParallelConfig):
+        parallel = DiffusionParallelConfig(**_parallel_args(engine_args))
+    return parallel.world_size
 
 
 def resolve_device_kind(device: str | None) -> str:
@@ -222,6 +242,12 @@ class OmniDiffusionConfig:
     """None = cuda when available, else cpu."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) of the checkpoint."""
+    torch_num_threads: int | None = None
+    """Torch intra-op threads of each process of this stage that computes beside vLLM's CPU workers (each
+    diffusion rank; the engine process, which runs the generation stages such as a speech decoder). None: the
+    host's CPUs that the pipeline's vLLM CPU workers leave free (their VLLM_CPU_OMP_THREADS_BIND CPUs, or under
+    `auto` all but VLLM_CPU_NUM_OF_RESERVED_CPU) divided among those processes, at least 1, so that processes x
+    threads does not exceed the cores."""
     parallel_config: DiffusionParallelConfig = field(default_factory=DiffusionParallelConfig)
     diffusion_attention_backend: str | None = None
     """Attention backend of the transformer's layers; None = env DIFFUSION_ATTENTION_BACKEND, then the
@@ -357,6 +383,7 @@ class OmniDiffusionConfig:
 
     def __post_init__(self) -> None:
         refuse_unimplemented({f.name: getattr(self, f.name) for f in fields(self)})
+        check_torch_num_threads(self.torch_num_threads)
         self._check_quantization()
         self._check_offload()
         if self.enable_lora and self.enforce_eager is False:

@@ -526,9 +526,17 @@ def _with_budget(
     rule: ShapeRule | None, od_config: OmniDiffusionConfig, worker_info: list[dict[str, Any]]
 ) -> ShapeRule | None:
     """The family's rule with this stage's activation width and memory budget: the configured GiB, else the
-    least free device memory any rank measured after loading (CUDA), else none (CPU)."""
+    least free device memory any rank measured after loading (CUDA), else none (CPU); and the peaks the ranks
+    measured at warm-up, the largest rank's per size (CUDA)."""
     if rule is None:
         return None
+    peaks: dict[tuple[int, int], int] = {}
+    steps = rule.measured_steps
+    for info in worker_info:
+        for peak in info.get("measured_peaks", []):
+            height, width = rule.default_size if peak["size"] is None else peak["size"][::-1]
+            peaks[height, width] = max(peaks.get((height, width), 0), peak["bytes"])
+            steps = peak["steps"]
     on_cuda = any("cuda" in str(info.get("device", "")) for info in worker_info)
     dtype = od_config.dtype if od_config.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
     budget = None
@@ -536,7 +544,9 @@ def _with_budget(
         budget = int(od_config.diffusion_memory_budget_gb * 2**30)
     elif free := [info["free_memory_bytes"] for info in worker_info if "free_memory_bytes" in info]:
         budget = min(free)
-    return dataclasses.replace(rule, dtype_bytes=4 if dtype == "float32" else 2, memory_budget_bytes=budget)
+    return dataclasses.replace(rule, dtype_bytes=4 if dtype == "float32" else 2, memory_budget_bytes=budget,
+                               measured_peaks=tuple((h, w, b) for (h, w), b in peaks.items()),
+                               measured_steps=steps)
 
 
 _STEP_MODE_ONLY = ("diffusion_max_tokens_per_forward", "max_paused_states")

@@ -12,6 +12,9 @@ make Dynamo compile its symbolic-size graph here rather than at the first reques
 A family whose negative prompt adds transformer rows (true CFG, `warmup_guided`) runs every bucket unguided and
 guided: a guided request is a signature of its own (twice the rows, its own image-shape list).
 Afterwards every compile or capture logs a WARNING (`AcceleratedForward`).
+
+On CUDA the warm-up then measures, at each size, the peak device memory one request takes beyond what the worker
+holds (`measure_peaks`): memory admission predicts requests at those sizes from it (`ShapeRule.measured_peaks`).
 """
 
 from __future__ import annotations
@@ -81,9 +84,11 @@ def step_bucket(count: int, buckets: list[int]) -> int:
     return next((bucket for bucket in buckets if bucket >= count), count)
 
 
-def warm_up(pipeline: Any, od_config: OmniDiffusionConfig, rank: int = 0) -> list[WarmedSignature]:
-    """Run the warm-up on a loaded pipeline (nothing when it has no compiled DiT or the shapes are ""); then
-    mark its compiled forwards as serving. Every rank of a stage runs the same warm-up (same collectives)."""
+def warm_up(pipeline: Any, od_config: OmniDiffusionConfig, device: Any,
+            rank: int = 0) -> tuple[list[WarmedSignature], list[MeasuredPeak]]:
+    """Run the warm-up on a loaded pipeline (nothing when it has no compiled DiT or the shapes are ""), measure
+    the peaks (`measure_peaks`), then mark its compiled forwards as serving. Every rank of a stage runs the same
+    warm-up (same collectives)."""
     forwards = accelerated_forwards(pipeline)
     shapes = parse_warmup_shapes(od_config.diffusion_warmup_shapes)
     warmed: list[WarmedSignature] = []
@@ -103,9 +108,50 @@ def warm_up(pipeline: Any, od_config: OmniDiffusionConfig, rank: int = 0) -> lis
                 warmed += [signature for signature in fits if signature is not None]
                 if fits[0] is None:
                     break  # larger buckets never co-batch either
+    peaks = measure_peaks(pipeline, od_config, device, rank) if warmed else []
     for forward in forwards:
         forward.serving = True
-    return warmed
+    return warmed, peaks
+
+
+@dataclass(frozen=True)
+class MeasuredPeak:
+    size: tuple[int, int] | None
+    """(width, height); None = the model's default size."""
+    bytes: int
+    """Peak allocated device memory of the request beyond what was allocated before it."""
+    steps: int = WARMUP_STEPS
+    """The request's denoise steps."""
+
+
+def measure_peaks(pipeline: Any, od_config: OmniDiffusionConfig, device: Any, rank: int = 0) -> list[MeasuredPeak]:
+    """On CUDA, after the warm-up: one default request per warm-up size, with a negative prompt (CFG on
+    wherever the family's default guidance runs it: the larger case) and `WARMUP_STEPS` steps, measured on the
+    graphs the warm-up captured (guided too where a negative prompt adds rows), as serving runs them. Then the
+    allocator's cache is emptied, so that the free memory the worker reports next counts what the warm-up left
+    cached."""
+    import torch
+
+    if device.type != "cuda":
+        return []
+    peaks = []
+    for size in parse_warmup_shapes(od_config.diffusion_warmup_shapes) or [None]:
+        plain = _request(size, 0)
+        request = OmniDiffusionRequest({"prompt": plain.prompt, "negative_prompt": "blurry, low quality"},
+                                       plain.sampling_params, "warmup-peak")
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        (output,) = pipeline.forward(DiffusionRequestBatch([request]))
+        torch.cuda.synchronize(device)
+        if output.error is not None:  # then requests at this size are predicted by the model alone
+            logger.warning("[diffusion rank %d] peak memory at %s not measured: %s", rank, size, output.error)
+            continue
+        peaks.append(MeasuredPeak(size, torch.cuda.max_memory_allocated(device) - before))
+        logger.info("[diffusion rank %d] peak memory of one request at %s: %.1f MiB", rank,
+                    "default size" if size is None else f"{size[0]}x{size[1]}", peaks[-1].bytes / 2**20)
+    torch.cuda.empty_cache()
+    return peaks
 
 
 def _warm_one(pipeline: Any, od_config: OmniDiffusionConfig, forwards: list[AcceleratedForward],

@@ -104,6 +104,7 @@ class OmniEngineArgs(EngineArgs):
     """--worker-backend ray: the Ray cluster to join ("auto", host:port); None = the deploy config's, else
     $RAY_ADDRESS, else a cluster started on this host."""
     diffusion_attention_backend: str | None = None
+    torch_num_threads: int | None = None
     request_batch_max_wait_ms: float = 0.0
     step_execution: bool = False
     diffusion_max_tokens_per_forward: int | None = 16384

@@ -3,7 +3,8 @@
 The model class is named by the stage's `model_class` engine argument ("module:Class"). It must provide
 `from_pretrained(model_dir, device=..., dtype=...)`, `forward(items: list) -> list` (one result per item, in
 order) and `output_modality`. A request's prompt is its list of items (e.g. codec chunks); requests that
-arrive together share one `forward` call (up to `max_batch_size` items).
+arrive together share one `forward` call (up to `max_batch_size` items). The model runs with `torch_num_threads`
+torch threads (resolved with the pipeline: the engine process's share of the CPUs the AR workers leave).
 """
 
 from __future__ import annotations
@@ -46,11 +47,18 @@ class StageGenerationClient(StageClientBase):
         model_cls = getattr(importlib.import_module(module), cls_name)
         dtype = getattr(torch, self.config.engine_args.get("dtype", "float32"))
         device = self.config.engine_args.get("device", "cpu")
+        threads = self.config.torch_num_threads
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
-        self.model = await asyncio.wait_for(loop.run_in_executor(
-            self._executor, lambda: model_cls.from_pretrained(self.config.model, device=device, dtype=dtype)),
-            timeout=self.config.stage_init_timeout)
+
+        def load() -> Any:
+            # On the thread that runs the model: torch's process-wide count is taken up per thread, lazily.
+            if threads is not None:  # None: a stage config built by hand, not resolved with its pipeline
+                torch.set_num_threads(threads)
+            return model_cls.from_pretrained(self.config.model, device=device, dtype=dtype)
+
+        self.model = await asyncio.wait_for(loop.run_in_executor(self._executor, load),
+                                            timeout=self.config.stage_init_timeout)
         self.startup_phases = {"load": time.perf_counter() - start}
         self.on_loop()
 

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from vllm_omni.diffusion.core.batch_key import RequestBatchSamplingParamsKey, build_request_batch_sampling_params_key
+from vllm_omni.diffusion.core.batch_key import build_request_batch_sampling_params_key
 from vllm_omni.diffusion.core.policy import DEFAULT_STEPS, ShapeKey, StepPolicy, shape_key, shape_label
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.ipc import StepPlan, StepResult
+from vllm_omni.diffusion.offload.distributed import dlo_wave_key
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.outputs import StepStats
 
@@ -45,6 +46,8 @@ class DiffusionJob:
     request: OmniDiffusionRequest
     stream: bool
     deadline_ms: float
+    batch_key: Hashable
+    """Request mode: only jobs of one key share a batch (`DiffusionScheduler.batch_key`)."""
     arrival: float = field(default_factory=time.perf_counter)
     admitted: float | None = None
     """When a plan first sent it to the workers (prepared there from then on)."""
@@ -52,12 +55,9 @@ class DiffusionJob:
     total_steps: int | None = None
     """Known once the workers prepared its timesteps."""
     stats: StepStats = field(init=False)
-    batch_key: RequestBatchSamplingParamsKey = field(init=False)
-    """Request mode: only jobs of one key share a batch."""
 
     def __post_init__(self) -> None:
         self.stats = StepStats(shape_label(shape_key(self.request)))
-        self.batch_key = build_request_batch_sampling_params_key(self.request)
 
     @property
     def request_id(self) -> str:
@@ -86,6 +86,10 @@ class DiffusionScheduler:
             if od_config.enable_distributed_layerwise_offload  # DLO: a batch is a wave, one request per rank
             else od_config.max_num_seqs
         )
+        self.batch_key: Callable[[OmniDiffusionRequest], Hashable] = (
+            dlo_wave_key if od_config.enable_distributed_layerwise_offload else build_request_batch_sampling_params_key
+        )
+        """What a batch's requests share: under DLO a wave's (its LoRA adapters too: the ranks cannot mix them)."""
         self.max_wait_s = max(od_config.request_batch_max_wait_ms, 0.0) / 1000.0
         self.max_paused = od_config.max_paused_states
         self.policy = StepPolicy(
@@ -120,7 +124,7 @@ class DiffusionScheduler:
     def add(self, request: OmniDiffusionRequest, stream: bool = False, now: float | None = None) -> DiffusionJob:
         if any(job.request_id == request.request_id for job in [*self.waiting, *self.on_workers()]):
             raise ValueError(f"request {request.request_id!r} is already scheduled")
-        job = DiffusionJob(request, stream, self.policy.deadline_ms(request))
+        job = DiffusionJob(request, stream, self.policy.deadline_ms(request), batch_key=self.batch_key(request))
         if now is not None:
             job.arrival = now
         self.waiting.append(job)

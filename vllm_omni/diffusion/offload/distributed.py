@@ -15,7 +15,7 @@ with no request of its own runs a copy of another's and drops the result.
 
 from __future__ import annotations
 
-import json
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -111,14 +111,14 @@ def apply_distributed_layerwise_offload(
     return offloader
 
 
-def dlo_wave_key(request: OmniDiffusionRequest) -> tuple:
-    """What must be equal across one wave's requests for every rank to run the same collectives: the batch key
-    (shape, CFG, denoise schedule, output count, extra_args: what a co-batched forward needs equal) and the LoRA
-    adapters (a co-batched forward applies them per row; a wave's ranks would run different layers)."""
+def dlo_wave_key(request: OmniDiffusionRequest) -> Hashable:
+    """What must be equal across one wave's requests for every rank to run the same collectives, and what the
+    scheduler forms waves by: the batch key (shape, CFG, denoise schedule, output count, extra_args: what a
+    co-batched forward needs equal) with the LoRA adapters (one rank whose adapter fails to load would leave its
+    peers waiting in a block's all-gather)."""
     from vllm_omni.diffusion.core.batch_key import build_request_batch_sampling_params_key
 
-    lora = request.sampling_params.lora
-    return build_request_batch_sampling_params_key(request), json.dumps(lora, sort_keys=True, default=repr)
+    return build_request_batch_sampling_params_key(request, lora=True)
 
 
 def dlo_wave_error(requests: list[OmniDiffusionRequest]) -> OmniClientError | None:

@@ -21,7 +21,7 @@ from vllm_omni.diffusion.distributed.rank_errors import RanksDesynchronized, agr
 from vllm_omni.diffusion.layers.compile import compile_stats
 from vllm_omni.diffusion.offload.components import apply_cpu_offload
 from vllm_omni.diffusion.step_context import PartialSink, StepContext
-from vllm_omni.diffusion.warmup import warm_up
+from vllm_omni.diffusion.warmup import MeasuredPeak, warm_up
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.logger import init_logger
 
@@ -55,6 +55,8 @@ class DiffusionModelRunner:
         self.pipeline_class_name: str | None = None
         self.startup_phases: dict[str, float] = {}
         """Seconds of the last `load_model`: loading the weights, then the warm-up (compile / capture)."""
+        self.measured_peaks: list[MeasuredPeak] = []
+        """CUDA: one request's peak memory at each warm-up size (`warmup.measure_peaks`), for memory admission."""
 
     def load_model(self) -> None:
         model_dir = resolve_model_dir(self.od_config.model, self.od_config.revision,
@@ -75,10 +77,10 @@ class DiffusionModelRunner:
 
     @torch.inference_mode()  # as serving runs: Dynamo guards on the grad mode
     def warm_up(self) -> None:
-        """Compile and capture every configured (shape, batch bucket) before the worker reports itself loaded
-        (`diffusion/warmup.py`); nothing on the eager path."""
+        """Compile and capture every configured (shape, batch bucket) before the worker reports itself loaded,
+        then (CUDA) measure one request's peak at each size (`diffusion/warmup.py`); nothing on the eager path."""
         start = time.perf_counter()
-        warmed = warm_up(self.pipeline, self.od_config, self.rank)
+        warmed, self.measured_peaks = warm_up(self.pipeline, self.od_config, self.device, self.rank)
         if warmed:
             logger.info("[diffusion rank %d] warm-up of %d signatures done in %.2f s", self.rank, len(warmed),
                         time.perf_counter() - start)

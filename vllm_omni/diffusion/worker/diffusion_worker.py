@@ -53,6 +53,10 @@ class DiffusionWorker:
 
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        # The stage resolution picks the share of the pipeline's processes; an engine built alone splits the
+        # host's CPUs over its own ranks (each would otherwise start a thread per CPU).
+        threads = self.od_config.torch_num_threads or max(1, len(os.sched_getaffinity(0)) // self.world_size)
+        torch.set_num_threads(threads)
         vllm_config = init_diffusion_distributed(
             rank=self.rank,
             world_size=self.world_size,

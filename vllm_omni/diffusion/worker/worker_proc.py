@@ -181,6 +181,11 @@ class WorkerProc:
             fraction = torch.cuda.get_per_process_memory_fraction(device)
             capped = int(fraction * total) - torch.cuda.memory_reserved(device)
             info["free_memory_bytes"] = max(min(free, capped), 0)
+            # What the worker holds between requests (weights, the captured graphs' outputs): a request's peak
+            # beyond it is what the measured peaks and memory admission count.
+            info["allocated_bytes"] = torch.cuda.memory_allocated(device)
+            info["measured_peaks"] = [{"size": peak.size, "bytes": peak.bytes, "steps": peak.steps}
+                                      for peak in self.worker.model_runner.measured_peaks]
         self._send(WorkerReady(rank=self.rank, info=info))
         return True
 
