@@ -106,3 +106,18 @@ def test_cuda_graph_runner_replays_and_resets_on_move():
             torch.testing.assert_close(model(x), eager(x))
         # Least recently used signatures were evicted (and recaptured on return), never run uncaptured.
         assert len(model.forward.runner.graphs) == 2
+
+
+def test_device_ints_writes_the_values():
+    assert cuda_graph.device_ints([3, 0, 7], torch.device("cpu")).tolist() == [3, 0, 7]
+
+
+@pytest.mark.cuda
+def test_device_ints_can_be_captured():
+    """A forward that builds its index tensors with device_ints records as a CUDA graph (no host-to-device copy;
+    Z-Image's capture failed on `out[i] = value`) and replays them."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # raises on a host-to-device copy from pageable memory
+        out = cuda_graph.device_ints([5, 1, 9], torch.device("cuda")) * 2
+    graph.replay()
+    assert out.tolist() == [10, 2, 18]

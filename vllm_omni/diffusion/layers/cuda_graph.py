@@ -18,10 +18,11 @@ import torch
 def device_ints(values: list[int] | tuple[int, ...], device: torch.device) -> torch.Tensor:
     """A long tensor of host ints written on `device` by fill kernels: `torch.tensor(values, device=cuda)` is a
     host-to-device copy, which CUDA-graph capture refuses (a forward replayed as a graph bakes the ints in, and
-    they are part of its signature)."""
+    they are part of its signature). `out[i] = value` is such a copy too (a host scalar tensor copied in, as the
+    H200 showed); `fill_` passes the value to the kernel as an argument."""
     out = torch.empty(len(values), dtype=torch.long, device=device)
     for i, value in enumerate(values):
-        out[i] = value
+        out[i].fill_(value)
     return out
 
 
