@@ -283,6 +283,9 @@ class HunyuanImagePipeline(NativeDiffusionPipeline):
                 "embedded guidance); true_cfg_scale is not a HunyuanImage parameter",
                 param="true_cfg_scale",
             )
+        if sp.guidance_scale is not None and not self.distilled and self.guider is None and self.ocr_guider is None:
+            raise OmniClientError("this checkpoint has no guider (guider/ in its repo) and no guidance embedding: "
+                                  "guidance_scale has nothing to set", param="guidance_scale")
         guider = self.request_guider(request)
         if request.negative_prompt is not None and guider is None:
             why = "the distilled model runs no CFG" if self.distilled else "guidance_scale 1 turns CFG off"
