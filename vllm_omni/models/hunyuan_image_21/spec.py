@@ -10,7 +10,8 @@ SPEC = ModelSpec(
         "HunyuanImagePipeline": DiffusionPipelineEntry(
             "vllm_omni.models.hunyuan_image_21.pipeline:HunyuanImagePipeline",
             "image",
-            max_prompt_tokens=1000,
+            # diffusers truncates the templated prompt at 1000 + 34 tokens: 34 system, 3 user header, 1 end.
+            max_prompt_tokens=996,
             shape_rule="vllm_omni.models.hunyuan_image_21.shapes:shape_rule",
         )
     },
