@@ -1,6 +1,7 @@
 """DiT transformer-forward latency: our native transformers vs diffusers, same process, same random weights.
 
-Builds the real-size configs (FLUX.1-dev 11.9B, Qwen-Image 20.4B, Z-Image-Turbo 6B, FLUX.2 klein 4B, Qwen-Image-2.1)
+Builds the real-size configs (FLUX.1-dev 11.9B, Qwen-Image 20.4B, Z-Image-Turbo 6B, FLUX.2 klein 4B, Qwen-Image-2.1,
+HunyuanImage-2.1 17B)
 with random bf16 weights directly on the GPU,
 copies diffusers' state_dict into ours through our name-mapping loaders, then times every variant of ours
 (attention kernels, regional torch.compile, CUDA-graph replay) against diffusers' eager forward and, on CUDA
@@ -12,6 +13,10 @@ path) and writes JSON. `--smoke` runs tiny configs on the CPU in seconds.
   python benchmarks/diffusion/bench_dit_forward.py --models flux qwen-image --sizes 1024 512 --out res.json
   python benchmarks/diffusion/bench_dit_forward.py --models z-image flux2-klein qwen-image-2.1 --sizes 1024 \
       --out new.json
+  python benchmarks/diffusion/bench_dit_forward.py --models hunyuan-image-2.1 --sizes 1024 --out hunyuan.json
+
+HunyuanImage-2.1 is timed as each pipeline calls its DiT: diffusers over the prompt padded to 1000 + 128 tokens under
+a mask, ours over the real tokens only (`hunyuan_image_21_inputs`).
 
 Qwen-Image-2.1 is timed at a steady denoise step: diffusers' "cached" step (its prefix K/V stored by one "extract"
 call before timing) against our forward over the request's precomputed text K/V (`prefix_kv`, also outside).
@@ -53,8 +58,12 @@ FLUX2_KLEIN_CONFIG = dict(patch_size=1, in_channels=128, num_layers=5, num_singl
                           guidance_embeds=False)
 QWEN21_CONFIG = dict(patch_size=1, in_channels=64, out_channels=64, num_layers=32, attention_head_dim=128,
                      num_attention_heads=32, context_in_dim=4096, mlp_ratio=3, axes_dims_rope=(16, 56, 56))
+HUNYUAN21_CONFIG = dict(in_channels=64, out_channels=64, num_attention_heads=28, attention_head_dim=128, num_layers=20,
+                        num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=(1, 1),
+                        qk_norm="rms_norm", guidance_embeds=False, text_embed_dim=3584, text_embed_2_dim=1472,
+                        rope_theta=256.0, rope_axes_dim=(64, 64), use_meanflow=False)
 CONFIGS = {"flux": FLUX_CONFIG, "qwen-image": QWEN_CONFIG, "z-image": ZIMAGE_CONFIG,
-           "flux2-klein": FLUX2_KLEIN_CONFIG, "qwen-image-2.1": QWEN21_CONFIG}
+           "flux2-klein": FLUX2_KLEIN_CONFIG, "qwen-image-2.1": QWEN21_CONFIG, "hunyuan-image-2.1": HUNYUAN21_CONFIG}
 STEP_TABLE_MODELS = ("flux", "qwen-image")
 """Families whose forward takes a per-request adaLN step table (the "+ step table" variant)."""
 SMOKE = {
@@ -68,8 +77,12 @@ SMOKE = {
                         num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=(8, 8, 8, 8)),
     "qwen-image-2.1": dict(QWEN21_CONFIG, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=32,
                            num_attention_heads=2, context_in_dim=32, axes_dims_rope=(8, 12, 12)),
+    "hunyuan-image-2.1": dict(HUNYUAN21_CONFIG, in_channels=16, out_channels=16, num_attention_heads=2,
+                              attention_head_dim=32, num_layers=1, num_single_layers=1, text_embed_dim=32,
+                              text_embed_2_dim=16, rope_axes_dim=(16, 16)),
 }
-TEXT_TOKENS = {"flux": 512, "qwen-image": 128, "z-image": 128, "flux2-klein": 512, "qwen-image-2.1": 128}
+TEXT_TOKENS = {"flux": 512, "qwen-image": 128, "z-image": 128, "flux2-klein": 512, "qwen-image-2.1": 128,
+               "hunyuan-image-2.1": 128}
 SDPA_KERNELS = ("FLASH_ATTENTION", "CUDNN_ATTENTION")
 
 
@@ -268,6 +281,12 @@ def build_models(name: str, config: dict, device: torch.device, dtype: torch.dty
             from vllm_omni.models.flux2.transformer import Flux2Transformer2DModel
 
             reference, ours = Reference(**config), Flux2Transformer2DModel.from_config(config)
+        elif name == "hunyuan-image-2.1":
+            from diffusers import HunyuanImageTransformer2DModel as Reference
+
+            from vllm_omni.models.hunyuan_image_21.transformer import HunyuanImageTransformer2DModel
+
+            reference, ours = Reference(**config), HunyuanImageTransformer2DModel.from_config(config)
         else:
             from diffusers import QwenImage21Transformer2DModel as Reference
 
@@ -383,7 +402,30 @@ def qwen_image_21_inputs(config, size, batch, text_tokens, t, randn, device, our
     return ref_call, our_call
 
 
-NEW_FAMILY_INPUTS = {"z-image": z_image_inputs, "flux2-klein": flux2_inputs, "qwen-image-2.1": qwen_image_21_inputs}
+def hunyuan_image_21_inputs(config, size, batch, text_tokens, t, randn, device, ours):
+    """Each model's forward as its pipeline calls it: diffusers' prompt padded to 1000 Qwen2.5-VL + 128 ByT5
+    tokens under a key mask (`HunyuanImagePipeline`; no quoted text, so no ByT5 token is real), ours over the
+    `text_tokens` real ones."""
+    side = size // 32  # VAE 32x, 1 x 1 patches
+    latents = randn(batch, config["in_channels"], side, side)
+    text = randn(batch, text_tokens, config["text_embed_dim"])
+    padded = torch.cat([text, text.new_zeros(batch, 1000 - text_tokens, text.shape[2])], dim=1)
+    mask = (torch.arange(1000, device=device) < text_tokens).long().expand(batch, -1)
+    glyph = torch.zeros(batch, 128, config["text_embed_2_dim"], device=device, dtype=text.dtype)
+    glyph_mask = torch.zeros(batch, 128, device=device, dtype=torch.long)
+    timestep = t * 1000
+
+    def ref_call(model):
+        return model(latents, timestep, padded, mask, encoder_hidden_states_2=glyph,
+                     encoder_attention_mask_2=glyph_mask, return_dict=False)[0]
+
+    def our_call(fn):
+        return fn(latents, timestep, text, (text_tokens,) * batch, glyph[:, :0], (0,) * batch)
+    return ref_call, our_call
+
+
+NEW_FAMILY_INPUTS = {"z-image": z_image_inputs, "flux2-klein": flux2_inputs, "qwen-image-2.1": qwen_image_21_inputs,
+                     "hunyuan-image-2.1": hunyuan_image_21_inputs}
 
 
 class Bench:

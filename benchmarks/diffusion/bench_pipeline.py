@@ -3,7 +3,8 @@
 Real-size components with random bf16 weights are built on the GPU (FLUX.1-dev: CLIP-L, T5-XXL, 11.9B MMDiT,
 AutoencoderKL; Qwen-Image: Qwen2.5-VL-7B, 20.4B MMDiT, Qwen-Image VAE; Z-Image-Turbo: Qwen3-4B, 6B DiT, FLUX VAE,
 9 steps; FLUX.2 klein 4B: Qwen3-4B, its MMDiT, FLUX.2 VAE, 4 steps; Qwen-Image-2.1: Qwen3-VL-8B, its DiT, its VAE,
-40 steps with true CFG 4); tokenizers come from our tiny checkpoints. Text encoders and VAE are shared by both
+40 steps with true CFG 4; HunyuanImage-2.1: Qwen2.5-VL-7B, ByT5-small, its 17B MMDiT, its 32x VAE, 50 steps with its
+CFG/APG guider); tokenizers come from our tiny checkpoints. Text encoders and VAE are shared by both
 pipelines; diffusers gets its own transformer and ours a copy of the same weights. Our pipeline runs eager, and with
 `--accelerate` also with compiled blocks + CUDA graphs.
 Two references on CUDA: diffusers eager, then (`--diffusers-compiled`, on by default) diffusers with its
@@ -18,6 +19,7 @@ what the cache computed / reused, and `--png` shows the first image of each side
 little about real image quality: PSNR / SSIM only show how far the cached output drifts.
 
   python benchmarks/diffusion/bench_pipeline.py --models flux qwen-image --size 1024 --out res.json
+  python benchmarks/diffusion/bench_pipeline.py --models hunyuan-image-2.1 --size 1024 --out hunyuan_pipeline.json
   python benchmarks/diffusion/bench_pipeline.py --models qwen-image flux wan --quality lossless,high,fast \
       --out quality.json --png quality.png
 """
@@ -155,6 +157,21 @@ QWEN21_VAE: dict[str, Any] = {}
 """diffusers' `AutoencoderKLQwenImage21` defaults are the released VAE's."""
 
 
+BYT5_SMALL = dict(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6)
+HUNYUAN21_VAE = dict(latent_channels=64, block_out_channels=[128, 256, 512, 512, 1024, 1024], layers_per_block=2,
+                     spatial_compression_ratio=32, sample_size=384, scaling_factor=0.75289)
+
+
+def _qwen25_vl_7b(config) -> None:
+    text = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                num_attention_heads=28, num_key_value_heads=4)
+    for key, value in text.items():
+        setattr(config.text_config, key, value)
+    config.text_config.layer_types = ["full_attention"] * 28
+    config.text_config.rope_parameters = dict(config.text_config.rope_parameters, mrope_section=[16, 24, 24])
+    config.vision_config.out_hidden_size = 3584
+
+
 def _qwen3_vl_8b(config) -> None:
     text = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128)
@@ -193,8 +210,8 @@ def component(cls, folder: Path, device, dtype, sizes):
 
 
 def new_family_pipelines(name: str, device, dtype, smoke: bool):
-    """(diffusers pipeline, our pipeline from a transformer, our transformer) for Z-Image, FLUX.2 klein and
-    Qwen-Image-2.1: encoders and VAE shared, the transformers with the same weights."""
+    """(diffusers pipeline, our pipeline from a transformer, our transformer) for Z-Image, FLUX.2 klein,
+    Qwen-Image-2.1 and HunyuanImage-2.1: encoders and VAE shared, the transformers with the same weights."""
     import diffusers
     from diffusers import FlowMatchEulerDiscreteScheduler
     from transformers import AutoTokenizer
@@ -233,6 +250,27 @@ def new_family_pipelines(name: str, device, dtype, smoke: bool):
         reference = diffusers.Flux2KleinPipeline(scheduler=scheduler, transformer=reference_tf, is_distilled=True,
                                                  **comps)
         return reference, lambda tf: Flux2KleinPipeline(transformer=tf, is_distilled=True, **comps, **common), ours_tf
+    if name == "hunyuan-image-2.1":
+        from transformers import Qwen2_5_VLForConditionalGeneration, T5EncoderModel
+
+        from vllm_omni.models.hunyuan_image_21.pipeline import HunyuanImagePipeline, MixGuidance
+
+        comps = dict(text_encoder=component(Qwen2_5_VLForConditionalGeneration, tiny / "text_encoder", device, dtype,
+                                            real(_qwen25_vl_7b)),
+                     tokenizer=AutoTokenizer.from_pretrained(tiny / "tokenizer"),
+                     text_encoder_2=component(T5EncoderModel, tiny / "text_encoder_2", device, dtype,
+                                              real(BYT5_SMALL)),
+                     tokenizer_2=AutoTokenizer.from_pretrained(tiny / "tokenizer_2"),
+                     vae=component(diffusers.AutoencoderKLHunyuanImage, tiny / "vae", device, dtype,
+                                   real(HUNYUAN21_VAE)))
+        # The released guider is the class defaults (APG after step 5); the tiny one starts APG after step 1.
+        guider_config = _public(json.loads((tiny / "guider" / "guider_config.json").read_text())) if smoke else {}
+        reference = diffusers.HunyuanImagePipeline(
+            scheduler=scheduler, transformer=reference_tf,
+            guider=diffusers.AdaptiveProjectedMixGuidance(**guider_config), **comps)
+        guider = MixGuidance(**guider_config)
+        return reference, lambda tf: HunyuanImagePipeline(transformer=tf, guider=guider, ocr_guider=None, **comps,
+                                                          **common), ours_tf
     from transformers import AutoImageProcessor, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
     from vllm_omni.models.qwen_image_21.pipeline import QwenImage21Pipeline
@@ -261,6 +299,7 @@ NEW_FAMILIES = {
     "z-image": (9, None, {"guidance_scale": 0.0}),
     "flux2-klein": (4, None, {"guidance_scale": 1.0}),
     "qwen-image-2.1": (40, 4.0, {}),
+    "hunyuan-image-2.1": (50, None, {}),  # CFG + APG through its guider, "" as the negative prompt on both sides
 }
 
 

@@ -18,7 +18,7 @@ def test_smoke_mode_writes_rows(tmp_path):
     import bench_dit_forward
 
     out = tmp_path / "res.json"
-    models = ["flux", "qwen-image", "z-image", "flux2-klein", "qwen-image-2.1"]
+    models = ["flux", "qwen-image", "z-image", "flux2-klein", "qwen-image-2.1", "hunyuan-image-2.1"]
     result = bench_dit_forward.main(["--smoke", "--no-compile", "--models", *models, "--out", str(out)])
     saved = json.loads(out.read_text())
     assert saved["rows"] == json.loads(json.dumps(result["rows"]))

@@ -23,6 +23,7 @@ _BUILTIN_FAMILIES: dict[str, str] = {
     "flux": "vllm_omni.models.flux.spec:SPEC",
     "z_image": "vllm_omni.models.z_image.spec:SPEC",
     "qwen_image_21": "vllm_omni.models.qwen_image_21.spec:SPEC",
+    "hunyuan_image_21": "vllm_omni.models.hunyuan_image_21.spec:SPEC",
     "flux2": "vllm_omni.models.flux2.spec:SPEC",
     "wan": "vllm_omni.models.wan.spec:SPEC",
     "ltx2": "vllm_omni.models.ltx2.spec:SPEC",

@@ -1,12 +1,12 @@
 """Sequence parallel (Ulysses, ring, USP), CFG parallel and their products with TP, on 2 and 4 gloo ranks.
 
 What it pins: for Qwen-Image, FLUX, Z-Image, FLUX.2 klein, Qwen-Image-2.1 (CFG and TP only: it refuses sequence
-parallel) and Wan (tiny checkpoints, fp32, 2 steps, CFG on)
-every parallel layout (the later families: SHORT_LAYOUTS) gives the single-rank latents and decoded output
-(PSNR >= 60 dB); the sharded attention layer equals whole-sequence attention with text at the rear (Qwen-Image)
-or front (FLUX), for MHA, GQA and MQA; a Ulysses degree that does not divide the heads fails when the model is
-built, naming the flag. One spawn of 4 ranks runs every job (see parallel_harness.py), so the whole module costs
-two worlds' start-up.
+parallel), HunyuanImage-2.1 (its CFG/APG guider over 3 steps, prompt and negative of different lengths, glyph
+tokens) and Wan (tiny checkpoints, fp32, 2 steps, CFG on) every parallel layout (the later families:
+SHORT_LAYOUTS) gives the single-rank latents and decoded output (PSNR >= 60 dB); the sharded attention layer
+equals whole-sequence attention with text at the rear (Qwen-Image) or front (FLUX), for MHA, GQA and MQA; a
+Ulysses degree that does not divide the heads fails when the model is built, naming the flag. One spawn of 4
+ranks runs every job (see parallel_harness.py), so the whole module costs two worlds' start-up.
 """
 
 from __future__ import annotations
@@ -39,12 +39,15 @@ MODELS = {
                                    max_sequence_length=32, output_type="np")),
     "qwen-image-2.1": (CFG, dict(height=64, width=64, num_inference_steps=2, seed=0, true_cfg_scale=4.0,
                                  output_type="np")),
+    "hunyuan-image-2.1": ({"prompt": 'a red cube on a table "HI"', "negative_prompt": "blurry"},
+                          dict(height=64, width=64, num_inference_steps=3, seed=0, output_type="np")),
     "wan2.1-t2v": ({"prompt": "a cat walks", "negative_prompt": "blurry"},
                    dict(height=32, width=32, num_frames=5, num_inference_steps=2, seed=0, max_sequence_length=16)),
 }
 SHORT_LAYOUTS = {"z-image-turbo": ("ulysses2", "cfg2_ulysses2", "tp2_ulysses2"),
                  "flux2-klein-base": ("ulysses2", "cfg2_ulysses2", "tp2_ulysses2"),
-                 "qwen-image-2.1": ("cfg2", "cfg2_tp2")}
+                 "qwen-image-2.1": ("cfg2", "cfg2_tp2"),
+                 "hunyuan-image-2.1": ("cfg2_ulysses2", "tp2_ulysses2")}
 """Families added later run the layouts that cover their own code (image-token sharding, the CFG split, TP
 sharding); ring and USP differ only inside the shared attention layer, checked below for every layout."""
 CASES = [(model, layout) for model in MODELS for layout in SHORT_LAYOUTS.get(model, LAYOUTS)]

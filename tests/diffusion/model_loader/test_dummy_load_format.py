@@ -22,7 +22,8 @@ from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.model_loader.dummy import DUMMY_HIGH, DUMMY_LOW
 
 PIPELINES = {"qwen-image": "QwenImagePipeline", "qwen-image-edit": "QwenImageEditPipeline", "flux": "FluxPipeline",
-             "wan2.1-t2v": "WanPipeline", "wan2.1-i2v": "WanImageToVideoPipeline"}
+             "wan2.1-t2v": "WanPipeline", "wan2.1-i2v": "WanImageToVideoPipeline",
+             "hunyuan-image-2.1": "HunyuanImagePipeline"}
 
 
 def config_only_copy(name: str, dst: Path) -> Path:
