@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from tests.diffusion.distributed.parallel_jobs import psnr, run_pipeline
-from tests.ray.clusters import node_id, start_cluster
+from tests.ray.clusters import listening_off_loopback, node_id
 from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig, RayPlacement
 from vllm_omni.errors import StageRestartingError
 
@@ -37,22 +37,12 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def cluster():
+def test_cluster_is_on_loopback(ray_cluster):
+    """Every node's address and every socket the cluster's processes listen on are loopback ones."""
     import ray
 
-    cluster = start_cluster({"node_a": 2, "node_b": 4})
-    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-
-
-def test_cluster_is_on_loopback(cluster):
-    import ray
-
-    assert cluster.gcs_address.startswith("127.")
     assert {n["NodeManagerAddress"] for n in ray.nodes()} == {"127.0.0.1"}
+    assert not listening_off_loopback()
 
 
 def _engine(cluster, model: str, parallel: dict):
@@ -72,24 +62,24 @@ def _run(engine, prompt: dict, params: dict, request_id: str):
 
 
 @pytest.fixture(scope="module")
-def qwen_cfg2(cluster):
+def qwen_cfg2(ray_cluster):
     """Qwen-Image with CFG parallel 2, both ranks Ray actors on node_b (the restart test reuses it)."""
     from vllm_omni.catalog.tiny import build_tiny
 
-    engine = _engine(cluster, str(build_tiny("qwen-image")), CASES["qwen-image-cfg2"][1])
+    engine = _engine(ray_cluster, str(build_tiny("qwen-image")), CASES["qwen-image-cfg2"][1])
     yield engine
     engine.close()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
-def test_parallel_ranks_as_ray_actors_equal_one_rank(cluster, dist_world, qwen_cfg2, case):
+def test_parallel_ranks_as_ray_actors_equal_one_rank(ray_cluster, dist_world, qwen_cfg2, case):
     from vllm_omni.catalog.tiny import build_tiny
 
     name, parallel, prompt, params = CASES[case]
     model = str(build_tiny(name))
     want = run_pipeline(model, {}, prompt, params)
-    engine = qwen_cfg2 if name == "qwen-image" else _engine(cluster, model, parallel)
+    engine = qwen_cfg2 if name == "qwen-image" else _engine(ray_cluster, model, parallel)
     try:
         ranks = engine.executor.processes
         assert len(ranks) == 2 and {rank.node_id for rank in ranks} == {node_id("node_b")}
@@ -168,9 +158,9 @@ for kwargs in ({{"ray_address": "127.0.0.1:1"}}, {{"ray_address": {address!r}, "
 
 
 @pytest.mark.slow
-def test_bad_address_and_unsatisfiable_placement_fail_at_start_up_in_one_line(cluster):
+def test_bad_address_and_unsatisfiable_placement_fail_at_start_up_in_one_line(ray_cluster):
     proc = subprocess.run(
-        [sys.executable, "-c", _START.format(address=cluster.address)], capture_output=True, text=True, timeout=180
+        [sys.executable, "-c", _START.format(address=ray_cluster.address)], capture_output=True, text=True, timeout=180
     )
     errors = [line for line in proc.stdout.splitlines() if line.startswith("ERROR")]
     assert proc.returncode == 0 and len(errors) == 2, proc.stdout + proc.stderr[-3000:]

@@ -3,8 +3,8 @@
 What it pins: the Serve config's application (`vllm_omni.entrypoints.openai.ray_serve:build_app`) starts
 replicas that each run the server `vllm serve --omni` runs; 40 requests from the official `openai` client all
 succeed and both replicas answer some (`x-omni-replica`); when one replica's actor process is killed mid-run only
-the requests it was running fail (a 5xx), every other request succeeds meanwhile, and Serve has two running
-replicas again within 60 s.
+the requests it was running fail, with 503, every other request succeeds meanwhile, and Serve has two running
+replicas again within 60 s. Every socket the cluster's processes listen on is a loopback one.
 """
 
 from __future__ import annotations
@@ -12,49 +12,29 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import openai
 import pytest
 import yaml
 
-from tests.ray.clusters import start_cluster
+from tests.ray.clusters import SERVE_APP as APP
+from tests.ray.clusters import SERVE_RECIPE as RECIPE
+from tests.ray.clusters import listening_off_loopback
 from vllm_omni.entrypoints.openai.ray_serve import REPLICA_HEADER
 
-RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "ray_serve_qwen_image.yaml"
-APP = "vllm-omni"
+_START_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
-def endpoint():
-    """Serve on a one-node loopback cluster, the recipe's application and deployment with 2 replicas of 1 CPU."""
-    import ray
+def endpoint(serve_app):
+    """The package's Serve application once both replicas run: the proxy's URL and how long they took to start."""
     from ray import serve
-    from vllm.utils.network_utils import get_open_port
 
-    from vllm_omni.entrypoints.openai.ray_serve import OmniServer
-
-    cluster = start_cluster({"node_a": 3})
-    ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
-    port = get_open_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    (spec,) = yaml.safe_load(RECIPE.read_text())["applications"]
-    (options,) = spec["deployments"]
-    app = (
-        serve.deployment(OmniServer)
-        .options(
-            num_replicas=2,
-            ray_actor_options=options["ray_actor_options"],
-            health_check_period_s=options["health_check_period_s"],
-        )
-        .bind(**spec["args"])
-    )
-    started = time.monotonic()
-    serve.run(app, name=APP, route_prefix="/")
-    yield f"http://127.0.0.1:{port}/v1", time.monotonic() - started
-    serve.shutdown()
-    ray.shutdown()
-    cluster.shutdown()
+    url, started = serve_app
+    while (status := serve.status().applications[APP].status) != "RUNNING":
+        assert status in ("NOT_STARTED", "DEPLOYING") and time.monotonic() < started + _START_TIMEOUT_S, status
+        time.sleep(0.5)
+    return url, time.monotonic() - started
 
 
 def test_recipe_is_a_serve_config_of_the_application():
@@ -69,6 +49,28 @@ def test_recipe_is_a_serve_config_of_the_application():
     assert isinstance(build_app(spec.args), Application)
     with pytest.raises(ValueError, match="takes args"):
         build_app({"modle": "tiny/qwen-image"})
+
+
+@pytest.mark.parametrize("replica_answers", [True, False])
+def test_proxy_middleware_answers_503_only_where_no_response_started(replica_answers):
+    """What Serve's proxy does when a replica answers (its own 500 passes) and when its actor died (the proxy
+    ends the call without a response: 503 with an OpenAI-style body)."""
+    from starlette.testclient import TestClient
+
+    from vllm_omni.entrypoints.openai.ray_serve_proxy import proxy_middlewares
+
+    async def proxy(scope, receive, send):
+        if replica_answers:
+            await send({"type": "http.response.start", "status": 500, "headers": []})
+            await send({"type": "http.response.body", "body": b"pipeline failed"})
+
+    (middleware,) = proxy_middlewares()
+    response = TestClient(middleware.cls(proxy)).post("/v1/images/generations", json={})
+    if replica_answers:
+        assert (response.status_code, response.text) == (500, "pipeline failed")
+    else:
+        assert response.status_code == 503
+        assert response.json()["error"]["type"] == "ServiceUnavailableError"
 
 
 def _generate(client: openai.OpenAI) -> str:
@@ -92,57 +94,65 @@ def test_forty_requests_reach_both_replicas(endpoint):
     with ThreadPoolExecutor(8) as pool:
         replicas = list(pool.map(lambda _: _generate(client), range(40)))
     assert len(replicas) == 40 and len(set(replicas)) == 2, replicas
+    assert not listening_off_loopback()  # Serve's proxy and controller, the replicas and their engines' processes
 
 
 @pytest.mark.slow
-def test_killed_replica_fails_only_its_requests_and_comes_back(endpoint):
-    """Back within 60 s, or on a machine so loaded that starting the replicas took longer, within that time."""
+def test_killed_replica_fails_only_its_requests_with_503_and_comes_back(endpoint):
+    """Four clients keep sending while one replica's actor process is killed: the requests in flight on it fail
+    with 503 within 10 s (`ray_serve_proxy`: Serve's own answer would be a bare 500), every other request is
+    served by the other replica meanwhile, and Serve has two running replicas again, one of them new and serving,
+    within 60 s of the kill."""
     import ray
 
-    url, start_s = endpoint
-    limit_s = max(60.0, start_s)
-    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120)
+    client = openai.OpenAI(base_url=endpoint[0], api_key="x", max_retries=0, timeout=120)
     victim = _generate(client)
     actor = ray.get_actor(f"SERVE_REPLICA::{APP}#OmniServer#{victim}", namespace="serve")
     results: list[tuple[float, float, str | int]] = []  # (sent, answered, replica or error status)
+    lost: list = []  # the OpenAI error objects of the failed requests
     stop = threading.Event()
 
     def keep_sending() -> None:
-        while not stop.is_set():
+        while not stop.wait(0.5):  # requests in flight on both replicas, and CPU left for Serve's restart
             sent = time.monotonic()
             try:
                 outcome: str | int = _generate(client)
             except openai.APIStatusError as exc:
                 outcome = exc.status_code
+                lost.append(exc.body["error"] if isinstance(exc.body, dict) and "error" in exc.body else exc.body)
             results.append((sent, time.monotonic(), outcome))
 
     senders = [threading.Thread(target=keep_sending) for _ in range(4)]
     for sender in senders:
         sender.start()
     time.sleep(3)
+    deadline = time.monotonic() + 30
+    while not ray.get(actor.get_num_ongoing_requests.remote(), timeout=30) and time.monotonic() < deadline:
+        time.sleep(0.01)  # kill it while it runs a request
     before = {outcome for _, _, outcome in results if isinstance(outcome, str)}
     killed_at = time.monotonic()
     ray.kill(actor, no_restart=True)
     back_after = None
-    while back_after is None and time.monotonic() < killed_at + limit_s:  # a replica Serve started after the kill
+    while back_after is None and time.monotonic() < killed_at + 60:  # a replica Serve started after the kill
         time.sleep(0.5)
         if {o for _, _, o in results if isinstance(o, str)} - before and _running_replicas() == 2:
             back_after = time.monotonic() - killed_at
     stop.set()
     for sender in senders:
         sender.join(150)
-    assert back_after is not None, f"the killed replica was not back within {limit_s:.0f} s"
     failed = [
         (sent - killed_at, answered - killed_at, status)
         for sent, answered, status in results
         if not isinstance(status, str)
     ]
     print(
-        f"replicas started in {start_s:.1f} s, the killed one was back after {back_after:.1f} s; "
+        f"replicas started in {endpoint[1]:.1f} s, the killed one was back after {back_after} s; "
         f"{len(results)} requests, failed (sent, answered, status): {failed}"
     )
+    assert back_after is not None, f"the killed replica was not back within 60 s; failed: {failed}"
     assert victim in before and len(results) - len(failed) >= 10, results
     for sent, answered, status in failed:  # only the requests in flight on the victim, failing within 10 s
-        assert sent < 0 <= answered < 10 and status >= 500, (sent, answered, status)
-    assert len(failed) <= len(senders)
+        assert sent < 0 <= answered < 10 and status == 503, (sent, answered, status)
+    assert 1 <= len(failed) <= len(senders)
+    assert all(error["type"] == "ServiceUnavailableError" and "died" in error["message"] for error in lost), lost
     assert any(sent > killed_at and isinstance(o, str) for sent, _, o in results if sent < killed_at + back_after)

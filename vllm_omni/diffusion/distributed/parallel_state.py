@@ -107,19 +107,26 @@ def init_diffusion_distributed(
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.distributed.parallel_state import get_world_group, init_model_parallel_group
     from vllm.platforms import current_platform
-    from vllm.utils.network_utils import get_open_port
 
     if parallel_config.world_size != world_size:
         raise ValueError(f"parallel config needs {parallel_config.world_size} ranks, got world_size={world_size}")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=parallel_config.distributed_timeout_seconds)
     if distributed_init_method is None:
         if world_size > 1:
             raise ValueError("distributed_init_method is required for more than one rank")
-        distributed_init_method = f"tcp://127.0.0.1:{get_open_port()}"
-    backend = "nccl" if device.type == "cuda" else "gloo"
+        # One rank meets nobody: an in-memory store, not a TCP rendezvous (c10d's TCPStore listens on every
+        # interface, whatever host the init method names). vLLM keeps the world it finds initialized.
+        torch.distributed.init_process_group(
+            backend, store=torch.distributed.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+        distributed_init_method, ident = "env://", f"pid{os.getpid()}"
+    elif distributed_init_method.startswith("file://"):
+        ident = os.path.basename(distributed_init_method.removeprefix("file://"))
+    else:
+        ident = distributed_init_method.rsplit(":", 1)[-1]
     if device.type == "cpu":  # names the shared-memory TP communicator of vLLM CPU, as vLLM's CPU worker does
-        os.environ["VLLM_DIST_IDENT"] = (os.path.basename(distributed_init_method.removeprefix("file://"))
-                                         if distributed_init_method.startswith("file://")
-                                         else distributed_init_method.rsplit(":", 1)[-1])
+        os.environ["VLLM_DIST_IDENT"] = ident
     local_rank = (device.index or 0) if device.type == "cuda" else rank
     # vLLM's CPU TP communicator makes a collective only when its kernels are loaded: load them on every rank
     # first, or a rank that has not loaded them yet skips a collective its peers make (a hang).
@@ -132,7 +139,7 @@ def init_diffusion_distributed(
             distributed_init_method=distributed_init_method,
             local_rank=local_rank,
             backend=backend,
-            timeout=timedelta(seconds=parallel_config.distributed_timeout_seconds),
+            timeout=timeout,
         )
         initialize_model_parallel(tensor_model_parallel_size=parallel_config.tensor_parallel_size)
         local = get_world_group().local_rank

@@ -4,13 +4,16 @@ Each replica is a Serve actor holding what `vllm serve MODEL --omni` holds (the 
 built from the same flags by the same functions); Ray Serve does the rest: its proxy is the one endpoint and
 routes each request to the replica with the shorter queue of two it samples, its autoscaler adds or removes
 replicas on ongoing requests per replica, and its controller restarts a replica whose actor died or whose
-health check (the engine is dead) failed. Started from a Serve config file (recipes/ray_serve_qwen_image.yaml):
+health check (the engine is dead) failed; the proxy callback of `ray_serve_proxy` turns a request lost with its
+replica into a 503. Started from a Serve config file (recipes/ray_serve_qwen_image.yaml):
 
-    serve run recipes/ray_serve_qwen_image.yaml      # or: serve deploy ... against a running cluster
+    export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=vllm_omni.entrypoints.openai.ray_serve_proxy:proxy_middlewares
+    serve run recipes/ray_serve_qwen_image.yaml      # or: serve deploy ... against a cluster started with it set
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 from typing import Any
 
@@ -20,6 +23,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from vllm_omni.entrypoints.cli.serve import make_omni_arg_parser
 from vllm_omni.entrypoints.openai.api_server import build_app_async, build_engine
+from vllm_omni.entrypoints.openai.ray_serve_proxy import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from vllm_omni.errors import EngineDeadError
 from vllm_omni.logger import init_logger
 
@@ -71,4 +75,11 @@ def build_app(config: dict[str, Any]) -> Application:
     unknown = sorted(set(config) - {"model", "args"})
     if "model" not in config or unknown:
         raise ValueError(f"the vllm-omni Serve application takes args {{model, args}}; got {sorted(config)}")
+    if os.environ.get(PROXY_CALLBACK_ENV) != PROXY_CALLBACK:  # this node's env is what its Serve proxy got
+        logger.warning(
+            "%s=%s is not set on this Ray node: Serve's proxy answers a request whose replica died with a bare 500 "
+            "instead of 503 (docs/scale_out.md#replicas)",
+            PROXY_CALLBACK_ENV,
+            PROXY_CALLBACK,
+        )
     return serve.deployment(OmniServer).bind(config["model"], config.get("args", ""))
