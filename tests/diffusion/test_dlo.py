@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.models.image_checks import psnr
 from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig
 from vllm_omni.diffusion.offload.distributed import dlo_wave_error
 from vllm_omni.diffusion.request import OmniDiffusionRequest
@@ -256,7 +257,9 @@ def test_engine_runs_one_request_per_rank_and_refuses_a_bad_wave(dlo_engine, dis
     for out, prompt, seed in zip(outs, prompts, [1, 2], strict=True):
         request = OmniDiffusionRequest(prompt, OmniDiffusionSamplingParams(seed=seed, **sp), "ref")
         (expected,) = resident.pipeline.forward(DiffusionRequestBatch([request]))
-        np.testing.assert_array_equal(np.asarray(out.output[0]), np.asarray(expected.output[0]))
+        # The workers' processes run their own torch thread counts (GEMM blocking, so the last bit can differ
+        # from this process's resident pipeline): the issue's bar, PSNR >= 60 dB, on the decoded image.
+        assert psnr(out.output[0], expected.output[0]) >= 60
     assert not np.array_equal(np.asarray(outs[0].output[0]), np.asarray(outs[1].output[0]))
     # An empty prompt fails its whole wave before dispatch (exactly two errors); the next wave still runs.
     bad = _wave(dlo_engine, [{"prompt": "", "negative_prompt": "x"}, prompts[0]], [3, 4])
@@ -286,7 +289,7 @@ def test_engine_runs_each_lora_adapter_set_in_its_own_wave(dlo_engine, dist_worl
     for out, prompt, seed, adapter in zip(outs, prompts, [11, 12, 13, 14], loras, strict=True):
         request = OmniDiffusionRequest(prompt, OmniDiffusionSamplingParams(seed=seed, lora=adapter, **sp), "ref")
         (expected,) = resident.pipeline.forward(DiffusionRequestBatch([request]))
-        np.testing.assert_array_equal(np.asarray(out.output[0]), np.asarray(expected.output[0]))
+        assert psnr(out.output[0], expected.output[0]) >= 60  # as above
     plain = OmniDiffusionRequest(prompts[0], OmniDiffusionSamplingParams(seed=11, **sp), "plain")
     (without,) = resident.pipeline.forward(DiffusionRequestBatch([plain]))
     assert not np.array_equal(np.asarray(outs[0].output[0]), np.asarray(without.output[0]))  # the adapter acted
