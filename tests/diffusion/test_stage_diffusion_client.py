@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -89,7 +90,8 @@ async def test_collective_rpc_reaches_every_rank(client):
 async def test_a_utility_call_past_its_timeout_is_answered_by_the_core(client):
     """Why: the core's busy loop handles utility calls without waiting in them (no utility thread): a worker busy
     inside a forward answers nothing, so the core's own deadline must answer the call, while the loop goes on
-    serving (the abort below), and the worker's late answer must be dropped, not taken for another call's."""
+    serving (the abort below), and the worker's late answer must be dropped, not taken for another call's. After
+    the calls the core still runs one thread besides ZeroMQ's (counted from outside: /proc/<pid>/task)."""
     async def run() -> list:
         return [o async for o in client.generate("busy", "cat", SP(num_inference_steps=500))]
 
@@ -104,6 +106,8 @@ async def test_a_utility_call_past_its_timeout_is_answered_by_the_core(client):
     assert info["rank"] == 0
     with pytest.raises(asyncio.CancelledError):
         await task
+    threads = [p.read_text().strip() for p in Path(f"/proc/{client._core.proc.pid}/task").glob("*/comm")]
+    assert len([name for name in threads if not name.startswith("ZMQbg/")]) == 1, threads
 
 
 async def test_the_workers_are_forked_from_the_core(client):
