@@ -1,7 +1,8 @@
 """The diffusion stage client against a real diffusion core process (fake pipeline, real workers).
 
 What it pins: params are cloned per request and the output has the stage's shape and timings; a request's own
-error keeps its status; an abort returns once the workers left the request; a utility call reaches every rank;
+error keeps its status; an abort returns once the workers left the request; a utility call reaches every rank,
+and one past its timeout is answered by the core while the workers are busy;
 the API process runs no thread for the stage; the workers are forked from the core; the core's death marks the
 stage dead at once (seen through its sentinel on the loop) and new requests fail fast; shutdown is idempotent and
 leaves no process behind.
@@ -14,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -83,6 +85,29 @@ async def test_abort_returns_once_the_workers_stopped(client):
 async def test_collective_rpc_reaches_every_rank(client):
     (info,) = await client.collective_rpc_async("ping", timeout=30)
     assert info["rank"] == 0 and info["pid"] != os.getpid()
+
+
+async def test_a_utility_call_past_its_timeout_is_answered_by_the_core(client):
+    """Why: the core's busy loop handles utility calls without waiting in them (no utility thread): a worker busy
+    inside a forward answers nothing, so the core's own deadline must answer the call, while the loop goes on
+    serving (the abort below), and the worker's late answer must be dropped, not taken for another call's. After
+    the calls the core still runs one thread besides ZeroMQ's (counted from outside: /proc/<pid>/task)."""
+    async def run() -> list:
+        return [o async for o in client.generate("busy", "cat", SP(num_inference_steps=500))]
+
+    task = asyncio.create_task(run())
+    await asyncio.sleep(1.0)  # inside its forward by now
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="no answer from every rank within 0.5 s"):
+        await client.collective_rpc_async("ping", timeout=0.5)
+    assert time.monotonic() - start < 2.0  # the core's deadline, not the client's (timeout + 5 s)
+    await client.abort(["busy"])
+    (info,) = await client.collective_rpc_async("ping", timeout=30)
+    assert info["rank"] == 0
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    threads = [p.read_text().strip() for p in Path(f"/proc/{client._core.proc.pid}/task").glob("*/comm")]
+    assert len([name for name in threads if not name.startswith("ZMQbg/")]) == 1, threads
 
 
 async def test_the_workers_are_forked_from_the_core(client):

@@ -11,8 +11,6 @@ import msgspec
 if TYPE_CHECKING:
     import torch
 
-    from vllm_omni.config.deploy_config import ConnectorConfig
-
 
 @dataclass
 class StagePayload:
@@ -58,14 +56,3 @@ class OmniConnector(abc.ABC):
         key = f"{request_id}:{src_stage}->{dst_stage}"
         return key if chunk is None else f"{key}#{chunk}"
 
-
-def make_connector(config: ConnectorConfig) -> OmniConnector:
-    if config.name == "inproc":
-        from vllm_omni.connectors.inproc_connector import InProcConnector
-
-        return InProcConnector()
-    if config.name == "shm":
-        from vllm_omni.connectors.shm_connector import SharedMemoryConnector
-
-        return SharedMemoryConnector(threshold_bytes=config.shm_threshold_bytes)
-    raise ValueError(f"unknown connector {config.name!r}")

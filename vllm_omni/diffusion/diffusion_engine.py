@@ -94,10 +94,13 @@ class DiffusionEngine:
             )
         self.scheduler = DiffusionScheduler(self.od_config)
         """Both modes' (request mode is its policy that never preempts)."""
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        """Re-entrant: a future cancelled under it runs its done callbacks there, which may read `stats()`."""
         self._waiting: dict[str, tuple[Future[DiffusionOutput], float]] = {}
         self._running: dict[str, Future[DiffusionOutput]] = {}
         self._partial_callbacks: dict[str, Callable[[PartialResult], None]] = {}
+        self._stop_waits: list[tuple[set[str], Future[None]]] = []
+        """`when_stopped` futures and the requests each still waits for to leave the workers."""
         self._stopping = False
         self._dead = False
         self._restarting = False
@@ -162,7 +165,7 @@ class DiffusionEngine:
         if self.shape_rule is not None:
             self.shape_rule.check(request.sampling_params)
         future: Future[DiffusionOutput] = Future()
-        with self._cond:
+        with self._lock:
             if self._stopping:
                 raise EngineDeadError("the diffusion engine is closed")
             if self.is_dead:
@@ -180,7 +183,7 @@ class DiffusionEngine:
     def abort(self, request_ids: list[str]) -> None:
         """Drop queued requests and stop running ones; their futures are cancelled at once, and the workers
         leave the aborted rows of their forward at the next step (`num_running` counts them until then)."""
-        with self._cond:
+        with self._lock:
             for rid in request_ids:
                 self._partial_callbacks.pop(rid, None)
             for job in self.scheduler.abort(request_ids):
@@ -195,28 +198,45 @@ class DiffusionEngine:
             executor.abort(running)
         self._wake()  # step mode: the next round drops them
 
+    def when_stopped(self, request_ids: list[str]) -> Future[None]:
+        """A future that resolves once none of these requests runs on the workers (an aborted one leaves at its
+        next denoise step); resolved on the loop, at once when none runs now."""
+        future: Future[None] = Future()
+        with self._lock:
+            running = {rid for rid in request_ids if rid in self._running}
+            if running:
+                self._stop_waits.append((running, future))
+                return future
+        future.set_result(None)
+        return future
+
     def wait_stopped(self, request_ids: list[str], timeout: float) -> bool:
-        """Wait until none of these requests runs on the workers (an aborted one leaves at its next denoise
-        step); False when some still ran after `timeout` seconds."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while any(rid in self._running for rid in request_ids):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
+        """Block until none of these requests runs on the workers; False when some still ran after `timeout`
+        seconds. For in-process callers (the engine's own thread drives the loop)."""
+        future = self.when_stopped(request_ids)
+        try:
+            future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            return False
         return True
 
     def collective_rpc(
-        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None, timeout: float | None = None
-    ) -> list[Any]:
-        return self.executor.collective_rpc(method, args=args, kwargs=kwargs, timeout=timeout)
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        non_block: bool = False,
+    ) -> list[Any] | Future[list[Any]]:
+        """The executor's (`non_block`: a future the loop resolves)."""
+        return self.executor.collective_rpc(method, args=args, kwargs=kwargs, timeout=timeout, non_block=non_block)
 
     def register_failure_callback(self, fn: Callable[[], None]) -> None:
         self._failure_callbacks.append(fn)
 
     def stats(self) -> dict[str, Any]:
-        with self._cond:
+        with self._lock:
             return {
                 "num_forwards": self._counters["num_forwards"],
                 "num_requests_finished": self._counters["num_finished"],
@@ -235,11 +255,10 @@ class DiffusionEngine:
     def close(self, timeout: float = _CLOSE_TIMEOUT_S) -> None:
         """Stop the workers and release every resource; always returns within about `timeout` seconds."""
         deadline = time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             if self._stopping:
                 return
             self._stopping = True
-            self._cond.notify_all()
         self._wake()
         if self._thread is not None:
             self._thread.join(min(_LOOP_JOIN_TIMEOUT_S, max(deadline - time.monotonic(), 0.0)))
@@ -320,7 +339,7 @@ class DiffusionEngine:
                 self._fail_on_workers(exc)
             else:
                 self._finish_round(plan, result)
-        with self._cond:
+        with self._lock:
             if self._stopping or self._dead or self._restarting or self.executor.is_failed:
                 return _IDLE_WAIT_S
             if not self.scheduler.has_work:
@@ -360,7 +379,7 @@ class DiffusionEngine:
             future = Future()
             future.set_result([DiffusionOutput.from_exception(exc) for _ in plan.step])
             return future
-        with self._cond:  # aborted between leaving the queue and reaching the executor: tell the workers now
+        with self._lock:  # aborted between leaving the queue and reaching the executor: tell the workers now
             aborted = [rid for rid in plan.step if rid in self._running and self._running[rid].cancelled()]
         if aborted:
             executor.abort(aborted)
@@ -380,7 +399,7 @@ class DiffusionEngine:
                     RuntimeError(f"the diffusion workers lost request {rid} (round {plan.round_id})")
                 )
         resolved = []
-        with self._cond:
+        with self._lock:
             for job, output in self.scheduler.update(plan, result):
                 rid = job.request_id
                 future = self._running.pop(rid, None)
@@ -394,16 +413,18 @@ class DiffusionEngine:
                 if output.step_stats is not None:
                     output.step_stats.reserved_bytes = sum(self._reserved.values())
                     output.step_stats.budget_bytes = self._budget
-            self._cond.notify_all()  # `wait_stopped` callers
+            stopped = self._pop_stopped()
         for future, output in resolved:
             _set(future, result=output)
+        for future in stopped:
+            _set(future)
 
     def _fail_on_workers(self, exc: EngineDeadError) -> None:
         """The workers died mid-round: their requests fail (503 while the stage restarts); waiting ones stay."""
         if self._restarting or self._can_restart():  # the failure callback may have started the restart already
             exc = StageRestartingError(f"{exc}; the diffusion stage is restarting its workers")
         failed = []
-        with self._cond:
+        with self._lock:
             for job in self.scheduler.forget_workers():
                 rid = job.request_id
                 future = self._running.pop(rid, None)
@@ -413,9 +434,26 @@ class DiffusionEngine:
                 if future is not None and not future.cancelled():
                     self._counters["num_failed"] += 1
                     failed.append(future)
-            self._cond.notify_all()
+            stopped = self._pop_stopped()
         for future in failed:
             _set(future, exception=exc)
+        for future in stopped:
+            _set(future)
+
+    def _pop_stopped(self) -> list[Future[None]]:
+        """Under the lock, after requests left `_running`: the `when_stopped` futures none of whose requests runs
+        any more (resolved by the caller once the lock is released)."""
+        stopped, waits = [], []
+        for running, future in self._stop_waits:
+            running.intersection_update(self._running)
+            if future.cancelled():  # its waiter gave up
+                continue
+            if running:
+                waits.append((running, future))
+            else:
+                stopped.append(future)
+        self._stop_waits = waits
+        return stopped
 
     @property
     def _budget(self) -> int | None:
@@ -447,7 +485,7 @@ class DiffusionEngine:
 
     def _on_executor_failure(self, executor: MultiprocDiffusionExecutor) -> None:
         """Runs where the executor failed (the loop, or a utility call that found a worker gone)."""
-        with self._cond:
+        with self._lock:
             if self._stopping or self._dead or self._restarting or executor is not self.executor:
                 return
             restart = self._can_restart()
@@ -474,32 +512,31 @@ class DiffusionEngine:
         except Exception as exc:
             logger.exception("restarting the diffusion workers failed")
             replacement = exc
-        with self._cond:
+        with self._lock:
             self._replacement = replacement
         self._wake()
 
     def _swap_in_new_workers(self) -> None:
         """On the loop: the failed executor (whose sockets only the loop touches) goes, its replacement comes."""
-        with self._cond:
+        with self._lock:
             replacement, self._replacement = self._replacement, None
             if replacement is None or self._stopping:
                 self._replacement = replacement  # close() shuts a built one down
                 return
         self.executor.shutdown()
         if isinstance(replacement, BaseException):
-            with self._cond:
+            with self._lock:
                 self._restarting = False
             self._give_up(f"a diffusion worker died and restarting the workers failed: {replacement}")
             return
-        with self._cond:
+        with self._lock:
             self.executor = replacement
             self._restarting = False
-            self._cond.notify_all()
         logger.info("diffusion workers restarted")
         self._watch(replacement)
 
     def _give_up(self, reason: str) -> None:
-        with self._cond:
+        with self._lock:
             self._dead = True
         self._fail_waiting(EngineDeadError(reason))
         for fn in self._failure_callbacks:
@@ -509,7 +546,7 @@ class DiffusionEngine:
                 logger.exception("diffusion engine failure callback raised")
 
     def _fail_waiting(self, error: EngineDeadError) -> None:
-        with self._cond:
+        with self._lock:
             waiting = [future for future, _ in self._waiting.values()]
             self._waiting.clear()
             self._partial_callbacks.clear()
@@ -517,9 +554,11 @@ class DiffusionEngine:
             waiting += self._running.values()
             self._running.clear()
             self._reserved.clear()
-            self._cond.notify_all()
+            stopped = self._pop_stopped()
         for future in waiting:
             _set(future, exception=error)
+        for future in stopped:
+            _set(future)
 
 
 def _with_budget(

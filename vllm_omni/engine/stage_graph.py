@@ -9,7 +9,8 @@ from typing import Any
 from vllm_omni.catalog.edges import StageInputContext
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import StageConfig
-from vllm_omni.connectors.base import OmniConnector, PayloadHandle, StagePayload, make_connector
+from vllm_omni.connectors.base import OmniConnector, PayloadHandle, StagePayload
+from vllm_omni.connectors.factory import make_connector
 from vllm_omni.engine.stage_input_processors import get_stage_input_processor
 from vllm_omni.errors import OmniClientError
 from vllm_omni.outputs import OmniRequestOutput

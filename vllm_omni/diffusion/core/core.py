@@ -9,12 +9,14 @@ pair; it owns the stage's scheduler and executor (`DiffusionEngine`), whose work
 One thread runs it all (`DiffusionEngine.run_once`, as vLLM's EngineCoreProc busy loop): each pass finishes the
 round whose result came and schedules and sends the next, then polls the input socket, the workers' result
 sockets and their process sentinels together. A request read from the input is checked (prompt bound, shapes)
-and queued, an abort stops it; a utility call (`collective_rpc`, or waiting for aborted requests to leave the
-workers) blocks, so it runs on the core's utility thread while the loop goes on. Everything the engine produces
-for a request (its partials, then its final output or error) goes out on the output socket as it comes, in order
-per request. Health changes (restarting its workers, dead) go out as `CoreState`; new workers load on a restart
-thread while the loop keeps serving aborts and queueing requests. SIGTERM, or the API process going away, ends
-the loop; the engine then stops its workers within its close timeout.
+and queued, an abort stops it. A utility call is handled in the loop too (as EngineCoreProc's UTILITY requests),
+but never waits there: `collective_rpc` sends the call to the workers and its answer is the future the loop
+resolves when every rank's result came; an abort's wait is a future the loop resolves when the workers left the
+aborted requests. Either answer goes out when its future resolves, or when its deadline passes. Everything the
+engine produces for a request (its partials, then its final output or error) goes out on the output socket as it
+comes, in order per request. Health changes (restarting its workers, dead) go out as `CoreState`; new workers
+load on a restart thread while the loop keeps serving aborts and queueing requests. SIGTERM, or the API process
+going away, ends the loop; the engine then stops its workers within its close timeout.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import sys
 import threading
 import time
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +61,16 @@ logger = init_logger(__name__)
 _POLL_MS = 200
 """How often the loop looks at the engine's health and its parent when no input comes."""
 _CLOSE_TIMEOUT_S = 10.0
+_DEFAULT_RPC_TIMEOUT_S = 600.0
+
+
+@dataclass
+class _PendingCall:
+    """A utility call whose answer waits for `future`, at most until `deadline` (then `timed_out()` answers)."""
+
+    future: Future
+    deadline: float
+    timed_out: Callable[[], Any]
 
 
 @dataclass
@@ -86,13 +99,11 @@ class DiffusionCoreProc:
         self.context, self.input, self.output = connect_to_parent(spec.input_address, spec.output_address)
         self.codec = MsgCodec(None, spec.shm_prefix)
         self.decoder = MsgCodec(CoreInput, spec.client_shm_prefix).decoder()
-        self._send_lock = threading.Lock()
-        """The output socket is written from the loop and the utility thread."""
-        self._utility = ThreadPoolExecutor(max_workers=1, thread_name_prefix="DiffusionCoreUtility")
         self._stop = threading.Event()
         self.engine = None
         self._state = CoreState(restarting=False, dead=False)
-        self._state_lock = threading.Lock()
+        self._calls: dict[int, _PendingCall] = {}
+        """Utility calls waiting for their future (the workers' answer, the aborted requests leaving)."""
 
     def start_engine(self) -> bool:
         process_s = time.time() - psutil.Process().create_time()  # the interpreter's start and our imports
@@ -129,9 +140,10 @@ class DiffusionCoreProc:
         """schedule -> execute -> poll -> update / admit, until SIGTERM (True) or the parent is gone (False)."""
         inputs = (self.input,)
         while not self._stop.is_set():
-            if self.engine.run_once(inputs, max_wait_s=_POLL_MS / 1000):
+            if self.engine.run_once(inputs, max_wait_s=self._max_wait_s()):
                 while self.input.poll(0):
                     self._handle(self.input.recv(copy=False).buffer)
+            self._expire_calls()
             self._publish_state()
             if os.getppid() != parent_pid:
                 logger.warning("the API process is gone; the diffusion core stops")
@@ -151,10 +163,11 @@ class DiffusionCoreProc:
             self._add(msg)
         elif isinstance(msg, CoreAbort):
             self.engine.abort(msg.request_ids)
-            self._run_utility(msg.call_id, self.engine.wait_stopped, msg.request_ids, msg.wait_s)
+            stopped = self.engine.when_stopped(msg.request_ids)
+            self._await(msg.call_id, stopped, msg.wait_s, lambda _: True, timed_out=lambda: False)
         elif isinstance(msg, CoreUtility):
             if msg.method == "collective_rpc":
-                self._run_utility(msg.call_id, self.engine.collective_rpc, *msg.args, **msg.kwargs, timeout=msg.timeout)
+                self._collective_rpc(msg)
             else:
                 self._send(
                     CoreUtilityResult(
@@ -195,26 +208,62 @@ class DiffusionCoreProc:
             else CoreFinal(request_id, error=CoreError.of(exc))
         )
 
-    def _run_utility(self, call_id: int, fn: Any, *args: Any, **kwargs: Any) -> None:
-        """Blocking calls run off the loop, which keeps reading aborts and requests meanwhile."""
+    def _collective_rpc(self, msg: CoreUtility) -> None:
+        (method,) = msg.args
+        timeout = _DEFAULT_RPC_TIMEOUT_S if msg.timeout is None else msg.timeout
 
-        def call() -> None:
-            try:
-                self._send(CoreUtilityResult(call_id, value=fn(*args, **kwargs)))
-            except Exception as exc:
-                self._send(CoreUtilityResult(call_id, error=CoreError.of(exc)))
+        def timed_out() -> Any:
+            raise TimeoutError(f"collective_rpc({method!r}) got no answer from every rank within {timeout} s")
 
-        self._utility.submit(call)
+        try:
+            future = self.engine.collective_rpc(method, **msg.kwargs, non_block=True)
+        except Exception as exc:  # the workers are dead or gone
+            self._send(CoreUtilityResult(msg.call_id, error=CoreError.of(exc)))
+            return
+        self._await(msg.call_id, future, timeout, lambda values: values, timed_out)
+
+    def _await(
+        self,
+        call_id: int,
+        future: Future,
+        timeout: float,
+        value: Callable[[Any], Any],
+        timed_out: Callable[[], Any],
+    ) -> None:
+        """Answer the call with `value(result)` once `future` resolves (on the loop), or with `timed_out()` after
+        `timeout` seconds (`_expire_calls`); a raised exception is the call's error."""
+        self._calls[call_id] = _PendingCall(future, time.monotonic() + timeout, timed_out)
+        future.add_done_callback(lambda f: self._answer(call_id, lambda: value(f.result())))
+
+    def _answer(self, call_id: int, value: Callable[[], Any]) -> None:
+        if self._calls.pop(call_id, None) is None:  # answered already (it timed out)
+            return
+        try:
+            self._send(CoreUtilityResult(call_id, value=value()))
+        except Exception as exc:
+            self._send(CoreUtilityResult(call_id, error=CoreError.of(exc)))
+
+    def _expire_calls(self) -> None:
+        now = time.monotonic()
+        for call_id, call in [(i, c) for i, c in self._calls.items() if c.deadline <= now]:
+            self._answer(call_id, call.timed_out)
+            call.future.cancel()  # the engine and the executor forget it
+
+    def _max_wait_s(self) -> float:
+        """The loop's longest wait: the poll interval, or less when a call's deadline comes first."""
+        wait = _POLL_MS / 1000
+        if self._calls:
+            wait = min(wait, max(min(c.deadline for c in self._calls.values()) - time.monotonic(), 0.0))
+        return wait
 
     def _publish_state(self, restarting: bool | None = None) -> None:
         """Send the engine's health when it changed; a 503 of a restart goes out after the state it implies."""
-        with self._state_lock:
-            state = CoreState(
-                restarting=self.engine.is_restarting if restarting is None else restarting, dead=self.engine.is_dead
-            )
-            if state != self._state:
-                self._state = state
-                self._send(state)
+        state = CoreState(
+            restarting=self.engine.is_restarting if restarting is None else restarting, dead=self.engine.is_dead
+        )
+        if state != self._state:
+            self._state = state
+            self._send(state)
 
     def _send(self, msg: Any) -> None:
         try:
@@ -230,13 +279,11 @@ class DiffusionCoreProc:
                 else CoreUtilityResult(msg.call_id, error=error)
             )
             data = self.codec.encode(msg)
-        with self._send_lock:
-            self.output.send(data, copy=False)
+        self.output.send(data, copy=False)
 
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.close(timeout=_CLOSE_TIMEOUT_S)
-        self._utility.shutdown(wait=False, cancel_futures=True)
         self.input.close(linger=0)
         self.output.close()
         self.context.term()

@@ -23,7 +23,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import zmq
@@ -106,12 +106,27 @@ class _PendingPlan:
         self.failed = failed
 
 
-class _RpcWait:
-    def __init__(self, world_size: int) -> None:
+class _PendingRpc:
+    """A `collective_rpc` on the workers: its future resolves once every rank answered (one value per rank)."""
+
+    def __init__(self, method: str, world_size: int) -> None:
+        self.future: Future[list[Any]] = Future()
+        self.method = method
         self.results: dict[int, RpcResult] = {}
         self.world_size = world_size
-        self.done = threading.Event()
-        self.dead_reason: str | None = None
+
+    def add(self, msg: RpcResult) -> bool:
+        """Record rank `msg.rank`'s answer; True once every rank's is in and the future resolved."""
+        self.results[msg.rank] = msg
+        if len(self.results) < self.world_size:
+            return False
+        errors = [f"rank {r.rank}: {r.error}" for r in self.results.values() if r.error is not None]
+        if errors:
+            error = RuntimeError(f"collective_rpc({self.method!r}) failed: " + "; ".join(errors))
+            _settle(self.future, exception=error)
+        else:
+            _settle(self.future, result=[self.results[rank].value for rank in range(self.world_size)])
+        return True
 
 
 class MultiprocDiffusionExecutor:
@@ -151,7 +166,7 @@ class MultiprocDiffusionExecutor:
         self._plans: dict[int, _PendingPlan] = {}
         self._step_partials: Callable[[PartialResult], None] | None = None
         """Step mode: where every round's partials go (a request streams across rounds)."""
-        self._rpc_waits: dict[int, _RpcWait] = {}
+        self._rpcs: dict[int, _PendingRpc] = {}
         self._failure_callbacks: list[Callable[[], None]] = []
         self._is_failed = False
         self._closed = False
@@ -343,28 +358,44 @@ class MultiprocDiffusionExecutor:
             self._abort_pub.send(self._codec.encode(AbortRequests(batch_id, request_ids)), flags=zmq.NOBLOCK)
 
     def collective_rpc(
-        self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None, timeout: float | None = None
-    ) -> list[Any]:
-        """Call a worker method on every rank; one result per rank, in rank order."""
+        self,
+        method: str,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        non_block: bool = False,
+    ) -> list[Any] | Future[list[Any]]:
+        """Call a worker method on every rank; one result per rank, in rank order.
+
+        `non_block` (as vLLM's executor): return the future at once; it resolves on the driving thread (in
+        `process_results`), fails with `EngineDeadError` when a worker dies, and a caller that stops waiting
+        cancels it. Blocking waits up to `timeout` seconds for the driving thread to resolve it, so only another
+        thread may block."""
         call_id = next(self._ids)
-        pending = _RpcWait(self.world_size)
+        pending = _PendingRpc(method, self.world_size)
         with self._lock:
             self._check_alive()
-            self._rpc_waits[call_id] = pending
+            self._rpcs[call_id] = pending
+        pending.future.add_done_callback(lambda _: self._forget_rpc(call_id))
         try:
             self._broadcast(self._codec.encode(RpcCall(call_id, method, list(args), dict(kwargs or {}))))
-            timeout = _DEFAULT_RPC_TIMEOUT_S if timeout is None else timeout
-            if not pending.done.wait(timeout):
-                raise TimeoutError(f"collective_rpc({method!r}) got no answer from every rank within {timeout} s")
-        finally:
-            with self._lock:
-                self._rpc_waits.pop(call_id, None)
-        if pending.dead_reason is not None:
-            raise EngineDeadError(pending.dead_reason)
-        errors = [f"rank {r.rank}: {r.error}" for r in pending.results.values() if r.error is not None]
-        if errors:
-            raise RuntimeError(f"collective_rpc({method!r}) failed: " + "; ".join(errors))
-        return [pending.results[rank].value for rank in range(self.world_size)]
+        except BaseException:
+            pending.future.cancel()
+            raise
+        if non_block:
+            return pending.future
+        timeout = _DEFAULT_RPC_TIMEOUT_S if timeout is None else timeout
+        try:
+            return pending.future.result(timeout)
+        except TimeoutError:
+            pending.future.cancel()
+            raise TimeoutError(
+                f"collective_rpc({method!r}) got no answer from every rank within {timeout} s"
+            ) from None
+
+    def _forget_rpc(self, call_id: int) -> None:
+        with self._lock:
+            self._rpcs.pop(call_id, None)
 
     def _check_alive(self) -> None:
         if self._closed:
@@ -435,11 +466,9 @@ class MultiprocDiffusionExecutor:
                 pending.future.set_result(msg)
         elif isinstance(msg, RpcResult):
             with self._lock:
-                pending = self._rpc_waits.get(msg.call_id)
+                pending = self._rpcs.get(msg.call_id)
             if pending is not None:
-                pending.results[msg.rank] = msg
-                if len(pending.results) == pending.world_size:
-                    pending.done.set()
+                pending.add(msg)
 
     def check_workers(self) -> None:
         """After a sentinel was ready: a worker that exited fails the executor (once), after what the ranks sent
@@ -473,12 +502,11 @@ class MultiprocDiffusionExecutor:
             self._batches.clear()
             self._plans.clear()
             self._partial_handlers.clear()
-            waits = list(self._rpc_waits.values())
+            rpcs = [pending.future for pending in self._rpcs.values()]
         for future in futures:
             future.set_exception(EngineDeadError(f"the diffusion engine is dead: {reason}"))
-        for pending in waits:
-            pending.dead_reason = f"the diffusion engine is dead: {reason}"
-            pending.done.set()
+        for future in rpcs:
+            _settle(future, exception=EngineDeadError(f"the diffusion engine is dead: {reason}"))
         if not self._closed:
             for callback in self._failure_callbacks:
                 try:
@@ -526,6 +554,15 @@ def _worker_context() -> multiprocessing.context.BaseContext:
     from vllm.utils.system_utils import get_mp_context
 
     return get_mp_context()
+
+
+def _settle(future: Future, *, result: Any = None, exception: BaseException | None = None) -> None:
+    """Resolve unless its caller cancelled it meanwhile (gave up waiting)."""
+    with contextlib.suppress(InvalidStateError):
+        if exception is not None:
+            future.set_exception(exception)
+        else:
+            future.set_result(result)
 
 
 def _unsendable(exc: Exception) -> DiffusionOutput:
