@@ -1,5 +1,8 @@
 """The diffusion stage client against a real diffusion core process (fake pipeline, real workers).
 
+The core is a prestarted one (`diffusion/core/prestart.py`, what `vllm serve` hands a diffusers checkpoint's
+stage): forked before the stage exists and adopted by it; every other engine test runs a spawned core.
+
 What it pins: params are cloned per request and the output has the stage's shape and timings; a request's own
 error keeps its status; an abort returns once the workers left the request; a utility call reaches every rank,
 and one past its timeout is answered by the core while the workers are busy;
@@ -22,6 +25,7 @@ import pytest
 from fake_pipelines import FakeStepPipeline, class_path
 
 from vllm_omni.config.stage_config import VllmOmniDiffusionStageConfig
+from vllm_omni.diffusion.core.prestart import PrestartedCore
 from vllm_omni.engine.stage_diffusion_client import StageDiffusionClient
 from vllm_omni.errors import EngineDeadError, OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
@@ -38,9 +42,11 @@ async def client(tmp_path_factory):
         engine_args={"model_class_name": class_path(FakeStepPipeline), "max_num_seqs": 2},
     )
     threads_before = {t.ident for t in threading.enumerate()}
-    stage = StageDiffusionClient(config)
+    prestarted = PrestartedCore()
+    stage = StageDiffusionClient(config, prestarted_core=prestarted)
     await stage.start()
     stage.on_loop()
+    stage.prestarted_pid = prestarted.process.pid
     stage.threads_added = [t.name for t in threading.enumerate() if t.ident not in threads_before]
     yield stage
     stage.shutdown()
@@ -108,6 +114,14 @@ async def test_a_utility_call_past_its_timeout_is_answered_by_the_core(client):
         await task
     threads = [p.read_text().strip() for p in Path(f"/proc/{client._core.proc.pid}/task").glob("*/comm")]
     assert len([name for name in threads if not name.startswith("ZMQbg/")]) == 1, threads
+
+
+async def test_the_stage_adopts_the_prestarted_core(client):
+    """Why: a spawned core imports torch and vLLM again after the API process did (6-7 s of a 2-core start);
+    the prestarted one was forked with them and imported the core's modules before the stage existed."""
+    assert client._core.proc.pid == client.prestarted_pid
+    assert psutil.Process(client.prestarted_pid).ppid() == os.getpid()
+    assert client._core.proc.name == "DiffusionCore-0"
 
 
 async def test_the_workers_are_forked_from_the_core(client):

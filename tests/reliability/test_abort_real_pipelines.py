@@ -26,8 +26,9 @@ QUICK_VIDEO = {"prompt": "quick", "size": "32x32", "num_frames": 5, "num_inferen
 
 
 def _worker_pids(srv: LiveServer) -> set[int]:
+    """The server's stage processes and their workers (spawned, or forked from the server: `prestart.py`)."""
     return {p.pid for p in psutil.Process(srv.proc.pid).children(recursive=True)
-            if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())}
+            if "resource_tracker" not in " ".join(p.cmdline())}
 
 
 def _timed(fn) -> float:

@@ -39,7 +39,8 @@ def body(steps: int) -> dict:
 
 def workers(srv: LiveServer) -> list[psutil.Process]:
     """The server's live diffusion workers, the children of its diffusion core process (a worker killed a moment
-    ago may be a zombie until reaped)."""
+    ago may be a zombie until reaped). The core may be a fork of the server, with the server's command line
+    (`diffusion/core/prestart.py`): processes are told apart by their place in the tree."""
     found = []
     for proc in psutil.Process(srv.proc.pid).children(recursive=True):
         try:
@@ -47,7 +48,7 @@ def workers(srv: LiveServer) -> list[psutil.Process]:
             is_core = proc.ppid() == srv.proc.pid
         except (psutil.ZombieProcess, psutil.NoSuchProcess):
             continue
-        if "spawn_main" in cmdline and "resource_tracker" not in cmdline and not is_core:
+        if "resource_tracker" not in cmdline and not is_core:
             found.append(proc)
     return found
 

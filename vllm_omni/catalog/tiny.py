@@ -58,15 +58,7 @@ def available() -> dict[str, str]:
 
 def build_tiny(name: str, *, root: Path | None = None, **overrides: Any) -> Path:
     """Return the directory of `tiny/<name>` (with `overrides` applied), building it once."""
-    from vllm_omni.catalog.registry import MODEL_REGISTRY
-
-    name = name.removeprefix(TINY_PREFIX)
-    builder = MODEL_REGISTRY.tiny_builder(name)
-    params = {**builder.tiny_spec.params, **overrides}
-    digest = hashlib.sha256(
-        json.dumps([name, params, _builder_source(builder)], sort_keys=True, default=str).encode()
-    ).hexdigest()[:12]
-    out = (root or cache_root()) / f"{name}-{digest}"
+    name, builder, params, out = _tiny_dir(name, root, overrides)
     if (out / ".complete").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -82,6 +74,25 @@ def build_tiny(name: str, *, root: Path | None = None, **overrides: Any) -> Path
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def built_tiny(name: str) -> Path | None:
+    """The directory of `tiny/<name>` if it is built, else None (nothing is built)."""
+    out = _tiny_dir(name, None, {})[3]
+    return out if (out / ".complete").exists() else None
+
+
+def _tiny_dir(name: str, root: Path | None, overrides: dict[str, Any]) -> tuple[str, Builder, dict[str, Any], Path]:
+    """The name without its prefix, its builder, the builder's params and the directory they build."""
+    from vllm_omni.catalog.registry import MODEL_REGISTRY
+
+    name = name.removeprefix(TINY_PREFIX)
+    builder = MODEL_REGISTRY.tiny_builder(name)
+    params = {**builder.tiny_spec.params, **overrides}
+    digest = hashlib.sha256(
+        json.dumps([name, params, _builder_source(builder)], sort_keys=True, default=str).encode()
+    ).hexdigest()[:12]
+    return name, builder, params, (root or cache_root()) / f"{name}-{digest}"
 
 
 def resolve_model(model: str) -> str:

@@ -10,6 +10,7 @@ the stages, and no message queue: requests are calls, outputs go to the sink eac
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import threading
 import time
@@ -17,6 +18,7 @@ from typing import Any
 
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.diffusion.core.prestart import PrestartedCore
 from vllm_omni.engine.capabilities import ModelCapabilities
 from vllm_omni.engine.edges import OutputSink
 from vllm_omni.engine.orchestrator import Orchestrator
@@ -31,19 +33,28 @@ START_JOIN_GRACE_S = 30.0
 
 
 class AsyncOmniEngine:
-    def __init__(self, config: VllmOmniConfig, *, stage_client_factory: StageClientFactory | None = None) -> None:
+    def __init__(self, config: VllmOmniConfig, *, stage_client_factory: StageClientFactory | None = None,
+                 prestarted_core: PrestartedCore | None = None) -> None:
+        """`prestarted_core`: a diffusion core process forked ahead (`vllm serve`, `diffusion/core/prestart.py`);
+        the first diffusion stage to start takes it, and it is let go once the stages started if none did."""
         # Stage processes are started from a process that runs several threads: fork is unsafe.
         # Where the user chose no start method, their EngineCores may fork their own workers (plugins.py).
         if "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
             os.environ[ENGINE_CORE_FORKS_WORKERS] = "1"
         self.config = config
-        self._runtime = StageRuntime(config, stage_client_factory or make_stage_client)
+        if stage_client_factory is None:
+            stage_client_factory = functools.partial(make_stage_client, prestarted_core=prestarted_core)
+        self._runtime = StageRuntime(config, stage_client_factory)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         start = time.perf_counter()
         timeout = config.init_timeout or sum(s.stage_init_timeout * s.num_replicas for s in config.stages) + 30.0
-        pools = self._start_stages(timeout)
+        try:
+            pools = self._start_stages(timeout)
+        finally:
+            if prestarted_core is not None:
+                prestarted_core.close()
         try:
             self.stage_clients: list[Any] = [pool.clients[0] for pool in pools]
             self.stage_metadata: list[dict[str, Any]] = [self._describe(client) for client in self.stage_clients]

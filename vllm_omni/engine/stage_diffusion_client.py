@@ -19,6 +19,7 @@ from vllm_omni.catalog.shapes import ShapeRule
 from vllm_omni.catalog.spec import Modality
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.diffusion.core.client import DiffusionCoreClient, RequestStream
+from vllm_omni.diffusion.core.prestart import PrestartedCore
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.engine.spawn_env import spawn_environ
 from vllm_omni.engine.stage_client import StageClientBase
@@ -37,8 +38,10 @@ enough that a SIGTERM (3 s grace, this, then the core's shutdown) still ends wit
 class StageDiffusionClient(StageClientBase):
     kind = StageKind.DIFFUSION
 
-    def __init__(self, config, replica_id: int = 0) -> None:
+    def __init__(self, config, replica_id: int = 0, prestarted_core: PrestartedCore | None = None) -> None:
         super().__init__(config, replica_id)
+        self._prestarted_core = prestarted_core
+        """A core process `vllm serve` forked ahead; the first replica to start takes it (`prestart.py`)."""
         self._core: DiffusionCoreClient | None = None
         self._engine_dead = False
 
@@ -48,19 +51,15 @@ class StageDiffusionClient(StageClientBase):
             from vllm_omni.diffusion.executor.ray_executor import check_placement
 
             await asyncio.to_thread(check_placement, od_config)
-        self._core = DiffusionCoreClient(od_config)
-        starting = None
+        self._core = DiffusionCoreClient(od_config, self._prestarted_core)
         try:
             # The core and its workers take this replica's devices (they keep the environment the core starts
             # with); other stages start theirs once the core's process exists.
-            async with spawn_environ(self.config.spawn_env(self.replica_id)) as started:
-                starting = asyncio.ensure_future(self._core.start(self.config.stage_init_timeout))
-                await started(starting, 1)
-            info = await starting
+            async with spawn_environ(self.config.spawn_env(self.replica_id)):
+                self._core.launch()
+            info = await self._core.wait_ready(self.config.stage_init_timeout)
         except BaseException:
             # Given up (another stage failed, a timeout): the core and its workers must not outlive the start.
-            if starting is not None:
-                starting.cancel()
             self._core.shutdown()
             raise
         self.startup_phases = dict(info.startup_s)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from vllm_omni.config.omni_config import VllmOmniConfig
 from vllm_omni.config.stage_config import StageConfig
 from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.diffusion.core.prestart import PrestartedCore
 from vllm_omni.engine.stage_client import StageClientBase
 from vllm_omni.engine.stage_pool import StagePool
 from vllm_omni.logger import init_logger
@@ -19,7 +20,9 @@ from vllm_omni.logger import init_logger
 logger = init_logger(__name__)
 
 
-def make_stage_client(config: StageConfig, replica_id: int) -> StageClientBase:
+def make_stage_client(config: StageConfig, replica_id: int, prestarted_core: PrestartedCore | None = None
+                      ) -> StageClientBase:
+    """The client of one stage replica; a DIFFUSION stage may take `prestarted_core` (`diffusion/core/prestart.py`)."""
     if config.kind is StageKind.AR:
         from vllm_omni.engine.stage_engine_core_client import StageEngineCoreClient
 
@@ -27,7 +30,7 @@ def make_stage_client(config: StageConfig, replica_id: int) -> StageClientBase:
     if config.kind is StageKind.DIFFUSION:
         from vllm_omni.engine.stage_diffusion_client import StageDiffusionClient
 
-        return StageDiffusionClient(config, replica_id)
+        return StageDiffusionClient(config, replica_id, prestarted_core)
     if config.kind is StageKind.GENERATION:
         from vllm_omni.engine.stage_generation_client import StageGenerationClient
 

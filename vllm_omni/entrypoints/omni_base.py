@@ -9,6 +9,7 @@ from typing import Any
 
 from vllm_omni.config.omni_config import StageConfigFactory
 from vllm_omni.config.stage_kind import StageKind
+from vllm_omni.diffusion.core.prestart import PrestartedCore
 from vllm_omni.engine.async_omni_engine import AsyncOmniEngine
 from vllm_omni.engine.capabilities import ModelCapabilities
 from vllm_omni.errors import OmniClientError
@@ -19,14 +20,15 @@ logger = init_logger(__name__)
 
 
 class OmniBase:
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(self, model: str, *, prestarted_core: PrestartedCore | None = None, **kwargs: Any) -> None:
+        """`prestarted_core`: a diffusion core process forked ahead for this engine (`vllm serve` does)."""
         self._name = self.__class__.__name__
         self.model_name = model
         start = time.perf_counter()
         self.config = StageConfigFactory.create_from_model(model, **kwargs)
         logger.info("[%s] resolved %s into pipeline %r (%s) in %.2f s", self._name, model,
                     self.config.pipeline_name, self.config.stage_types, time.perf_counter() - start)
-        self.engine = AsyncOmniEngine(self.config)
+        self.engine = AsyncOmniEngine(self.config, prestarted_core=prestarted_core)
         self.default_sampling_params_list = [m["default_sampling_params"] for m in self.engine.stage_metadata]
 
     @property

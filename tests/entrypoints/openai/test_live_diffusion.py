@@ -192,8 +192,9 @@ def test_dead_engine_answers_503(server):
     """Runs last: kill the diffusion worker; /health and new requests answer 503, and shutdown stays clean."""
     import psutil
 
+    # The diffusion core (forked by `vllm serve`, with its command line) and its workers.
     workers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-               if "spawn_main" in " ".join(p.cmdline())]
+               if "resource_tracker" not in " ".join(p.cmdline())]
     assert workers
     for proc in workers:
         proc.kill()

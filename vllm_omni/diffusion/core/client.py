@@ -42,6 +42,7 @@ from vllm_omni.diffusion.core.messages import (
     CoreUtility,
     CoreUtilityResult,
 )
+from vllm_omni.diffusion.core.prestart import PrestartedCore
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.ipc import MsgCodec, cleanup_shm, new_shm_prefix
 from vllm_omni.diffusion.request import OmniDiffusionRequest
@@ -103,8 +104,10 @@ class RequestStream:
 
 
 class DiffusionCoreClient:
-    def __init__(self, od_config: OmniDiffusionConfig) -> None:
+    def __init__(self, od_config: OmniDiffusionConfig, prestarted: PrestartedCore | None = None) -> None:
         self.od_config = od_config
+        self._prestarted = prestarted
+        """A core process forked ahead (`prestart.py`): `launch` hands it the spec instead of spawning one."""
         self.info: CoreInfo | None = None
         self.shm_prefix = new_shm_prefix()
         self._core_shm_prefix = new_shm_prefix()
@@ -132,7 +135,13 @@ class DiffusionCoreClient:
     # ---- life cycle ----------------------------------------------------------------------------------
 
     async def start(self, timeout: float) -> CoreInfo:
-        """Spawn the core and wait until it and its workers are ready (at most `timeout` seconds)."""
+        """Start the core and wait until it and its workers are ready (at most `timeout` seconds)."""
+        self.launch()
+        return await self.wait_ready(timeout)
+
+    def launch(self) -> None:
+        """Start the core process with this process's environment: hand the spec to the prestarted one if it is
+        there and alive, else spawn one. The process exists when this returns."""
         spec = CoreSpec(
             od_config=self.od_config,
             input_address=f"ipc://{self._ipc_dir}/in",
@@ -143,14 +152,19 @@ class DiffusionCoreClient:
             families=MODEL_REGISTRY.registered_families(),
             fork_workers=_user_chose_no_start_method(),
         )
-        # Not a daemon: the core starts the worker processes. Stopped before multiprocessing joins it at exit.
-        self.proc = multiprocessing.get_context("spawn").Process(
-            target=run_diffusion_core, args=(spec,), name=f"DiffusionCore-{self.od_config.stage_id}"
-        )
-        self.proc.start()
+        name = f"DiffusionCore-{self.od_config.stage_id}"
+        prestarted, self._prestarted = self._prestarted, None
+        self.proc = prestarted.adopt(spec, name) if prestarted is not None else None
+        if self.proc is None:
+            # Not a daemon: the core starts the worker processes. Stopped before multiprocessing joins it at exit.
+            self.proc = multiprocessing.get_context("spawn").Process(target=run_diffusion_core, args=(spec,), name=name)
+            self.proc.start()
         self._finalizer = Finalize(
             self, _stop_core, args=(self.proc, [self.shm_prefix, self._core_shm_prefix], self._ipc_dir), exitpriority=10
         )
+
+    async def wait_ready(self, timeout: float) -> CoreInfo:
+        """Wait until the launched core and its workers are ready (at most `timeout` seconds)."""
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()

@@ -94,8 +94,10 @@ class CoreSpec:
 
 
 class DiffusionCoreProc:
-    def __init__(self, spec: CoreSpec) -> None:
+    def __init__(self, spec: CoreSpec, started_at: float) -> None:
         self.spec = spec
+        self.started_at = started_at
+        """When the stage asked for this process (its spawn, or its adoption: `prestart.py`)."""
         self.context, self.input, self.output = connect_to_parent(spec.input_address, spec.output_address)
         self.codec = MsgCodec(None, spec.shm_prefix)
         self.decoder = MsgCodec(CoreInput, spec.client_shm_prefix).decoder()
@@ -106,7 +108,7 @@ class DiffusionCoreProc:
         """Utility calls waiting for their future (the workers' answer, the aborted requests leaving)."""
 
     def start_engine(self) -> bool:
-        process_s = time.time() - psutil.Process().create_time()  # the interpreter's start and our imports
+        process_s = time.time() - self.started_at  # the interpreter's start and our imports, if spawned
         start = time.perf_counter()
         from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
 
@@ -289,8 +291,9 @@ class DiffusionCoreProc:
         self.context.term()
 
 
-def run_diffusion_core(spec: CoreSpec) -> None:
-    """Process entry point: start the engine (its workers), serve until told to stop, stop the workers."""
+def run_diffusion_core(spec: CoreSpec, adopted_at: float | None = None) -> None:
+    """Process entry point: start the engine (its workers), serve until told to stop, stop the workers.
+    `adopted_at`: when a prestarted process was handed this spec (`prestart.py`); else it was spawned for it."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if spec.fork_workers:  # before anything here runs a thread: the executor forks only a one-thread process
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
@@ -298,7 +301,7 @@ def run_diffusion_core(spec: CoreSpec) -> None:
     parent_pid = os.getppid()
     for family in spec.families:
         MODEL_REGISTRY.register_family(family)
-    proc = DiffusionCoreProc(spec)
+    proc = DiffusionCoreProc(spec, psutil.Process().create_time() if adopted_at is None else adopted_at)
     signal.signal(signal.SIGTERM, proc.stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop (Ctrl-C reaches us too)
     code = 1

@@ -12,6 +12,7 @@ from vllm.entrypoints.cli.types import CLISubcommand
 from vllm.entrypoints.launchers.cli_args import FrontendArgs
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from vllm_omni.diffusion.core.prestart import PrestartedCore
 from vllm_omni.diffusion.data import NOT_IMPLEMENTED, check_cache_args, refuse_unimplemented
 from vllm_omni.engine.arg_utils import OmniEngineArgs, add_dataclass_args, attr_help
 from vllm_omni.entrypoints.cli.main import SERVE_HELP
@@ -84,7 +85,7 @@ class OmniServeCommand(CLISubcommand):
     name = "serve"
 
     @staticmethod
-    def cmd(args: argparse.Namespace) -> None:
+    def cmd(args: argparse.Namespace, prestarted_core: PrestartedCore | None = None) -> None:
         import uvloop
         from vllm.logger import configure_logging_from_args
 
@@ -95,7 +96,7 @@ class OmniServeCommand(CLISubcommand):
         # vLLM's `vllm` hands `--omni` over before it configures logging; its args.logging_config then
         # travels to every stage, so EngineCores and diffusion workers log at the server's level.
         configure_logging_from_args(args)
-        uvloop.run(run_server(args))
+        uvloop.run(run_server(args, prestarted_core=prestarted_core))
         _exit_without_teardown()
 
     def validate(self, args: argparse.Namespace) -> None:

@@ -19,6 +19,7 @@ from vllm.entrypoints.launchers.launcher import create_server_socket, serve_http
 from vllm.entrypoints.serve.middleware.register import init_entrypoints_middleware
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+from vllm_omni.diffusion.core.prestart import PrestartedCore
 from vllm_omni.engine.arg_utils import OmniEngineArgs
 from vllm_omni.entrypoints.openai.api_router import add_unavailable_routes, router
 from vllm_omni.entrypoints.openai.batch_serving import OmniOpenAIServingChatBatch
@@ -201,23 +202,25 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 _GRACEFUL_SHUTDOWN_S = 3.0
 
 
-def build_engine(args: argparse.Namespace) -> Any:
+def build_engine(args: argparse.Namespace, prestarted_core: PrestartedCore | None = None) -> Any:
     from vllm_omni.entrypoints.async_omni import AsyncOmni
 
     kwargs = engine_kwargs_from_args(args)
     logger.info("Starting AsyncOmni for %s with %s", args.model, kwargs)
-    return AsyncOmni(args.model, **kwargs)
+    return AsyncOmni(args.model, prestarted_core=prestarted_core, **kwargs)
 
 
-async def run_server(args: argparse.Namespace, **uvicorn_kwargs: Any) -> None:
+async def run_server(args: argparse.Namespace, *, prestarted_core: PrestartedCore | None = None,
+                     **uvicorn_kwargs: Any) -> None:
     """Bind the socket first (so the port is ours), start the engine, then serve until SIGINT/SIGTERM.
+    `prestarted_core`: the diffusion core process the CLI forked at its entry (`diffusion/core/prestart.py`).
 
     On SIGTERM, requests still running after `_GRACEFUL_SHUTDOWN_S` are cancelled (which aborts them in the
     engine) rather than awaited: a busy diffusion worker must not hold the server past 15 s."""
     uvicorn_kwargs.setdefault("timeout_graceful_shutdown", _GRACEFUL_SHUTDOWN_S)
     sock = create_server_socket((args.host or "", args.port), reuse_port=False)
     listen_address = f"http://{args.host or '0.0.0.0'}:{args.port}"
-    engine = build_engine(args)
+    engine = build_engine(args, prestarted_core)
     try:
         app = await build_app_async(args, engine)
         log_startup_summary(app, engine, listen_address)
