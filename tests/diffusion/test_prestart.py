@@ -28,6 +28,7 @@ def transformers_dir(tmp_path):
 @pytest.mark.parametrize("argv", [
     [],
     ["--port", "8000"],
+    ["--model"],
     ["tiny/no-such-model"],
     ["no/such-hub-id"],
     ["{model}", "--pipeline-config", "p.yaml"],
