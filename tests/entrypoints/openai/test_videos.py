@@ -96,6 +96,8 @@ def test_openai_client_create_poll_download(video):
     # Explicit fields win (multipart strings were coerced); omitted ones keep the server defaults.
     assert (sp.num_frames, sp.seed, sp.width, sp.height) == (9, 3, 64, 32)
     assert (sp.num_inference_steps, sp.guidance_scale, sp.quality) == (4, 7.5, "high")
+    # Issue 24: the job asks for progress only, so no frame chunks reach (and get re-joined in) this process.
+    assert sp.stream_partial_outputs and not sp.stream_video_chunks
 
 
 def test_sync_returns_mp4_and_json_fields_override_defaults(video):
@@ -107,6 +109,7 @@ def test_sync_returns_mp4_and_json_fields_override_defaults(video):
     assert decode_mp4(resp.content).shape == (9, 32, 48, 3)  # 1 s at 8 fps (+ the first frame)
     sp = engine.seen[-1][2][0]
     assert (sp.num_inference_steps, sp.guidance_scale, sp.num_frames, sp.fps) == (30, 6.5, 9, 8)
+    assert not sp.stream_partial_outputs  # the sync route wants no partials at all
     form = client.post("/v1/videos/sync", data={"prompt": "x", "num_inference_steps": "30", "guidance_scale": "6.5",
                                                 "seed": "42", "quality": "high"})
     assert form.status_code == 200, form.text
