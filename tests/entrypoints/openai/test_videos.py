@@ -132,6 +132,25 @@ def test_list_order_after_limit_and_delete(video):
     assert_400(client.get("/v1/videos", params={"order": "sideways"}), "order")
 
 
+class ChunkingVideoOmni(FakeVideoOmni):
+    """A stage that streams frame chunks even to a progress-only request (what the Wan pipeline must not do)."""
+
+    async def _stage(self, stage_type, stage_id, prompt, request_id, params, last):
+        yield OmniRequestOutput(request_id=request_id, finished=False, stage_id=stage_id, final_output_type="video",
+                                multimodal_output={"video_chunk": np.zeros((1, 32, 48, 3), np.uint8), "fps": 8,
+                                                   "frame_start": 0})
+        async for out in super()._stage(stage_type, stage_id, prompt, request_id, params, last):
+            yield out
+
+
+def test_a_job_refuses_frame_chunks_instead_of_joining_them(parser):
+    """Issue 24: the job route holds no chunks; a stage that streams them anyway fails the job, naming why."""
+    engine = ChunkingVideoOmni(stage_types=["diffusion"], output_modalities={"video"})
+    with make_client(parser, engine) as client:
+        done = wait_done(client, client.post("/v1/videos", json={"prompt": "x"}).json()["id"])
+    assert done["status"] == "failed" and "video chunks" in done["error"]["message"], done
+
+
 def test_deleting_a_running_job_aborts_it(parser):
     engine = FakeVideoOmni(stage_types=["diffusion"], output_modalities={"video"}, step_delay_s=5.0)
     with make_client(parser, engine) as client:
