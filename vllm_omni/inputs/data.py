@@ -102,6 +102,9 @@ class OmniDiffusionSamplingParams:
     stream_partial_outputs: bool = knob(False, http=False, batch_key=False)
     """Stream denoise progress and decoded video chunks as unfinished outputs before the final one (AsyncOmni).
     Not part of the batching key: streaming and non-streaming requests share forwards."""
+    stream_video_chunks: bool = knob(True, http=False, batch_key=False)
+    """With `stream_partial_outputs`, whether decoded video chunks stream too. False: progress only, and the final
+    output carries the whole clip (the `/v1/videos` job route, which encodes one MP4, needs no chunks to join)."""
     extra_args: dict[str, Any] = knob({}, http=False)
 
     def __post_init__(self) -> None:

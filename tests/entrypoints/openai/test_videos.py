@@ -96,6 +96,8 @@ def test_openai_client_create_poll_download(video):
     # Explicit fields win (multipart strings were coerced); omitted ones keep the server defaults.
     assert (sp.num_frames, sp.seed, sp.width, sp.height) == (9, 3, 64, 32)
     assert (sp.num_inference_steps, sp.guidance_scale, sp.quality) == (4, 7.5, "high")
+    # Issue 24: the job asks for progress only, so no frame chunks reach (and get re-joined in) this process.
+    assert sp.stream_partial_outputs and not sp.stream_video_chunks
 
 
 def test_sync_returns_mp4_and_json_fields_override_defaults(video):
@@ -107,6 +109,7 @@ def test_sync_returns_mp4_and_json_fields_override_defaults(video):
     assert decode_mp4(resp.content).shape == (9, 32, 48, 3)  # 1 s at 8 fps (+ the first frame)
     sp = engine.seen[-1][2][0]
     assert (sp.num_inference_steps, sp.guidance_scale, sp.num_frames, sp.fps) == (30, 6.5, 9, 8)
+    assert not sp.stream_partial_outputs  # the sync route wants no partials at all
     form = client.post("/v1/videos/sync", data={"prompt": "x", "num_inference_steps": "30", "guidance_scale": "6.5",
                                                 "seed": "42", "quality": "high"})
     assert form.status_code == 200, form.text
@@ -127,6 +130,25 @@ def test_list_order_after_limit_and_delete(video):
                                                              "deleted": True}
     assert client.get(f"/v1/videos/{ids[0]}").status_code == 404
     assert_400(client.get("/v1/videos", params={"order": "sideways"}), "order")
+
+
+class ChunkingVideoOmni(FakeVideoOmni):
+    """A stage that streams frame chunks even to a progress-only request (what the Wan pipeline must not do)."""
+
+    async def _stage(self, stage_type, stage_id, prompt, request_id, params, last):
+        yield OmniRequestOutput(request_id=request_id, finished=False, stage_id=stage_id, final_output_type="video",
+                                multimodal_output={"video_chunk": np.zeros((1, 32, 48, 3), np.uint8), "fps": 8,
+                                                   "frame_start": 0})
+        async for out in super()._stage(stage_type, stage_id, prompt, request_id, params, last):
+            yield out
+
+
+def test_a_job_refuses_frame_chunks_instead_of_joining_them(parser):
+    """Issue 24: the job route holds no chunks; a stage that streams them anyway fails the job, naming why."""
+    engine = ChunkingVideoOmni(stage_types=["diffusion"], output_modalities={"video"})
+    with make_client(parser, engine) as client:
+        done = wait_done(client, client.post("/v1/videos", json={"prompt": "x"}).json()["id"])
+    assert done["status"] == "failed" and "video chunks" in done["error"]["message"], done
 
 
 def test_deleting_a_running_job_aborts_it(parser):

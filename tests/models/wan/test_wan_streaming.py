@@ -2,8 +2,10 @@
 
 Pins: with `stream_partial_outputs`, the request yields denoise progress up to the last step and then every
 decoded temporal chunk (1 frame, then 4 per latent frame) before its final output, and the chunks concatenate
-to exactly the final clip; without it, only the final output comes. A streamed clip crosses the worker -> engine
-boundary once: its frames come as chunks and the worker's final output carries none of them again.
+to exactly the final clip; with `stream_video_chunks=False` (the `/v1/videos` job route) only progress comes and
+the final output carries the whole clip, so nothing is re-joined; without either, only the final output comes.
+A streamed clip crosses the worker -> engine boundary once: its frames come as chunks and the worker's final
+output carries none of them again.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ async def collect(omni, request_id: str, params: SP) -> list:
     return await asyncio.wait_for(run(), 120)
 
 
-async def streamed_and_plain(omni) -> tuple[list, list]:
-    """One event loop for both requests (AsyncOmni's output handler lives on the loop that first used it)."""
+async def streamed_progress_only_and_plain(omni) -> tuple[list, list, list]:
+    """One event loop for every request (AsyncOmni's output handler lives on the loop that first used it)."""
     return (await collect(omni, "s1", SP(**PARAMS, stream_partial_outputs=True)),
-            await collect(omni, "s2", SP(**PARAMS)))
+            await collect(omni, "s2", SP(**PARAMS, stream_partial_outputs=True, stream_video_chunks=False)),
+            await collect(omni, "s3", SP(**PARAMS)))
 
 
 def test_async_omni_streams_progress_and_chunks_that_make_the_clip():
@@ -36,7 +39,7 @@ def test_async_omni_streams_progress_and_chunks_that_make_the_clip():
 
     omni = AsyncOmni("tiny/wan2.1-t2v")
     try:
-        streamed, plain = asyncio.run(streamed_and_plain(omni))
+        streamed, progress_only, plain = asyncio.run(streamed_progress_only_and_plain(omni))
     finally:
         omni.close()
 
@@ -54,6 +57,13 @@ def test_async_omni_streams_progress_and_chunks_that_make_the_clip():
     assert np.array_equal(np.concatenate([c["video_chunk"] for c in chunks]), video)
     assert [out.finished for out in plain] == [True]
     assert np.array_equal(np.asarray(plain[0].multimodal_output["video"]), video)
+    # Progress only (what the job route asks for): every partial is a progress report, no frame chunk reaches
+    # the caller, and the final output is the whole clip, once.
+    *partials, final = progress_only
+    assert partials and all(set(out.multimodal_output) == {"progress"} for out in partials)
+    assert partials[-1].multimodal_output["progress"]["step"] == 3
+    assert STREAMED_FRAMES not in final.multimodal_output
+    assert np.array_equal(np.asarray(final.multimodal_output["video"]), video)
 
 
 def test_a_streamed_clip_crosses_the_worker_boundary_once(wan21_t2v_dir):

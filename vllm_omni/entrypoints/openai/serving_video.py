@@ -23,7 +23,7 @@ from vllm.utils import random_uuid
 
 from vllm_omni import envs
 from vllm_omni.config.stage_kind import StageKind
-from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, encode_mp4, join_streamed_video
+from vllm_omni.diffusion.video_utils import encode_mp4
 from vllm_omni.entrypoints.openai.media import decode_image_async, decode_image_url
 from vllm_omni.entrypoints.openai.protocol.common import parse_size
 from vllm_omni.entrypoints.openai.protocol.videos import (
@@ -170,7 +170,7 @@ class OmniOpenAIServingVideo(OmniServingBase):
         if on_progress is None:
             finals = await self.generate_final(prompt, request_id, params)
         else:
-            finals = await self._generate_with_progress(prompt, request_id, _with_partials(params), on_progress)
+            finals = await self._generate_with_progress(prompt, request_id, params, on_progress)
         videos: list[GeneratedVideo] = []
         durations: dict[str, float] = {}
         for out in finals:
@@ -191,19 +191,16 @@ class OmniOpenAIServingVideo(OmniServingBase):
 
     async def _generate_with_progress(self, prompt: dict, request_id: str, params: list[Any],
                                       on_progress: Callable[[int, int], None]) -> list[Any]:
-        """The finals, each streamed clip joined from its chunks (a job returns the whole MP4)."""
+        """The finals, the denoise progress on the way. Progress only: a job encodes one MP4 from the whole clip,
+        so the stage sends it once in its final output rather than as chunks this process would have to join."""
         last: dict[int, Any] = {}
-        chunks: dict[int, list[np.ndarray]] = {}
-        async for out in self.generate(prompt, request_id, params):
+        async for out in self.generate(prompt, request_id, _with_progress(params)):
             mm = out.multimodal_output or {}
             if "progress" in mm:
                 on_progress(mm["progress"]["step"], mm["progress"]["total"])
             elif "video_chunk" in mm:
-                chunks.setdefault(out.stage_id, []).append(mm["video_chunk"])
+                raise RuntimeError(f"stage {out.stage_id} streamed video chunks to a progress-only request")
             elif out.finished:
-                if STREAMED_FRAMES in mm:
-                    out.multimodal_output = await asyncio.to_thread(join_streamed_video, mm,
-                                                                    chunks.pop(out.stage_id, []))
                 last[out.stage_id] = out
         return [last[stage_id] for stage_id in sorted(last)]
 
@@ -301,9 +298,9 @@ class OmniOpenAIServingVideo(OmniServingBase):
         return VideoDeleteResponse(id=video_id)
 
 
-def _with_partials(params: list[Any]) -> list[Any]:
-    return [dataclasses.replace(p, stream_partial_outputs=True) if isinstance(p, OmniDiffusionSamplingParams) else p
-            for p in params]
+def _with_progress(params: list[Any]) -> list[Any]:
+    return [dataclasses.replace(p, stream_partial_outputs=True, stream_video_chunks=False)
+            if isinstance(p, OmniDiffusionSamplingParams) else p for p in params]
 
 
 def _set_progress(job: _VideoJob, step: int, total: int) -> None:

@@ -290,7 +290,8 @@ class WanPipeline(NativeDiffusionPipeline):
         """Decode chunk by chunk; a streamed request's final output carries no frames (they went as chunks)."""
         cond = state.conditioning
         fps = state.requests[0].sampling_params.fps or DEFAULT_FPS
-        streamed = {r.request_id for r in state.requests if r.sampling_params.stream_partial_outputs} \
+        streamed = {r.request_id for r in state.requests
+                    if r.sampling_params.stream_partial_outputs and r.sampling_params.stream_video_chunks} \
             if ctx.partials_enabled else set()
         latents = self.model_input(state.latents, cond) if cond.first_frame_mask is not None else state.latents
         start = synchronized_now(self.device)  # step mode: the last steps may still be queued
@@ -299,7 +300,7 @@ class WanPipeline(NativeDiffusionPipeline):
         per = state.outputs_per_request
         outputs = []
         for i, request in enumerate(state.requests):
-            if request.request_id in streamed:  # the engine side joins the chunks it already has
+            if request.request_id in streamed:  # the frames went out as chunks; a caller joins them
                 output = {STREAMED_FRAMES: cond.geometry.num_frames, "fps": fps}
             else:
                 video = frames[i * per:(i + 1) * per]
