@@ -35,39 +35,13 @@ def _has_cuda() -> bool:
         return False
 
 
-SHARED_ENGINE_PACKAGES = ("tests/models/qwen3_omni/", "tests/models/qwen3_tts/")
-"""Packages whose conftest holds a package-scoped engine that all their modules use."""
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (its own collection hook)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip `cuda` tests without a GPU; group the tests for `pytest -n N --dist loadgroup` (tools/test.sh), the
-    groups with the largest set-up budgets first (a long group started last would leave the other worker idle)."""
-    groups: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        group = _worker_group(item)
-        item.add_marker(pytest.mark.xdist_group(group))
-        groups.setdefault(group, []).append(item)
-    if config.getoption("dist", "no") == "loadgroup":
-        budgets = tomllib.loads(SETUP_BUDGET.read_text())["modules"]
-        weight = {group: max(budgets.get(item.nodeid.split("::", 1)[0], 0) for item in members)
-                  for group, members in groups.items()}
-        items[:] = [item for group in sorted(groups, key=lambda g: -weight[g]) for item in groups[group]]
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
-
-
-def _worker_group(item: pytest.Item) -> str:
-    """What one test worker must run as a unit, so that every engine or server starts once: a test module (its
-    module fixtures), a package with a package-scoped engine, or every user of the session's `shared_server`."""
-    if "shared_server" in item.fixturenames:
-        return "shared_server"
-    module = item.nodeid.split("::", 1)[0]
-    return next((package for package in SHARED_ENGINE_PACKAGES if module.startswith(package)), module)
 
 
 @pytest.fixture(scope="module")

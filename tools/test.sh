@@ -8,15 +8,9 @@ bash tools/setup_env.sh
 py=.venv/bin/python
 echo "[test] ruff check"
 "$py" -m ruff check vllm_omni tests benchmarks examples tools
-# Two pytest workers (pytest-xdist) by default: a test spends much of its time waiting on its servers' and engines'
-# processes, so two test modules side by side keep the 2-core CI machine busy. tests/conftest.py groups the tests so
-# that each engine or server still starts once. VLLM_OMNI_TEST_WORKERS=0: one pytest process.
-workers=${VLLM_OMNI_TEST_WORKERS:-2}
-xdist=()
-[ "$workers" -gt 0 ] && xdist=(-n "$workers" --dist loadgroup)
-echo "[test] pytest ${xdist[*]}"
+echo "[test] pytest"
 set +e
-"$py" -m pytest "${xdist[@]}" "$@"
+"$py" -m pytest "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
