@@ -288,6 +288,10 @@ class LTX2VideoTransformer3DModel(nn.Module):
         super().__init__()
         if sequence_parallel_size() > 1:
             raise NotImplementedError("LTX-2 transformer: sequence parallelism is not supported")
+        tp = get_tensor_model_parallel_world_size()
+        if config.num_attention_heads % tp or config.audio_num_attention_heads % tp:
+            raise ValueError(f"LTX-2 transformer: tensor-parallel size {tp} must divide the video and audio heads "
+                             f"({config.num_attention_heads}, {config.audio_num_attention_heads})")
         self.config = config
         dim, audio_dim = config.inner_dim, config.audio_inner_dim
         self.proj_in = ReplicatedLinear(config.in_channels, dim, bias=True, return_bias=False,
