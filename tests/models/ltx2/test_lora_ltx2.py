@@ -6,10 +6,9 @@ a file written for diffusers' `LTX2VideoTransformer3DModel` must change our clip
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from tests.models.ltx2.test_pipeline_ltx2 import CFG_ONLY, SIZE, psnr, request, snr
+from tests.models.ltx2.test_pipeline_ltx2 import psnr, reference, request, snr
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.model_loader.tiny_lora import write_tiny_lora
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
@@ -28,17 +27,7 @@ def test_lora_matches_diffusers(dist_world, ltx2_dir, tmp_path):
     ref.set_progress_bar_config(disable=True)
     ref.load_lora_weights(str(path), adapter_name="a")
     ref.set_adapters(["a"], [0.8])
-    expected = ref(
-        prompt="A cat walks.",
-        generator=torch.Generator("cpu").manual_seed(5),
-        output_type="np",
-        guidance_scale=3.0,
-        audio_guidance_scale=3.0,
-        frame_rate=24.0,
-        **SIZE,
-        **CFG_ONLY,
-    )
-    want_video, want_audio = (expected.frames[0] * 255).round().astype(np.uint8), expected.audio[0].float().numpy()
+    want_video, want_audio = reference(ref, "A cat walks.", 5, 3.0, 24)
     lora = [{"path": str(path), "scale": 0.8}]
     got, base = ours.forward(
         DiffusionRequestBatch(
