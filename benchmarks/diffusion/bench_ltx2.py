@@ -3,7 +3,7 @@
 GPU (default): a config-only checkpoint with the real LTX-2 component sizes (the 48-layer audio-video DiT,
 Gemma3-12B, the video and audio VAEs, the vocoder; diffusers' defaults for the LTX-2 classes, Gemma3-12B's
 published config), built by our loader with `load_format="dummy"` (random bf16 weights); diffusers' pipeline
-runs on the very same modules (its DiT shares our DiT's parameter tensors). Times
+runs on the very same modules (its `LTX2VideoTransformer3DModel` shares our native DiT's parameter tensors). Times
   - one CFG denoise step (prediction + guidance + Euler step; both run positive and negative rows in one DiT
     forward, as diffusers' pipeline does),
   - the whole pipeline (text encoder, denoise, video + audio decode),
@@ -108,19 +108,24 @@ def write_real_size_checkpoint(out: Path) -> Path:
 
 
 def load(model_dir: Path, load_format: str, device: torch.device, dtype: torch.dtype):
-    """(ours, diffusers') on one set of modules: diffusers' DiT holds our DiT's parameter tensors."""
+    """(ours, diffusers') on one set of modules; diffusers' `LTX2VideoTransformer3DModel` has our native DiT's
+    weights (the parameter names are the same). Both start eager."""
+    from dataclasses import asdict
+
     from diffusers import LTX2Pipeline as RefPipeline
     from diffusers import LTX2VideoTransformer3DModel
 
     from vllm_omni.diffusion.data import OmniDiffusionConfig
     from vllm_omni.models.ltx2.pipeline import LTX2Pipeline
 
-    ours = LTX2Pipeline.from_pretrained(
-        OmniDiffusionConfig(model=str(model_dir), load_format=load_format), model_dir, device, dtype
-    )
-    with torch.device("meta"):
-        dit = LTX2VideoTransformer3DModel.from_config(ours.transformer.config)
-    dit.load_state_dict(ours.transformer.state_dict(), assign=True)
+    od_config = OmniDiffusionConfig(model=str(model_dir), load_format=load_format, enforce_eager=True)
+    ours = LTX2Pipeline.from_pretrained(od_config, model_dir, device, dtype)
+    if load_format == "dummy":  # the random weights exist only in our modules: share their tensors
+        with torch.device("meta"):
+            dit = LTX2VideoTransformer3DModel.from_config(asdict(ours.transformer.config))
+        dit.load_state_dict(ours.transformer.state_dict(), assign=True, strict=True)
+    else:  # a checkpoint (the CPU smoke run, where vLLM repacks our linears' weights for oneDNN): load it again
+        dit = LTX2VideoTransformer3DModel.from_pretrained(model_dir / "transformer", torch_dtype=dtype).to(device)
     dit.eval()
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -295,8 +300,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ours, ref = load(write_real_size_checkpoint(Path(tmp)), "dummy", device, dtype)
         variants = ["eager"] + (["compiled"] if args.compile else [])
         for variant in variants:
-            if variant == "compiled":
-                ours.transformer.compile_repeated_blocks()
+            if variant == "compiled":  # ours as a server runs it (compiled blocks, no CUDA graph), diffusers'
+                from vllm_omni.diffusion.layers.compile import accelerate_transformer
+
+                accelerate_transformer(ours.transformer, cuda_graphs=False)
                 ref.transformer.compile_repeated_blocks()
             step = bench_step(ours, ref, kwargs, device, args.warmup, args.iters)
             bench_pipeline(ours, ref, {**kwargs, "num_inference_steps": 1}, device)  # warm-up

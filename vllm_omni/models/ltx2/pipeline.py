@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from vllm_omni.diffusion.request import OmniDiffusionRequest
     from vllm_omni.diffusion.step_context import StepContext
     from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-    from vllm_omni.models.ltx2.transformer import LTX2Transformer
+    from vllm_omni.models.ltx2.transformer import LTX2VideoTransformer3DModel
 
 logger = init_logger(__name__)
 
@@ -148,7 +148,7 @@ class LTX2Pipeline(NativeDiffusionPipeline):
         tokenizer: Any,
         text_encoder: nn.Module,
         connectors: nn.Module,
-        transformer: LTX2Transformer,
+        transformer: LTX2VideoTransformer3DModel,
         vae: nn.Module,
         audio_vae: nn.Module,
         vocoder: nn.Module,
@@ -187,8 +187,9 @@ class LTX2Pipeline(NativeDiffusionPipeline):
         from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
         from transformers import AutoTokenizer, Gemma3ForConditionalGeneration
 
+        from vllm_omni.diffusion.model_loader.components import load_native_transformer
         from vllm_omni.diffusion.model_loader.dummy import load_pretrained
-        from vllm_omni.models.ltx2.transformer import LTX2Transformer
+        from vllm_omni.models.ltx2.transformer import LTX2VideoTransformer3DModel
 
         fmt = od_config.load_format
 
@@ -203,7 +204,10 @@ class LTX2Pipeline(NativeDiffusionPipeline):
             tokenizer=tokenizer,
             text_encoder=load(Gemma3ForConditionalGeneration, "text_encoder"),
             connectors=load(LTX2TextConnectors, "connectors"),
-            transformer=load(LTX2Transformer, "transformer"),
+            # Compiled blocks only: at video lengths the forward is GPU-bound (as Wan's).
+            transformer=load_native_transformer(
+                LTX2VideoTransformer3DModel, model_dir, "transformer", od_config, device, dtype, cuda_graphs=False
+            ),
             vae=load(AutoencoderKLLTX2Video, "vae"),
             audio_vae=load(AutoencoderKLLTX2Audio, "audio_vae"),
             vocoder=load(LTX2Vocoder, "vocoder"),

@@ -24,17 +24,14 @@ from diffusers.models.embeddings import (
 )
 from diffusers.models.normalization import FP32LayerNorm
 from torch import nn
-from vllm.distributed import (
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
-    tensor_model_parallel_all_reduce,
-)
+from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.cache.state import BlockCache
 from vllm_omni.diffusion.distributed.sequence import gather_sequence, shard_sequence
+from vllm_omni.diffusion.layers.norm import HeadShardedRMSNorm
 from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
 
 # diffusers name -> ours (substring replacements; diffusers keeps Dropout/activation slots in its ModuleLists).
@@ -45,12 +42,6 @@ def _rename(name: str) -> str:
     for old, new in _WEIGHT_RENAMES:
         name = name.replace(old, new)
     return name
-
-
-def _head_sharded_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
-    """Load this TP rank's slice (dim 0) of a per-head vector."""
-    size = param.shape[0]
-    param.data.copy_(loaded_weight.narrow(0, get_tensor_model_parallel_rank() * size, size))
 
 
 @dataclass(frozen=True)
@@ -95,25 +86,6 @@ class WanTransformerConfig:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-class _HeadShardedRMSNorm(nn.Module):
-    """RMSNorm over all heads (Wan's `rms_norm_across_heads`) while each TP rank holds a slice of them."""
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.tp_size = get_tensor_model_parallel_world_size()
-        self.hidden_size = hidden_size
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size // self.tp_size))
-        self.weight.weight_loader = _head_sharded_loader
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        square_sum = x.float().pow(2).sum(dim=-1, keepdim=True)
-        if self.tp_size > 1:
-            square_sum = tensor_model_parallel_all_reduce(square_sum)
-        x = x.float() * torch.rsqrt(square_sum / self.hidden_size + self.eps)
-        return (x * self.weight.float()).to(self.weight.dtype)
-
-
 class WanAttention(nn.Module):
     """Self- or cross-attention; `added_kv_proj_dim` adds the I2V image-token branch."""
 
@@ -127,8 +99,8 @@ class WanAttention(nn.Module):
         self.to_k = ColumnParallelLinear(dim, inner, bias=True, gather_output=False, prefix=f"{prefix}.to_k")
         self.to_v = ColumnParallelLinear(dim, inner, bias=True, gather_output=False, prefix=f"{prefix}.to_v")
         self.to_out = RowParallelLinear(inner, dim, bias=True, input_is_parallel=True, prefix=f"{prefix}.to_out")
-        self.norm_q = _HeadShardedRMSNorm(inner, eps)
-        self.norm_k = _HeadShardedRMSNorm(inner, eps)
+        self.norm_q = HeadShardedRMSNorm(inner, eps)
+        self.norm_k = HeadShardedRMSNorm(inner, eps)
         self.num_local_heads = num_heads // get_tensor_model_parallel_world_size()
         self.attn = Attention(self.num_local_heads, head_dim, prefix=f"{prefix}.attn", attn_config=attn_config,
                               cross_attention=cross_attention)
@@ -138,7 +110,7 @@ class WanAttention(nn.Module):
                                                    prefix=f"{prefix}.add_k_proj")
             self.add_v_proj = ColumnParallelLinear(added_kv_proj_dim, inner, bias=True, gather_output=False,
                                                    prefix=f"{prefix}.add_v_proj")
-            self.norm_added_k = _HeadShardedRMSNorm(inner, eps)
+            self.norm_added_k = HeadShardedRMSNorm(inner, eps)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (self.num_local_heads, self.head_dim))
