@@ -79,6 +79,21 @@ def test_pipeline_quantizes_the_large_gemms_only(dist_world):
     assert images[0].std() > 1.0 and 10 * np.log10(255.0**2 / mse) >= 25.0
 
 
+def test_ltx2_input_and_output_projections_stay_in_the_stage_dtype(dist_world):
+    """LTX-2's patchify / unpatchify projections of both streams are this model's input embedding and final
+    projection: they are kept like Qwen-Image's img_in / proj_out, the blocks' GEMMs are quantized."""
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    from vllm_omni.diffusion.layers.fp8 import apply_online_fp8
+
+    model = torch.nn.Module()
+    for name in ("proj_in", "audio_proj_in", "proj_out", "audio_proj_out"):
+        setattr(model, name, ReplicatedLinear(64, 64, bias=True, prefix=name))
+    model.block = torch.nn.Module()
+    model.block.ff = ReplicatedLinear(64, 64, bias=True, prefix="block.ff")
+    assert apply_online_fp8(model, torch.device("cpu")) == ["block.ff"]
+
+
 def test_hardware_without_fp8_is_refused(monkeypatch):
     check_fp8_supported(torch.device("cpu"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))

@@ -28,12 +28,15 @@ DEFAULT_FP8_IGNORED_LAYERS = (
     "*embed*",
     "img_in",
     "txt_in",
+    "proj_in",
+    "audio_proj_in",
     "x_embedder",
     "context_embedder",
     "*_mod.*",
     "*norm*",
     "*time*",
     "proj_out",
+    "audio_proj_out",
 )
 """Module-name patterns kept in the stage dtype by default (see the module docstring)."""
 _ALIGN = 16
