@@ -179,4 +179,3 @@ def accelerate_vae_if_requested(pipeline: Any, od_config: OmniDiffusionConfig) -
         return False
     accelerate_decoder(pipeline.vae)
     return True
-
