@@ -242,8 +242,9 @@ def test_warm_up_runs_each_bucket_then_warns_on_serving_compiles(dist_world, qwe
 
 @pytest.mark.cuda
 def test_default_serve_config_is_compiled_on_cuda_and_warmed_up(dist_world, qwen_image_dir):
-    """No flags on CUDA: the model runner loads the compiled path and warms up before it returns; a request of
-    a warmed signature then neither compiles nor captures, one of a new size does (and is counted)."""
+    """No flags on CUDA: the model runner loads the compiled path (DiT and VAE decoder) and warms up before it
+    returns; a request of a warmed signature then neither compiles nor captures, one of a new size does (and is
+    counted)."""
     from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
 
     od_config = _default_od_config("--max-num-seqs", "2", "--diffusion-warmup-shapes", "64x64")
@@ -251,9 +252,11 @@ def test_default_serve_config_is_compiled_on_cuda_and_warmed_up(dist_world, qwen
     od_config.model = str(qwen_image_dir)
     runner = DiffusionModelRunner(od_config, torch.device("cuda", torch.cuda.current_device()))
     runner.load_model()
-    (forward,) = accelerated_forwards(runner.pipeline)
-    assert isinstance(forward, AcceleratedForward) and forward.serving
+    forward, decoder = runner.pipeline.transformer.forward, runner.pipeline.vae.decoder.forward
+    assert set(accelerated_forwards(runner.pipeline)) == {forward, decoder}  # the DiT's, the VAE decoder's
+    assert isinstance(forward, AcceleratedForward) and forward.serving and decoder.serving
     assert forward.compiles >= 1 and forward.captures >= 2  # batch 1 and batch 2
+    assert decoder.compiles >= 1 and decoder.captures == 0  # compiled by the warm-up's decodes, no CUDA graph
     warmed = _warmup_request((64, 64), 0).prompt
     with torch.inference_mode():
         (out,) = runner.pipeline.forward(DiffusionRequestBatch([_request(warmed, height=64, width=64)]))
@@ -261,7 +264,7 @@ def test_default_serve_config_is_compiled_on_cuda_and_warmed_up(dist_world, qwen
         guided = {"prompt": warmed, "negative_prompt": "blurry"}  # true CFG (negative rows): warmed as well
         (out,) = runner.pipeline.forward(DiffusionRequestBatch([_request(guided, height=64, width=64)]))
         assert out.error is None, out.error
-        assert (forward.serving_compiles, forward.serving_captures) == (0, 0)
+        assert (forward.serving_compiles, forward.serving_captures, decoder.serving_compiles) == (0, 0, 0)
         (out,) = runner.pipeline.forward(DiffusionRequestBatch([_request(warmed, height=32, width=32)]))
     assert out.error is None, out.error
     assert forward.serving_captures >= 1

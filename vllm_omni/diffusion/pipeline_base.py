@@ -66,6 +66,10 @@ class NativeDiffusionPipeline(nn.Module):
     """The step executor drives `prepare` / `denoise_step` / `finish` itself; a family whose loop needs more
     than these hooks (e.g. an override of `denoise`) sets it False."""
     progress_desc: ClassVar[str] = "denoise"
+    compile_vae_decoder: ClassVar[bool] = False
+    """On the compiled path, `self.vae`'s decoder runs compiled with channels_last convolutions
+    (`layers/compile.py` `accelerate_decoder`); a family sets it once its decoder traces whole
+    (tests/diffusion/layers/test_compile_decoder.py)."""
     lora_loader: ClassVar[str | None] = None
     """The family's diffusers LoRA loader mixin (`diffusers.loaders.<name>`), whose `lora_state_dict` reads and
     converts adapter files; None = the family takes no `lora`."""

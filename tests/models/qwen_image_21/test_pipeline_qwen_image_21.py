@@ -248,3 +248,24 @@ def test_lossless_is_bitwise_uncached_and_high_reuses_steps(ours, qwen_image_21_
         ours, cached, lambda **params: request(PROMPTS[0], 5, num_inference_steps=5, **params)
     )
     assert psnr(high.output[0] * 255, plain.output[0] * 255) > 15.0
+
+
+@pytest.mark.cuda
+def test_accelerated_pipeline_matches_eager_on_cuda(qwen_image_21_dir):
+    """enforce_eager=False on CUDA (compiled blocks, CUDA graphs, the VAE decoder compiled as the model runner sets
+    it), true CFG against a shorter negative prompt (rows of two prefix lengths, each attending over its view of
+    the key buffer): the eager pipeline's image."""
+    from vllm_omni.diffusion.layers.compile import accelerate_vae_if_requested
+    from vllm_omni.models.qwen_image_21.pipeline import QwenImage21Pipeline
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    pipes = []
+    for eager in (True, False):
+        config = OmniDiffusionConfig(model=str(qwen_image_21_dir), enforce_eager=eager)
+        pipe = QwenImage21Pipeline.from_pretrained(config, qwen_image_21_dir, device, torch.bfloat16)
+        assert accelerate_vae_if_requested(pipe, config) is not eager
+        pipes.append(pipe)
+    cfg = request(PROMPTS[1], 7, negative="blurry", true_cfg_scale=4.0, output_type="pil")
+    eager, fast = (run(pipe, cfg) for pipe in pipes)
+    assert psnr(fast.output[0], eager.output[0]) >= 40
+    assert 1 <= len(pipes[1].transformer.forward.runner.graphs) <= 2

@@ -147,6 +147,20 @@ def configure_compile_cache(od_config: OmniDiffusionConfig) -> str:
     return path
 
 
+def accelerate_decoder(vae: nn.Module, **compile_kwargs: Any) -> None:
+    """The compiled path's VAE decode, lossless: the decoder's convolution weights in channels_last (cuDNN's
+    native layout, so no NCHW <-> NHWC transpose runs around each convolution; skipped for 3-D convolutions) and
+    its forward compiled whole (Inductor fuses the norms, activations and residual adds between convolutions).
+    The forward is an `AcceleratedForward`, so the start-up warm-up's generations compile it (their decodes) and a
+    compile while serving (a new size or batch) logs a WARNING as the DiT's do."""
+    decoder = vae.decoder
+    if all(p.dim() < 5 for p in decoder.parameters()):
+        decoder.to(memory_format=torch.channels_last)
+    # dynamic=None: a second batch size or image size compiles once more with symbolic sizes, then never again.
+    options = {"dynamic": None, **compile_kwargs}
+    decoder.forward = AcceleratedForward(torch.compile(decoder.forward, **options), None)
+
+
 def accelerate_if_requested(model: nn.Module, od_config: OmniDiffusionConfig, device: torch.device, *,
                             cuda_graphs: bool = True) -> None:
     """`accelerate_transformer` when the stage runs compiled (`enforce_eager` False, the default on CUDA) and
@@ -154,3 +168,14 @@ def accelerate_if_requested(model: nn.Module, od_config: OmniDiffusionConfig, de
     if not od_config.enforce_eager and device.type == "cuda":
         configure_compile_cache(od_config)
         accelerate_transformer(model, cuda_graphs=cuda_graphs)
+
+
+def accelerate_vae_if_requested(pipeline: Any, od_config: OmniDiffusionConfig) -> bool:
+    """`accelerate_decoder` on `pipeline.vae` when its DiT runs the compiled path (never eager, never on the CPU),
+    the family declares its decoder compilable (`compile_vae_decoder`) and the VAE stays on the device (not
+    `--enable-cpu-offload`, which moves it between decodes); whether it did."""
+    if not getattr(pipeline, "compile_vae_decoder", False) or od_config.enable_cpu_offload \
+            or not accelerated_forwards(pipeline):
+        return False
+    accelerate_decoder(pipeline.vae)
+    return True

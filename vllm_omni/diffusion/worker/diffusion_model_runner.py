@@ -18,7 +18,7 @@ from vllm_omni.catalog.registry import MODEL_REGISTRY
 from vllm_omni.catalog.resolution import resolve_model_dir, resolve_pipeline_class_name
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.rank_errors import RanksDesynchronized, agree_on_failures
-from vllm_omni.diffusion.layers.compile import compile_stats
+from vllm_omni.diffusion.layers.compile import accelerate_vae_if_requested, compile_stats
 from vllm_omni.diffusion.offload.components import apply_cpu_offload
 from vllm_omni.diffusion.step_context import PartialSink, StepContext
 from vllm_omni.diffusion.warmup import MeasuredPeak, warm_up
@@ -67,6 +67,7 @@ class DiffusionModelRunner:
         self.pipeline = cls.from_pretrained(self.od_config, model_dir, self.device, self.dtype)
         if self.od_config.enable_cpu_offload:
             apply_cpu_offload(self.pipeline, self.device)
+        accelerate_vae_if_requested(self.pipeline, self.od_config)  # compiled by the warm-up's decodes
         loaded = time.perf_counter()
         logger.info(
             "[diffusion rank %d] loaded %s as %s on %s (%s) in %.2f s",

@@ -33,6 +33,7 @@ from vllm_omni.diffusion.ipc import StepPlan, StepResult
 from vllm_omni.diffusion.layers.compile import compile_stats
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.step_context import PartialSink, StepContext
+from vllm_omni.diffusion.timing import synchronized_now
 from vllm_omni.errors import RequestAbortedError
 from vllm_omni.logger import init_logger
 
@@ -140,7 +141,9 @@ class StepWorker:
         for resident in finishing:
             rid = resident.request.request_id
             resident.ctx.step_index = resident.ctx.timestep = None
-            start = time.perf_counter()
+            # Its last steps may still be queued on the device: they belong to the denoise, not to the decode
+            # (the cost model's decode estimate read ~3x request mode's when this clock started before them).
+            start = synchronized_now(resident.state.latents.device)
             resident.state.durations["denoise"] = start - resident.denoise_start
             outputs = self._guarded(resident, lambda r=resident: self._pipeline().finish(r.state, r.ctx))
             if outputs is not None:

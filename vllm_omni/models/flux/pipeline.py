@@ -122,6 +122,7 @@ class FluxStepInput:
 
 class FluxPipeline(NativeDiffusionPipeline):
     progress_desc: ClassVar[str] = "FLUX denoise"
+    compile_vae_decoder: ClassVar[bool] = True
     lora_loader: ClassVar[str | None] = "FluxLoraLoaderMixin"
 
     def __init__(self, *, od_config: OmniDiffusionConfig, transformer: FluxTransformer2DModel, text_encoder,

@@ -103,6 +103,7 @@ class Flux2StepInput:
 
 class Flux2KleinPipeline(NativeDiffusionPipeline):
     progress_desc: ClassVar[str] = "FLUX.2 klein denoise"
+    compile_vae_decoder: ClassVar[bool] = True
 
     def __init__(
         self,

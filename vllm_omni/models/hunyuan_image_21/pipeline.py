@@ -188,6 +188,7 @@ class HunyuanImageStepInput:
 
 class HunyuanImagePipeline(NativeDiffusionPipeline):
     progress_desc: ClassVar[str] = "HunyuanImage-2.1 denoise"
+    compile_vae_decoder: ClassVar[bool] = True
 
     def __init__(
         self,

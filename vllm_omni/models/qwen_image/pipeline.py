@@ -98,6 +98,7 @@ class QwenStepInput:
 
 class QwenImagePipeline(NativeDiffusionPipeline):
     progress_desc: ClassVar[str] = "Qwen-Image denoise"
+    compile_vae_decoder: ClassVar[bool] = True
     lora_loader: ClassVar[str | None] = "QwenImageLoraLoaderMixin"
     prompt_template: ClassVar[str] = (
         "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "

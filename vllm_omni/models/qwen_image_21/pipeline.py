@@ -99,6 +99,7 @@ class QwenImage21StepInput:
 
 class QwenImage21Pipeline(NativeDiffusionPipeline):
     progress_desc: ClassVar[str] = "Qwen-Image-2.1 denoise"
+    compile_vae_decoder: ClassVar[bool] = True
     lora_loader: ClassVar[str | None] = "QwenImageLoraLoaderMixin"
 
     def __init__(

@@ -30,7 +30,6 @@ from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.cache.state import BlockCache
 from vllm_omni.diffusion.distributed.parallel_state import sequence_parallel_size
-from vllm_omni.diffusion.layers.cuda_graph import device_ints
 from vllm_omni.diffusion.layers.embeddings import timestep_sinusoid
 from vllm_omni.diffusion.model_loader.weight_utils import load_mapped_weights
 
@@ -79,17 +78,21 @@ def prefix_attention(
     prefix_v: torch.Tensor,
     prefix_lengths: tuple[int, ...],
 ) -> torch.Tensor:
-    """Row b's queries attend over [its first `prefix_lengths[b]` prefix K/V, its own K/V]."""
-    lengths = sorted(set(prefix_lengths))
-    if len(lengths) == 1:
-        n = lengths[0]
-        return attn(q, torch.cat([prefix_k[:, :n], k], dim=1), torch.cat([prefix_v[:, :n], v], dim=1))
+    """Row b's queries attend over [its first `prefix_lengths[b]` prefix K/V, its own K/V]. Rows of one length: one
+    attention over the batch. Otherwise (CFG's negative prompt, co-batched requests) one key and one value buffer
+    hold each row's prefix right-aligned before its own tokens, so every row attends over a view of them: one
+    copy of the step's K/V in all, where gathering the rows of each length copied q, k and v twice more."""
+    longest = max(prefix_lengths)
+    if min(prefix_lengths) == longest:
+        return attn(q, torch.cat([prefix_k[:, :longest], k], dim=1), torch.cat([prefix_v[:, :longest], v], dim=1))
+    keys = k.new_empty(k.shape[0], longest + k.shape[1], *k.shape[2:])
+    values = torch.empty_like(keys)
+    keys[:, longest:], values[:, longest:] = k, v
     out = torch.empty_like(q)
-    for n in lengths:
-        idx = device_ints([b for b, m in enumerate(prefix_lengths) if m == n], q.device)
-        keys = torch.cat([prefix_k[idx, :n], k[idx]], dim=1)
-        values = torch.cat([prefix_v[idx, :n], v[idx]], dim=1)
-        out[idx] = attn(q[idx], keys, values)
+    for b, n in enumerate(prefix_lengths):
+        start = longest - n
+        keys[b, start:longest], values[b, start:longest] = prefix_k[b, :n], prefix_v[b, :n]
+        out[b : b + 1] = attn(q[b : b + 1], keys[b : b + 1, start:], values[b : b + 1, start:])
     return out
 
 

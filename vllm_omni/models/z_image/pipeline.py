@@ -73,6 +73,7 @@ class ZImageStepInput:
 
 class ZImagePipeline(NativeDiffusionPipeline):
     progress_desc: ClassVar[str] = "Z-Image denoise"
+    compile_vae_decoder: ClassVar[bool] = True
 
     def __init__(
         self,

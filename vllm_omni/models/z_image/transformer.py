@@ -73,10 +73,8 @@ def prefix_attention(
     if lengths is None or all(n == q.shape[1] for n in lengths):
         return attn(q, k, v, joint_len=q.shape[1] - image_len)
     out = torch.zeros_like(q)
-    for n in sorted(set(lengths)):
-        rows = [b for b, m in enumerate(lengths) if m == n]
-        idx = device_ints(rows, q.device)
-        out[idx, :n] = attn(q[idx, :n], k[idx, :n], v[idx, :n], joint_len=n - image_len)
+    for b, n in enumerate(lengths):  # views of the row's real tokens: no gathered copies of q, k, v
+        out[b : b + 1, :n] = attn(q[b : b + 1, :n], k[b : b + 1, :n], v[b : b + 1, :n], joint_len=n - image_len)
     return out
 
 
