@@ -41,13 +41,18 @@ class CFG:
 
 
 class Conditioning(Protocol):
-    """A family's per-group transformer inputs besides latents and timestep (text embeddings, ...).
+    """A family's per-group transformer inputs besides latents and timestep (text embeddings, ...); a family's
+    conditioning dataclass subclasses it.
 
     Fields per prompt hold one row per transformer row: the latent rows' prompts, then (`cfg`) the unconditional
     rows' negative prompts."""
 
     cfg: CFG | None
     """The group's classifier-free guidance; None: one transformer row per latent row."""
+
+    @property
+    def do_cfg(self) -> bool:
+        return self.cfg is not None
 
     def select(self, rows: torch.Tensor, text_rows: torch.Tensor) -> Self:
         """The conditioning of the latent rows `rows` only (indices into the current latent rows, in order);

@@ -23,7 +23,7 @@ from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
 from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.state import CFG, DenoiseState
+from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.logger import init_logger
 from vllm_omni.models.flux.cache import PRESETS
 from vllm_omni.models.flux.transformer import FluxTransformer2DModel
@@ -65,7 +65,7 @@ def latent_image_ids(h2: int, w2: int) -> torch.Tensor:
 
 
 @dataclass
-class FluxConditioning:
+class FluxConditioning(Conditioning):
     """What the transformer rows of one group are conditioned on besides latents and timestep.
 
     Rows: one per latent row, then one per latent row in `cfg.uncond` (the negative prompt of a true-CFG

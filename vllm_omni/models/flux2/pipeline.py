@@ -29,7 +29,7 @@ from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
 from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.state import CFG, DenoiseState
+from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.errors import OmniClientError
 from vllm_omni.models.flux2.cache import PRESETS
 from vllm_omni.models.flux2.transformer import Flux2Transformer2DModel
@@ -65,7 +65,7 @@ def grid_ids(h: int, w: int, t: int = 0) -> torch.Tensor:
 
 
 @dataclass
-class Flux2Conditioning:
+class Flux2Conditioning(Conditioning):
     """Text rows: one per latent row, then (CFG) one negative per latent row in the same order."""
 
     embeds: torch.Tensor

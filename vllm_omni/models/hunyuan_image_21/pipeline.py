@@ -36,7 +36,7 @@ from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
 from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.state import CFG, DenoiseState
+from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.errors import OmniClientError
 from vllm_omni.models.hunyuan_image_21.cache import PRESETS
 from vllm_omni.models.hunyuan_image_21.transformer import HunyuanImageTransformer2DModel
@@ -138,7 +138,7 @@ class MixGuidance:
 
 
 @dataclass
-class HunyuanImageConditioning:
+class HunyuanImageConditioning(Conditioning):
     """Text rows: one per latent row, then (CFG) one negative per latent row in the same order."""
 
     embeds: torch.Tensor

@@ -34,7 +34,7 @@ from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
-from vllm_omni.diffusion.state import CFG, DenoiseState
+from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.diffusion.timing import elapsed_since, synchronized_now
 from vllm_omni.diffusion.video_utils import to_uint8_frames
 from vllm_omni.errors import OmniClientError
@@ -77,7 +77,7 @@ class LTX2Geometry:
 
 
 @dataclass
-class LTX2Conditioning:
+class LTX2Conditioning(Conditioning):
     geometry: LTX2Geometry
     video_embeds: torch.Tensor
     """Connector tokens for the video stream: one row per latent row, then (CFG) the negatives in that order."""

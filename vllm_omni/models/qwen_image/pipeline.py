@@ -25,7 +25,7 @@ from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.distributed.vae_patch import patch_parallel_decode, vae_patch_group
 from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, pad_text, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.state import CFG, DenoiseState
+from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.models.qwen_image.cache import PRESETS
@@ -55,7 +55,7 @@ class Geometry:
 
 
 @dataclass
-class QwenConditioning:
+class QwenConditioning(Conditioning):
     """What the transformer rows of one group are conditioned on besides latents and timestep."""
 
     prompt: PromptEmbeds

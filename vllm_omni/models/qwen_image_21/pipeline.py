@@ -30,7 +30,7 @@ from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
 from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.state import CFG, DenoiseState
+from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.errors import OmniClientError
 from vllm_omni.models.qwen_image_21.cache import PRESETS
 from vllm_omni.models.qwen_image_21.transformer import QwenImage21Transformer2DModel
@@ -62,7 +62,7 @@ def condition_size(width: int, height: int) -> tuple[int, int]:
 
 
 @dataclass
-class QwenImage21Conditioning:
+class QwenImage21Conditioning(Conditioning):
     """Prefix rows: one per latent row, then (CFG) one negative per latent row in the same order."""
 
     prefix_kv: torch.Tensor

@@ -28,7 +28,7 @@ from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.distributed.vae_patch import vae_patch_group
 from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
-from vllm_omni.diffusion.state import CFG, DenoiseState
+from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.diffusion.timing import elapsed_since, synchronized_now
 from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, to_uint8_frames
 from vllm_omni.errors import OmniClientError
@@ -65,7 +65,7 @@ class WanGeometry:
 
 
 @dataclass
-class WanConditioning:
+class WanConditioning(Conditioning):
     """What the DiT rows of one group are conditioned on besides latents and timestep."""
 
     geometry: WanGeometry

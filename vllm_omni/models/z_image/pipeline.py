@@ -24,7 +24,7 @@ from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
 from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.state import CFG, DenoiseState
+from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.errors import OmniClientError
 from vllm_omni.models.z_image.cache import PRESETS
 from vllm_omni.models.z_image.transformer import ZImageTransformer2DModel, padded
@@ -41,7 +41,7 @@ DEFAULT_MAX_SEQUENCE_LENGTH = 512
 
 
 @dataclass
-class ZImageConditioning:
+class ZImageConditioning(Conditioning):
     """Text rows: one per latent row, then (CFG) one negative per latent row in the same order."""
 
     embeds: torch.Tensor
