@@ -551,6 +551,16 @@ def concat_rows(inputs: list[Any]) -> Any:
     return dataclasses.replace(inputs[0], **changes)
 
 
+def prompt_rows(requests: list[OmniDiffusionRequest], cfg: CFG | None, default: str = ""
+                ) -> list[tuple[str, int]]:
+    """(text, request index) of a group's prompt rows in the order its per-prompt fields hold them: every
+    request's prompt, then under CFG every request's negative prompt (`default` where it has none)."""
+    rows = [(r.prompt_text, i) for i, r in enumerate(requests)]
+    if cfg is not None:
+        rows += [(default if r.negative_prompt is None else r.negative_prompt, i) for i, r in enumerate(requests)]
+    return rows
+
+
 def pad_text(embeds: torch.Tensor, lengths: tuple[int, ...], buckets: list[int]
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(embeds zero-padded along dim 1 to the next of `buckets`, the (rows, bucket) bool mask of each row's

@@ -27,7 +27,7 @@ from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
-from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
+from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, prompt_rows, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.errors import OmniClientError
@@ -216,14 +216,14 @@ class Flux2KleinPipeline(NativeDiffusionPipeline):
         sp = requests[0].sampling_params
         n = sp.num_outputs_per_prompt
         guidance = self.default_guidance if sp.guidance_scale is None else sp.guidance_scale
-        do_cfg = not self.is_distilled and not self.transformer.guidance_embeds and guidance > 1
-        texts = [r.prompt_text for r in requests] + ([r.negative_prompt or "" for r in requests] if do_cfg else [])
+        guided = not self.is_distilled and not self.transformer.guidance_embeds and guidance > 1
+        cfg = CFG(guidance) if guided else None
+        texts = [text for text, _ in prompt_rows(requests, cfg)]
         embeds = self.encode_texts(texts, sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH)
         factor = self.vae_scale_factor * 2
         refs = [self.reference_images(r) for r in requests]
         first = refs[0][0].shape[2:] if refs[0] else (DEFAULT_SIZE, DEFAULT_SIZE)
         lh, lw = ((size or default) // factor for size, default in zip((sp.height, sp.width), first, strict=True))
-        cfg = CFG(guidance) if do_cfg else None
         cond = Flux2Conditioning(embeds.repeat_interleave(n, dim=0), cfg, guidance, lh, lw)
         if refs[0]:
             cond.ref_grids = tuple((image.shape[2] // factor, image.shape[3] // factor) for image in refs[0])

@@ -34,7 +34,7 @@ from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
-from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
+from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, prompt_rows, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.errors import OmniClientError
@@ -301,7 +301,8 @@ class HunyuanImagePipeline(NativeDiffusionPipeline):
         sp = requests[0].sampling_params
         n = sp.num_outputs_per_prompt
         guider = self.request_guider(requests[0])
-        texts = [r.prompt_text for r in requests] + ([r.negative_prompt or "" for r in requests] if guider else [])
+        cfg = CFG(guider.guidance_scale) if guider else None
+        texts = [text for text, _ in prompt_rows(requests, cfg)]
         embeds, lengths = self.encode_texts(texts)
         glyph, glyph_lengths = self.encode_glyphs(texts)
         lengths = tuple(m for m in lengths for _ in range(n))
@@ -312,7 +313,7 @@ class HunyuanImagePipeline(NativeDiffusionPipeline):
                   for size in (sp.height, sp.width))
         distilled = (DISTILLED_GUIDANCE if sp.guidance_scale is None else sp.guidance_scale) if self.distilled else None
         return HunyuanImageConditioning(embeds.repeat_interleave(n, dim=0), lengths, glyph, glyph_lengths, guider,
-                                        CFG(guider.guidance_scale) if guider else None, distilled, (lh, lw))
+                                        cfg, distilled, (lh, lw))
 
     def prepare_latents(self, requests: list[OmniDiffusionRequest],
                         conditioning: HunyuanImageConditioning) -> torch.Tensor:

@@ -33,7 +33,7 @@ from torch import nn
 from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
-from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
+from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, prompt_rows, rows
 from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.diffusion.timing import elapsed_since, synchronized_now
 from vllm_omni.diffusion.video_utils import to_uint8_frames
@@ -240,11 +240,9 @@ class LTX2Pipeline(NativeDiffusionPipeline):
         sp = requests[0].sampling_params
         geometry = self.resolve_geometry(sp)
         guidance = DEFAULT_GUIDANCE_SCALE if sp.guidance_scale is None else float(sp.guidance_scale)
-        do_cfg = guidance > 1.0
-        prompts = [r.prompt_text for r in requests]
-        negatives = [r.negative_prompt or "" for r in requests] if do_cfg else []
+        cfg = CFG(guidance) if guidance > 1.0 else None
         video, audio, mask = self.encode_texts(
-            prompts + negatives, sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
+            [text for text, _ in prompt_rows(requests, cfg)], sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
         )
         per = sp.num_outputs_per_prompt
         first_frame = None
@@ -257,7 +255,7 @@ class LTX2Pipeline(NativeDiffusionPipeline):
             video.repeat_interleave(per, 0),
             audio.repeat_interleave(per, 0),
             mask.repeat_interleave(per, 0),
-            CFG(guidance) if do_cfg else None,
+            cfg,
             first_frame,
         )
 

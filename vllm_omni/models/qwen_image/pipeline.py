@@ -23,7 +23,7 @@ from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.distributed.vae_patch import patch_parallel_decode, vae_patch_group
-from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, pad_text, rows
+from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, pad_text, prompt_rows, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.errors import OmniClientError
@@ -170,7 +170,7 @@ class QwenImagePipeline(NativeDiffusionPipeline):
         sp = requests[0].sampling_params
         geometry = self.resolve_geometry(sp)
         cfg = self.true_cfg(requests[0])
-        texts = [r.prompt_text for r in requests] + ([r.negative_prompt for r in requests] if cfg else [])
+        texts = [text for text, _ in prompt_rows(requests, cfg)]
         max_len = sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
         prompt = self.encode_texts(texts, max_len, sp.num_outputs_per_prompt)
         return QwenConditioning(prompt, geometry, cfg)

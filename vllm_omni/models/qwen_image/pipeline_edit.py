@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from vllm_omni.diffusion.pipeline_base import prompt_rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.state import DenoiseState
 from vllm_omni.diffusion.step_context import StepContext
@@ -79,9 +80,10 @@ class QwenImageEditPipeline(QwenImagePipeline):
         multiple = self.vae_scale_factor * 2
         geometry.img_shapes.append((1, cond_h // multiple, cond_w // multiple))
         cfg = self.true_cfg(requests[0])
-        texts = [r.prompt_text for r in requests] + ([r.negative_prompt for r in requests] if cfg else [])
+        rows = prompt_rows(requests, cfg)
         # Edit prompts are not truncated to max_sequence_length (as in diffusers).
-        prompt = self.encode_texts(texts, None, sp.num_outputs_per_prompt, images=images + (images if cfg else []))
+        prompt = self.encode_texts([text for text, _ in rows], None, sp.num_outputs_per_prompt,
+                                   images=[images[i] for _, i in rows])
         return QwenConditioning(prompt, geometry, cfg)
 
     def prepare(self, requests: list[OmniDiffusionRequest], ctx: StepContext) -> DenoiseState:

@@ -28,7 +28,7 @@ from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
-from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
+from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, prompt_rows, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.errors import OmniClientError
@@ -225,18 +225,16 @@ class QwenImage21Pipeline(NativeDiffusionPipeline):
         K/V at every layer, once for all steps: each prefix alone, at its own length."""
         sp = requests[0].sampling_params
         n = sp.num_outputs_per_prompt
-        do_cfg = (sp.true_cfg_scale or 1.0) > 1
+        cfg = CFG(sp.true_cfg_scale) if (sp.true_cfg_scale or 1.0) > 1 else None
         images = [self.condition_images(r) for r in requests]
-        rows = [(r.prompt_text, i) for i, r in enumerate(requests)]
-        rows += [(r.negative_prompt, i) for i, r in enumerate(requests)] if do_cfg else []
-        prefixes = [self.encode_prefix(text, *images[i]) for text, i in rows]
+        prefixes = [self.encode_prefix(text, *images[i]) for text, i in prompt_rows(requests, cfg)]
         lengths = tuple(kv.shape[3] for kv, _ in prefixes for _ in range(n))
         kv = prefixes[0][0].new_zeros(len(lengths), *prefixes[0][0].shape[1:3], max(lengths), *prefixes[0][0].shape[4:])
         for i, (row, _) in enumerate(prefixes):
             kv[i * n : (i + 1) * n, :, :, : row.shape[3]] = row
         frames = tuple(frame for _, frame in prefixes for _ in range(n))
         grid = self.resolve_grid(sp, self.input_images(requests[0]))
-        return QwenImage21Conditioning(kv, lengths, frames, CFG(sp.true_cfg_scale) if do_cfg else None, grid)
+        return QwenImage21Conditioning(kv, lengths, frames, cfg, grid)
 
     def condition_images(self, request: OmniDiffusionRequest) -> tuple[list[Any], list[tuple[torch.Tensor, int, int]]]:
         """The request's condition images at their condition size, for the text encoder (RGB, alpha over white),

@@ -27,7 +27,7 @@ from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.distributed.vae_patch import vae_patch_group
-from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
+from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, prompt_rows, rows
 from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.diffusion.timing import elapsed_since, synchronized_now
 from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, to_uint8_frames
@@ -203,12 +203,11 @@ class WanPipeline(NativeDiffusionPipeline):
         sp = requests[0].sampling_params
         geometry = self.resolve_geometry(sp)
         guidance, guidance_2, boundary = self.resolve_guidance(sp)
-        do_cfg = guidance > 1.0  # diffusers decides CFG on the first expert's scale only
+        cfg = CFG(guidance) if guidance > 1.0 else None  # diffusers decides CFG on the first expert's scale only
         max_len = sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
-        prompts = [r.prompt_text for r in requests]
-        negatives = [r.negative_prompt or "" for r in requests] if do_cfg else []
-        embeds = self.encode_texts(prompts + negatives, max_len).repeat_interleave(sp.num_outputs_per_prompt, dim=0)
-        return WanConditioning(geometry, embeds, CFG(guidance) if do_cfg else None, guidance_2, boundary)
+        texts = [text for text, _ in prompt_rows(requests, cfg)]
+        embeds = self.encode_texts(texts, max_len).repeat_interleave(sp.num_outputs_per_prompt, dim=0)
+        return WanConditioning(geometry, embeds, cfg, guidance_2, boundary)
 
     def prepare_latents(self, requests: list[OmniDiffusionRequest], conditioning: WanConditioning) -> torch.Tensor:
         """Noise per request from its own CPU generator, the same draw diffusers makes for that seed."""

@@ -22,7 +22,7 @@ from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
-from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
+from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, prompt_rows, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.errors import OmniClientError
@@ -162,13 +162,12 @@ class ZImagePipeline(NativeDiffusionPipeline):
         sp = requests[0].sampling_params
         n = sp.num_outputs_per_prompt
         guidance = DEFAULT_GUIDANCE if sp.guidance_scale is None else sp.guidance_scale
-        do_cfg = guidance > 0
-        texts = [r.prompt_text for r in requests] + ([r.negative_prompt or "" for r in requests] if do_cfg else [])
+        cfg = CFG(guidance) if guidance > 0 else None
+        texts = [text for text, _ in prompt_rows(requests, cfg)]
         embeds, lengths = self.encode_texts(texts, sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH)
         lengths = tuple(m for m in lengths for _ in range(n))
         factor = self.vae_scale_factor * 2
         lh, lw = (2 * ((size or DEFAULT_SIZE) // factor) for size in (sp.height, sp.width))
-        cfg = CFG(guidance) if do_cfg else None
         return ZImageConditioning(embeds.repeat_interleave(n, dim=0), lengths, cfg, lh, lw)
 
     def prepare_latents(self, requests: list[OmniDiffusionRequest], conditioning: ZImageConditioning) -> torch.Tensor:
