@@ -52,6 +52,7 @@ class Conditioning(Protocol):
 
     @property
     def do_cfg(self) -> bool:
+        """Whether the group runs unconditional rows (at some steps)."""
         return self.cfg is not None
 
     def select(self, rows: torch.Tensor, text_rows: torch.Tensor) -> Self:

@@ -350,9 +350,10 @@ class HunyuanImagePipeline(NativeDiffusionPipeline):
 
     def step_cfg(self, state: DenoiseState) -> CFG | None:
         """CFG at the steps where the guider runs it (diffusers' `_is_cfg_enabled`)."""
-        guider = state.conditioning.guider
-        return state.conditioning.cfg if guider is not None and guider.cfg_at(state.step_index,
-                                                                             len(state.timesteps)) else None
+        cond = state.conditioning
+        if cond.guider is None or not cond.guider.cfg_at(state.step_index, len(state.timesteps)):
+            return None
+        return cond.cfg
 
     def step_inputs(self, state: DenoiseState) -> HunyuanImageStepInput:
         """The latent rows with their prompts (the negatives' under CFG); this step's timestep (and the next one
