@@ -15,16 +15,18 @@ A family overrides named hooks (`group_key`, `check_inputs`, `encode_prompt`, `p
 none on the pipeline, so that the worker's step executor (`vllm_omni/diffusion/worker/step_runner.py`) can
 advance many states one step at a time.
 
-A step's prediction is `guide(state, forward_step_inputs([step_inputs(state)])[0])`: the state's transformer
+A step's prediction is `guide(state, forward_step_inputs([cfg_step_inputs(state)])[0])`: the state's transformer
 rows at its own step, one transformer forward, its own guidance. The step executor runs states with equal
 `step_group_key`s through `denoise_step_batch`, which concatenates their rows into ONE forward and splits the
 prediction back, so co-batched and solo steps share every line of arithmetic but the batching.
 
 The execution strategy is the skeleton's, not the family's: a family's step input is a dataclass whose
 row-wise fields are declared with `rows()`, and `transformer_forward` maps one (possibly merged) input onto its
-transformer's signature. `forward_step_inputs` then concatenates co-batched states' rows, or under CFG
-parallel keeps this rank's branch and gathers the other's, and every transformer call goes through the cache
-(`cache/runtime.call_transformer_rows`).
+transformer's signature. The family gives its latent rows only, plus its prompt fields (`rows(text=True)`) for
+every transformer row; under classifier-free guidance (`conditioning.cfg`) `cfg_step_inputs` appends the
+unconditional rows and `guide` combines the two branches (`combine_cfg`). `forward_step_inputs` then
+concatenates co-batched states' rows, or under CFG parallel keeps this rank's branch and gathers the other's,
+and every transformer call goes through the cache (`cache/runtime.call_transformer_rows`).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from vllm_omni.diffusion.layers.compile import accelerated_forwards
 from vllm_omni.diffusion.lora import LoRACapacityError, LoRAManager, RowAdapters
 from vllm_omni.diffusion.previews import emit_previews
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.state import Conditioning, DenoiseState
+from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.timing import elapsed_since, synchronized_now
 from vllm_omni.diffusion.warmup import TEXT_BUCKETS, batch_buckets, step_bucket
@@ -179,7 +181,7 @@ class NativeDiffusionPipeline(nn.Module):
         for i, (state, ctx) in enumerate(zip(states, ctxs, strict=True)):
             _enter_step(state, ctx)
             try:
-                inputs[i] = self.step_inputs(state)
+                inputs[i] = self.cfg_step_inputs(state)
             except Exception as exc:
                 errors[i] = exc
         live = list(inputs)
@@ -299,7 +301,7 @@ class NativeDiffusionPipeline(nn.Module):
 
     def predict_noise(self, state: DenoiseState) -> torch.Tensor:
         """The guided prediction for `state.latents` at `state.step_index` (one transformer forward with CFG)."""
-        return self.guide(state, self.forward_step_inputs([self.step_inputs(state)], [state])[0])
+        return self.guide(state, self.forward_step_inputs([self.cfg_step_inputs(state)], [state])[0])
 
     def forward_group_key(self, state: DenoiseState) -> Hashable | None:
         """What the step executor groups by: the family's `step_group_key`, and None (alone) while the state's
@@ -315,12 +317,52 @@ class NativeDiffusionPipeline(nn.Module):
 
     def step_tokens(self, state: DenoiseState) -> int:
         """Tokens this state's step adds to a forward: transformer rows (CFG included) x sequence length."""
-        return state.latents.shape[0]
+        return self.transformer_rows(state)
 
     def step_inputs(self, state: DenoiseState) -> Any:
-        """The transformer inputs of this state's rows (CFG rows included) at its own step (its timestep, its
-        row of the step tables)."""
+        """The transformer inputs of this state's latent rows at its own step (its timestep, its row of the step
+        tables); fields declared `rows(text=True)` hold every transformer row (the prompts, then under CFG the
+        negative prompts), as the conditioning keeps them."""
         raise NotImplementedError
+
+    # ---- classifier-free guidance ----------------------------------------------------------------------------
+
+    def step_cfg(self, state: DenoiseState) -> CFG | None:
+        """The guidance of this state's step: its conditioning's, or None (no unconditional rows). A family whose
+        guidance is off at some steps (HunyuanImage's guider) overrides it."""
+        return state.conditioning.cfg
+
+    def transformer_rows(self, state: DenoiseState) -> int:
+        """Transformer rows of this state's step: its latent rows, plus their unconditional rows under CFG."""
+        num_latent, cfg = state.latents.shape[0], self.step_cfg(state)
+        return num_latent + (0 if cfg is None else cfg.num_uncond(num_latent))
+
+    def cfg_step_inputs(self, state: DenoiseState) -> Any:
+        """`step_inputs` with the unconditional rows: each per-latent-row field followed by its unconditional
+        rows' entries; prompt fields cut to the latent rows at a step without CFG."""
+        return with_uncond_rows(self.step_inputs(state), state.latents.shape[0], self.step_cfg(state))
+
+    def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
+        """This state's guided prediction from its raw prediction rows: each latent row with an unconditional
+        row combined with it (`combine_cfg`), the others as they are."""
+        cfg = self.step_cfg(state)
+        if cfg is None:
+            return pred
+        num_latent = state.latents.shape[0]
+        cond, uncond = pred[:num_latent], pred[num_latent:]
+        if cfg.uncond is None:
+            return self.combine_cfg(state, cond, uncond)
+        return cond.index_copy(0, cfg.uncond, self.combine_cfg(state, cond.index_select(0, cfg.uncond), uncond))
+
+    def cfg_scale(self, state: DenoiseState) -> float:
+        """The guidance scale of this state's step: its conditioning's (a family with a scale per expert or per
+        step overrides it)."""
+        return state.conditioning.cfg.scale
+
+    def combine_cfg(self, state: DenoiseState, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
+        """The guided prediction of conditional rows `cond` and their unconditional rows `uncond`: diffusers'
+        `uncond + scale * (cond - uncond)`. A family overrides it only where its guidance differs."""
+        return uncond + self.cfg_scale(state) * (cond - uncond)
 
     def forward_step_inputs(self, inputs: list[Any], states: list[DenoiseState]) -> list[torch.Tensor]:
         """ONE transformer forward over the rows of all `inputs` (their `rows()` fields concatenated, padded to
@@ -380,11 +422,14 @@ class NativeDiffusionPipeline(nn.Module):
             for ref in refs:
                 self.lora_manager.load(ref)
 
-    def transformer_row_sources(self, state: DenoiseState, num_rows: int) -> list[int]:
-        """The latent row each of `state`'s `num_rows` transformer rows denoises: the positive rows, then (CFG)
-        the same rows again. A family whose negative rows are a subset overrides it."""
-        latent_rows = state.latents.shape[0]
-        return [i % latent_rows for i in range(num_rows)]
+    def transformer_row_sources(self, state: DenoiseState) -> list[int]:
+        """The latent row each of `state`'s transformer rows denoises: the latent rows, then (CFG) those with an
+        unconditional row."""
+        num_latent, cfg = state.latents.shape[0], self.step_cfg(state)
+        sources = list(range(num_latent))
+        if cfg is not None:
+            sources += sources if cfg.uncond is None else cfg.uncond.tolist()
+        return sources
 
     def _lora_rows(self, inputs: list[Any], states: list[DenoiseState], keep: slice | None = None
                    ) -> contextlib.AbstractContextManager[None]:
@@ -398,11 +443,11 @@ class NativeDiffusionPipeline(nn.Module):
                                     "(--max-loras)")
         rows: list[RowAdapters] = []
         padded = states + [states[-1]] * (len(inputs) - len(states))  # compiled path: repeated inputs
-        for inp, state in zip(inputs, padded, strict=True):
+        for state in padded:
             per_request = [tuple((manager.load(ref), ref.scale) for ref in parse_lora(r.sampling_params.lora))
                            for r in state.requests]
             per = state.outputs_per_request
-            rows += [per_request[src // per] for src in self.transformer_row_sources(state, step_rows(inp))]
+            rows += [per_request[src // per] for src in self.transformer_row_sources(state)]
         if keep is not None:
             rows = rows[keep]
         if not any(rows):
@@ -414,10 +459,6 @@ class NativeDiffusionPipeline(nn.Module):
         rows merged): `call(slot, *args, **kwargs)` runs the pipeline's transformer named `slot` through the
         cache; the family passes its fields in its transformer's signature."""
         raise NotImplementedError
-
-    def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
-        """This state's guided prediction from its raw prediction rows (CFG combination, its own scale)."""
-        return pred
 
     def scheduler_step(self, state: DenoiseState, noise_pred: torch.Tensor) -> torch.Tensor:
         t = state.timesteps[state.step_index]
@@ -436,14 +477,18 @@ class RowInput:
     """The row axis."""
     pad: int | None = None
     """An axis zero-padded to the longest when states are concatenated (per-row text lengths)."""
+    text: bool = False
+    """One entry per transformer row, the unconditional rows' included (prompt embeddings: the negative prompts'
+    rows follow); otherwise one per latent row, and CFG repeats the entries of the rows it guides."""
+    shared: bool = False
+    """One entry for all the state's rows (a step's table row): CFG leaves it, concatenation expands it."""
 
 
-def rows(dim: int = 0, pad: int | None = None) -> Any:
-    """Declares a step-input dataclass field row-wise: a tensor with one entry per transformer row along `dim`
-    (one entry stands for every row, as in broadcasting), or a tuple with one item per row. None (an optional
-    input that is absent) stays None. Fields not declared are the same for every row and taken from the first
-    input."""
-    return field(metadata={"rows": RowInput(dim, pad)})
+def rows(dim: int = 0, pad: int | None = None, *, text: bool = False, shared: bool = False) -> Any:
+    """Declares a step-input dataclass field row-wise: a tensor with one entry per row along `dim` (one entry
+    stands for every row, as in broadcasting), or a tuple with one item per row. None (an optional input that
+    is absent) stays None. Fields not declared are the same for every row and taken from the first input."""
+    return field(metadata={"rows": RowInput(dim, pad, text, shared)})
 
 
 def _row_fields(inp: Any) -> list[tuple[str, RowInput]]:
@@ -455,6 +500,26 @@ def step_rows(inp: Any) -> int:
     name, spec = _row_fields(inp)[0]
     value = getattr(inp, name)
     return len(value) if isinstance(value, tuple) else value.shape[spec.dim]
+
+
+def with_uncond_rows(inp: Any, num_latent: int, cfg: CFG | None) -> Any:
+    """Step input `inp` of `num_latent` latent rows, in place, with the unconditional rows of `cfg` appended:
+    per-latent-row fields repeat the guided rows' entries; prompt fields (`text`) already hold them, and are cut
+    to the latent rows when `cfg` is None (a step without CFG)."""
+    for name, spec in _row_fields(inp):
+        value = getattr(inp, name)
+        if value is None or spec.shared:
+            continue
+        if spec.text:
+            if cfg is None:
+                setattr(inp, name, value[:num_latent] if isinstance(value, tuple)
+                        else value.narrow(spec.dim, 0, num_latent))
+        elif cfg is not None and isinstance(value, tuple):
+            setattr(inp, name, value + (value if cfg.uncond is None else tuple(value[i] for i in cfg.uncond.tolist())))
+        elif cfg is not None and value.shape[spec.dim] == num_latent:  # else one entry standing for every row
+            uncond = value if cfg.uncond is None else value.index_select(spec.dim, cfg.uncond)
+            setattr(inp, name, torch.cat([value, uncond], dim=spec.dim))
+    return inp
 
 
 def select_rows(inp: Any, keep: slice) -> Any:
@@ -488,6 +553,16 @@ def concat_rows(inputs: list[Any]) -> Any:
                       for v, n in zip(values, counts, strict=True)]
             changes[name] = torch.cat(values, dim=spec.dim)
     return dataclasses.replace(inputs[0], **changes)
+
+
+def prompt_rows(requests: list[OmniDiffusionRequest], cfg: CFG | None, default: str = ""
+                ) -> list[tuple[str, int]]:
+    """(text, request index) of a group's prompt rows in the order its per-prompt fields hold them: every
+    request's prompt, then under CFG every request's negative prompt (`default` where it has none)."""
+    rows = [(r.prompt_text, i) for i, r in enumerate(requests)]
+    if cfg is not None:
+        rows += [(default if r.negative_prompt is None else r.negative_prompt, i) for i, r in enumerate(requests)]
+    return rows
 
 
 def pad_text(embeds: torch.Tensor, lengths: tuple[int, ...], buckets: list[int]

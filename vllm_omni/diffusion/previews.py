@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_omni.diffusion.state import DenoiseState, select_conditioning
+
 if TYPE_CHECKING:
-    from vllm_omni.diffusion.state import DenoiseState
     from vllm_omni.diffusion.step_context import StepContext
 
 
@@ -40,7 +41,7 @@ def emit_previews(decode: Callable[[DenoiseState], Sequence[Any]], state: Denois
         preview = copy.copy(state)
         preview.requests = [request]
         preview.latents = _clean_estimate(state, latents_before, noise_pred).index_select(0, rows)
-        preview.conditioning = state.conditioning.select(rows)
+        preview.conditioning = select_conditioning(state.conditioning, rows, state.latents.shape[0])
         images = list(decode(preview))
         ctx.emit_partial(request.request_id, "partial_image", {"images": images, "index": steps.index(
             state.step_index)})

@@ -3,7 +3,7 @@ pipeline skeleton so the cache, previews and the step executor read it without i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, Self
 
 import torch
@@ -12,11 +12,53 @@ from vllm_omni.diffusion.cache.state import CacheState
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 
 
-class Conditioning(Protocol):
-    """A family's per-group transformer inputs besides latents and timestep (text embeddings, CFG rows, ...)."""
+@dataclass(frozen=True)
+class CFG:
+    """A group's classifier-free guidance: its scale, and which latent rows have an unconditional transformer row.
 
-    def select(self, rows: torch.Tensor) -> Self:
-        """The conditioning of the latent rows `rows` only (indices into the current latent rows, in order)."""
+    The transformer rows of a guided step are the latent rows, then one unconditional row per latent row in
+    `uncond` (all of them when None), in that order; the skeleton builds and combines them
+    (`NativeDiffusionPipeline.cfg_step_inputs` / `guide`)."""
+
+    scale: float
+    uncond: torch.Tensor | None = None
+    """Latent rows that have an unconditional row, in the order of those rows (e.g. FLUX's true CFG only for the
+    requests with a negative prompt); None: every latent row."""
+
+    def num_uncond(self, num_latent: int) -> int:
+        return num_latent if self.uncond is None else len(self.uncond)
+
+    def select(self, rows: torch.Tensor, num_latent: int) -> tuple[CFG | None, torch.Tensor]:
+        """(the guidance of latent rows `rows` only, None when none of them keeps an unconditional row; the
+        transformer rows they keep: `rows`, then their unconditional rows)."""
+        if self.uncond is None:
+            return self, torch.cat([rows, rows + num_latent])
+        position = torch.full((num_latent,), -1, dtype=torch.long, device=rows.device)
+        position[rows] = torch.arange(len(rows), device=rows.device)
+        kept = (position[self.uncond] >= 0).nonzero().flatten()
+        cfg = replace(self, uncond=position[self.uncond.index_select(0, kept)]) if len(kept) else None
+        return cfg, torch.cat([rows, num_latent + kept])
+
+
+class Conditioning(Protocol):
+    """A family's per-group transformer inputs besides latents and timestep (text embeddings, ...); a family's
+    conditioning dataclass subclasses it.
+
+    Fields per prompt hold one row per transformer row: the latent rows' prompts, then (`cfg`) the unconditional
+    rows' negative prompts."""
+
+    cfg: CFG | None
+    """The group's classifier-free guidance; None: one transformer row per latent row."""
+
+    @property
+    def do_cfg(self) -> bool:
+        """Whether the group runs unconditional rows (at some steps)."""
+        return self.cfg is not None
+
+    def select(self, rows: torch.Tensor, text_rows: torch.Tensor) -> Self:
+        """The conditioning of the latent rows `rows` only (indices into the current latent rows, in order);
+        a field per prompt keeps `text_rows` (those rows, then their unconditional rows). The skeleton sets
+        `cfg` of the result."""
         ...
 
 
@@ -69,9 +111,17 @@ class DenoiseState:
             return
         per = self.outputs_per_request
         rows = torch.tensor([i * per + j for i in keep for j in range(per)], device=self.latents.device)
+        self.conditioning = select_conditioning(self.conditioning, rows, self.latents.shape[0])
         self.latents = self.latents.index_select(0, rows)
-        self.conditioning = self.conditioning.select(rows)
         _select_scheduler_rows(self.scheduler, rows)
+
+
+def select_conditioning(conditioning: Conditioning, rows: torch.Tensor, num_latent: int) -> Conditioning:
+    """The conditioning of latent rows `rows` (of `num_latent`) only, with their unconditional rows and guidance."""
+    cfg, text_rows = (None, rows) if conditioning.cfg is None else conditioning.cfg.select(rows, num_latent)
+    selected = conditioning.select(rows, text_rows)
+    selected.cfg = cfg
+    return selected
 
 
 _SCHEDULER_ROW_STATE = ("model_outputs", "last_sample")

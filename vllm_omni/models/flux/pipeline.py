@@ -23,7 +23,7 @@ from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
 from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.state import DenoiseState
+from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.logger import init_logger
 from vllm_omni.models.flux.cache import PRESETS
 from vllm_omni.models.flux.transformer import FluxTransformer2DModel
@@ -65,17 +65,17 @@ def latent_image_ids(h2: int, w2: int) -> torch.Tensor:
 
 
 @dataclass
-class FluxConditioning:
+class FluxConditioning(Conditioning):
     """What the transformer rows of one group are conditioned on besides latents and timestep.
 
-    Rows: one per latent row, then one per entry of `neg_rows` (the negative prompt of a true-CFG request's row).
+    Rows: one per latent row, then one per latent row in `cfg.uncond` (the negative prompt of a true-CFG
+    request's row).
     """
 
     embeds: torch.Tensor
     pooled: torch.Tensor
-    neg_rows: torch.Tensor
-    """Latent rows that have a negative prompt (true CFG), in the order of their negative rows."""
-    true_cfg: float
+    cfg: CFG | None
+    """True CFG over the latent rows whose request has a negative prompt; None: no request has one."""
     lh: int
     lw: int
     """Latent grid (height, width) before packing."""
@@ -86,17 +86,11 @@ class FluxConditioning:
     modulation: Any = None
     """Every step's adaLN parameters, per transformer row (`FluxTransformer2DModel.step_modulation`)."""
 
-    def select(self, rows: torch.Tensor) -> FluxConditioning:
+    def select(self, rows: torch.Tensor, text_rows: torch.Tensor) -> FluxConditioning:
         """Keeps latent rows `rows` and their negatives; the rotary embedding is shared by all rows."""
-        num_rows = self.embeds.shape[0] - len(self.neg_rows)
-        position = torch.full((num_rows,), -1, dtype=torch.long, device=rows.device)
-        position[rows] = torch.arange(len(rows), device=rows.device)
-        kept_neg = (position[self.neg_rows] >= 0).nonzero().flatten()
-        text_rows = torch.cat([rows, num_rows + kept_neg])
         double, single, final = self.modulation
         return replace(self, embeds=self.embeds.index_select(0, text_rows),
                        pooled=self.pooled.index_select(0, text_rows),
-                       neg_rows=position[self.neg_rows.index_select(0, kept_neg)],
                        guidance=None if self.guidance is None else self.guidance.index_select(0, text_rows),
                        step_timesteps=self.step_timesteps.index_select(1, text_rows),
                        modulation=(double.index_select(3, text_rows), single.index_select(2, text_rows),
@@ -108,13 +102,13 @@ class FluxStepInput:
     """One state's transformer rows at its step (`FluxPipeline.step_inputs`): one entry per row each."""
 
     x: torch.Tensor = rows()
-    embeds: torch.Tensor = rows()
-    pooled: torch.Tensor = rows()
-    timestep: torch.Tensor = rows()
-    guidance: torch.Tensor | None = rows()
-    double_modulation: torch.Tensor = rows(dim=2)
-    single_modulation: torch.Tensor = rows(dim=1)
-    final_modulation: torch.Tensor = rows()
+    embeds: torch.Tensor = rows(text=True)
+    pooled: torch.Tensor = rows(text=True)
+    timestep: torch.Tensor = rows(text=True)
+    guidance: torch.Tensor | None = rows(text=True)
+    double_modulation: torch.Tensor = rows(dim=2, text=True)
+    single_modulation: torch.Tensor = rows(dim=1, text=True)
+    final_modulation: torch.Tensor = rows(text=True)
     """This step's adaLN parameters per row (`FluxTransformer2DModel.step_slice`)."""
     rotary_emb: Any
     """The same for all rows (same grid and text length)."""
@@ -187,9 +181,10 @@ class FluxPipeline(NativeDiffusionPipeline):
         embeds, pooled = self.encode_texts(prompts, sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH)
         neg_rows = torch.tensor([i * n + j for i in cfg_requests for j in range(n)], device=self.device,
                                 dtype=torch.long)
+        cfg = CFG(true_cfg, uncond=neg_rows) if len(neg_rows) else None
         # Latent grid: VAE downsampling, then rounded down to even so 2x2 patches tile it (as diffusers does).
-        return FluxConditioning(embeds.repeat_interleave(n, dim=0), pooled.repeat_interleave(n, dim=0), neg_rows,
-                                true_cfg, 2 * (height // (self.vae_scale_factor * 2)),
+        return FluxConditioning(embeds.repeat_interleave(n, dim=0), pooled.repeat_interleave(n, dim=0), cfg,
+                                2 * (height // (self.vae_scale_factor * 2)),
                                 2 * (width // (self.vae_scale_factor * 2)))
 
     def prepare_latents(self, requests: list[OmniDiffusionRequest], conditioning: FluxConditioning
@@ -243,10 +238,10 @@ class FluxPipeline(NativeDiffusionPipeline):
         return cond.embeds.shape[0] * (state.latents.shape[1] + cond.embeds.shape[1])
 
     def step_inputs(self, state: DenoiseState) -> FluxStepInput:
-        """Positive rows, then the negatives of the true-CFG rows; this step's timesteps and adaLN rows."""
+        """The latent rows; this step's timesteps and adaLN rows of every transformer row (the true-CFG rows'
+        negatives included)."""
         cond, latents, i = state.conditioning, state.latents, state.step_index
-        x = torch.cat([latents, latents.index_select(0, cond.neg_rows)]) if len(cond.neg_rows) else latents
-        return FluxStepInput(x, cond.embeds, cond.pooled, cond.step_timesteps[i], cond.guidance,
+        return FluxStepInput(latents, cond.embeds, cond.pooled, cond.step_timesteps[i], cond.guidance,
                              *self.transformer.step_slice(cond.modulation, i), cond.rotary_emb)
 
     def transformer_forward(self, inp: FluxStepInput, call: Callable[..., Any]) -> torch.Tensor:
@@ -255,18 +250,6 @@ class FluxPipeline(NativeDiffusionPipeline):
         return call("transformer", inp.x, inp.embeds, inp.pooled, inp.timestep, guidance=inp.guidance,
                     rotary_emb=inp.rotary_emb,
                     modulation=(inp.double_modulation, inp.single_modulation, inp.final_modulation))
-
-    def transformer_row_sources(self, state: DenoiseState, num_rows: int) -> list[int]:
-        """Every latent row, then the rows whose request has a negative prompt (`neg_rows`)."""
-        return list(range(state.latents.shape[0])) + state.conditioning.neg_rows.tolist()
-
-    def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
-        cond, rows = state.conditioning, state.latents.shape[0]
-        if not len(cond.neg_rows):
-            return pred
-        pred, neg = pred[:rows], pred[rows:]
-        pos = pred.index_select(0, cond.neg_rows)
-        return pred.index_copy(0, cond.neg_rows, neg + cond.true_cfg * (pos - neg))
 
     def decode(self, state: DenoiseState) -> list[Any]:
         if state.requests[0].sampling_params.output_type == "latent":

@@ -27,9 +27,9 @@ from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
-from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
+from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, prompt_rows, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.state import DenoiseState
+from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.errors import OmniClientError
 from vllm_omni.models.flux2.cache import PRESETS
 from vllm_omni.models.flux2.transformer import Flux2Transformer2DModel
@@ -65,12 +65,13 @@ def grid_ids(h: int, w: int, t: int = 0) -> torch.Tensor:
 
 
 @dataclass
-class Flux2Conditioning:
+class Flux2Conditioning(Conditioning):
     """Text rows: one per latent row, then (CFG) one negative per latent row in the same order."""
 
     embeds: torch.Tensor
-    do_cfg: bool
+    cfg: CFG | None
     guidance: float
+    """The embedded guidance of a guidance-distilled transformer (FLUX.2 [dev])."""
     lh: int
     lw: int
     """Packed latent grid (2 x 2 VAE-latent patches)."""
@@ -80,9 +81,7 @@ class Flux2Conditioning:
     """Each reference image's packed latent grid."""
     rotary_emb: Any = None
 
-    def select(self, rows: torch.Tensor) -> Flux2Conditioning:
-        num_rows = self.embeds.shape[0] // (2 if self.do_cfg else 1)
-        text_rows = torch.cat([rows, rows + num_rows]) if self.do_cfg else rows
+    def select(self, rows: torch.Tensor, text_rows: torch.Tensor) -> Flux2Conditioning:
         ref = None if self.ref_latents is None else self.ref_latents.index_select(0, rows)
         return replace(self, embeds=self.embeds.index_select(0, text_rows), ref_latents=ref)
 
@@ -90,7 +89,7 @@ class Flux2Conditioning:
 @dataclass
 class Flux2StepInput:
     x: torch.Tensor = rows()
-    embeds: torch.Tensor = rows()
+    embeds: torch.Tensor = rows(text=True)
     timestep: torch.Tensor = rows()
     """(rows,) in [0, 1]."""
     guidance: torch.Tensor | None = rows()
@@ -218,14 +217,15 @@ class Flux2KleinPipeline(NativeDiffusionPipeline):
         sp = requests[0].sampling_params
         n = sp.num_outputs_per_prompt
         guidance = self.default_guidance if sp.guidance_scale is None else sp.guidance_scale
-        do_cfg = not self.is_distilled and not self.transformer.guidance_embeds and guidance > 1
-        texts = [r.prompt_text for r in requests] + ([r.negative_prompt or "" for r in requests] if do_cfg else [])
+        guided = not self.is_distilled and not self.transformer.guidance_embeds and guidance > 1
+        cfg = CFG(guidance) if guided else None
+        texts = [text for text, _ in prompt_rows(requests, cfg)]
         embeds = self.encode_texts(texts, sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH)
         factor = self.vae_scale_factor * 2
         refs = [self.reference_images(r) for r in requests]
         first = refs[0][0].shape[2:] if refs[0] else (DEFAULT_SIZE, DEFAULT_SIZE)
         lh, lw = ((size or default) // factor for size, default in zip((sp.height, sp.width), first, strict=True))
-        cond = Flux2Conditioning(embeds.repeat_interleave(n, dim=0), do_cfg, guidance, lh, lw)
+        cond = Flux2Conditioning(embeds.repeat_interleave(n, dim=0), cfg, guidance, lh, lw)
         if refs[0]:
             cond.ref_grids = tuple((image.shape[2] // factor, image.shape[3] // factor) for image in refs[0])
             cond.ref_latents = torch.cat([self.encode_references(images) for images in refs]).repeat_interleave(n, 0)
@@ -301,22 +301,14 @@ class Flux2KleinPipeline(NativeDiffusionPipeline):
         cond, latents = state.conditioning, state.latents.to(self.dtype)
         if cond.ref_latents is not None:
             latents = torch.cat([latents, cond.ref_latents], dim=1)
-        x = torch.cat([latents, latents]) if cond.do_cfg else latents
-        t = state.timesteps[state.step_index].expand(x.shape[0]).to(state.latents.dtype) / 1000
+        t = state.timesteps[state.step_index].expand(latents.shape[0]).to(state.latents.dtype) / 1000
         guidance = torch.full_like(t, cond.guidance, dtype=torch.float32) if self.transformer.guidance_embeds else None
-        return Flux2StepInput(x, cond.embeds, t, guidance, cond.rotary_emb, state.latents.shape[1])
+        return Flux2StepInput(latents, cond.embeds, t, guidance, cond.rotary_emb, state.latents.shape[1])
 
     def transformer_forward(self, inp: Flux2StepInput, call: Callable[..., Any]) -> torch.Tensor:
         return call("transformer", inp.x, inp.embeds, inp.timestep, guidance=inp.guidance, rotary_emb=inp.rotary_emb)[
             :, : inp.img_len
         ]
-
-    def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
-        cond, rows = state.conditioning, state.latents.shape[0]
-        if not cond.do_cfg:
-            return pred
-        pos, neg = pred[:rows], pred[rows:]
-        return neg + cond.guidance * (pos - neg)
 
     def decode(self, state: DenoiseState) -> Any:
         cond = state.conditioning

@@ -34,9 +34,9 @@ from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
-from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
+from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, prompt_rows, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.state import DenoiseState
+from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.errors import OmniClientError
 from vllm_omni.models.hunyuan_image_21.cache import PRESETS
 from vllm_omni.models.hunyuan_image_21.transformer import HunyuanImageTransformer2DModel
@@ -138,7 +138,7 @@ class MixGuidance:
 
 
 @dataclass
-class HunyuanImageConditioning:
+class HunyuanImageConditioning(Conditioning):
     """Text rows: one per latent row, then (CFG) one negative per latent row in the same order."""
 
     embeds: torch.Tensor
@@ -149,19 +149,15 @@ class HunyuanImageConditioning:
     glyph_lengths: tuple[int, ...]
     guider: MixGuidance | None
     """None: no CFG (the distilled model, or guidance off)."""
+    cfg: CFG | None
+    """The guider's CFG scale; on at the steps the guider runs CFG (`HunyuanImagePipeline.step_cfg`)."""
     distilled_guidance: float | None
     grid: tuple[int, int]
     """Latent grid (height, width)."""
     momentum: torch.Tensor | None = None
     """The APG momentum running average of the latent rows (None: zero, before the first CFG step)."""
 
-    @property
-    def do_cfg(self) -> bool:
-        return self.guider is not None
-
-    def select(self, rows: torch.Tensor) -> HunyuanImageConditioning:
-        num_rows = self.embeds.shape[0] // (2 if self.do_cfg else 1)
-        text_rows = torch.cat([rows, rows + num_rows]) if self.do_cfg else rows
+    def select(self, rows: torch.Tensor, text_rows: torch.Tensor) -> HunyuanImageConditioning:
         keep = text_rows.tolist()
         lengths = tuple(self.lengths[i] for i in keep)
         glyph_lengths = tuple(self.glyph_lengths[i] for i in keep)
@@ -178,10 +174,10 @@ class HunyuanImageStepInput:
     x: torch.Tensor = rows()
     timestep: torch.Tensor = rows()
     """(rows,) raw timesteps (0..1000) in the model's dtype, as diffusers passes them."""
-    embeds: torch.Tensor = rows(pad=1)
-    lengths: tuple[int, ...] = rows()
-    glyph: torch.Tensor | None = rows(pad=1)
-    glyph_lengths: tuple[int, ...] = rows()
+    embeds: torch.Tensor = rows(pad=1, text=True)
+    lengths: tuple[int, ...] = rows(text=True)
+    glyph: torch.Tensor | None = rows(pad=1, text=True)
+    glyph_lengths: tuple[int, ...] = rows(text=True)
     timestep_r: torch.Tensor | None = rows()
     guidance: torch.Tensor | None = rows()
 
@@ -306,7 +302,8 @@ class HunyuanImagePipeline(NativeDiffusionPipeline):
         sp = requests[0].sampling_params
         n = sp.num_outputs_per_prompt
         guider = self.request_guider(requests[0])
-        texts = [r.prompt_text for r in requests] + ([r.negative_prompt or "" for r in requests] if guider else [])
+        cfg = CFG(guider.guidance_scale) if guider else None
+        texts = [text for text, _ in prompt_rows(requests, cfg)]
         embeds, lengths = self.encode_texts(texts)
         glyph, glyph_lengths = self.encode_glyphs(texts)
         lengths = tuple(m for m in lengths for _ in range(n))
@@ -317,7 +314,7 @@ class HunyuanImagePipeline(NativeDiffusionPipeline):
                   for size in (sp.height, sp.width))
         distilled = (DISTILLED_GUIDANCE if sp.guidance_scale is None else sp.guidance_scale) if self.distilled else None
         return HunyuanImageConditioning(embeds.repeat_interleave(n, dim=0), lengths, glyph, glyph_lengths, guider,
-                                        distilled, (lh, lw))
+                                        cfg, distilled, (lh, lw))
 
     def prepare_latents(self, requests: list[OmniDiffusionRequest],
                         conditioning: HunyuanImageConditioning) -> torch.Tensor:
@@ -350,21 +347,20 @@ class HunyuanImagePipeline(NativeDiffusionPipeline):
         cond = state.conditioning
         h, w = cond.grid
         text = cond.embeds.shape[1] + (0 if cond.glyph is None else cond.glyph.shape[1])
-        return self._num_rows(state) * (h * w + text)
+        return self.transformer_rows(state) * (h * w + text)
 
-    def _cfg_now(self, state: DenoiseState) -> bool:
-        guider = state.conditioning.guider
-        return guider is not None and guider.cfg_at(state.step_index, len(state.timesteps))
-
-    def _num_rows(self, state: DenoiseState) -> int:
-        return state.latents.shape[0] * (2 if self._cfg_now(state) else 1)
+    def step_cfg(self, state: DenoiseState) -> CFG | None:
+        """CFG at the steps where the guider runs it (diffusers' `_is_cfg_enabled`)."""
+        cond = state.conditioning
+        if cond.guider is None or not cond.guider.cfg_at(state.step_index, len(state.timesteps)):
+            return None
+        return cond.cfg
 
     def step_inputs(self, state: DenoiseState) -> HunyuanImageStepInput:
-        """Positive rows, then (CFG at this step) the same latents with the negative prompts; this step's
-        timestep (and the next one for MeanFlow, the embedded guidance for the distilled model)."""
-        cond, latents = state.conditioning, state.latents
-        num_rows = self._num_rows(state)
-        x = torch.cat([latents, latents]) if num_rows > latents.shape[0] else latents
+        """The latent rows with their prompts (the negatives' under CFG); this step's timestep (and the next one
+        for MeanFlow, the embedded guidance for the distilled model)."""
+        cond, x = state.conditioning, state.latents
+        num_rows = x.shape[0]
         i = state.step_index
         t = state.timesteps[i].expand(num_rows).to(self.dtype)
         timestep_r = None
@@ -374,21 +370,19 @@ class HunyuanImagePipeline(NativeDiffusionPipeline):
         guidance = None
         if cond.distilled_guidance is not None:
             guidance = torch.full((num_rows,), cond.distilled_guidance, dtype=self.dtype, device=x.device) * 1000.0
-        glyph = None if cond.glyph is None else cond.glyph[:num_rows]
-        return HunyuanImageStepInput(x, t, cond.embeds[:num_rows], cond.lengths[:num_rows], glyph,
-                                     cond.glyph_lengths[:num_rows], timestep_r, guidance)
+        return HunyuanImageStepInput(x, t, cond.embeds, cond.lengths, cond.glyph, cond.glyph_lengths, timestep_r,
+                                     guidance)
 
     def transformer_forward(self, inp: HunyuanImageStepInput, call: Callable[..., Any]) -> torch.Tensor:
         return call("transformer", inp.x, inp.timestep, inp.embeds, inp.lengths, inp.glyph, inp.glyph_lengths,
                     inp.timestep_r, inp.guidance)
 
-    def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
-        """The request's guider over its positive / negative rows; the momentum buffer stays in its state."""
-        cond, rows = state.conditioning, state.latents.shape[0]
-        if pred.shape[0] == rows:
-            return pred
-        guided, cond.momentum = cond.guider.combine(state.step_index, len(state.timesteps), pred[:rows], pred[rows:],
-                                                    cond.momentum)
+    def combine_cfg(self, state: DenoiseState, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
+        """The request's guider (CFG, then adaptive projected guidance); its momentum buffer stays in the
+        state."""
+        conditioning = state.conditioning
+        guided, conditioning.momentum = conditioning.guider.combine(state.step_index, len(state.timesteps), cond,
+                                                                    uncond, conditioning.momentum)
         return guided
 
     def decode(self, state: DenoiseState) -> Any:

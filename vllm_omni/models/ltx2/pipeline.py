@@ -33,8 +33,8 @@ from torch import nn
 from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
-from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
-from vllm_omni.diffusion.state import DenoiseState
+from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, prompt_rows, rows
+from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.diffusion.timing import elapsed_since, synchronized_now
 from vllm_omni.diffusion.video_utils import to_uint8_frames
 from vllm_omni.errors import OmniClientError
@@ -77,22 +77,19 @@ class LTX2Geometry:
 
 
 @dataclass
-class LTX2Conditioning:
+class LTX2Conditioning(Conditioning):
     geometry: LTX2Geometry
     video_embeds: torch.Tensor
     """Connector tokens for the video stream: one row per latent row, then (CFG) the negatives in that order."""
     audio_embeds: torch.Tensor
     text_mask: torch.Tensor
     """(text rows, tokens) 1 where a connector token is real."""
-    do_cfg: bool
-    guidance: float
+    cfg: CFG | None
     first_frame: torch.Tensor | None = None
     """Image-to-video: (video tokens,) 1 on the tokens of the first latent frame, which hold the encoded input
     image and stay clean (timestep 0, no update); None for text-to-video."""
 
-    def select(self, rows: torch.Tensor) -> LTX2Conditioning:
-        num_rows = self.video_embeds.shape[0] // (2 if self.do_cfg else 1)
-        text_rows = torch.cat([rows, rows + num_rows]) if self.do_cfg else rows
+    def select(self, rows: torch.Tensor, text_rows: torch.Tensor) -> LTX2Conditioning:
         return replace(
             self,
             video_embeds=self.video_embeds.index_select(0, text_rows),
@@ -104,13 +101,13 @@ class LTX2Conditioning:
 @dataclass
 class LTX2StepInput:
     x: torch.Tensor = rows()
-    """Flat (rows, video + audio numbers) latents in the DiT's dtype, CFG rows included."""
+    """Flat (rows, video + audio numbers) latents in the DiT's dtype."""
     timestep: torch.Tensor = rows()
     video_timestep: torch.Tensor | None = rows()
     """Image-to-video: (rows, video tokens), 0 on the first frame's tokens."""
-    video_embeds: torch.Tensor = rows()
-    audio_embeds: torch.Tensor = rows()
-    text_mask: torch.Tensor = rows()
+    video_embeds: torch.Tensor = rows(text=True)
+    audio_embeds: torch.Tensor = rows(text=True)
+    text_mask: torch.Tensor = rows(text=True)
     video_shape: tuple[int, int, int]
     audio_frames: int
     fps: int
@@ -247,11 +244,9 @@ class LTX2Pipeline(NativeDiffusionPipeline):
         sp = requests[0].sampling_params
         geometry = self.resolve_geometry(sp)
         guidance = DEFAULT_GUIDANCE_SCALE if sp.guidance_scale is None else float(sp.guidance_scale)
-        do_cfg = guidance > 1.0
-        prompts = [r.prompt_text for r in requests]
-        negatives = [r.negative_prompt or "" for r in requests] if do_cfg else []
+        cfg = CFG(guidance) if guidance > 1.0 else None
         video, audio, mask = self.encode_texts(
-            prompts + negatives, sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
+            [text for text, _ in prompt_rows(requests, cfg)], sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
         )
         per = sp.num_outputs_per_prompt
         first_frame = None
@@ -264,8 +259,7 @@ class LTX2Pipeline(NativeDiffusionPipeline):
             video.repeat_interleave(per, 0),
             audio.repeat_interleave(per, 0),
             mask.repeat_interleave(per, 0),
-            do_cfg,
-            guidance,
+            cfg,
             first_frame,
         )
 
@@ -313,14 +307,13 @@ class LTX2Pipeline(NativeDiffusionPipeline):
 
     def step_tokens(self, state: DenoiseState) -> int:
         cond, g = state.conditioning, state.conditioning.geometry
-        num_rows = state.latents.shape[0] * (2 if cond.do_cfg else 1)
-        return num_rows * (
+        return self.transformer_rows(state) * (
             g.latent_frames * g.latent_height * g.latent_width + g.audio_frames + cond.video_embeds.shape[1]
         )
 
     def step_inputs(self, state: DenoiseState) -> LTX2StepInput:
         cond, g = state.conditioning, state.conditioning.geometry
-        x = torch.cat([state.latents, state.latents]) if cond.do_cfg else state.latents
+        x = state.latents
         timestep = state.timesteps[state.step_index].expand(x.shape[0])
         video_timestep = None
         if cond.first_frame is not None:  # the given first frame's tokens are clean: timestep 0
@@ -351,13 +344,9 @@ class LTX2Pipeline(NativeDiffusionPipeline):
             fps=float(inp.fps),
         ).float()
 
-    def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
-        cond = state.conditioning
-        if not cond.do_cfg:
-            return pred
-        num_rows = state.latents.shape[0]
-        positive, negative = pred[:num_rows], pred[num_rows:]
-        return positive + (cond.guidance - 1) * (positive - negative)
+    def combine_cfg(self, state: DenoiseState, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
+        """LTX-2's form, over each flat video + audio row (the audio guided with the video's scale)."""
+        return cond + (self.cfg_scale(state) - 1) * (cond - uncond)
 
     def scheduler_step(self, state: DenoiseState, noise_pred: torch.Tensor) -> torch.Tensor:
         """Image-to-video: the first frame's tokens get no update (they stay the image's latents)."""

@@ -23,9 +23,9 @@ from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.distributed.vae_patch import patch_parallel_decode, vae_patch_group
-from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, pad_text, rows
+from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, pad_text, prompt_rows, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.state import DenoiseState
+from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 from vllm_omni.models.qwen_image.cache import PRESETS
@@ -55,23 +55,20 @@ class Geometry:
 
 
 @dataclass
-class QwenConditioning:
+class QwenConditioning(Conditioning):
     """What the transformer rows of one group are conditioned on besides latents and timestep."""
 
     prompt: PromptEmbeds
     """Rows: one per latent row, then (true CFG) the negatives in the same order."""
     geometry: Geometry
-    do_cfg: bool
-    cfg_scale: float
+    cfg: CFG | None
     image_latents: torch.Tensor | None = None
     """Edit: packed VAE latents of the input image, one row per latent row, appended to its tokens."""
     modulation: torch.Tensor | None = None
     """Every step's adaLN parameters (num_layers, 2, steps, 6 * dim); the same for all rows."""
 
-    def select(self, rows: torch.Tensor) -> QwenConditioning:
+    def select(self, rows: torch.Tensor, text_rows: torch.Tensor) -> QwenConditioning:
         """Keeps `rows` (and their negatives), text cut to the longest kept prompt as if encoded alone."""
-        num_rows = self.prompt.embeds.shape[0] // (2 if self.do_cfg else 1)
-        text_rows = torch.cat([rows, rows + num_rows]) if self.do_cfg else rows
         lengths = tuple(self.prompt.lengths[i] for i in text_rows.tolist())
         embeds = self.prompt.embeds.index_select(0, text_rows)[:, :max(lengths)]
         image_latents = None if self.image_latents is None else self.image_latents.index_select(0, rows)
@@ -83,13 +80,13 @@ class QwenStepInput:
     """One state's transformer rows at its step (`QwenImagePipeline.step_inputs`)."""
 
     x: torch.Tensor = rows()
-    embeds: torch.Tensor = rows(pad=1)
+    embeds: torch.Tensor = rows(pad=1, text=True)
     """Text embeddings (rows, seq, dim), zero-padded at the end."""
-    lengths: tuple[int, ...] = rows()
+    lengths: tuple[int, ...] = rows(text=True)
     """Real text tokens of each row."""
     timestep: torch.Tensor = rows()
     """(rows,) in [0, 1]."""
-    modulation: torch.Tensor = rows(dim=2)
+    modulation: torch.Tensor = rows(dim=2, shared=True)
     """This step's adaLN parameters (num_layers, 2, 1, 6 * dim): one entry, the same for the state's rows."""
     img_shapes: list[tuple[int, int, int]]
     img_len: int
@@ -155,12 +152,13 @@ class QwenImagePipeline(NativeDiffusionPipeline):
         sp = request.sampling_params
         shared = (sp.height, sp.width, sp.num_inference_steps, sp.true_cfg_scale, sp.num_outputs_per_prompt,
                   sp.output_type, sp.max_sequence_length)
-        return self.do_true_cfg(request), shared
+        return self.true_cfg(request) is not None, shared
 
-    def do_true_cfg(self, request: OmniDiffusionRequest) -> bool:
+    def true_cfg(self, request: OmniDiffusionRequest) -> CFG | None:
+        """True CFG against the negative prompt, when the request has one and a scale above 1."""
         scale = request.sampling_params.true_cfg_scale
         scale = DEFAULT_TRUE_CFG_SCALE if scale is None else scale
-        return scale > 1 and request.negative_prompt is not None
+        return CFG(scale) if scale > 1 and request.negative_prompt is not None else None
 
     def check_inputs(self, requests: list[OmniDiffusionRequest]) -> None:
         max_len = requests[0].sampling_params.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
@@ -172,11 +170,11 @@ class QwenImagePipeline(NativeDiffusionPipeline):
         """Output size and latent grid, then positive prompts (and negatives for true CFG) in one encoder batch."""
         sp = requests[0].sampling_params
         geometry = self.resolve_geometry(sp)
-        do_cfg = self.do_true_cfg(requests[0])
-        texts = [r.prompt_text for r in requests] + ([r.negative_prompt for r in requests] if do_cfg else [])
+        cfg = self.true_cfg(requests[0])
+        texts = [text for text, _ in prompt_rows(requests, cfg)]
         max_len = sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
         prompt = self.encode_texts(texts, max_len, sp.num_outputs_per_prompt)
-        return QwenConditioning(prompt, geometry, do_cfg, resolve_true_cfg_scale(sp))
+        return QwenConditioning(prompt, geometry, cfg)
 
     def prepare_latents(self, requests: list[OmniDiffusionRequest], conditioning: QwenConditioning
                         ) -> torch.Tensor:
@@ -219,18 +217,13 @@ class QwenImagePipeline(NativeDiffusionPipeline):
 
     def step_tokens(self, state: DenoiseState) -> int:
         cond = state.conditioning
-        rows = state.latents.shape[0] * (2 if cond.do_cfg else 1)
         image_tokens = sum(f * h * w for f, h, w in cond.geometry.img_shapes)
-        return rows * (image_tokens + cond.prompt.embeds.shape[1])
+        return self.transformer_rows(state) * (image_tokens + cond.prompt.embeds.shape[1])
 
     def step_inputs(self, state: DenoiseState) -> QwenStepInput:
-        """Positive then negative rows; condition tokens (Edit) appended to each row; this step's timestep and
-        adaLN row."""
+        """The latent rows, condition tokens (Edit) appended to each; this step's timestep and adaLN row."""
         cond, latents, i = state.conditioning, state.latents, state.step_index
-        x = torch.cat([latents, latents]) if cond.do_cfg else latents
-        if cond.image_latents is not None:
-            image = torch.cat([cond.image_latents, cond.image_latents]) if cond.do_cfg else cond.image_latents
-            x = torch.cat([x, image], dim=1)
+        x = latents if cond.image_latents is None else torch.cat([latents, cond.image_latents], dim=1)
         timestep = state.timesteps[i].expand(x.shape[0]).to(latents.dtype) / 1000
         return QwenStepInput(x, cond.prompt.embeds, cond.prompt.lengths, timestep, cond.modulation[:, :, i : i + 1],
                              cond.geometry.img_shapes, latents.shape[1])
@@ -253,9 +246,10 @@ class QwenImagePipeline(NativeDiffusionPipeline):
     def warmup_guided(self) -> bool:
         return True  # a negative prompt turns true CFG on (DEFAULT_TRUE_CFG_SCALE)
 
-    def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
-        cond, rows = state.conditioning, state.latents.shape[0]
-        return _true_cfg(pred[:rows], pred[rows:], cond.cfg_scale) if cond.do_cfg else pred
+    def combine_cfg(self, state: DenoiseState, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
+        """CFG combination rescaled to the conditional prediction's per-token norm (as Qwen-Image does)."""
+        combined = super().combine_cfg(state, cond, uncond)
+        return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
 
     def decode(self, state: DenoiseState) -> Any:
         if state.requests[0].sampling_params.output_type == "latent":
@@ -324,12 +318,3 @@ class QwenImagePipeline(NativeDiffusionPipeline):
         std = torch.tensor(cfg.latents_std).view(1, cfg.z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         return latents / (1.0 / std) + mean if inverse else (latents - mean) / std
 
-
-def resolve_true_cfg_scale(sp: OmniDiffusionSamplingParams) -> float:
-    return DEFAULT_TRUE_CFG_SCALE if sp.true_cfg_scale is None else sp.true_cfg_scale
-
-
-def _true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
-    """CFG combination rescaled to the conditional prediction's per-token norm (as Qwen-Image does)."""
-    combined = uncond + scale * (cond - uncond)
-    return combined * (torch.norm(cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))

@@ -14,12 +14,13 @@ from typing import Any, ClassVar
 
 import torch
 
+from vllm_omni.diffusion.pipeline_base import prompt_rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.state import DenoiseState
 from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.timing import elapsed_since
 from vllm_omni.errors import OmniClientError
-from vllm_omni.models.qwen_image.pipeline import QwenConditioning, QwenImagePipeline, resolve_true_cfg_scale
+from vllm_omni.models.qwen_image.pipeline import QwenConditioning, QwenImagePipeline
 
 CONDITION_AREA = 1024 * 1024
 IMAGE_PAD = "<|image_pad|>"
@@ -78,11 +79,12 @@ class QwenImageEditPipeline(QwenImagePipeline):
         geometry = self.resolve_geometry(sp, default_hw=(cond_h, cond_w))
         multiple = self.vae_scale_factor * 2
         geometry.img_shapes.append((1, cond_h // multiple, cond_w // multiple))
-        do_cfg = self.do_true_cfg(requests[0])
-        texts = [r.prompt_text for r in requests] + ([r.negative_prompt for r in requests] if do_cfg else [])
+        cfg = self.true_cfg(requests[0])
+        rows = prompt_rows(requests, cfg)
         # Edit prompts are not truncated to max_sequence_length (as in diffusers).
-        prompt = self.encode_texts(texts, None, sp.num_outputs_per_prompt, images=images + (images if do_cfg else []))
-        return QwenConditioning(prompt, geometry, do_cfg, resolve_true_cfg_scale(sp))
+        prompt = self.encode_texts([text for text, _ in rows], None, sp.num_outputs_per_prompt,
+                                   images=[images[i] for _, i in rows])
+        return QwenConditioning(prompt, geometry, cfg)
 
     def prepare(self, requests: list[OmniDiffusionRequest], ctx: StepContext) -> DenoiseState:
         """Qwen-Image's preparation plus the input image's VAE latents, appended to every row's tokens."""

@@ -28,9 +28,9 @@ from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
-from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
+from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, prompt_rows, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.state import DenoiseState
+from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.errors import OmniClientError
 from vllm_omni.models.qwen_image_21.cache import PRESETS
 from vllm_omni.models.qwen_image_21.transformer import QwenImage21Transformer2DModel
@@ -62,7 +62,7 @@ def condition_size(width: int, height: int) -> tuple[int, int]:
 
 
 @dataclass
-class QwenImage21Conditioning:
+class QwenImage21Conditioning(Conditioning):
     """Prefix rows: one per latent row, then (CFG) one negative per latent row in the same order."""
 
     prefix_kv: torch.Tensor
@@ -71,14 +71,12 @@ class QwenImage21Conditioning:
     lengths: tuple[int, ...]
     frames: tuple[int, ...]
     """The target's frame position after each row's prefix."""
-    do_cfg: bool
-    cfg_scale: float
+    cfg: CFG | None
     grid: tuple[int, int]
     """Latent grid (height, width) in tokens (16 x 16 pixels each)."""
 
-    def select(self, rows: torch.Tensor) -> QwenImage21Conditioning:
-        num_rows = self.prefix_kv.shape[0] // (2 if self.do_cfg else 1)
-        text_rows = (torch.cat([rows, rows + num_rows]) if self.do_cfg else rows).tolist()
+    def select(self, rows: torch.Tensor, text_rows: torch.Tensor) -> QwenImage21Conditioning:
+        text_rows = text_rows.tolist()
         lengths = tuple(self.lengths[i] for i in text_rows)
         kv = self.prefix_kv[text_rows][:, :, :, : max(lengths)]
         return replace(self, prefix_kv=kv, lengths=lengths, frames=tuple(self.frames[i] for i in text_rows))
@@ -91,9 +89,9 @@ class QwenImage21StepInput:
     x: torch.Tensor = rows()
     timestep: torch.Tensor = rows()
     """(rows,) in [0, 1], 1 = noise."""
-    prefix_kv: torch.Tensor = rows(pad=3)
-    prefix_lengths: tuple[int, ...] = rows()
-    frames: tuple[int, ...] = rows()
+    prefix_kv: torch.Tensor = rows(pad=3, text=True)
+    prefix_lengths: tuple[int, ...] = rows(text=True)
+    frames: tuple[int, ...] = rows(text=True)
     grid: tuple[int, int] = (0, 0)
 
 
@@ -228,18 +226,16 @@ class QwenImage21Pipeline(NativeDiffusionPipeline):
         K/V at every layer, once for all steps: each prefix alone, at its own length."""
         sp = requests[0].sampling_params
         n = sp.num_outputs_per_prompt
-        do_cfg = (sp.true_cfg_scale or 1.0) > 1
+        cfg = CFG(sp.true_cfg_scale) if (sp.true_cfg_scale or 1.0) > 1 else None
         images = [self.condition_images(r) for r in requests]
-        rows = [(r.prompt_text, i) for i, r in enumerate(requests)]
-        rows += [(r.negative_prompt, i) for i, r in enumerate(requests)] if do_cfg else []
-        prefixes = [self.encode_prefix(text, *images[i]) for text, i in rows]
+        prefixes = [self.encode_prefix(text, *images[i]) for text, i in prompt_rows(requests, cfg)]
         lengths = tuple(kv.shape[3] for kv, _ in prefixes for _ in range(n))
         kv = prefixes[0][0].new_zeros(len(lengths), *prefixes[0][0].shape[1:3], max(lengths), *prefixes[0][0].shape[4:])
         for i, (row, _) in enumerate(prefixes):
             kv[i * n : (i + 1) * n, :, :, : row.shape[3]] = row
         frames = tuple(frame for _, frame in prefixes for _ in range(n))
         grid = self.resolve_grid(sp, self.input_images(requests[0]))
-        return QwenImage21Conditioning(kv, lengths, frames, do_cfg, sp.true_cfg_scale or 1.0, grid)
+        return QwenImage21Conditioning(kv, lengths, frames, cfg, grid)
 
     def condition_images(self, request: OmniDiffusionRequest) -> tuple[list[Any], list[tuple[torch.Tensor, int, int]]]:
         """The request's condition images at their condition size, for the text encoder (RGB, alpha over white),
@@ -305,24 +301,16 @@ class QwenImage21Pipeline(NativeDiffusionPipeline):
         return cond.prefix_kv.shape[0] * h * w
 
     def step_inputs(self, state: DenoiseState) -> QwenImage21StepInput:
-        """Positive rows, then (CFG) the same latents against the negative prompts' K/V; this step's timestep."""
+        """The latent rows against their prompts' K/V (the negatives' under CFG); this step's timestep."""
         cond, latents = state.conditioning, state.latents
-        x = torch.cat([latents, latents]) if cond.do_cfg else latents
-        t = state.timesteps[state.step_index].expand(x.shape[0]).to(latents.dtype)
-        return QwenImage21StepInput(x, t / 1000, cond.prefix_kv, cond.lengths, cond.frames, cond.grid)
+        t = state.timesteps[state.step_index].expand(latents.shape[0]).to(latents.dtype)
+        return QwenImage21StepInput(latents, t / 1000, cond.prefix_kv, cond.lengths, cond.frames, cond.grid)
 
     def transformer_forward(self, inp: QwenImage21StepInput, call: Callable[..., Any]) -> torch.Tensor:
         return call("transformer", inp.x, inp.timestep, inp.prefix_kv, inp.prefix_lengths, inp.frames, inp.grid)
 
     def warmup_guided(self) -> bool:
         return True  # true_cfg_scale > 1 with a negative prompt doubles the rows
-
-    def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
-        cond, rows = state.conditioning, state.latents.shape[0]
-        if not cond.do_cfg:
-            return pred
-        pos, neg = pred[:rows], pred[rows:]
-        return neg + cond.cfg_scale * (pos - neg)
 
     def decode(self, state: DenoiseState) -> Any:
         output_type = state.requests[0].sampling_params.output_type

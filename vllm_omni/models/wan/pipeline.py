@@ -27,8 +27,8 @@ from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.data import DiffusionOutput
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.distributed.vae_patch import vae_patch_group
-from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
-from vllm_omni.diffusion.state import DenoiseState
+from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, prompt_rows, rows
+from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.diffusion.timing import elapsed_since, synchronized_now
 from vllm_omni.diffusion.video_utils import STREAMED_FRAMES, to_uint8_frames
 from vllm_omni.errors import OmniClientError
@@ -65,15 +65,14 @@ class WanGeometry:
 
 
 @dataclass
-class WanConditioning:
+class WanConditioning(Conditioning):
     """What the DiT rows of one group are conditioned on besides latents and timestep."""
 
     geometry: WanGeometry
     embeds: torch.Tensor
     """UMT5 text tokens: one row per latent row, then (CFG) the negatives in the same order."""
-    do_cfg: bool
-    guidance: float
-    """Guidance of `transformer` (and of every step without a boundary)."""
+    cfg: CFG | None
+    """Its scale is the guidance of `transformer` (and of every step without a boundary)."""
     guidance_2: float
     """Guidance of `transformer_2` (Wan2.2 A14B, steps below the boundary)."""
     boundary: float | None
@@ -89,10 +88,8 @@ class WanConditioning:
     high_noise_steps: list[bool] | None = None
     """Per step: whether `transformer` (True) or `transformer_2` denoises it (host copy, read without a sync)."""
 
-    def select(self, rows: torch.Tensor) -> WanConditioning:
+    def select(self, rows: torch.Tensor, text_rows: torch.Tensor) -> WanConditioning:
         """The conditioning of latent rows `rows` only (and of their negatives)."""
-        num_rows = self.embeds.shape[0] // (2 if self.do_cfg else 1)
-        text_rows = torch.cat([rows, rows + num_rows]) if self.do_cfg else rows
         return replace(self, embeds=self.embeds.index_select(0, text_rows),
                        latents=None if self.latents is None else self.latents.index_select(0, rows),
                        image_embeds=None if self.image_embeds is None else self.image_embeds.index_select(0, rows))
@@ -105,7 +102,7 @@ class WanStepInput:
     x: torch.Tensor = rows()
     timestep: torch.Tensor = rows()
     """(rows,), or (rows, tokens) for Wan2.2 TI2V."""
-    embeds: torch.Tensor = rows()
+    embeds: torch.Tensor = rows(text=True)
     image_embeds: torch.Tensor | None = rows()
     high_noise: bool
     """Which expert runs the step: `transformer` (else Wan2.2 A14B's `transformer_2`); co-batched states share
@@ -206,12 +203,11 @@ class WanPipeline(NativeDiffusionPipeline):
         sp = requests[0].sampling_params
         geometry = self.resolve_geometry(sp)
         guidance, guidance_2, boundary = self.resolve_guidance(sp)
-        do_cfg = guidance > 1.0  # diffusers decides CFG on the first expert's scale only
+        cfg = CFG(guidance) if guidance > 1.0 else None  # diffusers decides CFG on the first expert's scale only
         max_len = sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH
-        prompts = [r.prompt_text for r in requests]
-        negatives = [r.negative_prompt or "" for r in requests] if do_cfg else []
-        embeds = self.encode_texts(prompts + negatives, max_len).repeat_interleave(sp.num_outputs_per_prompt, dim=0)
-        return WanConditioning(geometry, embeds, do_cfg, guidance, guidance_2, boundary)
+        texts = [text for text, _ in prompt_rows(requests, cfg)]
+        embeds = self.encode_texts(texts, max_len).repeat_interleave(sp.num_outputs_per_prompt, dim=0)
+        return WanConditioning(geometry, embeds, cfg, guidance_2, boundary)
 
     def prepare_latents(self, requests: list[OmniDiffusionRequest], conditioning: WanConditioning) -> torch.Tensor:
         """Noise per request from its own CPU generator, the same draw diffusers makes for that seed."""
@@ -258,19 +254,15 @@ class WanPipeline(NativeDiffusionPipeline):
         frames, height, width = state.latents.shape[2:]
         p_t, p_h, p_w = self.transformer.config.patch_size
         image = 0 if cond.image_embeds is None else cond.image_embeds.shape[1]
-        rows = state.latents.shape[0] * (2 if cond.do_cfg else 1)
-        return rows * ((frames // p_t) * (height // p_h) * (width // p_w) + cond.embeds.shape[1] + image)
+        tokens = (frames // p_t) * (height // p_h) * (width // p_w)
+        return self.transformer_rows(state) * (tokens + cond.embeds.shape[1] + image)
 
     def step_inputs(self, state: DenoiseState) -> WanStepInput:
-        """Positive then negative rows for the expert that owns this state's timestep."""
+        """The latent rows for the expert that owns this state's timestep."""
         cond = state.conditioning
         t = state.timesteps[state.step_index]
         x = self.model_input(state.latents, cond)
-        image_embeds = cond.image_embeds
-        if cond.do_cfg:
-            x = torch.cat([x, x])
-            image_embeds = None if image_embeds is None else torch.cat([image_embeds, image_embeds])
-        return WanStepInput(x.to(self.dtype), self.model_timestep(t, x, cond), cond.embeds, image_embeds,
+        return WanStepInput(x.to(self.dtype), self.model_timestep(t, x, cond), cond.embeds, cond.image_embeds,
                             self.high_noise(state))
 
     def transformer_forward(self, inp: WanStepInput, call: Callable[..., Any]) -> torch.Tensor:
@@ -278,13 +270,9 @@ class WanPipeline(NativeDiffusionPipeline):
         return call("transformer" if inp.high_noise else "transformer_2", inp.x, inp.timestep, inp.embeds,
                     inp.image_embeds)
 
-    def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
-        cond = state.conditioning
-        if not cond.do_cfg:
-            return pred
-        rows = state.latents.shape[0]
-        positive, negative = pred[:rows], pred[rows:]
-        return negative + (cond.guidance if self.high_noise(state) else cond.guidance_2) * (positive - negative)
+    def cfg_scale(self, state: DenoiseState) -> float:
+        """Each expert with its own scale (Wan2.2 A14B's `guidance_scale_2` below the boundary)."""
+        return super().cfg_scale(state) if self.high_noise(state) else state.conditioning.guidance_2
 
     def finish(self, state: DenoiseState, ctx: StepContext) -> list[DiffusionOutput]:
         """Decode chunk by chunk; a streamed request's final output carries no frames (they went as chunks)."""

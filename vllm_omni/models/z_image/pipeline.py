@@ -22,9 +22,9 @@ from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.distributed.parallel_state import shared_random_seed
 from vllm_omni.diffusion.model_loader.components import load_native_transformer
 from vllm_omni.diffusion.model_loader.dummy import load_pretrained
-from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, rows
+from vllm_omni.diffusion.pipeline_base import NativeDiffusionPipeline, prompt_rows, rows
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.diffusion.state import DenoiseState
+from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.errors import OmniClientError
 from vllm_omni.models.z_image.cache import PRESETS
 from vllm_omni.models.z_image.transformer import ZImageTransformer2DModel, padded
@@ -41,21 +41,18 @@ DEFAULT_MAX_SEQUENCE_LENGTH = 512
 
 
 @dataclass
-class ZImageConditioning:
+class ZImageConditioning(Conditioning):
     """Text rows: one per latent row, then (CFG) one negative per latent row in the same order."""
 
     embeds: torch.Tensor
     """(text rows, seq, dim), each row's real tokens first, zero-padded at the end."""
     lengths: tuple[int, ...]
-    do_cfg: bool
-    guidance: float
+    cfg: CFG | None
     lh: int
     lw: int
     """Latent grid (height, width)."""
 
-    def select(self, rows: torch.Tensor) -> ZImageConditioning:
-        num_rows = self.embeds.shape[0] // (2 if self.do_cfg else 1)
-        text_rows = torch.cat([rows, rows + num_rows]) if self.do_cfg else rows
+    def select(self, rows: torch.Tensor, text_rows: torch.Tensor) -> ZImageConditioning:
         lengths = tuple(self.lengths[i] for i in text_rows.tolist())
         return replace(self, embeds=self.embeds.index_select(0, text_rows)[:, : max(lengths)], lengths=lengths)
 
@@ -67,8 +64,8 @@ class ZImageStepInput:
     x: torch.Tensor = rows()
     timestep: torch.Tensor = rows()
     """(rows,) in [0, 1], 1 = noise (the DiT's convention)."""
-    embeds: torch.Tensor = rows(pad=1)
-    lengths: tuple[int, ...] = rows()
+    embeds: torch.Tensor = rows(pad=1, text=True)
+    lengths: tuple[int, ...] = rows(text=True)
 
 
 class ZImagePipeline(NativeDiffusionPipeline):
@@ -166,13 +163,13 @@ class ZImagePipeline(NativeDiffusionPipeline):
         sp = requests[0].sampling_params
         n = sp.num_outputs_per_prompt
         guidance = DEFAULT_GUIDANCE if sp.guidance_scale is None else sp.guidance_scale
-        do_cfg = guidance > 0
-        texts = [r.prompt_text for r in requests] + ([r.negative_prompt or "" for r in requests] if do_cfg else [])
+        cfg = CFG(guidance) if guidance > 0 else None
+        texts = [text for text, _ in prompt_rows(requests, cfg)]
         embeds, lengths = self.encode_texts(texts, sp.max_sequence_length or DEFAULT_MAX_SEQUENCE_LENGTH)
         lengths = tuple(m for m in lengths for _ in range(n))
         factor = self.vae_scale_factor * 2
         lh, lw = (2 * ((size or DEFAULT_SIZE) // factor) for size in (sp.height, sp.width))
-        return ZImageConditioning(embeds.repeat_interleave(n, dim=0), lengths, do_cfg, guidance, lh, lw)
+        return ZImageConditioning(embeds.repeat_interleave(n, dim=0), lengths, cfg, lh, lw)
 
     def prepare_latents(self, requests: list[OmniDiffusionRequest], conditioning: ZImageConditioning) -> torch.Tensor:
         """float32 noise per request from its own CPU generator (diffusers draws Z-Image latents in float32)."""
@@ -212,24 +209,21 @@ class ZImagePipeline(NativeDiffusionPipeline):
         return cond.embeds.shape[0] * (image + padded(cond.embeds.shape[1]))
 
     def step_inputs(self, state: DenoiseState) -> ZImageStepInput:
-        """Positive rows, then (CFG) the same latents with the negative prompts; this step's timestep."""
+        """The latent rows with their prompts (and under CFG the negatives); this step's timestep."""
         cond, latents = state.conditioning, state.latents.to(self.dtype)
-        x = torch.cat([latents, latents]) if cond.do_cfg else latents
-        t = state.timesteps[state.step_index].expand(x.shape[0])
-        return ZImageStepInput(x, (1000 - t) / 1000, cond.embeds, cond.lengths)
+        t = state.timesteps[state.step_index].expand(latents.shape[0])
+        return ZImageStepInput(latents, (1000 - t) / 1000, cond.embeds, cond.lengths)
 
     def transformer_forward(self, inp: ZImageStepInput, call: Callable[..., Any]) -> torch.Tensor:
         return call("transformer", inp.x, inp.timestep, inp.embeds, inp.lengths)
 
     def guide(self, state: DenoiseState, pred: torch.Tensor) -> torch.Tensor:
-        """CFG as diffusers' Z-Image combines it, then negated: the DiT predicts the flow from data to noise
-        reversed."""
-        cond, rows = state.conditioning, state.latents.shape[0]
-        pred = pred.float()
-        if cond.do_cfg:
-            pos, neg = pred[:rows], pred[rows:]
-            pred = pos + cond.guidance * (pos - neg)
-        return -pred
+        """Guided in fp32, then negated: the DiT predicts the flow from data to noise reversed."""
+        return -super().guide(state, pred.float())
+
+    def combine_cfg(self, state: DenoiseState, cond: torch.Tensor, uncond: torch.Tensor) -> torch.Tensor:
+        """CFG as diffusers' Z-Image combines it: from the conditional prediction."""
+        return cond + self.cfg_scale(state) * (cond - uncond)
 
     def decode(self, state: DenoiseState) -> Any:
         output_type = state.requests[0].sampling_params.output_type
