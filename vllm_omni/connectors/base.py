@@ -28,6 +28,11 @@ class PayloadHandle(msgspec.Struct, kw_only=True, gc=False):
     metadata: dict[str, Any] = {}
     tensor_specs: list[tuple[str, str, str, tuple[int, ...]]] = []
     """(name, segment name, dtype, shape) for tensors held outside the handle (shm connector)."""
+    ref: Any = None
+    """The payload's `ObjectRef` in Ray's object store (ray connector)."""
+    producer: str | None = None
+    """The process that put the payload and holds it until its readers took it (ray connector: its Ray worker
+    id), so that a `get` there counts readers while one elsewhere fetches."""
 
 
 class OmniConnector(abc.ABC):
