@@ -41,7 +41,7 @@ class _Entry:
 class RayObjectStoreConnector(OmniConnector):
     def __init__(self, address: str | None = None, get_timeout_s: float = _GET_TIMEOUT_S) -> None:
         """Joins the Ray cluster at `address` (as `--ray-address`) unless this process already has."""
-        from vllm_omni.diffusion.executor.ray_executor import connect
+        from vllm_omni.diffusion.executor.ray_cluster import connect
 
         connect(address)
         self.get_timeout_s = get_timeout_s
