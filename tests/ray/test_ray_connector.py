@@ -84,5 +84,7 @@ def test_a_payload_whose_producer_died_fails_its_reader(ray_cluster, stage_b):
 
     handle = ray.get(stage_b.produce.remote("lost"), timeout=60)
     ray.kill(stage_b, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):  # ray.kill returns before the actor is gone
+        ray.get(stage_b.take.remote([]), timeout=60)
     with pytest.raises(RuntimeError, match=r"payload lost:1->2 is lost from Ray's object store"):
         RayObjectStoreConnector(get_timeout_s=30).get(handle)

@@ -12,11 +12,9 @@ failure) or on `close`; Ray frees the object once no process references it, so n
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
-from typing import Any
 
-from vllm_omni.connectors.base import OmniConnector, PayloadHandle, StagePayload
+from vllm_omni.connectors.base import HeldPayloads, PayloadHandle, StagePayload
 
 _GET_TIMEOUT_S = 60.0
 
@@ -27,28 +25,19 @@ class ObjectStoreStats:
 
     payloads_put: int = 0
     bytes_put: int = 0
-    """Tensor bytes put (the metadata, well under 1 KiB a payload, is not counted)."""
+    """Tensor bytes put (the metadata, e.g. token ids or bytes in stage data, is not counted)."""
     payloads_got: int = 0
 
 
-@dataclass
-class _Entry:
-    request_id: str
-    ref: Any
-    readers_left: int
-
-
-class RayObjectStoreConnector(OmniConnector):
+class RayObjectStoreConnector(HeldPayloads):
     def __init__(self, address: str | None = None, get_timeout_s: float = _GET_TIMEOUT_S) -> None:
         """Joins the Ray cluster at `address` (as `--ray-address`) unless this process already has."""
         from vllm_omni.diffusion.executor.ray_cluster import connect
 
         connect(address)
+        super().__init__()
         self.get_timeout_s = get_timeout_s
         self.stats = ObjectStoreStats()
-        self._entries: dict[str, _Entry] = {}
-        self._keys_by_request: dict[str, set[str]] = {}
-        self._lock = threading.Lock()
 
     def put(self, request_id: str, src_stage: int, dst_stage: int, payload: StagePayload,
             num_readers: int = 1, chunk: int | None = None) -> PayloadHandle:
@@ -57,9 +46,8 @@ class RayObjectStoreConnector(OmniConnector):
         key = self.make_key(request_id, src_stage, dst_stage, chunk)
         tensors = {name: tensor.detach().cpu() for name, tensor in payload.tensors.items()}
         ref = ray.put(StagePayload(metadata=dict(payload.metadata), tensors=tensors))
+        self._hold(key, request_id, ref, num_readers)
         with self._lock:
-            self._entries[key] = _Entry(request_id, ref, num_readers)
-            self._keys_by_request.setdefault(request_id, set()).add(key)
             self.stats.payloads_put += 1
             self.stats.bytes_put += sum(t.numel() * t.element_size() for t in tensors.values())
         return PayloadHandle(key=key, request_id=request_id, ref=ref, producer=_worker_id())
@@ -74,12 +62,7 @@ class RayObjectStoreConnector(OmniConnector):
             raise KeyError(f"payload {handle.key} was not put through Ray's object store")
         if handle.producer == _worker_id():
             with self._lock:
-                entry = self._entries.get(handle.key)
-                if entry is None:
-                    raise KeyError(f"payload {handle.key} was already consumed or dropped")
-                entry.readers_left -= 1
-                if entry.readers_left <= 0:
-                    self._remove(handle.key)
+                self._take(handle.key)
         try:
             payload = ray.get(handle.ref, timeout=self.get_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -91,34 +74,6 @@ class RayObjectStoreConnector(OmniConnector):
         with self._lock:
             self.stats.payloads_got += 1
         return payload
-
-    def release(self, handle: PayloadHandle) -> None:
-        """The producer drops its reference after a reader in another process took the payload."""
-        with self._lock:
-            self._remove(handle.key)
-
-    def drop_request(self, request_id: str) -> None:
-        with self._lock:
-            for key in list(self._keys_by_request.get(request_id, ())):
-                self._remove(key)
-
-    def close(self) -> None:
-        with self._lock:
-            for key in list(self._entries):
-                self._remove(key)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def _remove(self, key: str) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is None:
-            return
-        keys = self._keys_by_request.get(entry.request_id)
-        if keys is not None:
-            keys.discard(key)
-            if not keys:
-                del self._keys_by_request[entry.request_id]
 
 
 def _worker_id() -> str:
