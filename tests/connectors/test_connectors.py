@@ -85,3 +85,22 @@ def test_shm_put_failure_leaves_nothing(payload):
     with pytest.raises(Exception):  # noqa: B017 - any failure while writing must clean up
         conn.put("r", 0, 1, bad)
     assert segments() == before and len(conn) == 0
+
+
+def test_an_edge_between_stages_placed_apart_goes_through_rays_object_store():
+    """On the Ray backend an edge whose two stages have different placements gets the ray connector (joining the
+    deploy config's cluster); stages placed alike keep the configured one; an edge's own connector always wins."""
+    from vllm_omni.config.deploy_config import DeployConfig
+
+    stages = [{"stage_id": 1, "placement": {"resources": {"node_b": 1}}},
+              {"stage_id": 2, "placement": {"resources": {"node_b": 1}}}]
+    deploy = DeployConfig(worker_backend="ray", ray_address="127.0.0.1:6379", stages=stages,
+                          connector=ConnectorConfig(name="shm"),
+                          edge_connectors={"2->3": ConnectorConfig(name="inproc"), "3->4": ConnectorConfig(name="ray")})
+    assert deploy.connector_for(0, 1) == ConnectorConfig(name="ray", ray_address="127.0.0.1:6379")
+    assert deploy.connector_for(1, 2).name == "shm"  # both on node_b's placement
+    assert deploy.connector_for(2, 3).name == "inproc"
+    assert deploy.connector_for(3, 4) == ConnectorConfig(name="ray", ray_address="127.0.0.1:6379")
+    assert deploy.connector_for(4, 5).name == "shm"  # neither placed: both on the serving host
+    mp = DeployConfig(connector=ConnectorConfig(name="shm"))
+    assert mp.connector_for(0, 1).name == "shm"

@@ -1,5 +1,6 @@
 """Distributed layerwise offload (DLO) on CPU gloo ranks: each rank keeps 1/N of every offloaded block and
-reassembles it (all-gather of the shards, or broadcast from the owning rank) just before it runs.
+reassembles it (all-gather of the shards, or broadcast from the owning rank) just before it runs. Its world meets
+over TCP as a multi-rank diffusion stage's does, and no rank listens on any address but the loopback one.
 
 Why it matters: DLO must change where the weights live, never what a rank computes, while every rank runs its
 OWN input. At 2 and 4 ranks the Qwen-Image, FLUX and Wan tiny DiTs (fp32; DLO moves nothing else), each rank with
@@ -106,6 +107,8 @@ def _rank_main(rank: int, world: int, port: int, model_dirs: dict[str, str]) -> 
         distributed_init_method=f"tcp://127.0.0.1:{port}",
     )
     pairs = [torch.distributed.new_group([r, r + 1]) for r in range(0, world, 2)]  # every rank makes every group
+    # The world's rendezvous (rank 0's TCP store) and gloo's pairs listen on the init method's address only.
+    assert not _listening_off_loopback(), _listening_off_loopback()
     try:
         with set_current_vllm_config(config), torch.inference_mode():
             for i, (family, model_dir) in enumerate(model_dirs.items()):
@@ -132,6 +135,15 @@ def _rank_main(rank: int, world: int, port: int, model_dirs: dict[str, str]) -> 
                 _check(model, args, kwargs, expected, offloader, rank, world, not use_allgather, family)
     finally:
         destroy_diffusion_distributed()
+
+
+def _listening_off_loopback() -> list[tuple[str, int]]:
+    import ipaddress
+
+    import psutil
+
+    return [(s.laddr.ip, s.laddr.port) for s in psutil.Process().net_connections(kind="inet")
+            if s.status == psutil.CONN_LISTEN and not ipaddress.ip_address(s.laddr.ip).is_loopback]
 
 
 def _check(model, args, kwargs, expected, offloader, rank: int, world: int, use_allgather: bool, family: str) -> None:

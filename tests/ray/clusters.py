@@ -79,3 +79,39 @@ def listening_off_loopback() -> list[tuple[str, int, str, int]]:
             if not address.is_loopback and not serve_grpc:
                 found.append((proc.name(), proc.pid, sock.laddr.ip, sock.laddr.port))
     return found
+
+
+class PayloadStage:
+    """A stage's process on another node for `test_ray_connector.py` (an actor's class must be importable where it
+    runs): reads payloads put elsewhere through Ray's object store, or puts its own."""
+
+    def __init__(self) -> None:
+        from vllm_omni.connectors.ray_connector import RayObjectStoreConnector
+
+        self.connector = RayObjectStoreConnector()
+
+    def take(self, handles: list) -> tuple[str, list, int]:
+        import ray
+
+        payloads = [self.connector.get(handle) for handle in handles]
+        return ray.get_runtime_context().get_node_id(), payloads, self.connector.stats.payloads_got
+
+    def produce(self, request_id: str):
+        return self.connector.put(request_id, 1, 2, stage_payload(7))
+
+
+def stage_payload(seed: int):
+    """A payload of float32, bfloat16 and int64 tensors, drawn from `seed`."""
+    import torch
+
+    from vllm_omni.connectors import StagePayload
+
+    g = torch.Generator().manual_seed(seed)
+    return StagePayload(
+        metadata={"text": f"chunk {seed}", "token_ids": [seed, seed + 1]},
+        tensors={
+            "hidden": torch.randn(64, 1024, generator=g),
+            "bf16": torch.randn(30, 70, generator=g).to(torch.bfloat16),
+            "codes": torch.arange(seed, seed + 6),
+        },
+    )

@@ -1,7 +1,8 @@
 """Diffusion ranks as Ray actors (`--worker-backend ray`) on a two-node loopback cluster.
 
 What it pins: a stage's CFG-parallel (Qwen-Image) and Ulysses (Wan) ranks run as Ray actors in one placement
-group on the node its `placement` names and give the single-rank output (PSNR >= 60 dB); the deploy config's
+group on the node its `placement` names and give the single-rank output (PSNR >= 60 dB), their world's rendezvous
+listening on the node's (loopback) address only; the deploy config's
 `worker_backend` / `ray_address` / `stages[].placement` and their flags reach the stage; a bad `--ray-address` and
 a placement no node has fail at start-up with one line naming the flag or the stage, before any process starts;
 a killed rank actor fails its request with 503 and the stage starts its ranks again.
@@ -84,6 +85,8 @@ def test_parallel_ranks_as_ray_actors_equal_one_rank(ray_cluster, dist_world, qw
         ranks = engine.executor.processes
         assert len(ranks) == 2 and {rank.node_id for rank in ranks} == {node_id("node_b")}
         out = _run(engine, prompt, params, case)
+        # The ranks' world met at rank 0's node address (its TCP store listens there, not on every interface).
+        assert not listening_off_loopback()
     finally:
         if engine is not qwen_cfg2:
             engine.close()

@@ -15,7 +15,7 @@ from pydantic.dataclasses import dataclass
 
 from vllm_omni.config.pipeline_config import FORBID
 
-ConnectorName = Literal["inproc", "shm"]
+ConnectorName = Literal["inproc", "shm", "ray"]
 WorkerBackend = Literal["mp", "ray"]
 PlacementStrategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 
@@ -23,9 +23,13 @@ PlacementStrategy = Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"]
 @dataclass(config=FORBID)
 class ConnectorConfig:
     name: ConnectorName = "inproc"
-    """inproc: stage payloads stay in the engine process; shm: tensors go through shared memory."""
+    """inproc: stage payloads stay in the engine process; shm: tensors go through shared memory; ray: payloads go
+    through Ray's object store (stages on different nodes; chosen by itself for an edge whose stages the Ray
+    backend places apart)."""
     shm_threshold_bytes: int = Field(default=1_000_000, ge=0)
     """shm only: tensors smaller than this travel inline with the metadata."""
+    ray_address: str | None = None
+    """ray only: the Ray cluster to join; None = the deploy config's `ray_address` (`--ray-address`)."""
 
 
 @dataclass(config=FORBID)
@@ -125,7 +129,16 @@ class DeployConfig:
         return StageDeployConfig(stage_id=stage_id)
 
     def connector_for(self, src: int, dst: int) -> ConnectorConfig:
-        return self.edge_connectors.get(f"{src}->{dst}", self.connector)
+        """The connector `edge_connectors` names for the edge; else Ray's object store when the Ray backend places
+        its two stages apart (their `placement`s differ: shared memory and the engine process's memory do not
+        reach another node), else `connector`. A ray connector joins the deploy config's cluster."""
+        connector = self.edge_connectors.get(f"{src}->{dst}")
+        if connector is None:
+            apart = self.worker_backend == "ray" and self.for_stage(src).placement != self.for_stage(dst).placement
+            connector = ConnectorConfig(name="ray") if apart else self.connector
+        if connector.name == "ray" and connector.ray_address is None:
+            connector = ConnectorConfig(name="ray", ray_address=self.ray_address)
+        return connector
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> DeployConfig:

@@ -19,4 +19,8 @@ def make_connector(config: ConnectorConfig) -> OmniConnector:
         from vllm_omni.connectors.shm_connector import SharedMemoryConnector
 
         return SharedMemoryConnector(threshold_bytes=config.shm_threshold_bytes)
+    if config.name == "ray":
+        from vllm_omni.connectors.ray_connector import RayObjectStoreConnector
+
+        return RayObjectStoreConnector(address=config.ray_address)
     raise ValueError(f"unknown connector {config.name!r}")

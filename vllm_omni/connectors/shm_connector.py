@@ -11,16 +11,14 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import threading
 import uuid
-from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
 import torch
 
-from vllm_omni.connectors.base import OmniConnector, PayloadHandle, StagePayload
+from vllm_omni.connectors.base import HeldPayloads, PayloadHandle, StagePayload
 
 _INLINE_KEY = "__inline_tensors__"
 _SHM_DIR = "/dev/shm"
@@ -31,19 +29,10 @@ def segment_prefix() -> str:
     return f"omni_{os.getpid()}_"
 
 
-@dataclass
-class _Entry:
-    request_id: str
-    segments: list[shared_memory.SharedMemory]
-    readers_left: int
-
-
-class SharedMemoryConnector(OmniConnector):
+class SharedMemoryConnector(HeldPayloads):
     def __init__(self, threshold_bytes: int = 1_000_000) -> None:
+        super().__init__()
         self.threshold_bytes = threshold_bytes
-        self._entries: dict[str, _Entry] = {}
-        self._keys_by_request: dict[str, set[str]] = {}
-        self._lock = threading.Lock()
 
     def put(self, request_id: str, src_stage: int, dst_stage: int, payload: StagePayload,
             num_readers: int = 1, chunk: int | None = None) -> PayloadHandle:
@@ -67,9 +56,7 @@ class SharedMemoryConnector(OmniConnector):
             for shm in segments:
                 _free(shm)
             raise
-        with self._lock:
-            self._entries[key] = _Entry(request_id, segments, num_readers)
-            self._keys_by_request.setdefault(request_id, set()).add(key)
+        self._hold(key, request_id, segments, num_readers)
         metadata = dict(payload.metadata)
         if inline:
             metadata[_INLINE_KEY] = inline
@@ -78,13 +65,10 @@ class SharedMemoryConnector(OmniConnector):
     def get(self, handle: PayloadHandle) -> StagePayload:
         """Zero-copy views on the segments; the last reader in this process unlinks them."""
         with self._lock:
-            entry = self._entries.get(handle.key)
-            if entry is None:
+            if handle.key not in self._entries:
                 raise KeyError(f"payload {handle.key} was already consumed or dropped")
             tensors = {name: _map(seg, getattr(torch, dtype), shape) for name, seg, dtype, shape in handle.tensor_specs}
-            entry.readers_left -= 1
-            if entry.readers_left <= 0:
-                self._remove(handle.key)
+            self._take(handle.key)
         return _payload(handle, tensors)
 
     @staticmethod
@@ -93,33 +77,8 @@ class SharedMemoryConnector(OmniConnector):
         tensors = {name: _map(seg, getattr(torch, dtype), shape) for name, seg, dtype, shape in handle.tensor_specs}
         return _payload(handle, tensors)
 
-    def release(self, handle: PayloadHandle) -> None:
-        with self._lock:
-            self._remove(handle.key)
-
-    def drop_request(self, request_id: str) -> None:
-        with self._lock:
-            for key in list(self._keys_by_request.get(request_id, ())):
-                self._remove(key)
-
-    def close(self) -> None:
-        with self._lock:
-            for key in list(self._entries):
-                self._remove(key)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def _remove(self, key: str) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is None:
-            return
-        keys = self._keys_by_request.get(entry.request_id)
-        if keys is not None:
-            keys.discard(key)
-            if not keys:
-                del self._keys_by_request[entry.request_id]
-        for shm in entry.segments:
+    def _free(self, held: list[shared_memory.SharedMemory]) -> None:
+        for shm in held:
             _free(shm)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -125,6 +126,10 @@ def init_diffusion_distributed(
         ident = os.path.basename(distributed_init_method.removeprefix("file://"))
     else:
         ident = distributed_init_method.rsplit(":", 1)[-1]
+        torch.distributed.init_process_group(
+            backend, store=rendezvous_store(distributed_init_method, rank, world_size, timeout), rank=rank,
+            world_size=world_size, timeout=timeout)
+        distributed_init_method = "env://"
     if device.type == "cpu":  # names the shared-memory TP communicator of vLLM CPU, as vLLM's CPU worker does
         os.environ["VLLM_DIST_IDENT"] = ident
     local_rank = (device.index or 0) if device.type == "cuda" else rank
@@ -150,6 +155,22 @@ def init_diffusion_distributed(
             backend="gloo", timeout=timedelta(seconds=2 * parallel_config.distributed_timeout_seconds)),
             ulysses_mode=parallel_config.ulysses_mode)
     return vllm_config
+
+
+def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> torch.distributed.Store:
+    """The world's TCP store at `tcp://host:port`, served by rank 0 on `host` only (the loopback address on one
+    host, the node's address across nodes): c10d's TCPStore, given just the init method, listens on every
+    interface (`[::]`), so rank 0 binds the listening socket itself and the store takes it over."""
+    from vllm.distributed.utils import create_tcp_store
+    from vllm.utils.network_utils import is_valid_ipv6_address, split_host_port
+
+    host, port = split_host_port(init_method.removeprefix("tcp://"))
+    listen_socket = None
+    if rank == 0:
+        family = socket.AF_INET6 if is_valid_ipv6_address(host) else socket.AF_INET
+        listen_socket = socket.create_server((host, port), family=family)
+    return create_tcp_store(host, port, listen_socket=listen_socket, world_size=world_size, is_master=rank == 0,
+                            timeout=timeout, wait_for_workers=False)
 
 
 def get_diffusion_groups() -> DiffusionParallelGroups | None:

@@ -11,7 +11,6 @@ does, which the base class's monitor waits on as it waits on a process sentinel.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import threading
 import weakref
@@ -19,43 +18,15 @@ from typing import Any
 
 from vllm_omni.diffusion.data import OmniDiffusionConfig, RayPlacement, resolve_device_kind
 from vllm_omni.diffusion.executor.multiproc_executor import _SHUTDOWN_TIMEOUT_S, MultiprocDiffusionExecutor
+from vllm_omni.diffusion.executor.ray_cluster import connect
 from vllm_omni.diffusion.worker.worker_proc import WorkerProc, WorkerSpec
 from vllm_omni.errors import OmniClientError
 from vllm_omni.logger import configure_process_logging, init_logger
 
 logger = init_logger(__name__)
 
-_PROBE_TIMEOUT_S = 5.0
 _RANK_WATCH_POLL_S = 1.0
 _CALL_TIMEOUT_S = 60.0
-
-
-def connect(address: str | None) -> None:
-    """Join the Ray cluster at `address` (None: $RAY_ADDRESS, else a new one on this host); an address where no
-    cluster answers fails in seconds naming the flag (Ray's own client retries for minutes)."""
-    import ray
-
-    target = address or os.environ.get("RAY_ADDRESS")
-    if ray.is_initialized():
-        joined = ray.get_runtime_context().gcs_address
-        if target not in (None, "auto", joined):
-            raise OmniClientError(
-                f"--ray-address {target!r}: this process already joined the Ray cluster at {joined}",
-                param="ray_address",
-            )
-        return
-    if target and target != "auto" and not target.startswith("ray://"):
-        host, _, port = target.rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=_PROBE_TIMEOUT_S).close()
-        except (OSError, ValueError) as exc:
-            raise OmniClientError(
-                f"--ray-address {target!r}: no Ray cluster answers there ({exc})", param="ray_address"
-            ) from None
-    try:
-        ray.init(address=address, logging_level="WARNING")  # the ranks' output reaches this process's log
-    except ConnectionError as exc:
-        raise OmniClientError(f"--ray-address {target!r}: {' '.join(str(exc).split())}", param="ray_address") from None
 
 
 def rank_bundle(od_config: OmniDiffusionConfig) -> dict[str, float]:
