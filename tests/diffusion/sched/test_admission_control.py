@@ -4,8 +4,9 @@ Pins: with the flag, a request the cost model predicts cannot finish by its dead
 (queued jobs with earlier deadlines; in request mode the batch in flight too) is refused at `add` with a 429
 naming `deadline_ms` and the predicted finish, and nothing of it stays queued; the floor caps refusals (at most
 1 - floor of the window's arrivals: one more is admitted and served late); nothing is refused before the cost
-model prices the shape, nor without the flag; the flag with another policy, or the floor without the flag, is a
-config error naming the flag; on the real engine a refused request leaves the engine serving.
+model prices the shape, nor without the flag; the CLI flags reach the stage config; the flag with another policy,
+or the floor without the flag, is a config error naming the flag; on the real engine a refused request leaves
+the engine serving.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import time
 
 import pytest
 
+from vllm_omni.config import StageConfigFactory
 from vllm_omni.diffusion.core.policy import AdmissionControl, StepPolicy, shape_key
 from vllm_omni.diffusion.core.scheduler import DiffusionScheduler
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.engine.arg_utils import OmniEngineArgs
+from vllm_omni.entrypoints.cli import docs
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
 
@@ -79,7 +83,15 @@ def test_nothing_is_refused_without_the_flag_or_before_the_cost_model_prices_it(
     assert s.num_refused == unpriced.num_refused == 0 and len(unpriced.waiting) == 5
 
 
-def test_the_flag_needs_slo_and_the_floor_needs_the_flag():
+def test_the_flags_reach_the_stage_config_and_need_slo():
+    parser = docs.serve_parser()
+    args = parser.parse_args(["tiny/qwen-image", "--omni", "--diffusion-scheduler-policy", "slo",
+                              "--slo-admission-control", "--slo-admission-min-accept", "0.8"])
+    (stage,) = StageConfigFactory.create_from_model(
+        "tiny/qwen-image", **OmniEngineArgs.omni_kwargs_from_cli(args, parser.parse_args([]))).stages
+    od = stage.make_od_config()
+    assert od.slo_admission_control and od.slo_admission_min_accept == 0.8
+    assert DiffusionScheduler(od).admission.min_accept == 0.8
     with pytest.raises(ValueError, match="--slo-admission-control"):
         OmniDiffusionConfig(model="m", diffusion_scheduler_policy="fcfs", slo_admission_control=True)
     with pytest.raises(ValueError, match="--slo-admission-min-accept"):
