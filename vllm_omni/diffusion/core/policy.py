@@ -30,10 +30,10 @@ plus the shape's measured decode and, before admission, its measured encode (pre
 
 Admission control (`--slo-admission-control`, slo only): a newcomer is refused at `add` when, run after every
 queued job whose deadline is not later than its own (EDF), the cost model predicts it finishes after its
-deadline (request mode: after the batch in flight too, which is never preempted); so that refusing never costs
-more than a stated share of throughput, at most 1 - `min_accept` of the
-last `ADMISSION_WINDOW` arrivals are refused (`--slo-admission-min-accept`), and one that would exceed it is
-admitted and served late. The simulator's "EDF + admission control" applies the same `AdmissionControl`.
+deadline (request mode: after the batch in flight too, which is never preempted). So that refusing never costs
+more than a stated share of throughput, at most 1 - `min_accept` of the last `ADMISSION_WINDOW` arrivals are
+refused (`--slo-admission-min-accept`); one that would exceed it is admitted and served late. The simulator's
+admission rows (benchmarks/diffusion/sim_step_policies.py) apply the same `AdmissionControl`.
 
 Why the starvation bound: putting hopeless jobs last is what lets the feasible ones meet their deadlines under
 overload, but with no bound a long hopeless job waits as long as feasible work keeps arriving, which is the
