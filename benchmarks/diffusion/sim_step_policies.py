@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_omni.diffusion.core.policy import StepPolicy, shape_key
+from vllm_omni.diffusion.core.policy import AdmissionControl, StepPolicy, shape_key
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
@@ -114,23 +114,18 @@ def solo_seconds(args: argparse.Namespace, size: str, steps: int) -> float:
     return args.encode_seconds.get(size, 0.0) + steps * args.step_seconds[size] + args.decode_seconds.get(size, 0.0)
 
 
-def admit(policy: StepPolicy, queue: list[Job], job: Job, now: float) -> bool:
-    """Admission control (reference): accept a job only if, run after every queued job with an earlier deadline
-    (EDF), it still makes its deadline."""
-    ahead = sum(policy.remaining_seconds(j) for j in queue if j.deadline <= job.deadline)
-    return now + ahead + policy.remaining_seconds(job) <= job.deadline
-
-
 def simulate(policy: StepPolicy, jobs: list[Job], args: argparse.Namespace, slots: int,
-             admission: bool = False) -> tuple[list[tuple[float, bool, float]], int, float]:
+             min_accept: float | None = None) -> tuple[list[tuple[float, bool, float]], int, float]:
     """((latency, deadline made, latency / deadline window) per finished job, rejected count, finish time of the
-    last job)."""
+    last job). `min_accept`: admission control with that floor, as the served `--slo-admission-control` (None:
+    off; 0: no floor)."""
     now, pending, held, running, done, rejected = 0.0, list(jobs), [], [], [], 0
     waiting: list[Job] = []
+    admission = None if min_accept is None else AdmissionControl(min_accept)
     while pending or waiting or held or running:
         arrived, pending = [j for j in pending if j.arrival <= now], [j for j in pending if j.arrival > now]
         for j in arrived:
-            if admission and not admit(policy, waiting + held + running, j, now):
+            if admission is not None and admission.refuse(policy, waiting + held + running, j, now) is not None:
                 rejected += 1
             else:
                 waiting.append(j)
@@ -181,19 +176,22 @@ def batch_gain(args: argparse.Namespace, size: str) -> float:
     return (8 / args.batch_speedup.get(size, 1.0) - 1) / 7
 
 
-def modes(args: argparse.Namespace) -> dict[str, tuple[Callable[[], StepPolicy], int, bool]]:
-    """name -> (policy factory, slots, admission control)."""
+def modes(args: argparse.Namespace) -> dict[str, tuple[Callable[[], StepPolicy], int, float | None]]:
+    """name -> (policy factory, slots, admission control's floor or None)."""
     s = args.slots
-    rows = {"request-fcfs": (lambda: StepPolicy("fcfs"), 1, False),
-            "step-fcfs": (lambda: StepPolicy("fcfs"), s, False),
-            "slo, no starvation bound": (lambda: StepPolicy("slo", starvation_factor=math.inf), s, False)}
+    rows = {"request-fcfs": (lambda: StepPolicy("fcfs"), 1, None),
+            "step-fcfs": (lambda: StepPolicy("fcfs"), s, None),
+            "slo, no starvation bound": (lambda: StepPolicy("slo", starvation_factor=math.inf), s, None)}
     candidates = (("slo", StepPolicy), ("feasible-SRPT", FeasibleShortestRemaining),
                   ("EDF + Moore-Hodgson", MooreHodgson), ("least-laxity", LeastLaxity))
     for x in args.starvation_factors:
         for label, cls in candidates:
-            rows[f"{label}, starvation {x:g}"] = (lambda cls=cls, x=x: cls("slo", starvation_factor=x), s, False)
-    rows["EDF + admission control"] = (lambda: StepPolicy("slo", starvation_factor=math.inf), s, True)
-    rows["SRPT (reference)"] = (lambda: ShortestRemainingFirst("slo"), 1, False)
+            rows[f"{label}, starvation {x:g}"] = (lambda cls=cls, x=x: cls("slo", starvation_factor=x), s, None)
+    rows["EDF + admission control"] = (lambda: StepPolicy("slo", starvation_factor=math.inf), s, 0.0)
+    for floor in args.admission_floors:
+        rows[f"slo + admission control, floor {floor:g}"] = (
+            lambda: StepPolicy("slo", starvation_factor=args.starvation_factors[-1]), s, floor)
+    rows["SRPT (reference)"] = (lambda: ShortestRemainingFirst("slo"), 1, None)
     return {name: row for name, row in rows.items() if name == "request-fcfs" or re.search(args.only, name)}
 
 
@@ -258,6 +256,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-paused", type=int, default=4)
     parser.add_argument("--starvation-factors", default="0,0.5,1,2", type=lambda t: [float(x) for x in t.split(",")],
                         help="--slo-starvation-factor values to try")
+    parser.add_argument("--admission-floors", default="0.9", type=lambda t: [float(x) for x in t.split(",")],
+                        help="--slo-admission-min-accept values to try (slo at the last starvation factor)")
     parser.add_argument("--only", default="", help="regex: simulate only the policies it matches (+ request-fcfs)")
     parser.add_argument("--no-cost-model-phases", dest="cost_model_phases", action="store_false",
                         help="the policy's cost model ignores encode / decode (steps only)")

@@ -289,6 +289,13 @@ class OmniDiffusionConfig:
     until it is late by this x its deadline window (deadline - arrival); then it runs before them, so under
     sustained load it is not starved. Lower = shorter worst-case wait (p95/p99), fewer deadlines met; inf = no
     bound. The default is from benchmarks/diffusion/sim_step_policies.py (docs/execution_modes.md)."""
+    slo_admission_control: bool = False
+    """slo policy (both modes): refuse at arrival, with HTTP 429 naming `deadline_ms` and the predicted finish, a
+    request that the cost model predicts cannot finish by its deadline behind the queued requests with earlier
+    deadlines, within the floor --slo-admission-min-accept. Off: every request is admitted."""
+    slo_admission_min_accept: float = 0.9
+    """--slo-admission-control's throughput floor, in (0, 1]: the least share of the last 100 arrivals admitted;
+    a request whose refusal would go below it is admitted and served late instead."""
     max_paused_states: int = 4
     """Step mode: most states the workers keep paused by preemption (each holds its latents and prompt embeddings);
     when that many are paused, an urgent request waits for a free step slot instead of pausing one more."""
@@ -409,6 +416,14 @@ class OmniDiffusionConfig:
             raise ValueError(f"slo_deadline_factor must be >= 0 and finite, got {self.slo_deadline_factor}")
         if not self.slo_starvation_factor >= 0:
             raise ValueError(f"slo_starvation_factor must be >= 0, got {self.slo_starvation_factor}")
+        if self.slo_admission_control and self.diffusion_scheduler_policy != "slo":
+            raise ValueError("slo_admission_control (--slo-admission-control) needs diffusion_scheduler_policy "
+                             f"'slo', got {self.diffusion_scheduler_policy!r}")
+        if not 0 < self.slo_admission_min_accept <= 1:
+            raise ValueError(f"slo_admission_min_accept must be in (0, 1], got {self.slo_admission_min_accept}")
+        if self.slo_admission_min_accept != 0.9 and not self.slo_admission_control:
+            raise ValueError("slo_admission_min_accept (--slo-admission-min-accept) applies only with "
+                             "slo_admission_control (--slo-admission-control)")
         if self.max_paused_states < 0:
             raise ValueError(f"max_paused_states must be >= 0, got {self.max_paused_states}")
         if self.max_stage_restarts < 0:

@@ -242,6 +242,7 @@ class DiffusionEngine:
                 "num_requests_finished": self._counters["num_finished"],
                 "num_requests_failed": self._counters["num_failed"],
                 "num_aborted": self._counters["num_aborted"],
+                "num_refused": self.scheduler.num_refused,
                 "batch_sizes": dict(self._batch_sizes),
                 "num_running": len(self._running),
                 "num_waiting": self.scheduler.num_waiting,

@@ -112,6 +112,8 @@ class OmniEngineArgs(EngineArgs):
     default_deadline_ms: float = 60000.0
     slo_starvation_factor: float = 4.0
     slo_deadline_factor: float = 2.0
+    slo_admission_control: bool = False
+    slo_admission_min_accept: float = 0.9
     max_paused_states: int = 4
     fa_deterministic: bool = False
     diffusers_load_kwargs: dict[str, Any] | None = None

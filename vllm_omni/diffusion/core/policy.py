@@ -28,6 +28,13 @@ stopped; at most `max_paused_states` states are paused at a time, which bounds t
 Remaining cost = remaining steps x the measured seconds per step of the request's shape (`StepCostModel`),
 plus the shape's measured decode and, before admission, its measured encode (prepare).
 
+Admission control (`--slo-admission-control`, slo only): a newcomer is refused at `add` when, run after every
+queued job whose deadline is not later than its own (EDF), the cost model predicts it finishes after its
+deadline (request mode: after the batch in flight too, which is never preempted). So that refusing never costs
+more than a stated share of throughput, at most 1 - `min_accept` of the last `ADMISSION_WINDOW` arrivals are
+refused (`--slo-admission-min-accept`); one that would exceed it is admitted and served late. The simulator's
+admission rows (benchmarks/diffusion/sim_step_policies.py) apply the same `AdmissionControl`.
+
 Why the starvation bound: putting hopeless jobs last is what lets the feasible ones meet their deadlines under
 overload, but with no bound a long hopeless job waits as long as feasible work keeps arriving, which is the
 p95/p99 (benchmarks/diffusion/sim_step_policies.py replays the H200 mix: docs/execution_modes.md).
@@ -36,6 +43,7 @@ p95/p99 (benchmarks/diffusion/sim_step_policies.py replays the H200 mix: docs/ex
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -49,6 +57,8 @@ DEFAULT_STEPS = 50
 COBATCH_GAIN = 0.8
 """slo co-batches k states of one shape only when their measured round costs at most this x k solo steps."""
 ShapeKey = tuple[int | None, int | None, int | None, bool]
+ADMISSION_WINDOW = 100
+"""Arrivals over which slo admission control keeps its refused share at most 1 - `min_accept`."""
 
 
 def shape_key(request: OmniDiffusionRequest) -> ShapeKey:
@@ -247,3 +257,39 @@ class StepPolicy:
         if batched > COBATCH_GAIN * batch * solo:
             return False
         return not any(self.can_make_deadline(job, now) and not self.can_make_deadline(job, now, batch) for job in jobs)
+
+
+class AdmissionControl:
+    """slo admission control: refuse a job that cannot make its deadline behind the work ahead of it, within the
+    throughput floor `min_accept` (the least admitted share of the last `window` arrivals)."""
+
+    def __init__(self, min_accept: float = 0.9, window: int = ADMISSION_WINDOW) -> None:
+        """`min_accept`: the floor; 0 = none (the simulator's reference: refuse whatever cannot make it)."""
+        if not 0 <= min_accept <= 1:
+            raise ValueError(f"slo_admission_min_accept must be in [0, 1], got {min_accept}")
+        self.min_accept = min_accept
+        self.window = window
+        self.refused: deque[bool] = deque(maxlen=window - 1)
+        """Whether each of the previous arrivals was refused (this one completes the window)."""
+
+    @staticmethod
+    def predicted_finish(
+        policy: StepPolicy, queue: list, job: Schedulable, now: float, running: tuple | list = ()
+    ) -> float:
+        """When `job` would finish run after every queued job with a deadline not later than its own (EDF) and
+        after `running` (what cannot be preempted: request mode's batch in flight), at the cost model's solo
+        pace (`now` while nothing prices its shape)."""
+        ahead = sum(policy.remaining_seconds(j) for j in queue if j.deadline <= job.deadline)
+        ahead += sum(policy.remaining_seconds(j) for j in running)
+        return now + ahead + policy.remaining_seconds(job)
+
+    def refuse(
+        self, policy: StepPolicy, queue: list, job: Schedulable, now: float, running: tuple | list = ()
+    ) -> float | None:
+        """The predicted finish of a job to refuse; None admits it (it can make its deadline, or refusing it
+        would refuse more than 1 - `min_accept` of the window's arrivals). Counts the arrival either way."""
+        finish = self.predicted_finish(policy, queue, job, now, running)
+        arrivals, refused = len(self.refused) + 1, sum(self.refused) + 1
+        refuse = finish > job.deadline and arrivals - refused >= self.min_accept * arrivals - 1e-9
+        self.refused.append(refuse)
+        return finish if refuse else None

@@ -28,11 +28,19 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from vllm_omni.diffusion.core.batch_key import build_request_batch_sampling_params_key
-from vllm_omni.diffusion.core.policy import DEFAULT_STEPS, ShapeKey, StepPolicy, shape_key, shape_label
+from vllm_omni.diffusion.core.policy import (
+    DEFAULT_STEPS,
+    AdmissionControl,
+    ShapeKey,
+    StepPolicy,
+    shape_key,
+    shape_label,
+)
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.ipc import StepPlan, StepResult
 from vllm_omni.diffusion.offload.distributed import dlo_wave_key
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.errors import OmniClientError
 from vllm_omni.outputs import StepStats
 
 Fits = Callable[[list[OmniDiffusionRequest]], bool]
@@ -98,6 +106,11 @@ class DiffusionScheduler:
             default_deadline_ms=od_config.default_deadline_ms,
             deadline_factor=od_config.slo_deadline_factor,
         )
+        self.admission = (
+            AdmissionControl(od_config.slo_admission_min_accept) if od_config.slo_admission_control else None
+        )
+        """slo admission control (`add` refuses what cannot make its deadline), None when off."""
+        self.num_refused = 0
         self.waiting: list[DiffusionJob] = []
         """Not admitted yet, in arrival order."""
         self.paused: list[DiffusionJob] = []
@@ -122,11 +135,26 @@ class DiffusionScheduler:
         return [*self.resident, *self.paused, *self._leaving.values()]
 
     def add(self, request: OmniDiffusionRequest, stream: bool = False, now: float | None = None) -> DiffusionJob:
+        """Queue a request; with admission control, one predicted to miss its deadline behind the work ahead of
+        it is refused (429 naming `deadline_ms`) unless the throughput floor keeps it."""
         if any(job.request_id == request.request_id for job in [*self.waiting, *self.on_workers()]):
             raise ValueError(f"request {request.request_id!r} is already scheduled")
         job = DiffusionJob(request, stream, self.policy.deadline_ms(request), batch_key=self.batch_key(request))
         if now is not None:
             job.arrival = now
+        if self.admission is not None:
+            running = self.resident if self.whole_requests else []  # a batch in flight runs to its end
+            queue = [*self.waiting, *self.paused] + ([] if self.whole_requests else self.resident)
+            finish = self.admission.refuse(self.policy, queue, job, job.arrival, running)
+            if finish is not None:
+                self.num_refused += 1
+                raise OmniClientError(
+                    f"request refused by admission control: deadline_ms={job.deadline_ms:.0f} cannot be met, the "
+                    f"predicted finish is {(finish - job.arrival) * 1000:.0f} ms after arrival behind "
+                    f"{len(queue) + len(running)} request(s); retry later or set a longer deadline_ms",
+                    status_code=429,
+                    param="deadline_ms",
+                )
         self.waiting.append(job)
         return job
 
