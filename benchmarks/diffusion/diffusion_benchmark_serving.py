@@ -152,6 +152,7 @@ MODES = {
     "request-fcfs": [],
     "step-fcfs": ["--step-execution", "--diffusion-scheduler-policy", "fcfs"],
     "step-slo": ["--step-execution", "--diffusion-scheduler-policy", "slo"],
+    "step-slo-admit": ["--step-execution", "--diffusion-scheduler-policy", "slo", "--slo-admission-control"],
 }
 STARTUP_TIMEOUT_S = 900.0
 
@@ -415,9 +416,11 @@ def simulated(report: dict[str, Any], args: argparse.Namespace, mix: list[tuple[
             "--encode-seconds", per(fixed), "--decode-seconds", per(dict.fromkeys(step, 0.0)),
             "--batch-speedup", per(dict.fromkeys(step, 1.0)), "--num-prompts", str(args.num_prompts),
             "--load", f"{sim_load:.4f}", "--seeds", "50", "--slots", str(args.max_num_seqs),
-            "--starvation-factors", "4", "--only", "^(step-fcfs|slo, starvation 4)$"]
+            "--starvation-factors", "4", "--admission-floors", "0.9",
+            "--only", "^(step-fcfs|slo, starvation 4|slo \\+ admission control, floor 0.9)$"]
     rows = sim_step_policies.table(sim_step_policies.parse_args(argv))
-    names = {"request-fcfs": "request-fcfs", "step-fcfs": "step-fcfs", "slo, starvation 4": "step-slo"}
+    names = {"request-fcfs": "request-fcfs", "step-fcfs": "step-fcfs", "slo, starvation 4": "step-slo",
+             "slo + admission control, floor 0.9": "step-slo-admit"}
     return {"argv": argv, "modes": {names[name]: {"mean_over_request_fcfs": float(r[:, 5].mean()),
                                                   "p95_over_request_fcfs": float(r[:, 6].mean()),
                                                   "attainment": float(r[:, 2].mean()),

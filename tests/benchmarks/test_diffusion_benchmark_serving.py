@@ -43,7 +43,7 @@ def test_compare_modes_summary():
     import diffusion_benchmark_serving as bench
 
     assert bench.parse_mix("64x64:4,128x128:8") == [("64x64", 4), ("128x128", 8)]
-    assert set(bench.MODES) == {"request-fcfs", "step-fcfs", "step-slo"}
+    assert set(bench.MODES) == {"request-fcfs", "step-fcfs", "step-slo", "step-slo-admit"}
     plan = [(0.0, 0), (0.1, 1), (0.2, 1), (0.3, 0)]
     results = [bench.RequestResult(True, 1.0), bench.RequestResult(True, 5.0), bench.RequestResult(True, 3.0),
                bench.RequestResult(False, 0.5, error="HTTP 500")]
@@ -96,7 +96,8 @@ def test_compare_modes_prints_the_simulators_prediction_beside():
     sim = bench.simulated(report, args, mix)
     step = dict(item.split("=") for item in sim["argv"][sim["argv"].index("--step-seconds") + 1].split(","))
     assert float(step["512x512"]) == pytest.approx(0.05) and float(step["1024x1024"]) == pytest.approx(0.14)
-    assert set(sim["modes"]) == {"request-fcfs", "step-fcfs", "step-slo"}
+    assert set(sim["modes"]) == {"request-fcfs", "step-fcfs", "step-slo", "step-slo-admit"}
+    assert sim["modes"]["step-slo-admit"]["throughput_over_request_fcfs"] <= 1.0
     assert sim["modes"]["request-fcfs"]["mean_over_request_fcfs"] == 1.0
     assert 0 < sim["modes"]["step-slo"]["mean_over_request_fcfs"] < 1.5
 
