@@ -23,6 +23,9 @@ class OmniRequestOutput:
     token_ids: list[int] = field(default_factory=list)
     request_output: Any = None
     """The AR stage's vLLM `RequestOutput`, when the output comes from an AR stage."""
+    stage_data: dict[str, Any] = field(default_factory=dict)
+    """What an AR stage's model returned in-band beside the tokens so far (catalog/edges.py `STAGE_DATA_KEY`),
+    newest value per key; the stage's output collector reads it."""
     images: list[Any] = field(default_factory=list)
     multimodal_output: dict[str, Any] = field(default_factory=dict)
     stage_durations: dict[str, float] = field(default_factory=dict)

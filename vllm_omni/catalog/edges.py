@@ -10,6 +10,11 @@ from typing import Any, Literal, TypeVar
 
 from vllm_omni.config.pipeline_config import EdgeField, EdgeStreamConfig
 
+STAGE_DATA_KEY = "vllm_omni_stage_data"
+"""Key of an AR stage's in-band stage data in vLLM's `kv_transfer_params` (what its model produced per request
+besides tokens, returned with each engine step's outputs: models/qwen3_omni/slot_connector.py); the stage client
+gathers it into `OmniRequestOutput.stage_data`, which the stage's output collector reads."""
+
 StageInputProcessor = Callable[..., Any]
 _Processor = TypeVar("_Processor", bound=StageInputProcessor)
 
@@ -21,8 +26,8 @@ class ProcessorReads:
     edge_fields: frozenset[EdgeField] = frozenset()
     """The `EdgeStreamConfig` fields it reads from `context.edge` (streamed or not)."""
     partial_stage_data: Literal["every_chunk", "first_chunk"] = "every_chunk"
-    """On a streamed edge, the upstream's collected `stage_data` of a running request (an output-collector RPC
-    per hand-off): "first_chunk" when the processor reads it from the first chunk only (e.g. a prompt capture,
+    """On a streamed edge, the upstream's collected `stage_data` of a running request (its output collector, per
+    hand-off): "first_chunk" when the processor reads it from the first chunk only (e.g. a prompt capture,
     complete once the first token exists), so the orchestrator collects it for the first hand-off only."""
 
 

@@ -21,6 +21,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from multiprocessing import shared_memory
 from typing import Any
 
+from vllm_omni.catalog.edges import STAGE_DATA_KEY
 from vllm_omni.catalog.spec import Modality
 from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.output_collectors import get_output_collector
@@ -176,9 +177,11 @@ class StageEngineCoreClient(StageClientBase):
         if self.is_restarting:
             raise StageRestartingError(f"{self.name}: the EngineCore died and is being re-created")
         start = time.perf_counter()
-        result, finished = None, False
+        result, finished, stage_data = None, False, {}
         try:
             async for out in self.llm.generate(prompt, sampling_params, request_id):
+                if out.kv_transfer_params and STAGE_DATA_KEY in out.kv_transfer_params:
+                    stage_data = {**stage_data, **out.kv_transfer_params[STAGE_DATA_KEY]}
                 completion = out.outputs[0] if out.outputs else None
                 result = OmniRequestOutput(
                     request_id=request_id,
@@ -188,6 +191,7 @@ class StageEngineCoreClient(StageClientBase):
                     text=completion.text if completion else None,
                     token_ids=list(completion.token_ids) if completion else [],
                     request_output=out,
+                    stage_data=stage_data,
                 )
                 aborted = out.finished and completion is not None and completion.finish_reason == "abort"
                 if aborted and not self.final_output:  # a truncated intermediate result must not feed on
@@ -200,7 +204,7 @@ class StageEngineCoreClient(StageClientBase):
                 # A streaming-input request whose input closed while it waited ends without a finished output.
                 result = OmniRequestOutput(request_id=request_id, finished=True, stage_id=self.stage_id,
                                            final_output_type=self.output_modality, text=result.text,
-                                           request_output=result.request_output)
+                                           request_output=result.request_output, stage_data=stage_data)
                 await self._finish(request_id, result, start)
                 yield result
         except VllmEngineDeadError as e:

@@ -11,9 +11,7 @@ upstream finished; the same frames, chunks and audio, greedy).
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import time
 from typing import TYPE_CHECKING, Any
 
 from vllm_omni.catalog.edges import StageInput, StageInputContext, reads
@@ -26,6 +24,7 @@ from vllm_omni.config.pipeline_config import (
 from vllm_omni.connectors.base import StagePayload
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.voices import resolve_voice
+from vllm_omni.logger import init_logger
 from vllm_omni.models.qwen3_omni.stage_input_processors import (
     Qwen3OmniTokenIds,
     talker_to_code2wav,
@@ -34,6 +33,8 @@ from vllm_omni.models.qwen3_omni.stage_input_processors import (
 
 if TYPE_CHECKING:
     from vllm_omni.models.qwen3_omni.talker import TalkerSamplingParams
+
+logger = init_logger(__name__)
 
 DEFAULT_SPEAKER = "ethan"
 THINKER_ARCHITECTURE = "Qwen3OmniMoeOmniThinkerForConditionalGeneration"
@@ -53,10 +54,10 @@ s), later chunks grow so that the left context is recomputed less often."""
 CODE2WAV_LEFT_CONTEXT = 25
 """Frames of left context per chunk: transformers' `Qwen3OmniMoeCode2Wav.chunked_decode` default."""
 TALKER_CHUNK_TOKENS = 4
-"""Talker tokens between looks at its frames (a `collective_rpc`): a vocoder chunk is handed on at most this many
-frames after it is complete."""
+"""Talker tokens between looks at its frames (in-band with its outputs): a vocoder chunk is handed on at most this
+many frames after it is complete."""
 FRAMES_TIMEOUT_S = 10.0
-"""How long the collector waits for the talker worker to file a finished request's frames (one engine step)."""
+"""How long the collector waits for the thinker worker's capture when it asks for it (a merged output)."""
 
 
 def qwen3_omni_pipeline(stream: bool = True, chunk_tokens: int = THINKER_CHUNK_TOKENS,
@@ -212,31 +213,24 @@ def talker_sampling(params: Any) -> TalkerSamplingParams:
 
 
 async def collect_thinker_hidden(client: Any, request_id: str, output: Any) -> dict[str, Any]:
-    """The thinker's prompt capture (M-RoPE positions, hidden states at multimodal positions) from its worker;
-    complete once the request produced a token; the worker lets go of it when the request finished."""
-    (taken,) = await client.collective_rpc_async("take_thinker_hidden", timeout=FRAMES_TIMEOUT_S,
-                                                 args=([request_id], not output.finished))
-    return {"thinker_hidden": taken[request_id]}
+    """The thinker's prompt capture (M-RoPE positions, hidden states at multimodal positions), in-band on the
+    output of the step that completed it and on the last one (thinker_hidden.py). Should vLLM have merged that
+    output into a later one, a running request's capture is asked of the worker once."""
+    capture = output.stage_data.get("thinker_hidden")
+    if capture is None and not output.finished:
+        logger.debug("thinker capture of request %s merged away; asking the worker", request_id)
+        (taken,) = await client.collective_rpc_async("take_thinker_hidden", timeout=FRAMES_TIMEOUT_S,
+                                                     args=([request_id], True))
+        capture = output.stage_data["thinker_hidden"] = taken[request_id]
+    return {"thinker_hidden": capture}
 
 
 async def collect_talker_frames(client: Any, request_id: str, output: Any) -> dict[str, Any]:
-    """The request's codec frames from the talker worker: those complete so far while it runs (a streamed
-    edge), all of them once it finished. The worker files them on the engine step after the last token, which
-    may run just after vLLM returned the output: poll briefly."""
-    if not output.finished:
-        (peeked,) = await client.collective_rpc_async("peek_talker_frames", timeout=FRAMES_TIMEOUT_S,
-                                                      args=([request_id],))
-        return {"codec_frames": peeked[request_id]}
-    deadline = time.monotonic() + FRAMES_TIMEOUT_S
-    while True:
-        (taken,) = await client.collective_rpc_async("take_talker_frames", timeout=FRAMES_TIMEOUT_S,
-                                                     args=([request_id],))
-        frames = taken[request_id]
-        if frames is not None:
-            return {"codec_frames": frames}
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"talker frames of request {request_id} not filed within {FRAMES_TIMEOUT_S} s")
-        await asyncio.sleep(0.01)
+    """The request's codec frames, in-band with its outputs (talker_rows.py): those complete so far while it
+    runs (a streamed edge), all of them once it finished."""
+    from vllm_omni.models.qwen3_omni.talker_rows import frames_from_stage_data
+
+    return {"codec_frames": frames_from_stage_data(output.stage_data)}
 
 
 @reads(edge_fields=("chunk_schedule",))

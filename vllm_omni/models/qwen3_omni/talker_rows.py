@@ -6,8 +6,10 @@ collectable. vLLM's model interface passes neither, so the talker stage runs wit
 (`kv_transfer_config.kv_connector_module_path`), which moves no KV: its scheduler side sends, each step, every
 scheduled request's KV block ids and (when new or resumed) its `extra_args`, plus the finished request ids; the
 model maps each row to its request by the row's KV slot (`slot_mapping` of vLLM's forward context; a block belongs
-to one request). `TalkerFramesExtension` (`worker_extension_cls`) serves the frame RPCs. Nothing assumes a CPU
-worker or reads runner internals.
+to one request). Each frame the model completes goes back with the step's output and out on the request's outputs
+(slot_connector.py): every output carries all of the request's frames so far, so an output vLLM's per-request
+queue merges into a later one loses nothing. `TalkerFramesExtension` (`worker_extension_cls`) serves the frames
+to direct callers (tests, benchmarks). Nothing assumes a CPU worker or reads runner internals.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorRole
 
@@ -25,7 +28,17 @@ MODULE = "vllm_omni.models.qwen3_omni.talker_rows"
 
 
 def talker_rows_engine_kwargs() -> dict[str, Any]:
-    return slot_connector_engine_kwargs(CONNECTOR, MODULE, "TalkerFramesExtension")
+    return slot_connector_engine_kwargs(CONNECTOR, MODULE, "TalkerFramesExtension", async_scheduling=False)
+
+
+def frames_from_stage_data(data: dict[str, Any]) -> list[list[int]]:
+    """The codec frames of a talker output's in-band stage data (`TalkerRowsConnector.stage_data`)."""
+    if "error" in data:
+        raise RuntimeError(f"talker request failed: {data['error']}")
+    if "codec_frames" not in data:
+        return []
+    codes = np.frombuffer(data["codec_frames"], dtype=np.int32)
+    return codes.reshape(-1, data["codebooks"]).tolist()
 
 
 @dataclass
@@ -55,6 +68,9 @@ class TalkerRowsConnector(SlotConnector):
         self._blocks: dict[str, list[int]] = {}  # scheduler side
         self._extra_args: dict[str, dict | None] = {}  # worker side: the latest params of each running request
         self._finished: set[str] = set()  # worker side: finished, not yet handed to the model
+        self._frames: dict[str, bytearray] = {}  # scheduler side: each running request's frames (int32 codes)
+        self._codebooks: dict[str, int] = {}
+        self._errors: dict[str, str] = {}
 
     # ---- scheduler side ----------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> RowsMetadata:
@@ -76,7 +92,29 @@ class TalkerRowsConnector(SlotConnector):
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._blocks.pop(request.request_id, None)
-        return False, None
+        return super().request_finished(request, block_ids)
+
+    def received(self, req_id: str, data: dict[str, Any]) -> None:
+        if "error" in data:
+            self._errors.setdefault(req_id, data["error"])
+        if data.get("frames"):
+            codes = np.asarray(data["frames"], dtype=np.int32)
+            self._codebooks[req_id] = codes.shape[1]
+            self._frames.setdefault(req_id, bytearray()).extend(codes.tobytes())
+
+    def stage_data(self, req_id: str, finished: bool) -> dict[str, Any] | None:
+        """All frames so far (or the request's error): a frame is 16 int32 codes, so a 4096-frame request's last
+        outputs carry 256 KiB each."""
+        if req_id in self._errors:
+            return {"error": self._errors[req_id]}
+        if req_id not in self._frames:
+            return None
+        return {"codec_frames": bytes(self._frames[req_id]), "codebooks": self._codebooks[req_id]}
+
+    def forget(self, req_id: str) -> None:
+        self._frames.pop(req_id, None)
+        self._codebooks.pop(req_id, None)
+        self._errors.pop(req_id, None)
 
     # ---- worker side ---------------------------------------------------------------------------------------
     def bind_connector_metadata(self, connector_metadata: RowsMetadata) -> None:
@@ -85,6 +123,14 @@ class TalkerRowsConnector(SlotConnector):
         for req_id in connector_metadata.finished:
             self._extra_args.pop(req_id, None)
         self._finished |= connector_metadata.finished
+
+    def send(self, req_id: str, frame: list[int] | None = None, error: str | None = None) -> None:
+        """A frame the model completed this step (or the request's error), out with the step's output."""
+        data = self._outbox.setdefault(req_id, {})
+        if frame is not None:
+            data.setdefault("frames", []).append(frame)
+        if error is not None:
+            data["error"] = error
 
     def drain_finished(self) -> set[str]:
         """Requests finished since the last call (a step without a forward also reports some)."""

@@ -9,8 +9,10 @@ its M-RoPE positions follow the thinker's. vLLM gives a model forward no request
 - the thinker model (vllm_thinker.py) collects vLLM's aux hidden states of that layer and, through the worker-side
   connector, maps each row of the flattened batch to (request, position) by its KV slot (`slot_mapping` of the
   forward context; a block belongs to one request) — no runner internals, so it runs the same on CPU and GPU;
-- `ThinkerHiddenStatesExtension` (`worker_extension_cls`) hands a request's capture out through
-  `collective_rpc("take_thinker_hidden")`.
+- a completed capture goes back with the step's output (slot_connector.py) and out in-band on the request's
+  output of that step and on its last one. Should vLLM's per-request output queue merge that step's output into
+  the next (a lagging reader), the collector asks the worker once (`ThinkerHiddenStatesExtension`,
+  `collective_rpc("take_thinker_hidden")`), which keeps a capture until its request finished.
 """
 
 from __future__ import annotations
@@ -25,14 +27,12 @@ from vllm_omni.models.qwen3_omni.slot_connector import SlotConnector, slot_conne
 
 CONNECTOR = "ThinkerHiddenStatesConnector"
 MODULE = "vllm_omni.models.qwen3_omni.thinker_hidden"
-MAX_UNCLAIMED = 1024
-"""Captures of finished requests kept for collection; older ones are dropped (never-collected must not pile up)."""
 
 
 def thinker_engine_kwargs() -> dict[str, Any]:
     """vLLM engine arguments that make the thinker export its hidden states. Prefix caching is off: a cached
     prompt block is never forwarded, so its states could not be captured."""
-    return {**slot_connector_engine_kwargs(CONNECTOR, MODULE, "ThinkerHiddenStatesExtension"),
+    return {**slot_connector_engine_kwargs(CONNECTOR, MODULE, "ThinkerHiddenStatesExtension", async_scheduling=True),
             "enable_prefix_caching": False}
 
 
@@ -59,6 +59,9 @@ class Capture:
     positions: torch.Tensor
     multimodal_positions: torch.Tensor
     hidden: torch.Tensor | None = None
+    rows: int = 0
+    """Prompt rows captured (the prompt is complete at `positions.shape[1]`)."""
+    sent: bool = False
 
     def to_builtins(self) -> dict[str, Any]:
         hidden = self.hidden if self.hidden is not None else torch.zeros(0, 0)
@@ -76,8 +79,9 @@ class ThinkerHiddenStatesConnector(SlotConnector):
         self._multimodal_ids = {thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id}
         self._block_size = vllm_config.cache_config.block_size
         self._prompts: dict[str, PromptRequest] = {}  # scheduler side: requests still in their prompt
-        self._captures: dict[str, Capture] = {}  # worker side
-        self._finished: dict[str, Capture] = {}
+        self._captures: dict[str, Capture] = {}  # worker side: until the request finished
+        self._held: dict[str, dict[str, Any]] = {}  # scheduler side: completed captures, until the last output
+        self._fresh: set[str] = set()  # scheduler side: completed this step
 
     # ---- scheduler side ----------------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output) -> HiddenStatesMetadata:
@@ -107,16 +111,29 @@ class ThinkerHiddenStatesConnector(SlotConnector):
 
     def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         self._prompts.pop(request.request_id, None)
-        return False, None
+        return super().request_finished(request, block_ids)
+
+    def received(self, req_id: str, data: dict[str, Any]) -> None:
+        self._held[req_id] = data["thinker_hidden"]
+        self._fresh.add(req_id)
+
+    def stage_data(self, req_id: str, finished: bool) -> dict[str, Any] | None:
+        """The capture on the output of the step that completed it, and on the request's last output (the only
+        one a FINAL_ONLY request has)."""
+        fresh = req_id in self._fresh
+        self._fresh.discard(req_id)
+        capture = self._held.get(req_id)
+        return {"thinker_hidden": capture} if capture is not None and (fresh or finished) else None
+
+    def forget(self, req_id: str) -> None:
+        self._held.pop(req_id, None)
+        self._fresh.discard(req_id)
 
     # ---- worker side ---------------------------------------------------------------------------------------
     def bind_connector_metadata(self, connector_metadata: HiddenStatesMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         for req_id in connector_metadata.finished:
-            if (capture := self._captures.pop(req_id, None)) is not None:
-                self._finished[req_id] = capture
-        while len(self._finished) > MAX_UNCLAIMED:
-            self._finished.pop(next(iter(self._finished)))
+            self._captures.pop(req_id, None)
 
     def capture(self, slot_mapping: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor) -> None:
         """Record this forward's prompt rows: `slot_mapping` (N,) KV slot per row, `positions` (3, N) M-RoPE
@@ -142,6 +159,10 @@ class ThinkerHiddenStatesConnector(SlotConnector):
             rows, pos = rows[in_prompt], pos[in_prompt]
             capture.positions[:, pos.cpu()] = positions[:, rows].to("cpu", torch.long)
             self._capture_hidden(capture, rows, pos, hidden)
+            capture.rows += rows.numel()
+            if capture.rows >= prompt.prompt_len and not capture.sent:  # the prompt's last rows: out in-band
+                capture.sent = True
+                self._outbox[req_id] = {"thinker_hidden": capture.to_builtins()}
 
     @staticmethod
     def _capture_hidden(capture: Capture, rows: torch.Tensor, pos: torch.Tensor, hidden: torch.Tensor) -> None:
@@ -155,17 +176,17 @@ class ThinkerHiddenStatesConnector(SlotConnector):
         capture.hidden[slot[hit]] = hidden[rows.cpu()[hit]].to("cpu", torch.float32)
 
     def take(self, request_id: str, keep: bool = False) -> dict[str, Any] | None:
-        """The capture of a request by its external id (vLLM appends `-` and 8 characters to it); `keep` leaves
-        it in place (a running request's streamed edge asks again)."""
-        for store in (self._captures, self._finished):
-            for key in list(store):
-                if key == request_id or (len(key) == len(request_id) + 9 and key.startswith(request_id + "-")):
-                    return (store[key] if keep else store.pop(key)).to_builtins()
+        """The capture of a running request by its external id (vLLM appends `-` and 8 characters to it); `keep`
+        leaves it in place (its request still runs)."""
+        for key in list(self._captures):
+            if key == request_id or (len(key) == len(request_id) + 9 and key.startswith(request_id + "-")):
+                return (self._captures[key] if keep else self._captures.pop(key)).to_builtins()
         return None
 
 
 class ThinkerHiddenStatesExtension:
-    """Worker extension (`worker_extension_cls`): the capture RPC for the thinker stage's output collector."""
+    """Worker extension (`worker_extension_cls`): the capture of a running request, for the output collector
+    when vLLM merged away the output that carried it."""
 
     def take_thinker_hidden(self, request_ids: list[str], keep: bool = False) -> dict[str, dict[str, Any] | None]:
         from vllm.distributed.kv_transfer import get_kv_transfer_group

@@ -5,8 +5,9 @@ vLLM gives a model forward no request identity, but the talker needs per-request
 (the next answer token from the thinker, the previous step's last hidden state for the code predictor) and
 produces G-1 extra codes per step. The stage's KV-connector plugin (talker_rows.py) tells the model which request
 owns which rows of each forward and which requests finished; requests carry their conditioning in
-`SamplingParams.extra_args["qwen3_omni_talker"]` (a `TalkerPrompt` as builtins plus a `key`); completed frames
-are collected with `collective_rpc` (`take_talker_frames`, a worker-extension method).
+`SamplingParams.extra_args["qwen3_omni_talker"]` (a `TalkerPrompt` as builtins plus a `key`); each completed
+frame goes out in-band with the step's output (talker_rows.py), and a worker-extension method
+(`take_talker_frames`) serves finished requests' frames to direct callers.
 
 The stage's vLLM config is the checkpoint with `hf_overrides=talker_hf_overrides`, which hands vLLM the talker's
 config (so KV cache, vocabulary and max length are the talker's). Its RoPE is the talker's M-RoPE, built here
@@ -152,7 +153,7 @@ class CodecTalkerBase(nn.Module):
             inputs_embeds = self.embed_input_ids(input_ids)
         rows = self._step_rows()
         for row in rows:
-            self._condition_row(row, input_ids, positions, inputs_embeds)
+            self._condition_row(row, input_ids, positions, inputs_embeds, self._connector())
         hidden = self.model(None, self._rope_positions(rows, positions), intermediate_tensors,
                             inputs_embeds=inputs_embeds)
         for row in rows:
@@ -217,7 +218,7 @@ class CodecTalkerBase(nn.Module):
     def _project(self, text_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _condition_row(self, row: RequestRows, input_ids, positions, embeds: torch.Tensor) -> None:
+    def _condition_row(self, row: RequestRows, input_ids, positions, embeds: torch.Tensor, connector) -> None:
         state = self._state(row, embeds.device)
         if state is None:
             return
@@ -249,10 +250,12 @@ class CodecTalkerBase(nn.Module):
                                                                state.pick_code)
                 state.frames.append([code0, *residual])
                 state.frame_embeds.append(frame_embed)
+                connector.send(row.req_id, frame=state.frames[-1])
             else:
                 # The code predictor needs the previous position's final hidden state, which a recompute chunk
                 # only produces inside this very forward.
                 state.error = state.error or f"position {int(pos[offset])} recomputed without its predecessor"
+                connector.send(row.req_id, error=state.error)
                 continue
             text_id = state.trailing_ids[step] if step < len(state.trailing_ids) else state.tts_pad_id
             text = self._project(torch.tensor([text_id], device=embeds.device))[0]

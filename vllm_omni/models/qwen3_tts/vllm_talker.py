@@ -2,10 +2,10 @@
 predictor (code_predictor.py) run inside the forward for each decode token.
 
 The per-request machinery is Qwen3-Omni's (`CodecTalkerBase`: the request-identity connector, the conditioning
-in `SamplingParams.extra_args`, the frames collected by `collective_rpc`); only the text embedding differs: the
-talker's own `text_embedding` table, then `text_projection`. The checkpoint's RoPE is M-RoPE, but a TTS prompt is
-text only (equal temporal / height / width positions), where M-RoPE is plain RoPE, so vLLM's decoder gets the
-plain rotation (`talker_hf_overrides`).
+in `SamplingParams.extra_args`, the frames returned in-band with each step's outputs); only the text embedding
+differs: the talker's own `text_embedding` table, then `text_projection`. The checkpoint's RoPE is M-RoPE, but a
+TTS prompt is text only (equal temporal / height / width positions), where M-RoPE is plain RoPE, so vLLM's decoder
+gets the plain rotation (`talker_hf_overrides`).
 """
 
 from __future__ import annotations
