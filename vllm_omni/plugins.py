@@ -1,12 +1,16 @@
 """vLLM plugin hook (entry point group `vllm.general_plugins`): registers our AR model classes (and the HF config
-classes they need), lets an EngineCore fork its workers, and lets a CPU process use AMX.
+classes they need), lets an EngineCore fork its workers and leave without the interpreter's teardown, and lets a CPU
+process use AMX.
 
 vLLM calls this in every process it starts (API server, EngineCore, workers), so it must be idempotent and
 cheap.
 """
 
+import atexit
 import multiprocessing
 import os
+import sys
+from multiprocessing import util
 
 from vllm_omni.catalog.registry import MODEL_REGISTRY
 from vllm_omni.envs import ENGINE_CORE_FORKS_WORKERS
@@ -25,6 +29,7 @@ def register_models() -> None:
         if arch not in supported:
             ModelRegistry.register_model(arch, target)
     _fork_workers_in_engine_core()
+    _exit_without_teardown_in_engine_core()
     _allow_amx_on_cpu()
 
 
@@ -51,6 +56,32 @@ def _fork_workers_in_engine_core() -> None:
     if (multiprocessing.current_process().name.startswith("EngineCore")
             and os.environ.get(ENGINE_CORE_FORKS_WORKERS) == "1"):
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+
+def _exit_without_teardown_in_engine_core() -> None:
+    """An EngineCore that stopped cleanly has torn itself down (workers joined, distributed state destroyed, heap
+    collected); the interpreter's teardown after that collects and frees the ~700k objects of torch and vLLM once
+    more, 2.9 CPU-s that free nothing the process exit does not. On a loaded 2-core machine that held every AR
+    EngineCore past the API process's 10 s shutdown wait, into a SIGKILL. So, as `vllm serve ... --omni` and our
+    diffusion processes do, it runs the exit handlers and leaves. Freezing the heap instead (what vLLM does after a
+    clean ROCm shutdown) makes triton's nanobind print a leak report at every exit.
+
+    The hook is multiprocessing's last exit finalizer, in a process multiprocessing started: it runs inside
+    `BaseProcess._bootstrap` once `run` has ended, where the exception `run` ended with (if any) is still current.
+    Only a clean stop (no exception, or `SystemExit` 0, vLLM's answer to SIGTERM) leaves early; a failure keeps its
+    exit code and traceback.
+    """
+    if multiprocessing.current_process().name.startswith("EngineCore") and multiprocessing.parent_process():
+        util.Finalize(None, _leave_if_stopped_cleanly, exitpriority=-100)
+
+
+def _leave_if_stopped_cleanly() -> None:
+    error = sys.exc_info()[1]
+    if error is None or (isinstance(error, SystemExit) and error.code in (None, 0)):
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _allow_amx_on_cpu() -> None:
