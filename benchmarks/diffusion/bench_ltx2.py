@@ -177,7 +177,7 @@ def bench_step(ours, ref, kwargs: dict[str, Any], device, warmup: int, iters: in
     ]
     scheduler = ours.make_scheduler([rq], latents)
     t = scheduler.timesteps[0]
-    guidance = cond.guidance
+    guidance = cond.cfg.scale
 
     def diffusers_step():
         with torch.no_grad():

@@ -82,7 +82,7 @@ async def test_ar_client_runs_the_output_collector_once_per_finished_request():
             for i, finished in enumerate([False, True]):
                 completion = types.SimpleNamespace(text=f"t{i}", token_ids=[i],
                                                    finish_reason="stop" if finished else None)
-                yield types.SimpleNamespace(outputs=[completion], finished=finished)
+                yield types.SimpleNamespace(outputs=[completion], finished=finished, kv_transfer_params=None)
 
     from vllm import SamplingParams
 
