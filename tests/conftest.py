@@ -35,13 +35,69 @@ def _has_cuda() -> bool:
         return False
 
 
+WORKER_UNITS: dict[str, tuple[str, ...]] = {
+    # Package-scoped engines (the package's conftest.py).
+    "tiny Qwen3-Omni engine": ("tests/models/qwen3_omni/",),
+    "tiny Qwen3-TTS engine": ("tests/models/qwen3_tts/",),
+    # The users of each `shared_server` server (tests/entrypoints/openai/live_server.py names them).
+    "shared tiny/qwen2 server": ("tests/reliability/test_live_bad_input.py", "tests/tools/test_vllm_cli.py",
+                                 "tests/entrypoints/openai/test_live_vllm_app.py"),
+    "shared long Qwen-Image and Wan servers": ("tests/reliability/test_soak_disconnects.py",
+                                               "tests/reliability/test_abort_real_pipelines.py",
+                                               "tests/entrypoints/openai/test_videos_live.py"),
+    "shared tiny/ltx-2 server": ("tests/models/ltx2/test_ltx2_serve.py",),
+}
+"""What one pytest-xdist worker runs together (tools/test.sh runs two), so that an engine or server its tests share
+starts once; every other module is a unit of its own."""
+
+
+def worker_unit(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return next((name for name, prefixes in WORKER_UNITS.items() if module.startswith(prefixes)), module)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """pytest-xdist's load-scope scheduling with WORKER_UNITS as its scopes (`--dist loadscope`; other modes keep
+    pytest-xdist's own scheduler)."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkerUnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:  # pytest-xdist's point of extension for its scope schedulers
+            return worker_unit(nodeid)
+
+    return WorkerUnitScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Order the tests for the workers (every worker collects, in the same order) and skip `cuda` ones without a
+    GPU."""
+    unlisted = sorted({item.nodeid.split("::", 1)[0] for item in items
+                       if "shared_server" in item.fixturenames and worker_unit(item.nodeid) not in WORKER_UNITS})
+    if unlisted:
+        raise pytest.UsageError(f"tests/conftest.py WORKER_UNITS: add {unlisted}, which use `shared_server`, to the "
+                                "unit of the other users of their server")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _largest_units_first(items)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def _largest_units_first(items: list[pytest.Item]) -> None:
+    """The units with the largest set-up budgets first: one started last would leave the other worker idle."""
+    budgets = tomllib.loads(SETUP_BUDGET.read_text())["modules"]
+    weight: dict[str, float] = {}
+    for module in {item.nodeid.split("::", 1)[0] for item in items}:
+        unit = worker_unit(module)
+        weight[unit] = weight.get(unit, 0.0) + budgets.get(module, 0.0)
+    order = {unit: rank for rank, unit in enumerate(dict.fromkeys(worker_unit(item.nodeid) for item in items))}
+    items.sort(key=lambda item: (-weight[worker_unit(item.nodeid)], order[worker_unit(item.nodeid)]))
 
 
 @pytest.fixture(scope="module")
@@ -180,4 +236,5 @@ class SetupBudget:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.pluginmanager.register(SetupBudget(config), "setup-budget")
+    if not hasattr(config, "workerinput"):  # under pytest-xdist the controller sees every worker's reports
+        config.pluginmanager.register(SetupBudget(config), "setup-budget")

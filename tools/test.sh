@@ -8,9 +8,15 @@ bash tools/setup_env.sh
 py=.venv/bin/python
 echo "[test] ruff check"
 "$py" -m ruff check vllm_omni tests benchmarks examples tools
-echo "[test] pytest"
+# Two pytest workers (pytest-xdist): a test spends much of its time waiting on its servers' and engines' processes,
+# so two units side by side keep the 2-core machine busy. tests/conftest.py's WORKER_UNITS keep the tests that share
+# an engine or server on one worker, so each starts once. VLLM_OMNI_TEST_WORKERS=0: one pytest process.
+workers=${VLLM_OMNI_TEST_WORKERS:-2}
+xdist=()
+[ "$workers" -gt 0 ] && xdist=(-n "$workers" --dist loadscope)
+echo "[test] pytest ${xdist[*]}"
 set +e
-"$py" -m pytest "$@"
+"$py" -m pytest "${xdist[@]}" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
