@@ -247,6 +247,9 @@ def test_default_serve_config_is_compiled_on_cuda_and_warmed_up(dist_world, qwen
     counted)."""
     from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
 
+    # A worker process holds one pipeline; this pytest process compiled other VAE decoders before (their `forward`
+    # code is shared), and past Dynamo's recompile limit a code object runs eager: start from a fresh Dynamo.
+    torch._dynamo.reset()
     od_config = _default_od_config("--max-num-seqs", "2", "--diffusion-warmup-shapes", "64x64")
     assert od_config.enforce_eager is False
     od_config.model = str(qwen_image_dir)
