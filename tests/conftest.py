@@ -36,9 +36,12 @@ def _has_cuda() -> bool:
 
 
 WORKER_UNITS: dict[str, tuple[str, ...]] = {
-    # Package-scoped engines (the package's conftest.py).
+    # Packages with package-scoped fixtures (their conftest.py): pytest-xdist tears a package's fixture down only
+    # when its worker's next test is outside the package, so a package split over units would keep its engine or
+    # cluster running beside the next unit's tests (whose leak checks would find its processes).
     "tiny Qwen3-Omni engine": ("tests/models/qwen3_omni/",),
     "tiny Qwen3-TTS engine": ("tests/models/qwen3_tts/",),
+    "Ray cluster": ("tests/ray/",),
     # The users of each `shared_server` server (tests/entrypoints/openai/live_server.py names them).
     "shared tiny/qwen2 server": ("tests/reliability/test_live_bad_input.py", "tests/tools/test_vllm_cli.py",
                                  "tests/entrypoints/openai/test_live_vllm_app.py"),
@@ -89,13 +92,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
+"""Each module's seconds (set-up + calls + teardown) in a two-worker run, for ordering the units; rewrite it from
+a run's `--setup-times-json` file when the suite's shape changes (a module missing from it counts 0)."""
+
+
 def _largest_units_first(items: list[pytest.Item]) -> None:
-    """The units with the largest set-up budgets first: one started last would leave the other worker idle."""
-    budgets = tomllib.loads(SETUP_BUDGET.read_text())["modules"]
+    """The longest units first: one started last would leave the other worker idle."""
+    seconds = json.loads(MODULE_SECONDS.read_text())
     weight: dict[str, float] = {}
     for module in {item.nodeid.split("::", 1)[0] for item in items}:
         unit = worker_unit(module)
-        weight[unit] = weight.get(unit, 0.0) + budgets.get(module, 0.0)
+        weight[unit] = weight.get(unit, 0.0) + seconds.get(module, 0.0)
     order = {unit: rank for rank, unit in enumerate(dict.fromkeys(worker_unit(item.nodeid) for item in items))}
     items.sort(key=lambda item: (-weight[worker_unit(item.nodeid)], order[worker_unit(item.nodeid)]))
 

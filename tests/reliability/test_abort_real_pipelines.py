@@ -3,8 +3,9 @@
 What it pins, on `vllm serve tiny/qwen-image --omni` and `vllm serve tiny/wan2.1-t2v --omni` with the request at
 the configured step maximum: a client that disconnects after 2 s (images), `DELETE /v1/videos/{id}` on a running
 job, and a WebSocket closed mid-session each free the worker, so a 2-step request sent right after completes
-within 2 s plus its own solo time; the worker keeps its pid (nothing was restarted to get there). A prompt over
-the text encoder's token limit is a 400 naming `prompt`.
+within `freed_bound` of its own solo time (seconds, where the aborted request would take minutes); the worker
+keeps its pid (nothing was restarted to get there). A prompt over the text encoder's token limit is a 400 naming
+`prompt`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ def _worker_pids(srv: LiveServer) -> set[int]:
     """The server's stage processes and their workers (spawned, or forked from the server: `prestart.py`)."""
     return {p.pid for p in psutil.Process(srv.proc.pid).children(recursive=True)
             if "resource_tracker" not in " ".join(p.cmdline())}
+
+
+def freed_bound(solo: float) -> float:
+    """How long a 2-step request may take after an abort: its solo time twice plus 5 s, as the test process shares
+    the 2 CPUs with the suite's other worker (tools/test.sh), which makes one timed request vary by seconds. A worker
+    still running the aborted request (MAX_STEPS) would take minutes."""
+    return 5.0 + 2 * solo
 
 
 def _timed(fn) -> float:
@@ -70,7 +78,7 @@ def test_client_disconnect_frees_the_image_worker(image_server):
         httpx.post(f"{image_server.url}/v1/images/generations", timeout=2.0,
                    json={"prompt": "long", "size": "64x64", "num_inference_steps": MAX_STEPS})
     after = _timed(lambda: _quick_image(image_server))
-    assert after < 2.0 + solo, f"2-step request took {after:.2f} s after the disconnect (solo {solo:.2f} s)"
+    assert after < freed_bound(solo), f"2-step request took {after:.2f} s after the disconnect (solo {solo:.2f} s)"
     _wait_running(image_server, 0)
     assert _worker_pids(image_server) == pids
 
@@ -87,7 +95,7 @@ def test_delete_of_a_running_video_job_frees_the_worker(video_server):
     deleted = httpx.delete(f"{video_server.url}/v1/videos/{job.json()['id']}", timeout=30)
     assert deleted.status_code == 200 and deleted.json()["deleted"] is True
     after = _timed(lambda: _quick_video(video_server))
-    assert after < 2.0 + solo, f"2-step video took {after:.2f} s after the DELETE (solo {solo:.2f} s)"
+    assert after < freed_bound(solo), f"2-step video took {after:.2f} s after the DELETE (solo {solo:.2f} s)"
     _wait_running(video_server, 0)
     assert _worker_pids(video_server) == pids
 
@@ -102,7 +110,7 @@ def test_closing_the_websocket_frees_the_worker(video_server):
         _wait_running(video_server, 1)
         time.sleep(2.0)
     after = _timed(lambda: _quick_video(video_server))
-    assert after < 2.0 + solo, f"2-step video took {after:.2f} s after the socket closed (solo {solo:.2f} s)"
+    assert after < freed_bound(solo), f"2-step video took {after:.2f} s after the socket closed (solo {solo:.2f} s)"
     _wait_running(video_server, 0)
 
 

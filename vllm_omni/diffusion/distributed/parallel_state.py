@@ -101,8 +101,12 @@ def init_diffusion_distributed(
     parallel_config: DiffusionParallelConfig,
     device: torch.device,
     distributed_init_method: str | None = None,
+    listen_socket: socket.socket | None = None,
 ) -> VllmConfig:
-    """Initialize the world group, vLLM's TP/PP groups and ours; returns the VllmConfig to keep current."""
+    """Initialize the world group, vLLM's TP/PP groups and ours; returns the VllmConfig to keep current.
+
+    `listen_socket`: rank 0's store socket, already bound to the init method's port by whoever chose the port
+    (see `rendezvous_store`)."""
     global _GROUPS
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
@@ -127,7 +131,8 @@ def init_diffusion_distributed(
     else:
         ident = distributed_init_method.rsplit(":", 1)[-1]
         torch.distributed.init_process_group(
-            backend, store=rendezvous_store(distributed_init_method, rank, world_size, timeout), rank=rank,
+            backend, store=rendezvous_store(distributed_init_method, rank, world_size, timeout, listen_socket),
+            rank=rank,
             world_size=world_size, timeout=timeout)
         distributed_init_method = "env://"
     if device.type == "cpu":  # names the shared-memory TP communicator of vLLM CPU, as vLLM's CPU worker does
@@ -157,16 +162,18 @@ def init_diffusion_distributed(
     return vllm_config
 
 
-def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> torch.distributed.Store:
+def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: timedelta,
+                     listen_socket: socket.socket | None = None) -> torch.distributed.Store:
     """The world's TCP store at `tcp://host:port`, served by rank 0 on `host` only (the loopback address on one
     host, the node's address across nodes): c10d's TCPStore, given just the init method, listens on every
-    interface (`[::]`), so rank 0 binds the listening socket itself and the store takes it over."""
+    interface (`[::]`), so rank 0 binds the listening socket itself and the store takes it over. A launcher that
+    binds the socket when it picks the port (`listen_socket`) closes the window in which another process on the
+    host could take a port found free."""
     from vllm.distributed.utils import create_tcp_store
     from vllm.utils.network_utils import is_valid_ipv6_address, split_host_port
 
     host, port = split_host_port(init_method.removeprefix("tcp://"))
-    listen_socket = None
-    if rank == 0:
+    if rank == 0 and listen_socket is None:
         family = socket.AF_INET6 if is_valid_ipv6_address(host) else socket.AF_INET
         listen_socket = socket.create_server((host, port), family=family)
     return create_tcp_store(host, port, listen_socket=listen_socket, world_size=world_size, is_master=rank == 0,

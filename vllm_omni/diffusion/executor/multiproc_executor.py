@@ -18,6 +18,7 @@ import itertools
 import multiprocessing
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -190,7 +191,7 @@ class MultiprocDiffusionExecutor:
         sock.bind(address)
         self._addresses[name] = address
 
-    def _worker_spec(self, rank: int, init_method: str | None) -> WorkerSpec:
+    def _worker_spec(self, rank: int, init_method: str | None, store_socket: socket.socket | None) -> WorkerSpec:
         return WorkerSpec(
             od_config=self.od_config,
             rank=rank,
@@ -201,24 +202,31 @@ class MultiprocDiffusionExecutor:
             ipc_dir=self._ipc_dir,
             shm_prefix=self.shm_prefix,
             distributed_init_method=init_method,
+            store_socket=store_socket if rank == 0 else None,
             shm_threshold=self.shm_threshold,
         )
 
     def _launch_workers(self) -> list[multiprocessing.process.BaseProcess]:
         ctx = _worker_context()
-        init_method = None
+        init_method = store_socket = None
         if self.world_size > 1:
-            from vllm.utils.network_utils import get_open_port
-
-            port = get_open_port()
+            # Bound here, before any rank starts, and handed to rank 0 (inherited when forked, passed as a
+            # descriptor when spawned): a port found free and bound later by rank 0 can be taken meanwhile by
+            # another process on the host.
+            store_socket = socket.create_server(("127.0.0.1", 0))
+            port = store_socket.getsockname()[1]
             init_method = f"tcp://127.0.0.1:{port}"
             self._tp_shm_prefixes.append(f"{port}-")  # VLLM_DIST_IDENT (parallel_state.py)
         processes = []
-        for rank in range(self.world_size):
-            spec = self._worker_spec(rank, init_method)
-            proc = ctx.Process(target=worker_main, args=(spec,), name=f"DiffusionWorker-{rank}", daemon=True)
-            proc.start()
-            processes.append(proc)
+        try:
+            for rank in range(self.world_size):
+                spec = self._worker_spec(rank, init_method, store_socket)
+                proc = ctx.Process(target=worker_main, args=(spec,), name=f"DiffusionWorker-{rank}", daemon=True)
+                proc.start()
+                processes.append(proc)
+        finally:
+            if store_socket is not None:  # rank 0 holds its own copy now
+                store_socket.close()
         return processes
 
     def _wait_until_ready(self, timeout: float) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -37,12 +38,14 @@ def select_device(od_config: OmniDiffusionConfig, rank: int) -> torch.device:
 
 class DiffusionWorker:
     def __init__(
-        self, od_config: OmniDiffusionConfig, rank: int, world_size: int, distributed_init_method: str | None
+        self, od_config: OmniDiffusionConfig, rank: int, world_size: int, distributed_init_method: str | None,
+        store_socket: socket.socket | None = None,
     ) -> None:
         self.od_config = od_config
         self.rank = rank
         self.world_size = world_size
         self.distributed_init_method = distributed_init_method
+        self.store_socket = store_socket
         self.device = select_device(od_config, rank)
         self.model_runner = DiffusionModelRunner(od_config, self.device, rank)
         self.sleep_level = 0
@@ -63,6 +66,7 @@ class DiffusionWorker:
             parallel_config=self.od_config.parallel_config,
             device=self.device,
             distributed_init_method=self.distributed_init_method,
+            listen_socket=self.store_socket,
         )
         # vLLM layers read the "current" config while they are built and run; this rank has exactly one.
         self._config_scope.enter_context(set_current_vllm_config(vllm_config))

@@ -28,6 +28,7 @@ import atexit
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -79,6 +80,8 @@ class WorkerSpec:
     """The engine's socket directory: removed by the worker that outlives the engine."""
     shm_prefix: str
     distributed_init_method: str | None
+    store_socket: socket.socket | None
+    """Rank 0's: the rendezvous store's listening socket, bound by the engine on the init method's port."""
     shm_threshold: int
     """Tensors above this many bytes go through shared memory (the engine's choice: none when ranks may be
     on other nodes)."""
@@ -150,7 +153,8 @@ class WorkerProc:
             from vllm_omni.diffusion.worker.diffusion_worker import DiffusionWorker
 
             imported = time.perf_counter()
-            self.worker = DiffusionWorker(spec.od_config, spec.rank, spec.world_size, spec.distributed_init_method)
+            self.worker = DiffusionWorker(spec.od_config, spec.rank, spec.world_size, spec.distributed_init_method,
+                                          spec.store_socket)
             self.worker.init_device()
             device = time.perf_counter()
             self.worker.load_model()
