@@ -193,6 +193,10 @@ def test_workers_exit_when_their_engine_is_killed_even_while_starting(tmp_path):
             starting = next((p for p in psutil.Process(proc.pid).children()
                              if p.pid != busy and "spawn_main" in " ".join(p.cmdline())), None)
             time.sleep(0.05)
+        # Once it runs its imports it has read what the engine sent it (a kill before would fail its start), and
+        # its watch starts only after them (torch: seconds of CPU).
+        while sum(starting.cpu_times()[:2]) < 0.5:
+            time.sleep(0.05)
         proc.kill()
         proc.wait(10)
         killed_at = time.monotonic()
