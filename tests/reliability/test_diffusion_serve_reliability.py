@@ -9,8 +9,8 @@ completes within 2 s); a lone surrogate in chat content is a 400 and the worker 
 worker fails its request with 503 within 1 s, /health says degraded, and the stage serves again
 within 60 s without restarting the server, leaving no zombie, shm segment or socket directory; SIGTERM with a
 busy worker exits within 15 s leaving nothing; so does a SIGTERM to the server's whole process group (systemd,
-docker stop, `kill -TERM -PGID`: the worker may die first) with a busy step-mode worker, and no worker is
-restarted; after SIGKILL of the server its workers are gone within 10 s.
+docker stop, `kill -TERM -PGID`: the worker may die first) in step mode, and no worker is restarted; after
+SIGKILL of the server its workers are gone within 10 s.
 """
 
 from __future__ import annotations
@@ -192,14 +192,17 @@ def group_members(pgid: int) -> list[psutil.Process]:
 
 
 def test_group_sigterm_restarts_no_worker_and_leaves_no_process():
-    """Step mode (the mode it was seen in); request mode takes the same path: the engine's restart decision and
-    the core's signal handler do not depend on the mode."""
+    """An idle server, as `diffusion_benchmark_serving.py --compare-modes` stops one after its run. Whether the
+    core's loop sees its worker's death after its own SIGTERM depends on scheduling: before the fix, on a quiet
+    machine (load average 2), the core restarted the worker in 3 runs of 3 (2 in step, 1 in request mode), then
+    exited, leaving the new one
+    behind; at load average 17-30 its loop ended first and this test passed without the fix (the engine-level
+    contract is pinned in tests/diffusion/test_worker_reliability.py). Step mode, where it was seen; request
+    mode takes the same path: the restart decision and the core's signal handler do not depend on the mode."""
     shm_before = shm_segments()
-    srv = LiveServer("tiny/qwen-image", "--step-execution", *LONG)
+    srv = LiveServer("tiny/qwen-image", "--step-execution")
     try:
         dirs = ipc_dirs(srv.proc.pid)
-        post_in_background(srv, 20_000)
-        wait_busy(srv)
         tree = [psutil.Process(srv.proc.pid), *psutil.Process(srv.proc.pid).children(recursive=True)]
         assert len(tree) >= 3  # the server, its diffusion core, the worker
         start = time.monotonic()
