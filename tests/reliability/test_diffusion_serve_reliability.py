@@ -195,10 +195,10 @@ def test_group_sigterm_restarts_no_worker_and_leaves_no_process():
     """An idle server, as `diffusion_benchmark_serving.py --compare-modes` stops one after its run. Whether the
     core's loop sees its worker's death after its own SIGTERM depends on scheduling: before the fix, on a quiet
     machine (load average 2), the core restarted the worker in 3 runs of 3 (2 in step, 1 in request mode), then
-    exited, leaving the new one behind; at load average 17-30 its loop ended first and this test passed without
-    the fix (the engine-level contract is pinned in tests/diffusion/test_worker_reliability.py). Step mode, where
-    it was seen; request mode takes the same path: the restart decision and the core's signal handler do not
-    depend on the mode."""
+    exited, leaving the new one behind, and this test fails without the fix at load average 4; at 17-30 the
+    core's loop ended first and it passed (the engine-level contract is pinned in test_worker_reliability.py).
+    Step mode, where it was seen; request mode takes the same path: the restart decision and the core's signal
+    handler do not depend on the mode."""
     shm_before = shm_segments()
     srv = LiveServer("tiny/qwen-image", "--step-execution")
     try:
