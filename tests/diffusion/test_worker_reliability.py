@@ -4,7 +4,9 @@ What it pins: an abort reaches a worker busy inside a forward through the side c
 leaves within a step, so the next request runs at once; in a co-batched forward only the aborted row leaves;
 a request or an output that cannot be encoded fails alone and the worker lives on; `kill -9` of a worker
 fails its request with a 503 within 1 s, reaps it (no zombie), frees its shm and socket files, and the
-engine serves again on new workers; workers exit within 10 s of a SIGKILL of their engine's process.
+engine serves again on new workers, but a worker that dies once the engine is stopping (`begin_shutdown`) is
+not replaced; a busy worker exits within 10 s of a SIGKILL of its engine's process, and so does (once its
+imports are done) a worker that was still starting then (a restart the engine's death overtook).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 from concurrent.futures import CancelledError
 from pathlib import Path
 
+import psutil
 import pytest
 from fake_pipelines import FakeStepPipeline, class_path
 from test_diffusion_engine_failures import assert_nothing_left, make_engine
@@ -99,7 +102,7 @@ def test_unencodable_request_or_output_fails_alone(tmp_path):
         engine.close()
 
 
-def test_kill9_mid_request_fails_fast_then_the_stage_restarts(tmp_path):
+def test_kill9_mid_request_fails_fast_then_the_stage_restarts_but_never_while_stopping(tmp_path):
     engine = make_engine(tmp_path, FakeStepPipeline)
     try:
         running = engine.submit(request("running", FOREVER))
@@ -122,6 +125,17 @@ def test_kill9_mid_request_fails_fast_then_the_stage_restarts(tmp_path):
         assert time.monotonic() - killed_at < 60
         assert engine.executor is not old and engine.stats()["num_restarts"] == 1
         assert engine.submit(request("next", 2)).result(timeout=30).error is None
+
+        # Once its owner is stopping (a group's SIGTERM reached the core and the workers), a death is no failure.
+        running = engine.submit(request("at-stop", FOREVER))
+        wait_running(engine)
+        engine.begin_shutdown()
+        os.kill(engine.executor.processes[0].pid, signal.SIGTERM)
+        with pytest.raises(EngineDeadError):  # not StageRestartingError: nothing comes back
+            running.result(timeout=5)
+        time.sleep(0.5)  # a restart would have begun by now
+        stats = engine.stats()
+        assert stats["num_restarts"] == 1 and not stats["is_restarting"] and not stats["is_dead"]
     finally:
         engine.close()
     assert_nothing_left(engine)
@@ -145,11 +159,12 @@ def test_restart_budget_spent_means_dead(tmp_path):
 
 
 _ORPHAN_SCRIPT = """
-import sys, time
+import sys, threading, time
 sys.path.insert(0, {tests!r})
 from fake_pipelines import FakeStepPipeline, class_path
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
+from vllm_omni.diffusion.executor import make_executor
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
 
@@ -157,27 +172,46 @@ engine = DiffusionEngine(OmniDiffusionConfig(model={model!r}, model_class_name={
 engine.submit(OmniDiffusionRequest("x", SP(num_inference_steps=100_000), "busy"))
 ex = engine.executor
 print(ex.processes[0].pid, ex.shm_prefix, ex._ipc_dir, flush=True)
+threading.Thread(target=make_executor, args=(engine.od_config,), daemon=True).start()  # as a restart does
 time.sleep(600)
 """
 
 
-def test_workers_exit_when_their_engine_is_killed(tmp_path):
+def test_workers_exit_when_their_engine_is_killed_even_while_starting(tmp_path):
     script = _ORPHAN_SCRIPT.format(tests=str(Path(__file__).parent), model=str(tmp_path),
                                    cls=class_path(FakeStepPipeline))
     env = {**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # stdout carries only the ids; logs go to stderr
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True,
                             env=env)
+    starting = None
     try:
         pid, shm_prefix, ipc_dir = proc.stdout.readline().split()
-        time.sleep(0.5)
+        busy = int(pid)
+        deadline = time.monotonic() + 60
+        while starting is None:  # the new worker's process, still importing what its spec needs
+            assert time.monotonic() < deadline, "the second executor started no worker"
+            starting = next((p for p in psutil.Process(proc.pid).children()
+                             if p.pid != busy and "spawn_main" in " ".join(p.cmdline())), None)
+            time.sleep(0.05)
+        # Once it runs its imports it has read what the engine sent it (a kill before would fail its start), and
+        # its watch starts only after them (torch: seconds of CPU).
+        while sum(starting.cpu_times()[:2]) < 0.5:
+            time.sleep(0.05)
         proc.kill()
         proc.wait(10)
         killed_at = time.monotonic()
-        while Path(f"/proc/{pid}").exists():  # re-parented: init reaps it once it exits
-            assert time.monotonic() - killed_at < 10, "the worker outlived its engine"
+        while not process_gone(busy):  # re-parented: init reaps it once it exits
+            assert time.monotonic() - killed_at < 10, "the busy worker outlived its engine"
             time.sleep(0.1)
         assert not os.path.exists(ipc_dir)
         assert not [n for n in os.listdir("/dev/shm") if n.startswith(shm_prefix)]
+        # Its engine was gone before it could look (a pid watch would watch PID 1): its death pipe is closed. It
+        # watches once its imports are done (torch: 5 s of CPU, over 60 s at load average 20); it never exits without.
+        while not process_gone(starting.pid):
+            assert time.monotonic() - killed_at < 120, "the worker that was starting outlived its engine"
+            time.sleep(0.1)
     finally:
         proc.kill()
         proc.wait(10)
+        if starting is not None and not process_gone(starting.pid):
+            starting.kill()

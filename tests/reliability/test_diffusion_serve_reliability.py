@@ -8,7 +8,9 @@ Pins: a client that gives up on a long request frees the worker at once (a 2-ste
 completes within 2 s); a lone surrogate in chat content is a 400 and the worker lives on; kill -9 of the
 worker fails its request with 503 within 1 s, /health says degraded, and the stage serves again
 within 60 s without restarting the server, leaving no zombie, shm segment or socket directory; SIGTERM with a
-busy worker exits within 15 s leaving nothing; after SIGKILL of the server its workers are gone within 10 s.
+busy worker exits within 15 s leaving nothing; so does a SIGTERM to the server's whole process group (systemd,
+docker stop, `kill -TERM -PGID`: the worker may die first) in step mode, and no worker is restarted; after
+SIGKILL of the server its workers are gone within 10 s.
 """
 
 from __future__ import annotations
@@ -173,6 +175,46 @@ def test_sigterm_with_a_busy_real_pipeline():
     srv = LiveServer("tiny/qwen-image", *LONG)
     try:
         assert_sigterm_busy_exits_within_15s_leaving_nothing(srv, shm_before, 20_000)
+    finally:
+        srv.close()
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """The live (not zombie) processes of a process group: a child started after a snapshot of the tree counts too."""
+    members = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return members
+
+
+def test_group_sigterm_restarts_no_worker_and_leaves_no_process():
+    """An idle server, as `diffusion_benchmark_serving.py --compare-modes` stops one after its run. Whether the
+    core's loop sees its worker's death after its own SIGTERM depends on scheduling: before the fix, on a quiet
+    machine (load average 2), the core restarted the worker in 3 runs of 3 (2 in step, 1 in request mode), then
+    exited, leaving the new one behind, and this test fails without the fix at load average 4; at 17-30 the
+    core's loop ended first and it passed (the engine-level contract is pinned in test_worker_reliability.py).
+    Step mode, where it was seen; request mode takes the same path: the restart decision and the core's signal
+    handler do not depend on the mode."""
+    shm_before = shm_segments()
+    srv = LiveServer("tiny/qwen-image", "--step-execution")
+    try:
+        dirs = ipc_dirs(srv.proc.pid)
+        tree = [psutil.Process(srv.proc.pid), *psutil.Process(srv.proc.pid).children(recursive=True)]
+        assert len(tree) >= 3  # the server, its diffusion core, the worker
+        start = time.monotonic()
+        os.killpg(srv.proc.pid, signal.SIGTERM)
+        srv.proc.wait(timeout=30)
+        while group_members(srv.proc.pid):
+            assert time.monotonic() - start < 15, f"still alive 15 s after SIGTERM: {group_members(srv.proc.pid)}"
+            time.sleep(0.1)
+        assert all(gone(proc.pid) or proc.status() == psutil.STATUS_ZOMBIE for proc in tree)
+        assert "restarting the diffusion workers" not in srv.log.read_text()
+        assert not any(os.path.exists(d) for d in dirs)
+        assert not orphan_segments(shm_before)
     finally:
         srv.close()
 

@@ -12,7 +12,9 @@ mode it is a batch of whole requests the workers run to their end. The diffusion
 `abort` resolves the request's future at once and tells the workers, which stop it at the next denoise
 step. When a worker dies, the requests it ran fail with `StageRestartingError` (503) and the engine
 replaces its executor, up to `max_stage_restarts` times; queued and new requests wait for the new
-workers. Past that budget the engine is dead (`EngineDeadError`, failure callbacks fire).
+workers. Past that budget the engine is dead (`EngineDeadError`, failure callbacks fire). Once the engine stops
+(`close`, or `begin_shutdown` where its owner was signalled: a process group's SIGTERM reaches the workers too)
+a worker's exit is expected: its requests fail and nothing restarts.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class DiffusionEngine:
         self._stop_waits: list[tuple[set[str], Future[None]]] = []
         """`when_stopped` futures and the requests each still waits for to leave the workers."""
         self._stopping = False
+        self._shutting_down = False
+        """Set by `begin_shutdown`: no restart from now on (`close` follows)."""
         self._dead = False
         self._restarting = False
         self._restarts = 0
@@ -253,6 +257,11 @@ class DiffusionEngine:
                 "is_dead": self.is_dead,
             }
 
+    def begin_shutdown(self) -> None:
+        """The owner is stopping (it was signalled, and so may the workers have been): a worker that exits from now
+        on is not restarted. Sets one flag and takes no lock, so a signal handler may call it; `close` follows."""
+        self._shutting_down = True
+
     def close(self, timeout: float = _CLOSE_TIMEOUT_S) -> None:
         """Stop the workers and release every resource; always returns within about `timeout` seconds."""
         deadline = time.monotonic() + timeout
@@ -341,7 +350,7 @@ class DiffusionEngine:
             else:
                 self._finish_round(plan, result)
         with self._lock:
-            if self._stopping or self._dead or self._restarting or self.executor.is_failed:
+            if self._ending or self._dead or self._restarting or self.executor.is_failed:
                 return _IDLE_WAIT_S
             if not self.scheduler.has_work:
                 return _IDLE_WAIT_S
@@ -477,7 +486,12 @@ class DiffusionEngine:
     # ---- worker death and restart -------------------------------------------------------------------
 
     def _can_restart(self) -> bool:
-        return not (self._stopping or self._dead) and self._restarts < self.od_config.max_stage_restarts
+        return not (self._ending or self._dead) and self._restarts < self.od_config.max_stage_restarts
+
+    @property
+    def _ending(self) -> bool:
+        """Closing, or about to: a worker's exit is part of the shutdown, not a failure to recover from."""
+        return self._stopping or self._shutting_down
 
     def _watch(self, executor: MultiprocDiffusionExecutor) -> None:
         executor.register_failure_callback(lambda: self._on_executor_failure(executor))
@@ -487,7 +501,10 @@ class DiffusionEngine:
     def _on_executor_failure(self, executor: MultiprocDiffusionExecutor) -> None:
         """Runs where the executor failed (the loop, or a utility call that found a worker gone)."""
         with self._lock:
-            if self._stopping or self._dead or self._restarting or executor is not self.executor:
+            if self._ending:
+                logger.info("a diffusion worker exited while the engine stops; not restarting it")
+                return
+            if self._dead or self._restarting or executor is not self.executor:
                 return
             restart = self._can_restart()
             if restart:
@@ -508,6 +525,8 @@ class DiffusionEngine:
             self.od_config.max_stage_restarts,
         )
         failed.stop_workers()  # their device memory is free before the new ones load
+        if self._ending:  # stopped meanwhile: no new workers
+            return
         try:
             replacement: MultiprocDiffusionExecutor | BaseException = make_executor(self.od_config)
         except Exception as exc:
@@ -521,7 +540,7 @@ class DiffusionEngine:
         """On the loop: the failed executor (whose sockets only the loop touches) goes, its replacement comes."""
         with self._lock:
             replacement, self._replacement = self._replacement, None
-            if replacement is None or self._stopping:
+            if replacement is None or self._ending:
                 self._replacement = replacement  # close() shuts a built one down
                 return
         self.executor.shutdown()

@@ -150,6 +150,7 @@ class DiffusionCoreClient:
             client_shm_prefix=self.shm_prefix,
             ipc_dir=self._ipc_dir,
             families=MODEL_REGISTRY.registered_families(),
+            parent_pid=os.getpid(),
             fork_workers=_user_chose_no_start_method(),
         )
         name = f"DiffusionCore-{self.od_config.stage_id}"

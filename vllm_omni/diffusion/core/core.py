@@ -88,6 +88,9 @@ class CoreSpec:
     """The client's socket directory."""
     families: list[ModelSpec | str]
     """Families the API process registered at run time (`register_family`): registered here too."""
+    parent_pid: int
+    """The API process (it spawned or forked this one): the core stops once it is no longer our parent. Not read
+    from `os.getppid()` at our start, which would watch PID 1 when the API process died while we imported."""
     fork_workers: bool
     """The user chose no start method: the core forks its workers, which then start with the torch and vLLM this
     process imported instead of importing them again in a fresh interpreter (6-12 s of every stage start on CPU)."""
@@ -153,7 +156,11 @@ class DiffusionCoreProc:
         return True
 
     def stop(self, *_: Any) -> None:
+        """SIGTERM: end the loop. A process group's SIGTERM (`kill -TERM -PGID`, systemd, docker stop) reaches the
+        workers too and may end one before the loop sees it: the engine must not restart it."""
         self._stop.set()
+        if self.engine is not None:
+            self.engine.begin_shutdown()
 
     def _handle(self, buffer: memoryview) -> None:
         try:
@@ -298,7 +305,6 @@ def run_diffusion_core(spec: CoreSpec, adopted_at: float | None = None) -> None:
     if spec.fork_workers:  # before anything here runs a thread: the executor forks only a one-thread process
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
     configure_process_logging(spec.od_config.logging_config, f"DiffusionCore_S{spec.od_config.stage_id}")
-    parent_pid = os.getppid()
     for family in spec.families:
         MODEL_REGISTRY.register_family(family)
     proc = DiffusionCoreProc(spec, psutil.Process().create_time() if adopted_at is None else adopted_at)
@@ -308,7 +314,7 @@ def run_diffusion_core(spec: CoreSpec, adopted_at: float | None = None) -> None:
     stopped = True
     try:
         if proc.start_engine():
-            stopped = proc.run_busy_loop(parent_pid)
+            stopped = proc.run_busy_loop(spec.parent_pid)
             code = 0 if stopped else 1
     finally:
         if stopped:

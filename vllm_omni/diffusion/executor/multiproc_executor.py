@@ -8,7 +8,8 @@ worker reads it on a side thread while it is busy inside a forward. A worker tha
 every in-flight future with `EngineDeadError` once what it sent before dying was read, fires the failure
 callbacks, and then every worker is reaped and the shared memory and socket files removed (not at shutdown: a
 dead executor is replaced, not kept). `shutdown` works against one global deadline (abort, ask, join,
-terminate, kill) and cleans up the same way.
+terminate, kill) and cleans up the same way. Each worker also holds the read end of a pipe whose only write end
+is ours (vLLM's death pipe): it ends itself once that closes, when this process exits however it does.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
+from multiprocessing.connection import Connection
 from typing import Any
 
 import zmq
@@ -173,9 +175,11 @@ class MultiprocDiffusionExecutor:
         self._closed = False
         self._tp_shm_prefixes: list[str] = []
         """vLLM CPU's TP communicator segments are named after the ranks' init port; its workers do not unlink them."""
+        self._death_writers: list[Connection] = []
+        """Our ends of the workers' death pipes: closed once the workers are gone (or by our exit)."""
         self.processes = self._launch_workers()
         self._finalizer = weakref.finalize(
-            self, _reap, self.processes, self.shm_prefix, self._ipc_dir, self._tp_shm_prefixes
+            self, _reap, self.processes, self.shm_prefix, self._ipc_dir, self._tp_shm_prefixes, self._death_writers
         )
         try:
             self.worker_info = self._wait_until_ready(od_config.init_timeout)
@@ -217,12 +221,20 @@ class MultiprocDiffusionExecutor:
             port = store_socket.getsockname()[1]
             init_method = f"tcp://127.0.0.1:{port}"
             self._tp_shm_prefixes.append(f"{port}-")  # VLLM_DIST_IDENT (parallel_state.py)
+        forked = ctx.get_start_method() == "fork"
         processes = []
         try:
             for rank in range(self.world_size):
                 spec = self._worker_spec(rank, init_method, store_socket)
-                proc = ctx.Process(target=worker_main, args=(spec,), name=f"DiffusionWorker-{rank}", daemon=True)
+                death_reader, death_writer = ctx.Pipe(duplex=False)
+                self._death_writers.append(death_writer)
+                # A forked child has copies of our write ends (its own and earlier ranks'), which would keep its
+                # pipe open after our death: it closes them first. A spawned one gets only what it is passed.
+                inherited = [w.fileno() for w in self._death_writers] if forked else []
+                proc = ctx.Process(target=worker_main, args=(spec, death_reader, inherited),
+                                   name=f"DiffusionWorker-{rank}", daemon=True)
                 proc.start()
+                death_reader.close()
                 processes.append(proc)
         finally:
             if store_socket is not None:  # rank 0 holds its own copy now
@@ -598,12 +610,16 @@ def _stop_processes(processes: list, deadline: float) -> None:
             proc.join(1.0)
 
 
-def _reap(processes: list, shm_prefix: str, ipc_dir: str, tp_shm_prefixes: list[str]) -> None:
+def _reap(
+    processes: list, shm_prefix: str, ipc_dir: str, tp_shm_prefixes: list[str], death_writers: list[Connection]
+) -> None:
     """Last line of cleanup (also run at interpreter exit): no worker, segment or socket file outlives us."""
     for proc in processes:
         if proc.is_alive():
             proc.kill()
             proc.join(1.0)
+    for writer in death_writers:  # after the workers are gone: an earlier close would end them mid-shutdown
+        writer.close()
     removed = cleanup_shm(shm_prefix)
     for prefix in tp_shm_prefixes:
         removed += cleanup_shm(prefix)

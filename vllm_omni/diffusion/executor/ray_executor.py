@@ -69,7 +69,7 @@ def _custom(resources: dict[str, float]) -> dict[str, float]:
 
 
 class DiffusionRankActor:
-    """One diffusion rank in a Ray actor process: the mp worker loop without the parent watchdog (Ray ends an
+    """One diffusion rank in a Ray actor process: the mp worker loop without the death pipe (Ray ends an
     actor with the process that created it)."""
 
     def where(self) -> tuple[str, int, int, str]:

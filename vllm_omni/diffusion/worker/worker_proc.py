@@ -5,10 +5,13 @@ engine reads each rank's results independently. Batch results come from rank 0 o
 same batch); RPC results come from every rank.
 
 Two small threads run beside the loop, because the loop itself is inside a forward most of the time: one
-reads the abort channel into a set the pipeline checks between steps, one watches the parent and ends the
-process (sweeping the engine's shared memory and socket files) within a second of the engine's death, even
-a SIGKILL. A parent watchdog rather than PR_SET_PDEATHSIG: the death signal fires when the *thread* that
-spawned us exits, and engines are built and restarted from short-lived threads.
+reads the abort channel into a set the pipeline checks between steps, one waits on the death pipe (vLLM's
+`death_pipe`: the executor holds its only write end) and ends the process, sweeping the engine's shared memory
+and socket files, as soon as the engine's process is gone, even by a SIGKILL, and even when that happened
+before this process started (a restart the engine's shutdown overtook). A pipe rather than PR_SET_PDEATHSIG:
+the death signal fires when the *thread* that spawned us exits, and engines are built and restarted from
+short-lived threads. SIGINT is ignored (a terminal's Ctrl-C reaches the whole group): the engine decides when
+its workers stop.
 
 In step mode (`od_config.step_execution`) the engine's scheduler sends one `StepPlan` per denoise-step round to
 every rank and this rank's `StepWorker` executes it on the states it keeps by request id: every rank runs the same
@@ -25,6 +28,7 @@ makes the engine restart all of the stage's workers.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -34,6 +38,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
 import msgspec
 import psutil
@@ -63,7 +68,6 @@ from vllm_omni.diffusion.ipc import (
 from vllm_omni.logger import configure_process_logging
 
 _POLL_INTERVAL_MS = 200
-_PARENT_CHECK_INTERVAL_S = 0.5
 
 
 @dataclass
@@ -389,22 +393,26 @@ class WorkerProc:
         self.context.term()
 
 
-def _watch_parent(spec: WorkerSpec, parent_pid: int) -> None:
-    """End the process once the engine is gone (we were re-parented), leaving none of its resources."""
-    while os.getppid() == parent_pid:
-        time.sleep(_PARENT_CHECK_INTERVAL_S)
+def _watch_death_pipe(spec: WorkerSpec, death_pipe: Connection) -> None:
+    """End the process once the engine's end of the pipe closed (it never writes), leaving none of its resources."""
+    with contextlib.suppress(EOFError, OSError):
+        death_pipe.recv()
     cleanup_shm(spec.shm_prefix)
     shutil.rmtree(spec.ipc_dir, ignore_errors=True)
     os._exit(1)
 
 
-def worker_main(spec: WorkerSpec) -> None:
-    """Process entry point. Everything is released by the time `run` returns, so after the exit handlers the
-    process skips the interpreter teardown (seconds of module finalization with torch loaded)."""
+def worker_main(spec: WorkerSpec, death_pipe: Connection, inherited_fds: list[int]) -> None:
+    """Process entry point. `inherited_fds`: the executor's write ends a forked worker got a copy of (closed here, so
+    that only the executor's keep the pipes open). Everything is released by the time `run` returns, so after the
+    exit handlers the process skips the interpreter teardown (seconds of module finalization with torch loaded)."""
+    for fd in inherited_fds:
+        os.close(fd)
+    threading.Thread(target=_watch_death_pipe, args=(spec, death_pipe), name="death-pipe", daemon=True).start()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a worker forked from the core inherits the core's handler
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_process_logging(spec.od_config.logging_config, f"DiffusionWorker_S{spec.od_config.stage_id}_R{spec.rank}")
-    threading.Thread(target=_watch_parent, args=(spec, os.getppid()), name="parent-watchdog", daemon=True).start()
     code = 1
     try:
         code = WorkerProc.run(spec)
