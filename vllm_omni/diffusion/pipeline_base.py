@@ -75,6 +75,9 @@ class NativeDiffusionPipeline(nn.Module):
     lora_loader: ClassVar[str | None] = None
     """The family's diffusers LoRA loader mixin (`diffusers.loaders.<name>`), whose `lora_state_dict` reads and
     converts adapter files; None = the family takes no `lora`."""
+    supports_two_stage: ClassVar[bool] = False
+    """Whether the family has a two-stage variant (base pass, latent upsampler, refine pass) that the `two_stage`
+    knob selects (LTX-2); the others refuse the knob."""
     od_config: OmniDiffusionConfig
     device: torch.device
 
@@ -136,6 +139,8 @@ class NativeDiffusionPipeline(nn.Module):
     def prepare(self, requests: list[OmniDiffusionRequest], ctx: StepContext) -> DenoiseState:
         """Everything before the first step: prompt embeddings, initial latents, scheduler, per-step tables."""
         refuse_pipeline_kwargs(requests)
+        if not self.supports_two_stage and any(r.sampling_params.two_stage for r in requests):
+            raise OmniClientError(f"two_stage: {type(self).__name__} has no two-stage variant", param="two_stage")
         self.load_loras(requests)
         self.check_inputs(requests)
         start = time.perf_counter()

@@ -14,6 +14,7 @@ import torch
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 SIZE = dict(height=32, width=64, num_frames=9, num_inference_steps=3, max_sequence_length=32)
@@ -137,6 +138,7 @@ def test_invalid_requests_fail_alone(ltx2):
                 good,
                 request("x", 1, "odd", height=33),
                 request("x", 1, "g2", guidance_scale_2=2.0),
+                request("x", 1, "half", two_stage=True),  # 32x64: the base pass would be 16x32
             ]
         )
     )
@@ -144,6 +146,10 @@ def test_invalid_requests_fail_alone(ltx2):
     assert outs[1].error is None and outs[1].output["video"].shape == (9, 32, 64, 3)
     assert outs[2].error_status_code == 400 and "height" in outs[2].error
     assert outs[3].error_status_code == 400 and "guidance_scale_2" in outs[3].error
+    assert outs[4].error_status_code == 400 and "height must be a multiple of 64" in outs[4].error
+    with pytest.raises(OmniClientError) as bad:
+        OmniDiffusionSamplingParams(two_stage="yes")
+    assert bad.value.param == "two_stage"
 
 
 def test_step_mode_cobatched_requests_equal_their_solo_outputs(ltx2):
@@ -229,3 +235,106 @@ def test_image_to_video_matches_diffusers(ltx2, ltx2_dir):
     assert snr(out.output["audio"], expected.audio[0].float().numpy()) >= 40.0
     (t2v,) = ours.forward(DiffusionRequestBatch([request("A cat walks on the grass.", 5, "t2v", guidance_scale=3.0)]))
     assert psnr(out.output["video"], t2v.output["video"]) < 30.0, "the image must condition the clip"
+
+
+def two_stage_reference(ref, ltx2_dir, prompt: str, seed: int, guidance: float, fps: int):
+    """diffusers' "Two-stages Generation" recipe (its LTX-2 docs) on the tiny checkpoint: the base pass at half size
+    to latents, `LTX2LatentUpsamplePipeline` with the checkpoint's `latent_upsampler/`, then the refine pass on
+    `STAGE_2_DISTILLED_SIGMA_VALUES` (no dynamic shift, re-noised to the first sigma, no guidance); one generator
+    for the whole run."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2LatentUpsamplePipeline
+    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
+    from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES
+
+    generator = torch.Generator("cpu").manual_seed(seed)
+    common = dict(prompt=prompt, frame_rate=float(fps), num_frames=SIZE["num_frames"], generator=generator)
+    common["max_sequence_length"] = SIZE["max_sequence_length"]
+    video, audio = ref(
+        height=SIZE["height"],
+        width=SIZE["width"],
+        num_inference_steps=SIZE["num_inference_steps"],
+        guidance_scale=guidance,
+        audio_guidance_scale=guidance,
+        output_type="latent",
+        return_dict=False,
+        **common,
+        **CFG_ONLY,
+    )
+    upsampler = LTX2LatentUpsamplerModel.from_pretrained(ltx2_dir, subfolder="latent_upsampler", dtype=torch.float32)
+    (video,) = LTX2LatentUpsamplePipeline(vae=ref.vae, latent_upsampler=upsampler)(
+        latents=video, output_type="latent", return_dict=False
+    )
+    base_scheduler = ref.scheduler
+    ref.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+        base_scheduler.config, use_dynamic_shifting=False, shift_terminal=None
+    )
+    try:
+        out = ref(
+            latents=video,
+            audio_latents=audio,
+            num_inference_steps=len(STAGE_2_DISTILLED_SIGMA_VALUES),
+            noise_scale=STAGE_2_DISTILLED_SIGMA_VALUES[0],
+            sigmas=STAGE_2_DISTILLED_SIGMA_VALUES,
+            guidance_scale=1.0,
+            audio_guidance_scale=1.0,
+            output_type="np",
+            **common,
+            **CFG_ONLY,
+        )
+    finally:
+        ref.scheduler = base_scheduler
+    return (out.frames[0] * 255).round().astype(np.uint8), out.audio[0].float().numpy()
+
+
+def test_two_stage_matches_diffusers_recipe(ltx2, ltx2_dir):
+    """`two_stage=True` at 64x128: the base pass at 32x64 (CFG), the x2 latent upsampler, 3 refine steps at
+    64x128; frames and waveform match diffusers' two-stage recipe on the same weights and seed."""
+    ours, ref = ltx2
+    prompt = "A man plays a red electric guitar on a stage, the crowd cheers."
+    rq = request(prompt, 9, "two", guidance_scale=3.0, fps=24, height=64, width=128, two_stage=True)
+    (out,) = ours.forward(DiffusionRequestBatch([rq]))
+    assert out.error is None, out.error
+    video, audio = out.output["video"], out.output["audio"]
+    assert video.shape == (9, 64, 128, 3)
+    expected_video, expected_audio = two_stage_reference(ref, ltx2_dir, prompt, 9, 3.0, 24)
+    assert video.std() > 1.0 and np.abs(audio).max() > 1e-3, "a constant output would prove nothing"
+    assert audio.shape == expected_audio.shape
+    assert psnr(video, expected_video) >= 35.0
+    assert snr(audio, expected_audio) >= 40.0
+    (one,) = ours.forward(DiffusionRequestBatch([request(prompt, 9, "one", guidance_scale=3.0, height=64, width=128)]))
+    assert psnr(video, one.output["video"]) < 30.0, "the two passes are not the one-stage run"
+
+
+def test_two_stage_step_mode_cobatched_equals_solo(ltx2):
+    """Step mode: two two-stage requests join mid-flight (one a step behind, so they cross the pass switch apart)
+    and a one-stage request of the refine pass's size; they share forwards where their passes' shapes agree, and
+    each ends with its solo output."""
+    from tests.diffusion.step_harness import Harness
+
+    ours, _ = ltx2
+    big = dict(height=64, width=128, num_frames=5, guidance_scale=3.0)
+    reqs = [
+        request("A cat walks on the grass.", 1, "a", two_stage=True, num_inference_steps=2, **big),
+        request("A dog barks.", 2, "b", two_stage=True, num_inference_steps=2, **big),
+        request("Waves crash.", 3, "c", num_inference_steps=2, **{**big, "guidance_scale": 1.0}),
+    ]
+    forwards: list[int] = []
+    forward = ours.forward_step_inputs
+    ours.forward_step_inputs = lambda inputs, states: forwards.append(len(inputs)) or forward(inputs, states)
+    try:
+        harness = Harness(ours, max_num_seqs=4)
+        harness.add(reqs[0])
+        harness.round()
+        for req in reqs[1:]:
+            harness.add(req)
+        harness.drain()
+    finally:
+        del ours.forward_step_inputs
+    assert max(forwards) >= 2, "the refine passes (no CFG, full size) co-batch with the one-stage request"
+    for req in reqs:
+        out = harness.outputs[req.request_id]
+        assert out.error is None, out.error
+        assert out.output["video"].shape == (5, 64, 128, 3)
+        (solo,) = ours.forward(DiffusionRequestBatch([req]))
+        assert psnr(out.output["video"], solo.output["video"]) >= 60.0
+        assert snr(out.output["audio"], solo.output["audio"]) >= 60.0
