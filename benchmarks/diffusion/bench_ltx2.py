@@ -253,57 +253,63 @@ def bench_pipeline(ours, ref, kwargs: dict[str, Any], device) -> dict[str, Any]:
     }
 
 
-def bench_two_stage(ours, ref, kwargs: dict[str, Any], device) -> dict[str, Any]:
-    """The two-stage variant at kwargs' (full) size: ours `two_stage=True`; diffusers' "Two-stages Generation"
-    recipe on the same modules (one generator for the run)."""
+def diffusers_two_stage(ref, upsampler, kwargs: dict[str, Any], prompt: str, seed: int) -> Any:
+    """diffusers' "Two-stages Generation" recipe (its LTX-2 docs) at kwargs' (full) size, CFG-only: `ref` to
+    latents at half size, `LTX2LatentUpsamplePipeline` with `upsampler`, `ref` again on
+    `STAGE_2_DISTILLED_SIGMA_VALUES` (no dynamic shift, re-noised to the first sigma, no guidance); one generator
+    for the run. Returns the second call's output (frames in [0, 1], audio)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, LTX2LatentUpsamplePipeline
     from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES
 
-    from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
-
-    generator = torch.Generator("cpu").manual_seed(0)
     common = dict(
-        prompt=PROMPT,
-        generator=generator,
+        prompt=prompt,
+        generator=torch.Generator("cpu").manual_seed(seed),
         frame_rate=float(kwargs["fps"]),
         num_frames=kwargs["num_frames"],
         max_sequence_length=kwargs["max_sequence_length"],
         **CFG_ONLY,
     )
+    video, audio = ref(
+        height=kwargs["height"] // 2,
+        width=kwargs["width"] // 2,
+        num_inference_steps=kwargs["num_inference_steps"],
+        guidance_scale=kwargs["guidance_scale"],
+        audio_guidance_scale=kwargs["guidance_scale"],
+        output_type="latent",
+        return_dict=False,
+        **common,
+    )
+    (video,) = LTX2LatentUpsamplePipeline(vae=ref.vae, latent_upsampler=upsampler)(
+        latents=video, output_type="latent", return_dict=False
+    )
     base_scheduler = ref.scheduler
+    ref.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+        base_scheduler.config, use_dynamic_shifting=False, shift_terminal=None
+    )
+    try:
+        return ref(
+            latents=video,
+            audio_latents=audio,
+            num_inference_steps=len(STAGE_2_DISTILLED_SIGMA_VALUES),
+            noise_scale=STAGE_2_DISTILLED_SIGMA_VALUES[0],
+            sigmas=STAGE_2_DISTILLED_SIGMA_VALUES,
+            guidance_scale=1.0,
+            audio_guidance_scale=1.0,
+            output_type="np",
+            **common,
+        )
+    finally:
+        ref.scheduler = base_scheduler
+
+
+def bench_two_stage(ours, ref, kwargs: dict[str, Any], device) -> dict[str, Any]:
+    """The two-stage variant at kwargs' (full) size: ours `two_stage=True`; diffusers' recipe on the same modules."""
+    from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+
     sync(device)
     t0 = time.perf_counter()
     with torch.no_grad():
-        video, audio = ref(
-            height=kwargs["height"] // 2,
-            width=kwargs["width"] // 2,
-            num_inference_steps=kwargs["num_inference_steps"],
-            guidance_scale=kwargs["guidance_scale"],
-            audio_guidance_scale=kwargs["guidance_scale"],
-            output_type="latent",
-            return_dict=False,
-            **common,
-        )
-        (video,) = LTX2LatentUpsamplePipeline(vae=ref.vae, latent_upsampler=ours.latent_upsampler)(
-            latents=video, output_type="latent", return_dict=False
-        )
-        ref.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-            base_scheduler.config, use_dynamic_shifting=False, shift_terminal=None
-        )
-        try:
-            expected = ref(
-                latents=video,
-                audio_latents=audio,
-                num_inference_steps=len(STAGE_2_DISTILLED_SIGMA_VALUES),
-                noise_scale=STAGE_2_DISTILLED_SIGMA_VALUES[0],
-                sigmas=STAGE_2_DISTILLED_SIGMA_VALUES,
-                guidance_scale=1.0,
-                audio_guidance_scale=1.0,
-                output_type="np",
-                **common,
-            )
-        finally:
-            ref.scheduler = base_scheduler
+        expected = diffusers_two_stage(ref, ours.latent_upsampler, kwargs, PROMPT, 0)
     sync(device)
     ref_s = time.perf_counter() - t0
     t0 = time.perf_counter()

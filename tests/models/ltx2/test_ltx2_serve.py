@@ -58,16 +58,21 @@ def offline(offline_runs):
     return offline_runs[0]
 
 
-def test_openai_client_mp4_carries_the_offline_soundtrack(server, offline):
-    assert offline["video"].shape == (9, 32, 64, 3) and offline["audio"].shape[0] == 2
+def job_mp4(server, size: str, extra: dict) -> bytes:
+    """The official client's create -> poll -> download of one job."""
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
-    job = client.videos.create(model=MODEL, prompt=PROMPT, size="64x32", extra_body=FAST)
+    job = client.videos.create(model=MODEL, prompt=PROMPT, size=size, extra_body=extra)
     deadline = time.monotonic() + 120
     while job.status not in ("completed", "failed") and time.monotonic() < deadline:
         time.sleep(0.5)
         job = client.videos.retrieve(job.id)
     assert job.status == "completed", job.error
-    mp4 = client.videos.download_content(job.id).read()
+    return client.videos.download_content(job.id).read()
+
+
+def test_openai_client_mp4_carries_the_offline_soundtrack(server, offline):
+    assert offline["video"].shape == (9, 32, 64, 3) and offline["audio"].shape[0] == 2
+    mp4 = job_mp4(server, "64x32", FAST)
     frames = decode_mp4(mp4)
     assert frames.shape == offline["video"].shape
     # The tiny model's frames are near noise, which H.264 keeps only roughly: compare with the offline clip
@@ -108,14 +113,7 @@ def test_websocket_fragments_carry_the_soundtrack(server, offline):
 def test_two_stage_job_carries_the_offline_two_stage_clip(server, offline_runs):
     two = offline_runs[1]
     assert two["video"].shape == (9, 64, 128, 3)
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
-    job = client.videos.create(model=MODEL, prompt=PROMPT, size="128x64", extra_body=TWO_STAGE)
-    deadline = time.monotonic() + 120
-    while job.status not in ("completed", "failed") and time.monotonic() < deadline:
-        time.sleep(0.5)
-        job = client.videos.retrieve(job.id)
-    assert job.status == "completed", job.error
-    mp4 = client.videos.download_content(job.id).read()
+    mp4 = job_mp4(server, "128x64", TWO_STAGE)
     assert np.array_equal(decode_mp4(mp4), decode_mp4(encode_mp4(two["video"], FAST["fps"])))
     audio, _ = decode_mp4_audio(mp4)
     assert audio.shape == two["audio"].shape and snr(audio, two["audio"]) >= 60.0

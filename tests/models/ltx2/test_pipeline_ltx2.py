@@ -7,6 +7,10 @@ SNR >= 40 dB of diffusers, with CFG rows and two requests batched into one DiT f
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -155,33 +159,27 @@ def test_invalid_requests_fail_alone(ltx2):
 def test_step_mode_cobatched_requests_equal_their_solo_outputs(ltx2):
     """max_num_seqs 4: different prompts, step counts, CFG on/off; one of another frame count (its own forward).
     They join mid-flight; each ends with its solo frames and waveform."""
-    from tests.diffusion.step_harness import Harness
-
     ours, _ = ltx2
     reqs = [
         request("A cat walks on the grass.", 1, "a", guidance_scale=3.0),
         request("A dog barks.", 2, "b", num_inference_steps=2, guidance_scale=1.0),
         request("Waves crash.", 3, "c", num_inference_steps=2, num_frames=5, guidance_scale=1.0),
     ]
-    forwards: list[int] = []
-    forward = ours.forward_step_inputs
-    ours.forward_step_inputs = lambda inputs, states: forwards.append(len(inputs)) or forward(inputs, states)
-    try:
-        harness = Harness(ours, max_num_seqs=4)
-        harness.add(reqs[0])
-        harness.round()
-        for req in reqs[1:]:
-            harness.add(req)
-        harness.drain()
-    finally:
-        del ours.forward_step_inputs
+    _, forwards = check_step_mode_equals_solo(ours, reqs)
     assert max(forwards) == 2  # a and b shared forwards; c (other frame count) never joined them
+
+
+def check_step_mode_equals_solo(ours, reqs: list[OmniDiffusionRequest]) -> tuple[dict[str, Any], list[int]]:
+    """`reqs` stepped together (the first alone for a round) each end with their solo frames and waveform; (their
+    outputs by id, the input counts of every forward)."""
+    from tests.models.image_checks import step_cobatched
+
+    outputs, forwards = step_cobatched(ours, reqs)
     for req in reqs:
-        out = harness.outputs[req.request_id]
-        assert out.error is None, out.error
         (solo,) = ours.forward(DiffusionRequestBatch([req]))
-        assert psnr(out.output["video"], solo.output["video"]) >= 60.0
-        assert snr(out.output["audio"], solo.output["audio"]) >= 60.0
+        assert psnr(outputs[req.request_id].output["video"], solo.output["video"]) >= 60.0
+        assert snr(outputs[req.request_id].output["audio"], solo.output["audio"]) >= 60.0
+    return outputs, forwards
 
 
 def test_lossless_is_bitwise_uncached_and_high_reuses_steps(ltx2, ltx2_dir):
@@ -237,55 +235,6 @@ def test_image_to_video_matches_diffusers(ltx2, ltx2_dir):
     assert psnr(out.output["video"], t2v.output["video"]) < 30.0, "the image must condition the clip"
 
 
-def two_stage_reference(ref, ltx2_dir, prompt: str, seed: int, guidance: float, fps: int):
-    """diffusers' "Two-stages Generation" recipe (its LTX-2 docs) on the tiny checkpoint: the base pass at half size
-    to latents, `LTX2LatentUpsamplePipeline` with the checkpoint's `latent_upsampler/`, then the refine pass on
-    `STAGE_2_DISTILLED_SIGMA_VALUES` (no dynamic shift, re-noised to the first sigma, no guidance); one generator
-    for the whole run."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2LatentUpsamplePipeline
-    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
-    from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES
-
-    generator = torch.Generator("cpu").manual_seed(seed)
-    common = dict(prompt=prompt, frame_rate=float(fps), num_frames=SIZE["num_frames"], generator=generator)
-    common["max_sequence_length"] = SIZE["max_sequence_length"]
-    video, audio = ref(
-        height=SIZE["height"],
-        width=SIZE["width"],
-        num_inference_steps=SIZE["num_inference_steps"],
-        guidance_scale=guidance,
-        audio_guidance_scale=guidance,
-        output_type="latent",
-        return_dict=False,
-        **common,
-        **CFG_ONLY,
-    )
-    upsampler = LTX2LatentUpsamplerModel.from_pretrained(ltx2_dir, subfolder="latent_upsampler", dtype=torch.float32)
-    (video,) = LTX2LatentUpsamplePipeline(vae=ref.vae, latent_upsampler=upsampler)(
-        latents=video, output_type="latent", return_dict=False
-    )
-    base_scheduler = ref.scheduler
-    ref.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
-        base_scheduler.config, use_dynamic_shifting=False, shift_terminal=None
-    )
-    try:
-        out = ref(
-            latents=video,
-            audio_latents=audio,
-            num_inference_steps=len(STAGE_2_DISTILLED_SIGMA_VALUES),
-            noise_scale=STAGE_2_DISTILLED_SIGMA_VALUES[0],
-            sigmas=STAGE_2_DISTILLED_SIGMA_VALUES,
-            guidance_scale=1.0,
-            audio_guidance_scale=1.0,
-            output_type="np",
-            **common,
-            **CFG_ONLY,
-        )
-    finally:
-        ref.scheduler = base_scheduler
-    return (out.frames[0] * 255).round().astype(np.uint8), out.audio[0].float().numpy()
-
-
 def test_two_stage_matches_diffusers_recipe(ltx2, ltx2_dir):
     """`two_stage=True` at 64x128: the base pass at 32x64 (CFG), the x2 latent upsampler, 3 refine steps at
     64x128; frames and waveform match diffusers' two-stage recipe on the same weights and seed."""
@@ -296,7 +245,16 @@ def test_two_stage_matches_diffusers_recipe(ltx2, ltx2_dir):
     assert out.error is None, out.error
     video, audio = out.output["video"], out.output["audio"]
     assert video.shape == (9, 64, 128, 3)
-    expected_video, expected_audio = two_stage_reference(ref, ltx2_dir, prompt, 9, 3.0, 24)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks" / "diffusion"))
+    from bench_ltx2 import diffusers_two_stage
+    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
+
+    # diffusers' recipe with the checkpoint's upsampler as its docs load it (from_pretrained, subfolder).
+    upsampler = LTX2LatentUpsamplerModel.from_pretrained(ltx2_dir, subfolder="latent_upsampler", dtype=torch.float32)
+    params = dict(SIZE, height=64, width=128, guidance_scale=3.0, fps=24)
+    expected = diffusers_two_stage(ref, upsampler, params, prompt, 9)
+    expected_video = (expected.frames[0] * 255).round().astype(np.uint8)
+    expected_audio = expected.audio[0].float().numpy()
     assert video.std() > 1.0 and np.abs(audio).max() > 1e-3, "a constant output would prove nothing"
     assert audio.shape == expected_audio.shape
     assert psnr(video, expected_video) >= 35.0
@@ -309,8 +267,6 @@ def test_two_stage_step_mode_cobatched_equals_solo(ltx2):
     """Step mode: two two-stage requests join mid-flight (one a step behind, so they cross the pass switch apart)
     and a one-stage request of the refine pass's size; they share forwards where their passes' shapes agree, and
     each ends with its solo output."""
-    from tests.diffusion.step_harness import Harness
-
     ours, _ = ltx2
     big = dict(height=64, width=128, num_frames=5, guidance_scale=3.0)
     reqs = [
@@ -318,23 +274,6 @@ def test_two_stage_step_mode_cobatched_equals_solo(ltx2):
         request("A dog barks.", 2, "b", two_stage=True, num_inference_steps=2, **big),
         request("Waves crash.", 3, "c", num_inference_steps=2, **{**big, "guidance_scale": 1.0}),
     ]
-    forwards: list[int] = []
-    forward = ours.forward_step_inputs
-    ours.forward_step_inputs = lambda inputs, states: forwards.append(len(inputs)) or forward(inputs, states)
-    try:
-        harness = Harness(ours, max_num_seqs=4)
-        harness.add(reqs[0])
-        harness.round()
-        for req in reqs[1:]:
-            harness.add(req)
-        harness.drain()
-    finally:
-        del ours.forward_step_inputs
+    outputs, forwards = check_step_mode_equals_solo(ours, reqs)
     assert max(forwards) >= 2, "the refine passes (no CFG, full size) co-batch with the one-stage request"
-    for req in reqs:
-        out = harness.outputs[req.request_id]
-        assert out.error is None, out.error
-        assert out.output["video"].shape == (5, 64, 128, 3)
-        (solo,) = ours.forward(DiffusionRequestBatch([req]))
-        assert psnr(out.output["video"], solo.output["video"]) >= 60.0
-        assert snr(out.output["audio"], solo.output["audio"]) >= 60.0
+    assert all(out.output["video"].shape == (5, 64, 128, 3) for out in outputs.values())
