@@ -7,12 +7,17 @@ runs on the very same modules (its `LTX2VideoTransformer3DModel` shares our nati
   - one CFG denoise step (prediction + guidance + Euler step; both run positive and negative rows in one DiT
     forward, as diffusers' pipeline does),
   - the whole pipeline (text encoder, denoise, video + audio decode),
+  - with `--two-stage`, the two-stage variant too (`two_stage=True` at --height x --width vs diffusers' recipe:
+    `LTX2Pipeline` to latents at half size, `LTX2LatentUpsamplePipeline`, `LTX2Pipeline` refine on the stage-2
+    distilled sigmas), on the same upsampler module,
 eager and, with `--compile`, with the DiT's repeated blocks compiled on both sides (`torch.compile`).
 `--smoke` runs the tiny checkpoint on the CPU in fp32 (tests/benchmarks/test_bench_ltx2.py). Prints a table and
 writes JSON (`--out`) and a PNG bar chart (`--png`).
 
   python benchmarks/diffusion/bench_ltx2.py --frames 121 --steps 10 --compile \\
       --out benchmarks/results/bench_ltx2.json --png benchmarks/results/bench_ltx2.png
+  python benchmarks/diffusion/bench_ltx2.py --two-stage --height 1024 --width 1536 --frames 121 --steps 10 \\
+      --out benchmarks/results/bench_ltx2_two_stage.json
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ def write_real_size_checkpoint(out: Path) -> Path:
         "vae": {"_class_name": "AutoencoderKLLTX2Video"},
         "audio_vae": {"_class_name": "AutoencoderKLLTX2Audio"},
         "vocoder": {"_class_name": "LTX2Vocoder"},
+        "latent_upsampler": {"_class_name": "LTX2LatentUpsamplerModel"},  # diffusers' defaults: LTX-2.0's x2
     }
     tiny_text = json.loads((tiny / "text_encoder" / "config.json").read_text())
     tiny_text["text_config"].pop("layer_types", None)  # derived from num_hidden_layers once the tiny list is gone
@@ -247,6 +253,82 @@ def bench_pipeline(ours, ref, kwargs: dict[str, Any], device) -> dict[str, Any]:
     }
 
 
+def diffusers_two_stage(ref, upsampler, kwargs: dict[str, Any], prompt: str, seed: int) -> Any:
+    """diffusers' "Two-stages Generation" recipe (its LTX-2 docs) at kwargs' (full) size, CFG-only: `ref` to
+    latents at half size, `LTX2LatentUpsamplePipeline` with `upsampler`, `ref` again on
+    `STAGE_2_DISTILLED_SIGMA_VALUES` (no dynamic shift, re-noised to the first sigma, no guidance); one generator
+    for the run. Returns the second call's output (frames in [0, 1], audio)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2LatentUpsamplePipeline
+    from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES
+
+    common = dict(
+        prompt=prompt,
+        generator=torch.Generator("cpu").manual_seed(seed),
+        frame_rate=float(kwargs["fps"]),
+        num_frames=kwargs["num_frames"],
+        max_sequence_length=kwargs["max_sequence_length"],
+        **CFG_ONLY,
+    )
+    video, audio = ref(
+        height=kwargs["height"] // 2,
+        width=kwargs["width"] // 2,
+        num_inference_steps=kwargs["num_inference_steps"],
+        guidance_scale=kwargs["guidance_scale"],
+        audio_guidance_scale=kwargs["guidance_scale"],
+        output_type="latent",
+        return_dict=False,
+        **common,
+    )
+    (video,) = LTX2LatentUpsamplePipeline(vae=ref.vae, latent_upsampler=upsampler)(
+        latents=video, output_type="latent", return_dict=False
+    )
+    base_scheduler = ref.scheduler
+    ref.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+        base_scheduler.config, use_dynamic_shifting=False, shift_terminal=None
+    )
+    try:
+        return ref(
+            latents=video,
+            audio_latents=audio,
+            num_inference_steps=len(STAGE_2_DISTILLED_SIGMA_VALUES),
+            noise_scale=STAGE_2_DISTILLED_SIGMA_VALUES[0],
+            sigmas=STAGE_2_DISTILLED_SIGMA_VALUES,
+            guidance_scale=1.0,
+            audio_guidance_scale=1.0,
+            output_type="np",
+            **common,
+        )
+    finally:
+        ref.scheduler = base_scheduler
+
+
+def bench_two_stage(ours, ref, kwargs: dict[str, Any], device) -> dict[str, Any]:
+    """The two-stage variant at kwargs' (full) size: ours `two_stage=True`; diffusers' recipe on the same modules."""
+    from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        expected = diffusers_two_stage(ref, ours.latent_upsampler, kwargs, PROMPT, 0)
+    sync(device)
+    ref_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    (out,) = ours.forward(DiffusionRequestBatch([request({**kwargs, "two_stage": True})]))
+    sync(device)
+    our_s = time.perf_counter() - t0
+    if out.error:
+        raise RuntimeError(out.error)
+    return {
+        "what": "two-stage",
+        "diffusers_s": ref_s,
+        "ours_s": our_s,
+        "ratio": our_s / ref_s,
+        "psnr_vs_diffusers": psnr(out.output["video"], (expected.frames[0] * 255).round()),
+        "audio_snr_vs_diffusers": snr(out.output["audio"], expected.audio[0].float().cpu().numpy()),
+        "stages": out.stage_durations,
+    }
+
+
 def draw(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -272,6 +354,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="also with the DiT's repeated blocks compiled")
     parser.add_argument("--smoke", action="store_true", help="tiny checkpoint on the CPU (fp32)")
+    parser.add_argument(
+        "--two-stage",
+        action="store_true",
+        help="also the two-stage variant at --height x --width (multiples of 64; the base pass at half)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--png", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -279,6 +366,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     if args.smoke:
         args.frames, args.height, args.width, args.steps, args.warmup, args.iters = 9, 32, 64, 2, 1, 2
+        if args.two_stage:
+            args.height, args.width = 64, 128
     kwargs = dict(
         height=args.height,
         width=args.width,
@@ -308,7 +397,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             step = bench_step(ours, ref, kwargs, device, args.warmup, args.iters)
             bench_pipeline(ours, ref, {**kwargs, "num_inference_steps": 1}, device)  # warm-up
             pipe = bench_pipeline(ours, ref, kwargs, device)
-            for row in (step, pipe):
+            measured = [step, pipe]
+            if args.two_stage:
+                measured.append(bench_two_stage(ours, ref, kwargs, device))
+            for row in measured:
                 rows.append(
                     {
                         **row,

@@ -4,6 +4,7 @@ saved as an MP4 (H.264 video + FLAC audio) that any player plays with sound.
     vllm serve tiny/ltx2 --omni --port 8000 &
     .venv/bin/python examples/online_serving/ltx2_client.py --out dog.mp4
     .venv/bin/python examples/online_serving/ltx2_client.py --image first_frame.png   # image-to-video
+    .venv/bin/python examples/online_serving/ltx2_client.py --two-stage --size 128x64  # base 64x32, upsampled x2
 """
 
 from __future__ import annotations
@@ -27,9 +28,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--image", type=Path, default=None, help="first frame (image-to-video)")
+    parser.add_argument(
+        "--two-stage",
+        action="store_true",
+        help="two-stage generation: base pass at half --size, latent upsampler x2, 3 refine steps "
+        "(--size multiples of 64)",
+    )
     parser.add_argument("--out", default="ltx2.mp4")
     args = parser.parse_args()
     extra = {"num_frames": args.frames, "fps": args.fps, "num_inference_steps": args.steps, "seed": args.seed}
+    if args.two_stage:
+        extra["two_stage"] = True
     client = server_args.client(args)
     # The SDK sends a multipart form: the first frame goes as the `input_reference` file.
     image = {} if args.image is None else {"input_reference": (args.image.name, args.image.read_bytes(), "image/png")}

@@ -179,3 +179,15 @@ def test_step_context_tracks_the_running_step(pipes):
     timesteps = [t for _, t in seen]
     assert timesteps[0] == pytest.approx(1.0, abs=0.05) and timesteps == sorted(timesteps, reverse=True)
     assert (ctx.step_index, ctx.timestep) == (None, None)
+
+
+def test_two_stage_is_refused_where_the_family_has_none(pipes):
+    """`two_stage` (LTX-2's variant) is a 400 naming it on a family without one, not silently one stage; the
+    request beside it in the batch still runs."""
+    pipe = pipes["flux"]
+    bad = _request("flux", "a red fox", "two", 1)
+    bad.sampling_params.two_stage = True
+    good = _request("flux", "a red fox", "one", 1)
+    outs = pipe.forward(DiffusionRequestBatch([bad, good]))
+    assert outs[0].error_status_code == 400 and "two_stage" in outs[0].error
+    assert outs[1].error is None

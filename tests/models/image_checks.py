@@ -1,5 +1,6 @@
 """Checks the native text-to-image family tests share (Z-Image, FLUX.2): PSNR of images on the 0-255 scale,
-one request through `forward`, step-mode co-batching against solo runs, and TeaCache's quality contract."""
+one request through `forward`, step-mode co-batching against solo runs (`step_cobatched` also steps LTX-2's clips),
+and TeaCache's quality contract."""
 
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ def run(pipe, req: OmniDiffusionRequest) -> DiffusionOutput:
     return out
 
 
-def cobatched_forwards(pipe, reqs: list[OmniDiffusionRequest], max_num_seqs: int = 4) -> list[int]:
-    """Steps `reqs` (the first alone for a round, then the rest join it mid-flight), checks each ends with its solo
-    output (>= 60 dB) and returns the number of rows of every forward."""
+def step_cobatched(pipe, reqs: list[OmniDiffusionRequest], max_num_seqs: int = 4
+                   ) -> tuple[dict[str, DiffusionOutput], list[int]]:
+    """Steps `reqs` in step mode (the first alone for a round, then the rest join it mid-flight); (each request's
+    output by id, the number of inputs of every transformer forward)."""
     forwards: list[int] = []
     forward = pipe.forward_step_inputs
 
@@ -55,9 +57,15 @@ def cobatched_forwards(pipe, reqs: list[OmniDiffusionRequest], max_num_seqs: int
     finally:
         del pipe.forward_step_inputs
     for req in reqs:
-        out = harness.outputs[req.request_id]
-        assert out.error is None, out.error
-        assert psnr(out.output[0] * 255, run(pipe, req).output[0] * 255) >= 60.0
+        assert harness.outputs[req.request_id].error is None, harness.outputs[req.request_id].error
+    return harness.outputs, forwards
+
+
+def cobatched_forwards(pipe, reqs: list[OmniDiffusionRequest], max_num_seqs: int = 4) -> list[int]:
+    """`step_cobatched`, checking each request ends with its solo output (>= 60 dB); the forwards' input counts."""
+    outputs, forwards = step_cobatched(pipe, reqs, max_num_seqs)
+    for req in reqs:
+        assert psnr(outputs[req.request_id].output[0] * 255, run(pipe, req).output[0] * 255) >= 60.0
     return forwards
 
 

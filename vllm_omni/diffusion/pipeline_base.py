@@ -75,6 +75,9 @@ class NativeDiffusionPipeline(nn.Module):
     lora_loader: ClassVar[str | None] = None
     """The family's diffusers LoRA loader mixin (`diffusers.loaders.<name>`), whose `lora_state_dict` reads and
     converts adapter files; None = the family takes no `lora`."""
+    supports_two_stage: ClassVar[bool] = False
+    """Whether the family has a two-stage variant (base pass, latent upsampler, refine pass) that the `two_stage`
+    knob selects (LTX-2); the others refuse the knob."""
     od_config: OmniDiffusionConfig
     device: torch.device
 
@@ -91,6 +94,7 @@ class NativeDiffusionPipeline(nn.Module):
         groups: dict[Any, list[OmniDiffusionRequest]] = {}
         for request in batch.requests:
             try:
+                self.refuse_two_stage([request])
                 key = (self.group_key(request), cache_group(self.cache_policy(request), request))
                 self.load_loras([request])
                 groups.setdefault(key, []).append(request)
@@ -116,6 +120,12 @@ class NativeDiffusionPipeline(nn.Module):
             needs |= mine
         return chunks
 
+    def refuse_two_stage(self, requests: list[OmniDiffusionRequest]) -> None:
+        """`two_stage` on a family without the variant: a 400 naming it (per request in `forward`, which groups by
+        the family's key; in `prepare` for step mode)."""
+        if not self.supports_two_stage and any(r.sampling_params.two_stage for r in requests):
+            raise OmniClientError(f"two_stage: {type(self).__name__} has no two-stage variant", param="two_stage")
+
     def run_group(self, requests: list[OmniDiffusionRequest], ctx: StepContext) -> dict[int, DiffusionOutput]:
         """prepare -> denoise -> finish for one group; a shared parameter found invalid fails the whole group."""
         aborted = set(ctx.aborted([r.request_id for r in requests]))
@@ -136,6 +146,7 @@ class NativeDiffusionPipeline(nn.Module):
     def prepare(self, requests: list[OmniDiffusionRequest], ctx: StepContext) -> DenoiseState:
         """Everything before the first step: prompt embeddings, initial latents, scheduler, per-step tables."""
         refuse_pipeline_kwargs(requests)
+        self.refuse_two_stage(requests)
         self.load_loras(requests)
         self.check_inputs(requests)
         start = time.perf_counter()

@@ -86,6 +86,10 @@ class OmniDiffusionSamplingParams:
     fps: int | None = knob(minimum=1, maximum=240)
     boundary_ratio: float | None = knob(minimum=0, maximum=1, pipeline_kwarg=True)
     flow_shift: float | None = knob(minimum=0, pipeline_kwarg=True)
+    two_stage: bool | None = knob()
+    """LTX-2's two-stage generation (diffusers' "Two-stages Generation", LTX-2's `ti2vid_two_stages`): a base pass
+    at half the requested height and width, the checkpoint's x2 latent upsampler, then a short refine pass at full
+    size. None/False: one stage. A pipeline without such a variant refuses true (400 naming the field)."""
     max_sequence_length: int | None = knob(http=False, minimum=1, maximum=65536, pipeline_kwarg=True)
     lora: dict[str, Any] | list[dict[str, Any]] | None = knob(batch_key=False)
     """Adapters to run with (`vllm_omni/inputs/lora.py`, docs/lora.md): {"name" or "path", "scale"} or a list of

@@ -3,7 +3,9 @@
 Pins (issue 28): the official `openai` client's create -> poll -> download returns a playable MP4 (H.264 + FLAC)
 whose audio stream PyAV decodes to the waveform offline `Omni` returns for the same request (16-bit PCM: SNR
 >= 60 dB) and whose frames are the offline frames; the WebSocket route streams fragments that each carry their
-frames' share of the soundtrack and concatenate to the same clip with sound.
+frames' share of the soundtrack and concatenate to the same clip with sound; `two_stage` (the base pass, the
+latent upsampler, the refine pass) on the same server gives the offline two-stage clip, and a bad value of it is
+a 400 naming it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -21,6 +24,8 @@ from vllm_omni.diffusion.video_utils import decode_mp4, decode_mp4_audio, encode
 MODEL = "tiny/ltx2"
 FAST = {"num_frames": 9, "num_inference_steps": 2, "seed": 3, "fps": 24, "guidance_scale": 3.0}
 PROMPT = "A dog barks and runs through a field."
+TWO_STAGE = {**FAST, "two_stage": True}
+"""At 128x64: the base pass at 64x32."""
 
 
 def snr(signal: np.ndarray, reference: np.ndarray) -> float:
@@ -34,28 +39,40 @@ def server(shared_server):
 
 
 @pytest.fixture(scope="module")
-def offline():
-    """What offline `Omni` returns for the request the server gets (same seed and knobs)."""
+def offline_runs():
+    """What offline `Omni` returns for the requests the server gets (same seed and knobs): one stage at 64x32,
+    two stages at 128x64."""
     from vllm_omni import Omni, OmniDiffusionSamplingParams
 
     omni = Omni(model=MODEL)
     try:
-        (out,) = omni.generate([PROMPT], OmniDiffusionSamplingParams(height=32, width=64, **FAST))
+        (one,) = omni.generate([PROMPT], OmniDiffusionSamplingParams(height=32, width=64, **FAST))
+        (two,) = omni.generate([PROMPT], OmniDiffusionSamplingParams(height=64, width=128, **TWO_STAGE))
     finally:
         omni.close()
-    return out.multimodal_output
+    return one.multimodal_output, two.multimodal_output
 
 
-def test_openai_client_mp4_carries_the_offline_soundtrack(server, offline):
-    assert offline["video"].shape == (9, 32, 64, 3) and offline["audio"].shape[0] == 2
+@pytest.fixture(scope="module")
+def offline(offline_runs):
+    return offline_runs[0]
+
+
+def job_mp4(server, size: str, extra: dict) -> bytes:
+    """The official client's create -> poll -> download of one job."""
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
-    job = client.videos.create(model=MODEL, prompt=PROMPT, size="64x32", extra_body=FAST)
+    job = client.videos.create(model=MODEL, prompt=PROMPT, size=size, extra_body=extra)
     deadline = time.monotonic() + 120
     while job.status not in ("completed", "failed") and time.monotonic() < deadline:
         time.sleep(0.5)
         job = client.videos.retrieve(job.id)
     assert job.status == "completed", job.error
-    mp4 = client.videos.download_content(job.id).read()
+    return client.videos.download_content(job.id).read()
+
+
+def test_openai_client_mp4_carries_the_offline_soundtrack(server, offline):
+    assert offline["video"].shape == (9, 32, 64, 3) and offline["audio"].shape[0] == 2
+    mp4 = job_mp4(server, "64x32", FAST)
     frames = decode_mp4(mp4)
     assert frames.shape == offline["video"].shape
     # The tiny model's frames are near noise, which H.264 keeps only roughly: compare with the offline clip
@@ -91,3 +108,22 @@ def test_websocket_fragments_carry_the_soundtrack(server, offline):
     assert decode_mp4(clip).shape == offline["video"].shape
     audio, _ = decode_mp4_audio(clip)
     assert snr(audio, offline["audio"]) >= 60.0
+
+
+def test_two_stage_job_carries_the_offline_two_stage_clip(server, offline_runs):
+    two = offline_runs[1]
+    assert two["video"].shape == (9, 64, 128, 3)
+    mp4 = job_mp4(server, "128x64", TWO_STAGE)
+    assert np.array_equal(decode_mp4(mp4), decode_mp4(encode_mp4(two["video"], FAST["fps"])))
+    audio, _ = decode_mp4_audio(mp4)
+    assert audio.shape == two["audio"].shape and snr(audio, two["audio"]) >= 60.0
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [({"two_stage": "maybe"}, "two_stage"), ({"two_stage": True, "size": "96x64"}, "width")],
+    ids=["not_a_bool", "odd_base_size"],
+)
+def test_bad_two_stage_is_a_400_naming_the_field(server, body, param):
+    resp = httpx.post(f"{server.url}/v1/videos/sync", json={"prompt": "x", **FAST, **body}, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text

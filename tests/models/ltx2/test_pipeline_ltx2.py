@@ -7,6 +7,10 @@ SNR >= 40 dB of diffusers, with CFG rows and two requests batched into one DiT f
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +18,7 @@ import torch
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
+from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
 SIZE = dict(height=32, width=64, num_frames=9, num_inference_steps=3, max_sequence_length=32)
@@ -137,6 +142,7 @@ def test_invalid_requests_fail_alone(ltx2):
                 good,
                 request("x", 1, "odd", height=33),
                 request("x", 1, "g2", guidance_scale_2=2.0),
+                request("x", 1, "half", two_stage=True),  # 32x64: the base pass would be 16x32
             ]
         )
     )
@@ -144,38 +150,36 @@ def test_invalid_requests_fail_alone(ltx2):
     assert outs[1].error is None and outs[1].output["video"].shape == (9, 32, 64, 3)
     assert outs[2].error_status_code == 400 and "height" in outs[2].error
     assert outs[3].error_status_code == 400 and "guidance_scale_2" in outs[3].error
+    assert outs[4].error_status_code == 400 and "height must be a multiple of 64" in outs[4].error
+    with pytest.raises(OmniClientError) as bad:
+        OmniDiffusionSamplingParams(two_stage="yes")
+    assert bad.value.param == "two_stage"
 
 
 def test_step_mode_cobatched_requests_equal_their_solo_outputs(ltx2):
     """max_num_seqs 4: different prompts, step counts, CFG on/off; one of another frame count (its own forward).
     They join mid-flight; each ends with its solo frames and waveform."""
-    from tests.diffusion.step_harness import Harness
-
     ours, _ = ltx2
     reqs = [
         request("A cat walks on the grass.", 1, "a", guidance_scale=3.0),
         request("A dog barks.", 2, "b", num_inference_steps=2, guidance_scale=1.0),
         request("Waves crash.", 3, "c", num_inference_steps=2, num_frames=5, guidance_scale=1.0),
     ]
-    forwards: list[int] = []
-    forward = ours.forward_step_inputs
-    ours.forward_step_inputs = lambda inputs, states: forwards.append(len(inputs)) or forward(inputs, states)
-    try:
-        harness = Harness(ours, max_num_seqs=4)
-        harness.add(reqs[0])
-        harness.round()
-        for req in reqs[1:]:
-            harness.add(req)
-        harness.drain()
-    finally:
-        del ours.forward_step_inputs
+    _, forwards = check_step_mode_equals_solo(ours, reqs)
     assert max(forwards) == 2  # a and b shared forwards; c (other frame count) never joined them
+
+
+def check_step_mode_equals_solo(ours, reqs: list[OmniDiffusionRequest]) -> tuple[dict[str, Any], list[int]]:
+    """`reqs` stepped together (the first alone for a round) each end with their solo frames and waveform; (their
+    outputs by id, the input counts of every forward)."""
+    from tests.models.image_checks import step_cobatched
+
+    outputs, forwards = step_cobatched(ours, reqs)
     for req in reqs:
-        out = harness.outputs[req.request_id]
-        assert out.error is None, out.error
         (solo,) = ours.forward(DiffusionRequestBatch([req]))
-        assert psnr(out.output["video"], solo.output["video"]) >= 60.0
-        assert snr(out.output["audio"], solo.output["audio"]) >= 60.0
+        assert psnr(outputs[req.request_id].output["video"], solo.output["video"]) >= 60.0
+        assert snr(outputs[req.request_id].output["audio"], solo.output["audio"]) >= 60.0
+    return outputs, forwards
 
 
 def test_lossless_is_bitwise_uncached_and_high_reuses_steps(ltx2, ltx2_dir):
@@ -229,3 +233,47 @@ def test_image_to_video_matches_diffusers(ltx2, ltx2_dir):
     assert snr(out.output["audio"], expected.audio[0].float().numpy()) >= 40.0
     (t2v,) = ours.forward(DiffusionRequestBatch([request("A cat walks on the grass.", 5, "t2v", guidance_scale=3.0)]))
     assert psnr(out.output["video"], t2v.output["video"]) < 30.0, "the image must condition the clip"
+
+
+def test_two_stage_matches_diffusers_recipe(ltx2, ltx2_dir):
+    """`two_stage=True` at 64x128: the base pass at 32x64 (CFG), the x2 latent upsampler, 3 refine steps at
+    64x128; frames and waveform match diffusers' two-stage recipe on the same weights and seed."""
+    ours, ref = ltx2
+    prompt = "A man plays a red electric guitar on a stage, the crowd cheers."
+    rq = request(prompt, 9, "two", guidance_scale=3.0, fps=24, height=64, width=128, two_stage=True)
+    (out,) = ours.forward(DiffusionRequestBatch([rq]))
+    assert out.error is None, out.error
+    video, audio = out.output["video"], out.output["audio"]
+    assert video.shape == (9, 64, 128, 3)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks" / "diffusion"))
+    from bench_ltx2 import diffusers_two_stage
+    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
+
+    # diffusers' recipe with the checkpoint's upsampler as its docs load it (from_pretrained, subfolder).
+    upsampler = LTX2LatentUpsamplerModel.from_pretrained(ltx2_dir, subfolder="latent_upsampler", dtype=torch.float32)
+    params = dict(SIZE, height=64, width=128, guidance_scale=3.0, fps=24)
+    expected = diffusers_two_stage(ref, upsampler, params, prompt, 9)
+    expected_video = (expected.frames[0] * 255).round().astype(np.uint8)
+    expected_audio = expected.audio[0].float().numpy()
+    assert video.std() > 1.0 and np.abs(audio).max() > 1e-3, "a constant output would prove nothing"
+    assert audio.shape == expected_audio.shape
+    assert psnr(video, expected_video) >= 35.0
+    assert snr(audio, expected_audio) >= 40.0
+    (one,) = ours.forward(DiffusionRequestBatch([request(prompt, 9, "one", guidance_scale=3.0, height=64, width=128)]))
+    assert psnr(video, one.output["video"]) < 30.0, "the two passes are not the one-stage run"
+
+
+def test_two_stage_step_mode_cobatched_equals_solo(ltx2):
+    """Step mode: two two-stage requests join mid-flight (one a step behind, so they cross the pass switch apart)
+    and a one-stage request of the refine pass's size; they share forwards where their passes' shapes agree, and
+    each ends with its solo output."""
+    ours, _ = ltx2
+    big = dict(height=64, width=128, num_frames=5, guidance_scale=3.0)
+    reqs = [
+        request("A cat walks on the grass.", 1, "a", two_stage=True, num_inference_steps=2, **big),
+        request("A dog barks.", 2, "b", two_stage=True, num_inference_steps=2, **big),
+        request("Waves crash.", 3, "c", num_inference_steps=2, **{**big, "guidance_scale": 1.0}),
+    ]
+    outputs, forwards = check_step_mode_equals_solo(ours, reqs)
+    assert max(forwards) >= 2, "the refine passes (no CFG, full size) co-batch with the one-stage request"
+    assert all(out.output["video"].shape == (5, 64, 128, 3) for out in outputs.values())

@@ -13,6 +13,12 @@ seed the frames and the waveform match it:
   4. denoise both modalities in one DiT forward per step (positive and negative rows together), one Euler
      step over both (their sigmas are the same),
   5. decode the video latents with the VAE and the audio latents with the audio VAE, then the vocoder.
+Two-stage variant (`two_stage=True`; diffusers' "Two-stages Generation" recipe, LTX-2's `ti2vid_two_stages`): steps
+1-4 at half the requested height and width, then the video latents through the checkpoint's x2 latent upsampler
+(`latent_upsampler/`, diffusers' `LTX2LatentUpsamplePipeline`), both modalities re-noised to the first of
+`STAGE_2_DISTILLED_SIGMA_VALUES` from the request's generator, 3 more steps on those sigmas at full size without
+guidance, then 5. The passes are one step sequence of one state: the last base step switches the state's latents,
+geometry, guidance and scheduler to the refine pass's (`scheduler_step`).
 Video and audio latents of a sample live in ONE flat row (`state.latents`: rows x (video + audio numbers)), so
 abort, co-batching and the scheduler treat them as one sample.
 """
@@ -21,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
@@ -88,14 +94,35 @@ class LTX2Conditioning(Conditioning):
     first_frame: torch.Tensor | None = None
     """Image-to-video: (video tokens,) 1 on the tokens of the first latent frame, which hold the encoded input
     image and stay clean (timestep 0, no update); None for text-to-video."""
+    refine: LTX2Refine | None = None
+    """Two-stage variant, during its base pass: what the refine pass needs; None otherwise."""
 
     def select(self, rows: torch.Tensor, text_rows: torch.Tensor) -> LTX2Conditioning:
+        refine = self.refine
+        if refine is not None:
+            refine = replace(refine, generators=[refine.generators[i] for i in rows.tolist()])
         return replace(
             self,
             video_embeds=self.video_embeds.index_select(0, text_rows),
             audio_embeds=self.audio_embeds.index_select(0, text_rows),
             text_mask=self.text_mask.index_select(0, text_rows),
+            refine=refine,
         )
+
+
+@dataclass
+class LTX2Refine:
+    """The refine pass of the two-stage variant."""
+
+    geometry: LTX2Geometry
+    """The requested (full) size; the base pass runs at half its height and width."""
+    base_steps: int
+    """Steps of the base pass; the refine pass starts after the last of them."""
+    scheduler: Any = None
+    """The refine pass's scheduler, its timesteps set (`prepare_step_tables`)."""
+    generators: list[torch.Generator] = field(default_factory=list)
+    """Per latent row: its request's generator, which drew the base pass's noise and draws the re-noising next
+    (one generator per run, as diffusers' recipe and LTX-2 pass it to both passes)."""
 
 
 @dataclass
@@ -135,6 +162,7 @@ class LTX2Pipeline(NativeDiffusionPipeline):
 
     progress_desc: ClassVar[str] = "LTX-2 denoise"
     lora_loader: ClassVar[str | None] = "LTX2LoraLoaderMixin"
+    supports_two_stage: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -150,6 +178,7 @@ class LTX2Pipeline(NativeDiffusionPipeline):
         audio_vae: nn.Module,
         vocoder: nn.Module,
         scheduler_config: dict[str, Any],
+        latent_upsampler: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.od_config = od_config
@@ -163,6 +192,8 @@ class LTX2Pipeline(NativeDiffusionPipeline):
         self.audio_vae = audio_vae
         self.vocoder = vocoder
         self.scheduler_config = scheduler_config
+        self.latent_upsampler = latent_upsampler
+        """The two-stage variant's x2 spatial upsampler; None where the checkpoint has no `latent_upsampler/`."""
 
     # ---- loading -------------------------------------------------------------------------------------------
 
@@ -181,6 +212,7 @@ class LTX2Pipeline(NativeDiffusionPipeline):
     ) -> dict[str, Any]:
         from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
         from diffusers.pipelines.ltx2 import LTX2TextConnectors
+        from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
         from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
         from transformers import AutoTokenizer, Gemma3ForConditionalGeneration
 
@@ -209,6 +241,10 @@ class LTX2Pipeline(NativeDiffusionPipeline):
             audio_vae=load(AutoencoderKLLTX2Audio, "audio_vae"),
             vocoder=load(LTX2Vocoder, "vocoder"),
             scheduler_config=json.loads((model_dir / "scheduler" / "scheduler_config.json").read_text()),
+            # Small (a few convolutions); read when the repo has it, so that any request may ask for two stages.
+            latent_upsampler=load(LTX2LatentUpsamplerModel, "latent_upsampler")
+            if (model_dir / "latent_upsampler" / "config.json").is_file()
+            else None,
         )
 
     def cache_presets(self) -> FamilyPresets:
@@ -229,6 +265,7 @@ class LTX2Pipeline(NativeDiffusionPipeline):
             sp.num_outputs_per_prompt,
             sp.max_sequence_length,
             request_image(request) is not None,
+            bool(sp.two_stage),
         )
 
     def validate_request(self, request: OmniDiffusionRequest) -> None:
@@ -238,11 +275,26 @@ class LTX2Pipeline(NativeDiffusionPipeline):
         for name in _UNSUPPORTED:
             if getattr(sp, name) is not None:
                 raise OmniClientError(f"{name} does not apply to LTX-2", param=name)
-        request_image(request)
+        image = request_image(request)
+        if sp.two_stage:
+            if self.latent_upsampler is None:
+                raise OmniClientError(
+                    "two_stage needs the checkpoint's latent upsampler (latent_upsampler/), which this one lacks",
+                    param="two_stage",
+                )
+            if image is not None:
+                raise OmniClientError("two_stage runs text-to-video only (no input image)", param="two_stage")
+            if sp.partial_images:
+                raise OmniClientError("partial_images are not previewed with two_stage", param="partial_images")
+        self.resolve_geometry(sp)
 
     def encode_prompt(self, requests: list[OmniDiffusionRequest]) -> LTX2Conditioning:
         sp = requests[0].sampling_params
         geometry = self.resolve_geometry(sp)
+        refine = None
+        if sp.two_stage:
+            steps = sp.num_inference_steps or DEFAULT_NUM_INFERENCE_STEPS
+            refine, geometry = LTX2Refine(geometry, steps), self.base_geometry(geometry)
         guidance = DEFAULT_GUIDANCE_SCALE if sp.guidance_scale is None else float(sp.guidance_scale)
         cfg = CFG(guidance) if guidance > 1.0 else None
         video, audio, mask = self.encode_texts(
@@ -261,10 +313,12 @@ class LTX2Pipeline(NativeDiffusionPipeline):
             mask.repeat_interleave(per, 0),
             cfg,
             first_frame,
+            refine,
         )
 
     def prepare_latents(self, requests: list[OmniDiffusionRequest], conditioning: LTX2Conditioning) -> torch.Tensor:
-        """Per request from its own CPU generator: video noise, then audio noise (diffusers' order)."""
+        """Per request from its own CPU generator: video noise, then audio noise (diffusers' order). Two stages:
+        the generators are kept for the refine pass's noise."""
         g = conditioning.geometry
         per = requests[0].sampling_params.num_outputs_per_prompt
         video_shape = (per, self.transformer.config.in_channels, g.latent_frames, g.latent_height, g.latent_width)
@@ -278,14 +332,19 @@ class LTX2Pipeline(NativeDiffusionPipeline):
             if conditioning.first_frame is not None:  # the image's latents replace the first frame's noise
                 video[:, :, :1] = self.encode_image(request_image(request), g).expand(per, -1, -1, -1, -1)
             noise.append(self.pack(video, audio))
+            if conditioning.refine is not None:
+                conditioning.refine.generators += [generator] * per
         return torch.cat(noise).to(self.device)
 
     def make_scheduler(self, requests: list[OmniDiffusionRequest], latents: torch.Tensor) -> Any:
         from diffusers import FlowMatchEulerDiscreteScheduler
         from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
 
-        steps = requests[0].sampling_params.num_inference_steps or DEFAULT_NUM_INFERENCE_STEPS
-        g = self.resolve_geometry(requests[0].sampling_params)
+        sp = requests[0].sampling_params
+        steps = sp.num_inference_steps or DEFAULT_NUM_INFERENCE_STEPS
+        g = self.resolve_geometry(sp)
+        if sp.two_stage:
+            g = self.base_geometry(g)
         cfg = self.scheduler_config
         mu = calculate_shift(
             g.latent_frames * g.latent_height * g.latent_width,
@@ -298,6 +357,25 @@ class LTX2Pipeline(NativeDiffusionPipeline):
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu, device=self.device)
         scheduler.set_begin_index(0)
         return scheduler
+
+    def prepare_step_tables(self, state: DenoiseState) -> None:
+        """Two stages: the refine pass's scheduler (diffusers' recipe: the distilled sigmas as they are, no
+        dynamic shift), its timesteps appended to the base pass's, so one state runs both passes."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+        from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES
+
+        refine = state.conditioning.refine
+        if refine is None:
+            return
+        scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+            self.scheduler_config, use_dynamic_shifting=False, shift_terminal=None
+        )
+        scheduler.set_timesteps(sigmas=STAGE_2_DISTILLED_SIGMA_VALUES, device=self.device)
+        scheduler.set_begin_index(0)
+        refine.scheduler = scheduler
+        num_train = scheduler.config.num_train_timesteps
+        state.timesteps = torch.cat([state.timesteps, scheduler.timesteps])
+        state.normalized_timesteps += [t / num_train for t in scheduler.timesteps.tolist()]
 
     def step_group_key(self, state: DenoiseState) -> Any:
         """Same geometry (token counts and RoPE positions) and text length; prompts, seeds, guidance, CFG on/off
@@ -356,7 +434,49 @@ class LTX2Pipeline(NativeDiffusionPipeline):
             keep = torch.zeros_like(noise_pred[0])
             keep[: first_frame.numel() * channels] = first_frame.repeat_interleave(channels)
             noise_pred = noise_pred * (1 - keep)
-        return super().scheduler_step(state, noise_pred)
+        latents = super().scheduler_step(state, noise_pred)
+        refine = state.conditioning.refine
+        if refine is not None and state.step_index == refine.base_steps - 1:
+            latents = self.start_refine(state, latents)
+        return latents
+
+    def start_refine(self, state: DenoiseState, latents: torch.Tensor) -> torch.Tensor:
+        """After the base pass: the refine pass's initial latents (the video latents upsampled x2, both modalities
+        re-noised to the refine pass's first sigma), and the state switched to that pass: full-size geometry, no
+        guidance (its prompt rows only), its scheduler. Mirrors diffusers' recipe: the base output denormalized
+        (`output_type="latent"`), `LTX2LatentUpsamplePipeline`, then `LTX2Pipeline(latents=..., noise_scale=...)`."""
+        from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES
+
+        cond, refine = state.conditioning, state.conditioning.refine
+        video, audio = self.unpack(latents, cond.geometry)
+        mean = self.vae.latents_mean.view(1, -1, 1, 1, 1).to(video)
+        std = self.vae.latents_std.view(1, -1, 1, 1, 1).to(video)
+        scaling = self.vae.config.scaling_factor
+        video = self.latent_upsampler((video * std / scaling + mean).to(self.latent_upsampler.dtype))
+        video = ((video - mean.to(video)) * scaling / std.to(video)).flatten(2).transpose(1, 2)  # packed tokens
+        sigma = STAGE_2_DISTILLED_SIGMA_VALUES[0]
+        per = state.outputs_per_request
+        noised = []
+        for i in range(0, video.shape[0], per):  # per request from its generator: video noise, then audio noise
+            generator = refine.generators[i]
+            rows = slice(i, i + per)
+            video_noise = torch.randn(video[rows].shape, generator=generator, dtype=video.dtype).to(video.device)
+            audio_noise = torch.randn(audio[rows].shape, generator=generator, dtype=audio.dtype).to(audio.device)
+            noised.append(
+                torch.cat(
+                    [
+                        (sigma * video_noise + (1 - sigma) * video[rows]).flatten(1).float(),
+                        (sigma * audio_noise + (1 - sigma) * audio[rows]).flatten(1).float(),
+                    ],
+                    dim=1,
+                )
+            )
+        num_latent = latents.shape[0]
+        text_rows = torch.arange(num_latent, device=cond.text_mask.device)  # the prompts' rows: no guidance
+        state.conditioning = replace(cond.select(text_rows, text_rows), geometry=refine.geometry, cfg=None, refine=None)
+        state.scheduler = refine.scheduler
+        state.cache.invalidate()  # its residuals have the base pass's shapes
+        return torch.cat(noised)
 
     def finish(self, state: DenoiseState, ctx: StepContext) -> list[DiffusionOutput]:
         start = synchronized_now(self.device)  # step mode: the last steps may still be queued
@@ -385,12 +505,18 @@ class LTX2Pipeline(NativeDiffusionPipeline):
     # ---- stages --------------------------------------------------------------------------------------------
 
     def resolve_geometry(self, sp: OmniDiffusionSamplingParams) -> LTX2Geometry:
+        """The requested clip's sizes (two stages: the refine pass's, twice the base pass's height and width)."""
         height, width = sp.height or DEFAULT_HEIGHT, sp.width or DEFAULT_WIDTH
         spatial = max(SIZE_MULTIPLE, self.vae.spatial_compression_ratio * self.transformer.config.patch_size)
+        if sp.two_stage:  # the base pass's half size must be a valid size too
+            spatial *= 2
         temporal = self.vae.temporal_compression_ratio
         for name, value in (("height", height), ("width", width)):
             if value % spatial:
-                raise OmniClientError(f"{name} must be a multiple of {spatial} for LTX-2, got {value}", param=name)
+                variant = " two-stage" if sp.two_stage else ""
+                raise OmniClientError(
+                    f"{name} must be a multiple of {spatial} for LTX-2{variant}, got {value}", param=name
+                )
         num_frames = sp.num_frames or DEFAULT_NUM_FRAMES
         if num_frames % temporal != 1:
             rounded = num_frames // temporal * temporal + 1
@@ -409,6 +535,16 @@ class LTX2Pipeline(NativeDiffusionPipeline):
             width // self.vae.spatial_compression_ratio,
             round(num_frames / fps * per_second),
             audio_cfg.mel_bins // self.audio_vae.mel_compression_ratio,
+        )
+
+    def base_geometry(self, g: LTX2Geometry) -> LTX2Geometry:
+        """The two-stage variant's base pass: half the height and width (LTX-2's `stage_1_height/width`)."""
+        return replace(
+            g,
+            height=g.height // 2,
+            width=g.width // 2,
+            latent_height=g.latent_height // 2,
+            latent_width=g.latent_width // 2,
         )
 
     def encode_image(self, image: Image.Image, g: LTX2Geometry) -> torch.Tensor:

@@ -3,8 +3,10 @@
 Real repo: model_index.json (LTX2Pipeline), scheduler/ (FlowMatchEulerDiscreteScheduler with dynamic shifting),
 text_encoder/ (Gemma3ForConditionalGeneration, sharded + index), tokenizer/ (Gemma tokenizer), connectors/
 (LTX2TextConnectors), transformer/ (LTX2VideoTransformer3DModel, sharded + index), vae/ (AutoencoderKLLTX2Video),
-audio_vae/ (AutoencoderKLLTX2Audio) and vocoder/ (LTX2Vocoder). The same files with tiny random weights, so
-diffusers' LTX2Pipeline loads them offline.
+audio_vae/ (AutoencoderKLLTX2Audio), vocoder/ (LTX2Vocoder) and latent_upsampler/ (LTX2LatentUpsamplerModel, the
+x2 spatial upsampler of the two-stage variant: not in model_index.json, loaded by
+`LTX2LatentUpsamplerModel.from_pretrained(repo, subfolder="latent_upsampler")` as diffusers' docs do). The same
+files with tiny random weights, so diffusers' LTX2Pipeline and LTX2LatentUpsamplePipeline load them offline.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ def build_ltx2(
         LTX2VideoTransformer3DModel,
     )
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
@@ -212,6 +215,18 @@ def build_ltx2(
         resnet_dilations=[[1, 3, 5]],
         output_sampling_rate=16000,
     )
+    torch.manual_seed(seed + 7)
+    # LTX-2.0's upsampler config (3D convolutions, rational x2 resampler), at a tiny width (GroupNorm needs 32).
+    latent_upsampler = LTX2LatentUpsamplerModel(
+        in_channels=8,
+        mid_channels=32,
+        num_blocks_per_stage=1,
+        dims=3,
+        spatial_upsample=True,
+        temporal_upsample=False,
+        rational_spatial_scale=2.0,
+        use_rational_resampler=True,
+    )
     # Random weights in the VAEs' statistics buffers would be zeros / ones; draw them so (de)normalization counts.
     with torch.no_grad():
         gen = torch.Generator().manual_seed(seed + 6)
@@ -234,4 +249,5 @@ def build_ltx2(
     for name, module in (("connectors", connectors), ("vae", vae)):  # one file each in the real repo
         shutil.rmtree(out / name)
         module.save_pretrained(out / name, safe_serialization=True)
+    latent_upsampler.save_pretrained(out / "latent_upsampler", safe_serialization=True)
     (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(_SCHEDULER_CONFIG, indent=2))
