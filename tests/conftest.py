@@ -187,13 +187,16 @@ def stop_later():
 
 
 SETUP_BUDGET = Path(__file__).with_name("setup_budget.toml")
+XDIST_BUDGET_SCALE = 1.5
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("setup budget")
-    group.addoption("--setup-budget-scale", type=float, default=float(os.environ.get("SETUP_BUDGET_SCALE", "1")),
+    group.addoption("--setup-budget-scale", type=float, default=os.environ.get("SETUP_BUDGET_SCALE"),
                     help="Multiply every per-module set-up budget of tests/setup_budget.toml (0 turns the check "
-                         "off); for a machine slower than CI's. Default: $SETUP_BUDGET_SCALE or 1.")
+                         "off); for a machine slower than CI's. Default: $SETUP_BUDGET_SCALE, else 1 in one pytest "
+                         f"process and {XDIST_BUDGET_SCALE:g} under pytest-xdist (tools/test.sh's two workers "
+                         "share the 2 CPUs, so a set-up that starts several processes gets about half of them).")
     group.addoption("--setup-times-json", default=os.environ.get("SETUP_TIMES_JSON"),
                     help="Write each module's set-up, call and teardown seconds to this JSON file.")
 
@@ -209,7 +212,9 @@ class SetupBudget:
         table = tomllib.loads(SETUP_BUDGET.read_text())
         self.default_s = float(table["default_s"])
         self.budgets = {name: float(s) for name, s in table.get("modules", {}).items()}
-        self.scale = config.getoption("--setup-budget-scale")
+        scale = config.getoption("--setup-budget-scale")
+        workers = config.getoption("numprocesses", None)
+        self.scale = float(scale) if scale is not None else XDIST_BUDGET_SCALE if workers else 1.0
         self.json_path = config.getoption("--setup-times-json")
         self.times: dict[str, dict[str, float]] = {}
         self.over: list[tuple[str, float, float]] = []
