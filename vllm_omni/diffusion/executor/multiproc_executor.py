@@ -195,7 +195,8 @@ class MultiprocDiffusionExecutor:
         sock.bind(address)
         self._addresses[name] = address
 
-    def _worker_spec(self, rank: int, init_method: str | None, store_socket: socket.socket | None) -> WorkerSpec:
+    def _worker_spec(self, rank: int, init_method: str | None,
+                     store_socket: socket.socket | None = None) -> WorkerSpec:
         return WorkerSpec(
             od_config=self.od_config,
             rank=rank,
