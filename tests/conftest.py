@@ -36,12 +36,13 @@ def _has_cuda() -> bool:
 
 
 WORKER_UNITS: dict[str, tuple[str, ...]] = {
-    # Packages with package-scoped fixtures (their conftest.py): pytest-xdist tears a package's fixture down only
-    # when its worker's next test is outside the package, so a package split over units would keep its engine or
-    # cluster running beside the next unit's tests (whose leak checks would find its processes).
+    # Packages (directories with an __init__.py: in one without, pytest keeps a "package" fixture to the end of the
+    # session) with package-scoped fixtures in their conftest.py: a worker tears such a fixture down only when its
+    # next test is outside the package, so a package split over units would keep its engine or cluster running
+    # beside the next unit's tests (whose leak checks would find its processes).
     "tiny Qwen3-Omni engine": ("tests/models/qwen3_omni/",),
     "tiny Qwen3-TTS engine": ("tests/models/qwen3_tts/",),
-    "Ray cluster": ("tests/ray/",),
+    "Ray cluster": ("tests/ray_cluster/",),
     # The users of each `shared_server` server (tests/entrypoints/openai/live_server.py names them).
     "shared tiny/qwen2 server": ("tests/reliability/test_live_bad_input.py", "tests/tools/test_vllm_cli.py",
                                  "tests/entrypoints/openai/test_live_vllm_app.py"),

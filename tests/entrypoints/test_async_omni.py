@@ -2,8 +2,9 @@
 
 Pins: greedy tokens equal the reference (transformers, which the tiny-LM test ties to plain vLLM), streaming
 with per-stage durations, client errors naming the field, acknowledged abort under load (<= 1 s, request
-freed in the stage), pause/resume admission, and stage death -> errors within 10 s, engine dead, and a
-clean close (no child process, no shm segment). One engine for the whole module (~40 s start-up).
+freed in the stage), pause/resume admission, and stage death -> its requests fail within 10 s (503 while the
+one restart lasts, then dead), and a clean close (no child process, no shm segment). One engine for the whole
+module (~40 s start-up).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from vllm.sampling_params import RequestOutputKind
 from tests.entrypoints.leak_checks import shm_segments, wait_until_clean
 from vllm_omni import AsyncOmni
 from vllm_omni.catalog.tiny import build_tiny
-from vllm_omni.errors import EngineDeadError, OmniClientError
+from vllm_omni.errors import EngineDeadError, OmniClientError, StageRestartingError
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]
 PROMPTS = ["A photo of a cat sitting on a red chair", "hello world"]
@@ -27,10 +28,9 @@ PROMPTS = ["A photo of a cat sitting on a red chair", "hello world"]
 
 @pytest.fixture(scope="module")
 def omni():
-    # No restart budget: the last test checks what a dead engine answers (tests/reliability/test_ar_stage_fault.py
-    # covers the restart).
+    # One restart: the last test kills the EngineCore twice, the stage comes back once, then is dead.
     engine = AsyncOmni("tiny/qwen2", dtype="float32", max_model_len=512, max_num_seqs=8, enforce_eager=True,
-                       gpu_memory_utilization=0.15, seed=0, max_stage_restarts=0)
+                       gpu_memory_utilization=0.15, seed=0, max_stage_restarts=1)
     yield engine
     engine.close()
 
@@ -177,14 +177,38 @@ async def test_collective_rpc_and_stage_validation(omni):
         await omni.collective_rpc("reset_prefix_cache", stage_ids=[1])
 
 
-async def test_killed_stage_process_fails_fast_then_close_is_clean(omni):
+def kill_engine_core(omni, marked_dead_first: bool) -> float:
+    """SIGKILL the stage's EngineCore; with `marked_dead_first`, the engine is first marked dead as vLLM's monitor
+    thread does before its clean-up fails the requests (from the output handler, which the stage's shutdown
+    cancels): the order in which the stage's death watch comes between the two."""
+    engine_core = omni.engine.stage_clients[0].llm.engine_core
+    start = time.perf_counter()
+    if marked_dead_first:
+        engine_core.resources.engine_dead = True
+    for proc in engine_core.resources.engine_manager.processes:
+        os.kill(proc.pid, 9)
+    return start
+
+
+async def test_killed_stage_fails_its_requests_fast_comes_back_once_then_close_is_clean(omni):
+    """Why the first kill marks the engine dead first: the requests of a killed EngineCore waited for their
+    client's 120 s timeout when the stage's restart began between vLLM's two steps (CI, test_ar_stage_fault)."""
     shm_before = shm_segments()
     task = asyncio.create_task(collect(omni, PROMPTS[0], "doomed", [greedy(400)]))
     await asyncio.sleep(0.5)
-    engine_procs = omni.engine.stage_clients[0].llm.engine_core.resources.engine_manager.processes
-    start = time.perf_counter()
-    for proc in engine_procs:
-        os.kill(proc.pid, 9)
+    start = kill_engine_core(omni, marked_dead_first=True)
+    with pytest.raises(StageRestartingError):
+        await asyncio.wait_for(task, 10)
+    assert time.perf_counter() - start <= 10
+    deadline = time.monotonic() + 90
+    while omni.engine.stage_clients[0].is_restarting:
+        assert time.monotonic() < deadline, "the stage did not come back within 90 s"
+        await asyncio.sleep(0.2)
+    assert (await collect(omni, "hi", "back", [greedy(2)]))[-1].finished
+
+    task = asyncio.create_task(collect(omni, PROMPTS[0], "doomed-2", [greedy(400)]))
+    await asyncio.sleep(0.5)
+    start = kill_engine_core(omni, marked_dead_first=False)  # the restart budget (1) is spent
     with pytest.raises(EngineDeadError):
         await asyncio.wait_for(task, 10)
     assert time.perf_counter() - start <= 10

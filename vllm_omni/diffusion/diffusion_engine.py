@@ -479,9 +479,11 @@ class DiffusionEngine:
         return sum(self._reserved.values()) + need <= budget
 
     def _on_partial(self, partial: PartialResult) -> None:
-        callback = self._partial_callbacks.get(partial.request_id)
-        if callback is not None:
-            callback(partial)
+        """Under the lock, so that no partial reaches a request's callback once `abort` returned."""
+        with self._lock:
+            callback = self._partial_callbacks.get(partial.request_id)
+            if callback is not None:
+                callback(partial)
 
     # ---- worker death and restart -------------------------------------------------------------------
 

@@ -240,6 +240,12 @@ class StageEngineCoreClient(StageClientBase):
     def _begin_restart(self) -> None:
         if self.is_restarting or self._dead or not self.llm.errored:
             return
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+
+        # vLLM fails a dead EngineCore's requests from its output handler, a moment after `errored` turns true;
+        # the shutdown below cancels that handler, so the stage fails them first (else they wait for their
+        # client's timeout).
+        self.llm.output_processor.propagate_error(VllmEngineDeadError())
         if self._restarts >= self.config.max_stage_restarts:
             logger.error("[%s] EngineCore died; restart budget (%d) spent, the stage is dead", self.name,
                          self.config.max_stage_restarts)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.diffusion.distributed.parallel_jobs import psnr, run_pipeline
-from tests.ray.clusters import listening_off_loopback, node_id
+from tests.ray_cluster.clusters import listening_off_loopback, node_id
 from vllm_omni.diffusion.data import DiffusionParallelConfig, OmniDiffusionConfig, RayPlacement
 from vllm_omni.errors import StageRestartingError
 

@@ -17,9 +17,9 @@ import openai
 import pytest
 import yaml
 
-from tests.ray.clusters import SERVE_APP as APP
-from tests.ray.clusters import SERVE_RECIPE as RECIPE
-from tests.ray.clusters import listening_off_loopback
+from tests.ray_cluster.clusters import SERVE_APP as APP
+from tests.ray_cluster.clusters import SERVE_RECIPE as RECIPE
+from tests.ray_cluster.clusters import listening_off_loopback
 from vllm_omni.entrypoints.openai.ray_serve import REPLICA_HEADER
 
 _START_TIMEOUT_S = 600
@@ -153,7 +153,8 @@ def test_killed_replica_fails_only_its_requests_with_503_and_comes_back(endpoint
         f"{len(results)} requests, failed (sent, answered, status): {failed}"
     )
     assert back_after is not None, f"the killed replica was not back within {limit_s:.0f} s; failed: {failed}"
-    assert victim in before and len(results) - len(failed) >= 10, results
+    assert len(results) - len(failed) >= 10, results  # the victim answered `_generate` above; the kill may find its
+    # requests of the senders all still in flight
     for sent, answered, status in failed:  # only the requests in flight on the victim, failing within 10 s
         assert sent < 0 <= answered < 10 and status == 503, (sent, answered, status)
     assert 1 <= len(failed) <= len(senders)

@@ -25,7 +25,7 @@ def ray_cluster():
     runs side by side (`_serve_deploys_first`) and neither waits for the other's CPUs."""
     import ray
 
-    from tests.ray.clusters import start_cluster
+    from tests.ray_cluster.clusters import start_cluster
 
     cluster = start_cluster({"node_a": 3, "node_b": 4})
     ray.init(address=cluster.address, logging_level="WARNING", log_to_driver=False)
@@ -45,12 +45,12 @@ def _cluster_on_loopback(request):
 @pytest.fixture(scope="package")
 def serve_app(ray_cluster):
     """Serve's proxy on a free loopback port and the recipe's application, its deployment with 2 replicas of 1
-    CPU on node_a; deployed without waiting for the replicas (`tests/ray/test_ray_serve.py::endpoint` waits).
+    CPU on node_a; deployed without waiting for the replicas (`tests/ray_cluster/test_ray_serve.py::endpoint` waits).
     Yields the proxy's URL and when the deployment began."""
     from ray import serve
     from vllm.utils.network_utils import get_open_port
 
-    from tests.ray.clusters import SERVE_APP, SERVE_RECIPE
+    from tests.ray_cluster.clusters import SERVE_APP, SERVE_RECIPE
     from vllm_omni.entrypoints.openai.ray_serve import OmniServer
 
     port = get_open_port()
