@@ -1,12 +1,12 @@
 """Reliability of the diffusion runtime with real worker processes (only the pipeline is fake).
 
-What it pins: an abort reaches a worker busy inside a forward through the side channel and the request
-leaves within a step, so the next request runs at once; in a co-batched forward only the aborted row leaves;
-a request or an output that cannot be encoded fails alone and the worker lives on; `kill -9` of a worker
-fails its request with a 503 within 1 s, reaps it (no zombie), frees its shm and socket files, and the
-engine serves again on new workers, but a worker that dies once the engine is stopping (`begin_shutdown`) is
-not replaced; a busy worker exits within 10 s of a SIGKILL of its engine's process, and so does (once its
-imports are done) a worker that was still starting then (a restart the engine's death overtook).
+What it pins: an abort reaches a worker busy inside a forward through the side channel and the request leaves
+within a step, so the next request runs at once; in a co-batched forward only the aborted row leaves; a request
+or an output that cannot be encoded fails alone and the worker lives on; `kill -9` of a worker fails its request
+with a 503 within 1 s, reaps it (no zombie), frees its shm and socket files, and the engine serves again on new
+workers, but a worker that dies once the engine is stopping (`begin_shutdown`) is not replaced, nor one whose
+death came just before the stop; a busy worker exits within 10 s of a SIGKILL of its engine's process, and so
+does (once its imports are done) a worker that was still starting then (a restart the engine's death overtook).
 """
 
 from __future__ import annotations
@@ -157,6 +157,28 @@ def test_restart_budget_spent_means_dead(tmp_path):
         engine.close()
     assert_nothing_left(engine)
 
+
+
+def test_a_stop_just_after_a_worker_death_starts_no_new_worker(tmp_path):
+    """A SIGTERM to the whole process group: the worker dies and the core's loop sees it before the core's signal
+    handler ran (`begin_shutdown`, a moment later). Why: the restart began at once, a new worker started and was
+    stopped again with the core (9.5 s to exit an idle server)."""
+    engine = make_engine(tmp_path, FakeStepPipeline)
+    try:
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        running = engine.submit(request("running", FOREVER))
+        wait_running(engine)
+        os.kill(engine.executor.processes[0].pid, signal.SIGKILL)
+        with pytest.raises(StageRestartingError):  # the death was seen: the restart has begun
+            running.result(timeout=5)
+        engine.begin_shutdown()
+        time.sleep(1.5)  # a new worker process would have been spawned by now
+        new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
+               and p.status() != psutil.STATUS_ZOMBIE]
+        assert new == [], [p.cmdline() for p in new]
+    finally:
+        engine.close()
+    assert_nothing_left(engine)
 
 _ORPHAN_SCRIPT = """
 import sys, threading, time

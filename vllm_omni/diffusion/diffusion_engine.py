@@ -54,6 +54,10 @@ _IDLE_WAIT_S = 1.0
 """Longest wait of the loop with nothing due (every event that matters wakes it earlier)."""
 _LOOP_JOIN_TIMEOUT_S = 2.0
 _CLOSE_TIMEOUT_S = 10.0
+_RESTART_GRACE_S = 0.5
+"""How long a restart waits, after a worker's death, for a stop that may come with it: a SIGTERM to the whole
+process group reaches the workers and the core together, and the core's handler (`begin_shutdown`) can run after
+the worker's death was seen."""
 
 
 class DiffusionEngine:
@@ -521,14 +525,18 @@ class DiffusionEngine:
 
     def _restart(self, failed: MultiprocDiffusionExecutor) -> None:
         """Off the loop (loading takes long): new workers once the old ones are gone; the loop swaps them in."""
+        failed.stop_workers()  # their device memory is free before the new ones load
+        grace_end = time.monotonic() + _RESTART_GRACE_S
+        while not self._ending and time.monotonic() < grace_end:  # a flag, not an Event: a signal handler sets it
+            time.sleep(0.02)
+        if self._ending:  # stopped meanwhile: no new workers
+            logger.info("a diffusion worker exited as the engine stops; not restarting it")
+            return
         logger.warning(
             "restarting the diffusion workers (restart %d of at most %d)",
             self._restarts,
             self.od_config.max_stage_restarts,
         )
-        failed.stop_workers()  # their device memory is free before the new ones load
-        if self._ending:  # stopped meanwhile: no new workers
-            return
         try:
             replacement: MultiprocDiffusionExecutor | BaseException = make_executor(self.od_config)
         except Exception as exc:
