@@ -158,7 +158,6 @@ def test_restart_budget_spent_means_dead(tmp_path):
     assert_nothing_left(engine)
 
 
-
 def test_a_stop_just_after_a_worker_death_starts_no_new_worker(tmp_path):
     """A SIGTERM to the whole process group: the worker dies and the core's loop sees it before the core's signal
     handler ran (`begin_shutdown`, a moment later). Why: the restart began at once, a new worker started and was
@@ -179,6 +178,7 @@ def test_a_stop_just_after_a_worker_death_starts_no_new_worker(tmp_path):
     finally:
         engine.close()
     assert_nothing_left(engine)
+
 
 _ORPHAN_SCRIPT = """
 import sys, threading, time

@@ -153,8 +153,8 @@ def test_killed_replica_fails_only_its_requests_with_503_and_comes_back(endpoint
         f"{len(results)} requests, failed (sent, answered, status): {failed}"
     )
     assert back_after is not None, f"the killed replica was not back within {limit_s:.0f} s; failed: {failed}"
-    assert len(results) - len(failed) >= 10, results  # the victim answered `_generate` above; the kill may find its
-    # requests of the senders all still in flight
+    # The victim answered `_generate` above; whether it also answered a sender before the kill is Serve's balancing.
+    assert len(results) - len(failed) >= 10, results
     for sent, answered, status in failed:  # only the requests in flight on the victim, failing within 10 s
         assert sent < 0 <= answered < 10 and status == 503, (sent, answered, status)
     assert 1 <= len(failed) <= len(senders)
