@@ -73,9 +73,9 @@ def test_proxy_middleware_answers_503_only_where_no_response_started(replica_ans
         assert response.json()["error"]["type"] == "ServiceUnavailableError"
 
 
-def _generate(client: openai.OpenAI) -> str:
+def _generate(client: openai.OpenAI, steps: int = 2) -> str:
     raw = client.images.with_raw_response.generate(
-        model="tiny/qwen-image", prompt="a red cube", size="32x32", extra_body={"num_inference_steps": 2, "seed": 1}
+        model="tiny/qwen-image", prompt="a red cube", size="32x32", extra_body={"num_inference_steps": steps, "seed": 1}
     )
     assert raw.parse().data[0].b64_json
     return raw.headers[REPLICA_HEADER]
@@ -117,8 +117,8 @@ def test_killed_replica_fails_only_its_requests_with_503_and_comes_back(endpoint
     def keep_sending() -> None:
         while not stop.wait(0.5):  # requests in flight on both replicas, and CPU left for Serve's restart
             sent = time.monotonic()
-            try:
-                outcome: str | int = _generate(client)
+            try:  # 20 steps: long enough that the victim still runs the request it was seen running at the kill
+                outcome: str | int = _generate(client, steps=20)
             except openai.APIStatusError as exc:
                 outcome = exc.status_code
                 lost.append(exc.body["error"] if isinstance(exc.body, dict) and "error" in exc.body else exc.body)
