@@ -81,6 +81,15 @@ def _generate(client: openai.OpenAI, steps: int = 2) -> str:
     return raw.headers[REPLICA_HEADER]
 
 
+def _replica_tags() -> set[str]:
+    """The replica ids of the application's live replica actors (what `x-omni-replica` answers)."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{APP}#OmniServer#"
+    named = ray.util.list_named_actors(all_namespaces=True)
+    return {actor["name"].removeprefix(prefix) for actor in named if actor["name"].startswith(prefix)}
+
+
 def _running_replicas() -> int:
     from ray import serve
 
@@ -131,14 +140,15 @@ def test_killed_replica_fails_only_its_requests_with_503_and_comes_back(endpoint
     deadline = time.monotonic() + 30
     while not ray.get(actor.get_num_ongoing_requests.remote(), timeout=30) and time.monotonic() < deadline:
         time.sleep(0.01)  # kill it while it runs a request
-    before = {outcome for _, _, outcome in results if isinstance(outcome, str)}
+    old_replicas = _replica_tags()  # a reply from none of these is from the replacement
+    assert victim in old_replicas and len(old_replicas) == 2, old_replicas
     limit_s = max(60.0, endpoint[1])
     killed_at = time.monotonic()
     ray.kill(actor, no_restart=True)
     back_after = None
     while back_after is None and time.monotonic() < killed_at + limit_s:  # a replica Serve started after the kill
         time.sleep(0.5)
-        if {o for _, _, o in results if isinstance(o, str)} - before and _running_replicas() == 2:
+        if {o for _, _, o in results if isinstance(o, str)} - old_replicas and _running_replicas() == 2:
             back_after = time.monotonic() - killed_at
     stop.set()
     for sender in senders:
