@@ -25,10 +25,26 @@ from vllm_omni.catalog.tiny import build_tiny
     ("flux", "FluxPipeline", 1, 16, None),
     ("wan2.1-t2v", "WanPipeline", 16, 16, 4),
     ("wan2.2-ti2v-5b", "WanPipeline", 32, 32, 4),
+    ("ltx2", "LTX2Pipeline", 32, 32, 2),  # the tiny VAE's one spatio-temporal doubling; diffusers' floor of 32
 ])
 def test_rule_from_the_checkpoint_configs(tiny, class_name, multiple, min_size, frame_stride):
     rule = import_target(MODEL_REGISTRY.diffusion_entry(class_name).shape_rule)(build_tiny(tiny))
     assert (rule.size_multiple, rule.min_size, rule.frame_stride) == (multiple, min_size, frame_stride)
+
+
+def test_a_half_size_knob_doubles_the_multiple():
+    """LTX-2's `two_stage` makes the clip at half the size first: 96 is a multiple of 32, and its half is not."""
+    from vllm_omni.errors import OmniClientError
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
+
+    rule = ShapeRule(size_multiple=32, min_size=32, half_size_knob="two_stage")
+    rule.check(SP(width=96, height=64))
+    rule.check(SP(width=128, height=64, two_stage=True))
+    with pytest.raises(OmniClientError, match="multiple of 64 for this model with two_stage") as err:
+        rule.check(SP(width=96, height=64, two_stage=True), size_field="size")
+    assert err.value.param == "size"
+    with pytest.raises(OmniClientError, match=r"smaller than this model makes with two_stage .* \(64\)"):
+        rule.check(SP(width=32, height=64, two_stage=True))
 
 
 RULE = ShapeRule(size_multiple=16, min_size=16, frame_stride=4)

@@ -38,6 +38,9 @@ class ShapeRule:
     """Height and width must be multiples of this (VAE downsampling x transformer patch); others are refused."""
     min_size: int = 1
     """Smallest height / width that leaves at least one latent patch."""
+    half_size_knob: str | None = None
+    """A boolean sampling knob under which the pipeline also makes the image at half the size (LTX-2's
+    `two_stage`: its base pass), so that height and width are multiples of twice `size_multiple` then."""
     frame_stride: int | None = None
     """Video pipelines: the VAE packs 1 + k * frame_stride frames (another count is rounded, as in diffusers);
     None for image pipelines."""
@@ -72,17 +75,22 @@ class ShapeRule:
     def check(self, sp: Any, prefix: str = "", size_field: str | None = None) -> None:
         """Refuse a height / width the pipeline cannot make. `size_field` names the request field the two came
         from ("size") when the client gave them that way."""
+        halves = bool(self.half_size_knob and getattr(sp, self.half_size_knob))
+        multiple, min_size = self.size_multiple, self.min_size
+        if halves:
+            multiple, min_size = 2 * multiple, 2 * min_size
+        why = f" with {self.half_size_knob} (it also makes half the size)" if halves else ""
         for name in ("width", "height"):
             value = getattr(sp, name)
             if value is None:
                 continue
             param = prefix + (size_field or name)
-            if value < self.min_size:
-                raise OmniClientError(f"{name}={value} is smaller than this model makes ({self.min_size})",
+            if value < min_size:
+                raise OmniClientError(f"{name}={value} is smaller than this model makes{why} ({min_size})",
                                       param=param)
-            if value % self.size_multiple:
-                raise OmniClientError(f"{name} must be a multiple of {self.size_multiple} for this model, got "
-                                      f"{value}", param=param)
+            if value % multiple:
+                raise OmniClientError(f"{name} must be a multiple of {multiple} for this model{why}, got {value}",
+                                      param=param)
         self.check_memory(sp, prefix, size_field)
 
     def estimate_bytes(self, sp: Any) -> int:
