@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vllm_omni.catalog.spec import import_target
 from vllm_omni.errors import OmniClientError
 
 ACTIVATION_FACTOR = 16
@@ -62,6 +63,8 @@ class ShapeRule:
     """(height, width) the pipeline makes when the request gives none."""
     default_frames: int = 1
     default_steps: int = 50
+    min_steps: int = 1
+    """Fewest denoise steps the scheduler makes a schedule of (`scheduler_min_steps`)."""
     dtype_bytes: int = 4
     """Bytes per activation element (set by the engine from its dtype)."""
     memory_budget_bytes: int | None = None
@@ -91,6 +94,11 @@ class ShapeRule:
             if value % multiple:
                 raise OmniClientError(f"{name} must be a multiple of {multiple} for this model{why}, got {value}",
                                       param=param)
+        steps = sp.num_inference_steps
+        if steps is not None and steps < self.min_steps:
+            raise OmniClientError(f"num_inference_steps={steps} is fewer than this model's scheduler makes a schedule "
+                                  f"of ({self.min_steps}: with one step its shift_terminal stretch divides 0 by 0)",
+                                  param=prefix + "num_inference_steps")
         self.check_memory(sp, prefix, size_field)
 
     def estimate_bytes(self, sp: Any) -> int:
@@ -142,6 +150,21 @@ class ShapeRule:
         raise OmniClientError(f"this request needs about {need / 2**30:.2f} GiB at its shape, more than the "
                               f"{budget / 2**30:.2f} GiB this diffusion stage has for requests (see "
                               f"--diffusion-memory-budget-gb); reduce {param}", param=prefix + param)
+
+
+def load_shape_rule(target: str, model_dir: Path) -> ShapeRule:
+    """The family's rule (`DiffusionPipelineEntry.shape_rule`, "module:function") with its scheduler's floor on
+    the step count."""
+    return replace(import_target(target)(model_dir), min_steps=scheduler_min_steps(model_dir))
+
+
+def scheduler_min_steps(model_dir: Path) -> int:
+    """2 where the scheduler stretches its schedule to end at `shift_terminal` (diffusers'
+    `FlowMatchEulerDiscreteScheduler`: Qwen-Image, LTX-2): one step's only sigma is 1, and the stretch divides
+    1 - 1 by 1 - 1, so diffusers makes a NaN image of it. Else 1."""
+    path = Path(model_dir) / "scheduler" / "scheduler_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return 2 if config.get("shift_terminal") else 1
 
 
 def read_config(model_dir: Path, subfolder: str) -> dict[str, Any]:

@@ -33,8 +33,7 @@ import zmq
 
 from vllm_omni.catalog.registry import MODEL_REGISTRY
 from vllm_omni.catalog.resolution import resolve_model_dir, resolve_pipeline_class_name
-from vllm_omni.catalog.shapes import ShapeRule
-from vllm_omni.catalog.spec import import_target
+from vllm_omni.catalog.shapes import ShapeRule, load_shape_rule
 from vllm_omni.diffusion.core.scheduler import DiffusionScheduler
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.executor import make_executor
@@ -91,7 +90,7 @@ class DiffusionEngine:
             else None
         )
         """The text encoder's token limit, checked by the stage client off the event loop before `submit`."""
-        rule = import_target(entry.shape_rule)(model_dir) if entry is not None and entry.shape_rule else None
+        rule = load_shape_rule(entry.shape_rule, model_dir) if entry is not None and entry.shape_rule else None
         self.supports_request_batch = supports_request_batch(pipeline_cls)
         if od_config.max_num_seqs > 1 and not (self.supports_request_batch or self.step_execution):
             raise ValueError(
