@@ -10,23 +10,11 @@ devices are left as they are.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from vllm_omni.config import StageConfigFactory
 from vllm_omni.config.deploy_config import DeployConfig, StageDeployConfig
 from vllm_omni.config.omni_config import MEMORY_SHARED_BY_AR_STAGES
-
-
-@pytest.fixture
-def omni_dir(tmp_path, monkeypatch):
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    d = tmp_path / "omni"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["Qwen3OmniMoeForConditionalGeneration"],
-                                               "model_type": "qwen3_omni_moe"}))
-    return str(d)
 
 
 def utilizations(config) -> list[float | None]:
@@ -35,16 +23,17 @@ def utilizations(config) -> list[float | None]:
 
 def test_two_ar_stages_on_cpu_split_half_the_host(omni_dir):
     half = MEMORY_SHARED_BY_AR_STAGES["cpu"] / 2
-    assert utilizations(StageConfigFactory.create_from_model(omni_dir)) == [half, half, None]
+    assert utilizations(StageConfigFactory.create_from_model(str(omni_dir))) == [half, half, None]
 
 
 def test_what_the_user_set_is_kept(omni_dir, monkeypatch):
-    config = StageConfigFactory.create_from_model(omni_dir, gpu_memory_utilization=0.15)
+    config = StageConfigFactory.create_from_model(str(omni_dir), gpu_memory_utilization=0.15)
     assert utilizations(config) == [0.15, 0.15, None]
-    config = StageConfigFactory.create_from_model(omni_dir, stage_overrides={"1": {"kv_cache_memory_bytes": 2**30}})
+    config = StageConfigFactory.create_from_model(str(omni_dir),
+                                                  stage_overrides={"1": {"kv_cache_memory_bytes": 2**30}})
     assert utilizations(config)[1] is None and utilizations(config)[0] == MEMORY_SHARED_BY_AR_STAGES["cpu"] / 2
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    assert utilizations(StageConfigFactory.create_from_model(omni_dir)) == [None, None, None]
+    assert utilizations(StageConfigFactory.create_from_model(str(omni_dir))) == [None, None, None]
 
 
 @pytest.mark.parametrize(("devices", "expected"), [(("0", "0"), 0.46), (("0", "1"), None), ((None, "1"), 0.46)])
@@ -53,5 +42,5 @@ def test_on_an_accelerator_only_stages_on_one_device_split_it(omni_dir, monkeypa
 
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
     deploy = DeployConfig(stages=[StageDeployConfig(0, devices=devices[0]), StageDeployConfig(1, devices=devices[1])])
-    config = StageConfigFactory.create_from_model(omni_dir, deploy_config=deploy)
+    config = StageConfigFactory.create_from_model(str(omni_dir), deploy_config=deploy)
     assert utilizations(config) == [expected, expected, None]
