@@ -5,8 +5,7 @@ text and a base64 WAV equal to transformers' greedy `generate(return_audio=True)
 the stream, a text-only chat never runs the talker or the vocoder, and `audio.speech.create` returns a WAV.
 Media content parts (`input_audio` WAV + `image_url`) reach vLLM's thinker: the text equals transformers' on the
 same decoded inputs; bad or oversized media is a 400 naming the field, with a request in flight untouched.
-16-bit quantization), streamed text equals the plain answer, a text-only chat never runs the talker or the
-vocoder, and `audio.speech.create` returns a WAV. Streamed audio (both stage edges stream): a long answer's audio
+Streamed audio (both stage edges stream): a long answer's audio
 chunks share one id, their transcripts add up to the text and their PCM to the non-streamed reply's (and to
 transformers' vocoder on the pipeline's chunks of the same frames); `/v1/audio/speech` streams raw bytes
 (`with_streaming_response`) and SSE events.
