@@ -47,8 +47,9 @@ from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.cache.runtime import cache_group, cache_state_for, call_transformer_rows, request_policy
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.sequence import cfg_branch_rows, cfg_gather_rows
-from vllm_omni.diffusion.layers.compile import accelerated_forwards
+from vllm_omni.diffusion.layers.compile import compiled_forwards
 from vllm_omni.diffusion.lora import LoRACapacityError, LoRAManager, RowAdapters
+from vllm_omni.diffusion.offload.components import ComponentOffloader
 from vllm_omni.diffusion.previews import emit_previews
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
@@ -75,6 +76,9 @@ class NativeDiffusionPipeline(nn.Module):
     lora_loader: ClassVar[str | None] = None
     """The family's diffusers LoRA loader mixin (`diffusers.loaders.<name>`), whose `lora_state_dict` reads and
     converts adapter files; None = the family takes no `lora`."""
+    cpu_offloader: ComponentOffloader | None = None
+    """`--enable-cpu-offload`'s (`offload/components.apply_cpu_offload`): every transformer forward sends the
+    text encoders and the VAE back to host memory first."""
     od_config: OmniDiffusionConfig
     device: torch.device
 
@@ -208,7 +212,7 @@ class NativeDiffusionPipeline(nn.Module):
     def compiled(self) -> bool:
         """Whether a DiT of this pipeline runs the compiled path (CUDA graphs per input signature)."""
         if "_compiled" not in self.__dict__:
-            self.__dict__["_compiled"] = bool(accelerated_forwards(self))
+            self.__dict__["_compiled"] = bool(compiled_forwards(self))
         return self.__dict__["_compiled"]
 
     @property
@@ -372,6 +376,8 @@ class NativeDiffusionPipeline(nn.Module):
         def call(slot: str, *args: Any, **kwargs: Any) -> Any:
             return call_transformer_rows(getattr(self, slot), states, slot, *args, **kwargs)
 
+        if self.cpu_offloader is not None:
+            self.cpu_offloader.offload_all()
         if len(inputs) == 1:
             num_positive, num_rows = states[0].latents.shape[0], step_rows(inputs[0])
             keep = cfg_branch_rows(num_positive, num_rows)
