@@ -61,13 +61,13 @@ def cache_state_for(policy: CachePolicy, transformers: dict[str, nn.Module], num
 def call_transformer(model: nn.Module, cache: CacheState, step: int, slot: str, *args: Any, **kwargs: Any) -> Any:
     """One transformer forward of `cache`'s group at `step` (`slot`: which of the pipeline's transformers).
 
-    A TeaCache step branches on its data and keeps residuals, so it calls the module's own `forward`, never its
-    CUDA graphs (compiled blocks still apply). A cache-dit group calls cache-dit's patched forward; a group that
+    A TeaCache step branches on its data and keeps residuals, so it calls the module (eager: never its CUDA
+    graphs; compiled blocks still apply). A cache-dit group calls cache-dit's patched forward; a group that
     caches nothing takes exactly the uncached path: the compiled forward (`layers/compile.call_compiled`), or the
     class forward when cache-dit's hooks are on the module."""
     backend = cache.policy.backend
     if backend == "tea_cache":
-        return type(model).forward(model, *args, cache=cache.step(step, slot), **kwargs)
+        return model(*args, cache=cache.step(step, slot), **kwargs)
     if backend == "cache_dit":
         forwards = cache.backend_state.forwards
         forwards[slot] = forwards.get(slot, 0) + 1
