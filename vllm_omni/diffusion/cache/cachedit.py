@@ -68,8 +68,8 @@ def enable(transformer: nn.Module) -> None:
 
     if is_enabled(transformer):
         return
-    # From now on every forward runs the class forward, never a CUDA graph (one would have captured cache-dit's
-    # data-dependent branches; compiled blocks stay): free the graphs.
+    # From now on the transformer runs cache-dit's forward or its class forward (`runtime.call_transformer`), never
+    # a CUDA graph (one would have captured cache-dit's data-dependent branches; compiled blocks stay): free them.
     if (compiled := compiled_forward(transformer)) is not None:
         compiled.drop_cuda_graphs()
     lists = transformer.cache_dit_block_lists()
