@@ -14,16 +14,6 @@ from vllm_omni.errors import OmniClientError
 from vllm_omni.models.qwen3_omni.pipeline import qwen3_omni_pipeline
 
 
-@pytest.fixture
-def omni_dir(tmp_path, monkeypatch):
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    d = tmp_path / "omni"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"architectures": ["Qwen3OmniMoeForConditionalGeneration"],
-                                               "model_type": "qwen3_omni_moe"}))
-    return d
-
-
 def fake_cpus(monkeypatch, n: int, smt: int = 1) -> None:
     from vllm.utils import cpu_resource_utils
     from vllm.utils.cpu_resource_utils import LogicalCPUInfo

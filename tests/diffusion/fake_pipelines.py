@@ -129,5 +129,15 @@ class FailingLoadPipeline(FakeBatchPipeline):
         raise FileNotFoundError("no weights here: transformer/diffusion_pytorch_model.safetensors")
 
 
+class SlowLoadPipeline(FakeBatchPipeline):
+    """Loads for 10 minutes (a large model): writes `loading` into the model directory when it begins."""
+
+    @classmethod
+    def from_pretrained(cls, od_config, model_dir, device, dtype):
+        (Path(model_dir) / "loading").write_text(str(time.time()))
+        time.sleep(600)
+        return super().from_pretrained(od_config, model_dir, device, dtype)
+
+
 def class_path(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"

@@ -167,3 +167,4 @@ async def test_a_start_given_up_leaves_no_core(tmp_path):
     with pytest.raises(asyncio.CancelledError):
         await start
     assert not stage._core.proc.is_alive()
+

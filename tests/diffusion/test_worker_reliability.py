@@ -1,12 +1,13 @@
 """Reliability of the diffusion runtime with real worker processes (only the pipeline is fake).
 
-What it pins: an abort reaches a worker busy inside a forward through the side channel and the request
-leaves within a step, so the next request runs at once; in a co-batched forward only the aborted row leaves;
-a request or an output that cannot be encoded fails alone and the worker lives on; `kill -9` of a worker
-fails its request with a 503 within 1 s, reaps it (no zombie), frees its shm and socket files, and the
-engine serves again on new workers, but a worker that dies once the engine is stopping (`begin_shutdown`) is
-not replaced; a busy worker exits within 10 s of a SIGKILL of its engine's process, and so does (once its
-imports are done) a worker that was still starting then (a restart the engine's death overtook).
+What it pins: an abort reaches a worker busy inside a forward through the side channel and the request leaves
+within a step, so the next request runs at once; in a co-batched forward only the aborted row leaves; a request
+or an output that cannot be encoded fails alone and the worker lives on; `kill -9` of a worker fails its request
+with a 503 within 1 s, reaps it (no zombie), frees its shm and socket files, and the engine serves again on new
+workers, but a worker that dies once the engine is stopping (`begin_shutdown`) is not replaced, nor one whose
+death came just before the stop; a busy worker exits within 10 s of a SIGKILL of its engine's process, and so
+does (once its imports are done) a worker that was still starting then (a restart the engine's death overtook);
+a diffusion core whose API process is killed while its worker loads exits within 10 s, and its worker with it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from fake_pipelines import FakeStepPipeline, class_path
+from fake_pipelines import FakeStepPipeline, SlowLoadPipeline, class_path
 from test_diffusion_engine_failures import assert_nothing_left, make_engine
 
 from vllm_omni.diffusion.request import OmniDiffusionRequest
@@ -158,10 +159,32 @@ def test_restart_budget_spent_means_dead(tmp_path):
     assert_nothing_left(engine)
 
 
+def test_a_stop_just_after_a_worker_death_starts_no_new_worker(tmp_path):
+    """A SIGTERM to the whole process group: the worker dies and the core's loop sees it before the core's signal
+    handler ran (`begin_shutdown`, a moment later). Why: the restart began at once, a new worker started and was
+    stopped again with the core (9.5 s to exit an idle server)."""
+    engine = make_engine(tmp_path, FakeStepPipeline)
+    try:
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        running = engine.submit(request("running", FOREVER))
+        wait_running(engine)
+        os.kill(engine.executor.processes[0].pid, signal.SIGKILL)
+        with pytest.raises(StageRestartingError):  # the death was seen: the restart has begun
+            running.result(timeout=5)
+        engine.begin_shutdown()
+        time.sleep(1.5)  # a new worker process would have been spawned by now
+        new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
+               and p.status() != psutil.STATUS_ZOMBIE]
+        assert new == [], [p.cmdline() for p in new]
+    finally:
+        engine.close()
+    assert_nothing_left(engine)
+
+
 _ORPHAN_SCRIPT = """
 import sys, threading, time
 sys.path.insert(0, {tests!r})
-from fake_pipelines import FakeStepPipeline, class_path
+from fake_pipelines import FakeStepPipeline, SlowLoadPipeline, class_path
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
 from vllm_omni.diffusion.executor import make_executor
@@ -215,3 +238,44 @@ def test_workers_exit_when_their_engine_is_killed_even_while_starting(tmp_path):
         proc.wait(10)
         if starting is not None and not process_gone(starting.pid):
             starting.kill()
+
+
+_KILLED_WHILE_LOADING = """
+import asyncio, sys
+sys.path.insert(0, {tests!r})
+from vllm_omni.config.stage_config import VllmOmniDiffusionStageConfig
+from vllm_omni.engine.stage_diffusion_client import StageDiffusionClient
+
+config = VllmOmniDiffusionStageConfig(stage_id=0, model={model!r}, final_output=True,
+                                      engine_args={{"model_class_name": {cls!r}}})
+asyncio.run(StageDiffusionClient(config).start())
+"""
+
+
+def test_a_core_whose_api_process_dies_while_its_worker_loads_exits(tmp_path):
+    """Why: the core's busy loop, which watches the API process, runs only once the engine started, and a large
+    model loads for minutes; the core (and through its death pipe its worker) must not outlive a killed API
+    process by that long."""
+    script = _KILLED_WHILE_LOADING.format(tests=str(Path(__file__).parent), model=str(tmp_path),
+                                          cls=class_path(SlowLoadPipeline))
+    api = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "loading").exists():  # the worker is inside the 10-minute load
+            assert time.monotonic() < deadline and api.poll() is None, "the worker never began to load"
+            time.sleep(0.1)
+        started = psutil.Process(api.pid).children(recursive=True)  # the core and its worker
+        assert started
+        api.kill()
+        api.wait(10)
+        killed_at = time.monotonic()
+        alive = started
+        while alive := [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]:
+            assert time.monotonic() - killed_at < 10, f"outlived the API process: {[p.cmdline() for p in alive]}"
+            time.sleep(0.1)
+    finally:
+        api.kill()
+        for proc in started:
+            if proc.is_running():
+                proc.kill()

@@ -49,6 +49,10 @@ class StandInLLM:
     errored = False
     shut_down = False
 
+    def __init__(self) -> None:
+        self.failed_with: list[Exception] = []  # what the stage told the requests it held
+        self.output_processor = SimpleNamespace(propagate_error=self.failed_with.append)
+
     def shutdown(self, timeout=None):
         self.shut_down = True
 
@@ -84,6 +88,7 @@ def test_dead_engine_is_recreated_within_the_budget_then_the_stage_is_dead(lm_di
             await anext(client.generate("r", "hi", SamplingParams()))
         await wait_for(lambda: not client.is_restarting)
         assert first.shut_down and len(client.started) == 2 and client.llm is not first and not client.is_dead
+        assert [type(e).__name__ for e in first.failed_with] == ["EngineDeadError"]  # vLLM's, which `generate` maps
         second = client.llm
         second.errored = True  # the budget (1) is spent
         await wait_for(lambda: client.is_dead)

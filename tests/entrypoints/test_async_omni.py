@@ -35,7 +35,7 @@ def omni():
     engine.close()
 
 
-def test_the_ar_stage_reports_its_start_up_phases(omni):
+async def test_the_ar_stage_reports_its_start_up_phases(omni):
     """Why: each stage's start-up log line (issue 30) says where its seconds went (vLLM's EngineCore logs its own)."""
     phases = omni.engine.stage_clients[0].startup_phases
     assert list(phases) == ["vLLM config", "EngineCore"] and phases["EngineCore"] > 0

@@ -196,7 +196,9 @@ def test_group_sigterm_restarts_no_worker_and_leaves_no_process():
     core's loop sees its worker's death after its own SIGTERM depends on scheduling: before the fix, on a quiet
     machine (load average 2), the core restarted the worker in 3 runs of 3 (2 in step, 1 in request mode), then
     exited, leaving the new one behind, and this test fails without the fix at load average 4; at 17-30 the
-    core's loop ended first and it passed (the engine-level contract is pinned in test_worker_reliability.py).
+    core's loop ended first and it passed (the engine-level contract is pinned in test_worker_reliability.py). A
+    death seen before the core's handler ran began a restart (a new worker started, then stopped with the core):
+    the restart now waits `_RESTART_GRACE_S` for a stop first.
     Step mode, where it was seen; request mode takes the same path: the restart decision and the core's signal
     handler do not depend on the mode."""
     shm_before = shm_segments()

@@ -25,10 +25,45 @@ from vllm_omni.catalog.tiny import build_tiny
     ("flux", "FluxPipeline", 1, 16, None),
     ("wan2.1-t2v", "WanPipeline", 16, 16, 4),
     ("wan2.2-ti2v-5b", "WanPipeline", 32, 32, 4),
+    ("ltx2", "LTX2Pipeline", 32, 32, 2),  # the tiny VAE's one spatio-temporal doubling; diffusers' floor of 32
 ])
 def test_rule_from_the_checkpoint_configs(tiny, class_name, multiple, min_size, frame_stride):
     rule = import_target(MODEL_REGISTRY.diffusion_entry(class_name).shape_rule)(build_tiny(tiny))
     assert (rule.size_multiple, rule.min_size, rule.frame_stride) == (multiple, min_size, frame_stride)
+
+
+@pytest.mark.parametrize("tiny,min_steps", [("qwen-image", 2), ("qwen-image-edit", 2), ("ltx2", 2), ("flux", 1),
+                                             ("wan2.1-t2v", 1), ("z-image-turbo", 1)])
+def test_a_shift_terminal_scheduler_needs_two_steps(tiny, min_steps):
+    """diffusers' FlowMatchEuler stretched to `shift_terminal` makes a NaN schedule of one step (its one sigma,
+    1, becomes 0 / 0), so a 1-step request would be a NaN image: a 400 naming the knob instead."""
+    from vllm_omni.catalog.shapes import scheduler_min_steps
+    from vllm_omni.errors import OmniClientError
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
+
+    assert scheduler_min_steps(build_tiny(tiny)) == min_steps
+    rule = ShapeRule(min_steps=min_steps)
+    rule.check(SP(num_inference_steps=2))
+    rule.check(SP())  # the pipeline's default
+    if min_steps == 2:
+        with pytest.raises(OmniClientError, match="num_inference_steps=1 is fewer") as err:
+            rule.check(SP(num_inference_steps=1), prefix="sampling_params_list[0].")
+        assert err.value.param == "sampling_params_list[0].num_inference_steps"
+
+
+def test_a_half_size_knob_doubles_the_multiple():
+    """LTX-2's `two_stage` makes the clip at half the size first: 96 is a multiple of 32, and its half is not."""
+    from vllm_omni.errors import OmniClientError
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
+
+    rule = ShapeRule(size_multiple=32, min_size=32, half_size_knob="two_stage")
+    rule.check(SP(width=96, height=64))
+    rule.check(SP(width=128, height=64, two_stage=True))
+    with pytest.raises(OmniClientError, match="multiple of 64 for this model with two_stage") as err:
+        rule.check(SP(width=96, height=64, two_stage=True), size_field="size")
+    assert err.value.param == "size"
+    with pytest.raises(OmniClientError, match=r"smaller than this model makes with two_stage .* \(64\)"):
+        rule.check(SP(width=32, height=64, two_stage=True))
 
 
 RULE = ShapeRule(size_multiple=16, min_size=16, frame_stride=4)

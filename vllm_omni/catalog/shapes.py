@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from vllm_omni.catalog.spec import import_target
 from vllm_omni.errors import OmniClientError
 
 ACTIVATION_FACTOR = 16
@@ -38,6 +39,9 @@ class ShapeRule:
     """Height and width must be multiples of this (VAE downsampling x transformer patch); others are refused."""
     min_size: int = 1
     """Smallest height / width that leaves at least one latent patch."""
+    half_size_knob: str | None = None
+    """A boolean sampling knob under which the pipeline also makes the image at half the size (LTX-2's
+    `two_stage`: its base pass), so that height and width are multiples of twice `size_multiple` then."""
     frame_stride: int | None = None
     """Video pipelines: the VAE packs 1 + k * frame_stride frames (another count is rounded, as in diffusers);
     None for image pipelines."""
@@ -59,6 +63,8 @@ class ShapeRule:
     """(height, width) the pipeline makes when the request gives none."""
     default_frames: int = 1
     default_steps: int = 50
+    min_steps: int = 1
+    """Fewest denoise steps the scheduler makes a schedule of (`scheduler_min_steps`)."""
     dtype_bytes: int = 4
     """Bytes per activation element (set by the engine from its dtype)."""
     memory_budget_bytes: int | None = None
@@ -72,17 +78,27 @@ class ShapeRule:
     def check(self, sp: Any, prefix: str = "", size_field: str | None = None) -> None:
         """Refuse a height / width the pipeline cannot make. `size_field` names the request field the two came
         from ("size") when the client gave them that way."""
+        halves = bool(self.half_size_knob and getattr(sp, self.half_size_knob))
+        multiple, min_size = self.size_multiple, self.min_size
+        if halves:
+            multiple, min_size = 2 * multiple, 2 * min_size
+        why = f" with {self.half_size_knob} (it also makes half the size)" if halves else ""
         for name in ("width", "height"):
             value = getattr(sp, name)
             if value is None:
                 continue
             param = prefix + (size_field or name)
-            if value < self.min_size:
-                raise OmniClientError(f"{name}={value} is smaller than this model makes ({self.min_size})",
+            if value < min_size:
+                raise OmniClientError(f"{name}={value} is smaller than this model makes{why} ({min_size})",
                                       param=param)
-            if value % self.size_multiple:
-                raise OmniClientError(f"{name} must be a multiple of {self.size_multiple} for this model, got "
-                                      f"{value}", param=param)
+            if value % multiple:
+                raise OmniClientError(f"{name} must be a multiple of {multiple} for this model{why}, got {value}",
+                                      param=param)
+        steps = sp.num_inference_steps
+        if steps is not None and steps < self.min_steps:
+            raise OmniClientError(f"num_inference_steps={steps} is fewer than this model's scheduler makes a schedule "
+                                  f"of ({self.min_steps}: with one step its shift_terminal stretch divides 0 by 0)",
+                                  param=prefix + "num_inference_steps")
         self.check_memory(sp, prefix, size_field)
 
     def estimate_bytes(self, sp: Any) -> int:
@@ -134,6 +150,21 @@ class ShapeRule:
         raise OmniClientError(f"this request needs about {need / 2**30:.2f} GiB at its shape, more than the "
                               f"{budget / 2**30:.2f} GiB this diffusion stage has for requests (see "
                               f"--diffusion-memory-budget-gb); reduce {param}", param=prefix + param)
+
+
+def load_shape_rule(target: str, model_dir: Path) -> ShapeRule:
+    """The family's rule (`DiffusionPipelineEntry.shape_rule`, "module:function") with its scheduler's floor on
+    the step count."""
+    return replace(import_target(target)(model_dir), min_steps=scheduler_min_steps(model_dir))
+
+
+def scheduler_min_steps(model_dir: Path) -> int:
+    """2 where the scheduler stretches its schedule to end at `shift_terminal` (diffusers'
+    `FlowMatchEulerDiscreteScheduler`: Qwen-Image, LTX-2): one step's only sigma is 1, and the stretch divides
+    1 - 1 by 1 - 1, so diffusers makes a NaN image of it. Else 1."""
+    path = Path(model_dir) / "scheduler" / "scheduler_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return 2 if config.get("shift_terminal") else 1
 
 
 def read_config(model_dir: Path, subfolder: str) -> dict[str, Any]:

@@ -126,6 +126,7 @@ class VllmOmniConfig:
             ))
         _bind_cpu_threads(stages, deploy)
         _split_torch_threads(stages)
+        _split_memory(stages)
         unused = sorted(set(global_args) - used_globals)
         if unused:
             raise OmniClientError(f"unknown engine argument(s) {unused} for pipeline {pipeline.name!r} "
@@ -219,6 +220,41 @@ def _split_torch_threads(stages: list[StageConfig]) -> None:
     for stage in computing:
         if stage.torch_num_threads is None:
             stage.torch_num_threads = share
+
+
+MEMORY_SHARED_BY_AR_STAGES = {"accelerator": 0.92, "cpu": 0.5}
+"""What the AR EngineCores that share a device take together when no stage sets its memory: vLLM's default
+`gpu_memory_utilization` on an accelerator; half the host's memory on CPU, where a vLLM CPU worker's KV cache
+(`gpu_memory_utilization` x the node's memory) must be free when it is allocated, beside every other process of
+the pipeline and the host."""
+
+
+def _split_memory(stages: list[StageConfig]) -> None:
+    """Give the AR stages that share a device disjoint shares of it where the user set none: each vLLM
+    EngineCore otherwise takes vLLM's default of 92% of the device (on CPU: of the host's memory), and the
+    second to start fails for want of memory. A stage keeps its own `gpu_memory_utilization` or
+    `kv_cache_memory_bytes`, as does every stage on CPU under `VLLM_CPU_KVCACHE_SPACE`."""
+    ar = [s for s in stages if s.kind is StageKind.AR]
+    replicas = [(s, s.replica_devices(r)) for s in ar for r in range(s.num_replicas)]
+    if len(replicas) < 2:
+        return
+    from vllm.platforms import current_platform
+
+    cpu = current_platform.is_cpu()
+    if cpu and "VLLM_CPU_KVCACHE_SPACE" in os.environ:
+        return
+
+    def overlap(a: str | None, b: str | None) -> bool:  # None: every device the process sees
+        return a is None or b is None or bool(set(device_ids(a)) & set(device_ids(b)))
+
+    total = MEMORY_SHARED_BY_AR_STAGES["cpu" if cpu else "accelerator"]
+    for stage in ar:
+        if {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(stage.engine_args):
+            continue
+        sharing = max(sum(overlap(mine, other) for _, other in replicas)
+                      for mine in (stage.replica_devices(r) for r in range(stage.num_replicas)))
+        if sharing > 1:
+            stage.engine_args["gpu_memory_utilization"] = round(total / sharing, 3)
 
 
 def _check_edge_fields(spec: PipelineStageConfig) -> None:

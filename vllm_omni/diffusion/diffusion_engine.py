@@ -33,8 +33,7 @@ import zmq
 
 from vllm_omni.catalog.registry import MODEL_REGISTRY
 from vllm_omni.catalog.resolution import resolve_model_dir, resolve_pipeline_class_name
-from vllm_omni.catalog.shapes import ShapeRule
-from vllm_omni.catalog.spec import import_target
+from vllm_omni.catalog.shapes import ShapeRule, load_shape_rule
 from vllm_omni.diffusion.core.scheduler import DiffusionScheduler
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.executor import make_executor
@@ -54,6 +53,10 @@ _IDLE_WAIT_S = 1.0
 """Longest wait of the loop with nothing due (every event that matters wakes it earlier)."""
 _LOOP_JOIN_TIMEOUT_S = 2.0
 _CLOSE_TIMEOUT_S = 10.0
+_RESTART_GRACE_S = 0.5
+"""How long a restart waits, after a worker's death, for a stop that may come with it: a SIGTERM to the whole
+process group reaches the workers and the core together, and the core's handler (`begin_shutdown`) can run after
+the worker's death was seen."""
 
 
 class DiffusionEngine:
@@ -87,7 +90,7 @@ class DiffusionEngine:
             else None
         )
         """The text encoder's token limit, checked by the stage client off the event loop before `submit`."""
-        rule = import_target(entry.shape_rule)(model_dir) if entry is not None and entry.shape_rule else None
+        rule = load_shape_rule(entry.shape_rule, model_dir) if entry is not None and entry.shape_rule else None
         self.supports_request_batch = supports_request_batch(pipeline_cls)
         if od_config.max_num_seqs > 1 and not (self.supports_request_batch or self.step_execution):
             raise ValueError(
@@ -521,14 +524,18 @@ class DiffusionEngine:
 
     def _restart(self, failed: MultiprocDiffusionExecutor) -> None:
         """Off the loop (loading takes long): new workers once the old ones are gone; the loop swaps them in."""
+        failed.stop_workers()  # their device memory is free before the new ones load
+        grace_end = time.monotonic() + _RESTART_GRACE_S
+        while not self._ending and time.monotonic() < grace_end:  # a flag, not an Event: a signal handler sets it
+            time.sleep(0.02)
+        if self._ending:  # stopped meanwhile: no new workers
+            logger.info("a diffusion worker exited as the engine stops; not restarting it")
+            return
         logger.warning(
             "restarting the diffusion workers (restart %d of at most %d)",
             self._restarts,
             self.od_config.max_stage_restarts,
         )
-        failed.stop_workers()  # their device memory is free before the new ones load
-        if self._ending:  # stopped meanwhile: no new workers
-            return
         try:
             replacement: MultiprocDiffusionExecutor | BaseException = make_executor(self.od_config)
         except Exception as exc:

@@ -95,6 +95,7 @@ def test_batch_chat_raw_http(server):
         ("/v1/images/generations", {"prompt": "x", "size": "99999x64"}, 400, "width"),
         ("/v1/images/generations", {"prompt": "x", "n": 5}, 400, "max-request-outputs"),
         ("/v1/images/generations", {"prompt": "x", "quality": "ultra"}, 400, "quality"),
+        ("/v1/images/generations", {"prompt": "x", "num_inference_steps": 1}, 400, "num_inference_steps=1 is fewer"),
         ("/v1/images/generations", {"prompt": "x", "model": "gpt-image-1"}, 404, "gpt-image-1"),
         ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "modalities": ["audio"]}, 400,

@@ -4,8 +4,8 @@ Pins (issue 28): the official `openai` client's create -> poll -> download retur
 whose audio stream PyAV decodes to the waveform offline `Omni` returns for the same request (16-bit PCM: SNR
 >= 60 dB) and whose frames are the offline frames; the WebSocket route streams fragments that each carry their
 frames' share of the soundtrack and concatenate to the same clip with sound; `two_stage` (the base pass, the
-latent upsampler, the refine pass) on the same server gives the offline two-stage clip, and a bad value of it is
-a 400 naming it.
+latent upsampler, the refine pass) on the same server gives the offline two-stage clip; a bad value of it, or a
+size the pipeline (or two-stage's base pass) cannot make, is a 400 naming the field on the sync and async routes.
 """
 
 from __future__ import annotations
@@ -121,9 +121,18 @@ def test_two_stage_job_carries_the_offline_two_stage_clip(server, offline_runs):
 
 @pytest.mark.parametrize(
     "body,param",
-    [({"two_stage": "maybe"}, "two_stage"), ({"two_stage": True, "size": "96x64"}, "width")],
-    ids=["not_a_bool", "odd_base_size"],
+    [
+        ({"two_stage": "maybe"}, "two_stage"),
+        ({"two_stage": True, "size": "96x64"}, "size"),  # 96 = 3 x 32: the base pass would be 48 wide
+        ({"size": "80x64"}, "size"),
+    ],
+    ids=["not_a_bool", "odd_base_size", "odd_size"],
 )
-def test_bad_two_stage_is_a_400_naming_the_field(server, body, param):
-    resp = httpx.post(f"{server.url}/v1/videos/sync", json={"prompt": "x", **FAST, **body}, timeout=60)
+@pytest.mark.parametrize("route", ["/v1/videos/sync", "/v1/videos"])
+def test_bad_size_or_two_stage_is_a_400_naming_the_field(server, route, body, param):
+    """On the async route too: refused before a job exists (LTX-2's shape rule in the API process), not a job
+    that is created and then fails."""
+    resp = httpx.post(f"{server.url}{route}", json={"prompt": "x", **FAST, **body}, timeout=60)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    if body.get("size") == "96x64":
+        assert "two_stage" in resp.json()["error"]["message"], resp.text

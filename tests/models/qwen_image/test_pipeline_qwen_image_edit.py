@@ -59,7 +59,7 @@ def test_matches_diffusers(ours, qwen_image_edit_dir, monkeypatch):
 
 
 def test_batch_equals_single_runs_and_missing_image_fails_alone(ours):
-    params = dict(height=64, width=64, num_inference_steps=1, output_type="np")
+    params = dict(height=64, width=64, num_inference_steps=2, output_type="np")  # 1 step: NaN (shift_terminal)
     requests = [make_request("add a hat", "a", image=_image(1), negative_prompt="ugly", seed=1, **params),
                 make_request("turn it into a watercolor painting", "b", image=_image(2), negative_prompt=" ",
                              seed=2, **params),
@@ -67,6 +67,7 @@ def test_batch_equals_single_runs_and_missing_image_fails_alone(ours):
     batched = _run(ours, *requests)
     assert batched[2].error is not None and "input image" in batched[2].error
     assert batched[2].error_status_code == 400
+    assert all(np.isfinite(out.output[0]).all() for out in batched[:2])  # allclose would pass two NaN images
     # The longer prompt and the other image in the batch must not change request b's image.
     np.testing.assert_allclose(batched[1].output[0], _run(ours, requests[1])[0].output[0], atol=1e-5)
     assert not np.allclose(batched[0].output[0], batched[1].output[0])

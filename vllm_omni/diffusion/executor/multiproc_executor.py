@@ -243,7 +243,11 @@ class MultiprocDiffusionExecutor:
         return processes
 
     def _wait_until_ready(self, timeout: float) -> list[dict[str, Any]]:
+        """Every rank's `WorkerReady`. Gives up when a rank fails or exits, at `timeout`, or once the process that
+        started this one (the API process, where this is a diffusion core) is gone: loading a large model takes
+        minutes, and nobody would be left to serve or stop it."""
         deadline = time.monotonic() + timeout
+        starter = multiprocessing.parent_process()
         decoder = self._output_codec.decoder()
         poller = zmq.Poller()
         for sock in self._outputs:
@@ -271,6 +275,9 @@ class MultiprocDiffusionExecutor:
                         f"diffusion worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode} "
                         "while loading the model"
                     )
+            if starter is not None and not starter.is_alive():
+                raise RuntimeError(f"the process that started this one (pid {starter.pid}) exited while the "
+                                   "diffusion workers loaded the model")
         return [ready[rank] for rank in range(self.world_size)]
 
     # ---- requests ------------------------------------------------------------------------------------

@@ -46,6 +46,13 @@ from vllm_omni.diffusion.video_utils import to_uint8_frames
 from vllm_omni.errors import OmniClientError
 from vllm_omni.logger import init_logger
 from vllm_omni.models.ltx2.cache import PRESETS
+from vllm_omni.models.ltx2.shapes import (
+    DEFAULT_HEIGHT,
+    DEFAULT_NUM_FRAMES,
+    DEFAULT_NUM_INFERENCE_STEPS,
+    DEFAULT_WIDTH,
+    SIZE_MULTIPLE,
+)
 
 if TYPE_CHECKING:
     from vllm_omni.diffusion.data import OmniDiffusionConfig
@@ -56,13 +63,9 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-DEFAULT_HEIGHT, DEFAULT_WIDTH, DEFAULT_NUM_FRAMES = 512, 768, 121
-DEFAULT_NUM_INFERENCE_STEPS = 40
 DEFAULT_GUIDANCE_SCALE = 4.0
 DEFAULT_FPS = 24
 DEFAULT_MAX_SEQUENCE_LENGTH = 1024
-SIZE_MULTIPLE = 32
-"""Height and width are multiples of 32 (the real VAE's spatial factor; diffusers checks it for every VAE)."""
 _UNSUPPORTED = ("guidance_scale_2", "boundary_ratio", "flow_shift", "true_cfg_scale")
 """Sampling knobs of other families that LTX-2 has no meaning for: a 400 rather than silently ignored."""
 

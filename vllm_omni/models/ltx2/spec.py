@@ -12,6 +12,7 @@ SPEC = ModelSpec(
             "video",
             input_modalities=frozenset({"text", "image"}),
             max_prompt_tokens=1024,
+            shape_rule="vllm_omni.models.ltx2.shapes:shape_rule",
         ),
     },
     tiny={"ltx2": "vllm_omni.models.ltx2.tiny:build_ltx2"},
