@@ -235,7 +235,7 @@ def _split_memory(stages: list[StageConfig]) -> None:
     second to start fails for want of memory. A stage keeps its own `gpu_memory_utilization` or
     `kv_cache_memory_bytes`, as does every stage on CPU under `VLLM_CPU_KVCACHE_SPACE`."""
     ar = [s for s in stages if s.kind is StageKind.AR]
-    replicas = [(s, s.replica_devices(r)) for s in ar for r in range(s.num_replicas)]
+    replicas = [s.replica_devices(r) for s in ar for r in range(s.num_replicas)]
     if len(replicas) < 2:
         return
     from vllm.platforms import current_platform
@@ -251,7 +251,7 @@ def _split_memory(stages: list[StageConfig]) -> None:
     for stage in ar:
         if {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(stage.engine_args):
             continue
-        sharing = max(sum(overlap(mine, other) for _, other in replicas)
+        sharing = max(sum(overlap(mine, other) for other in replicas)
                       for mine in (stage.replica_devices(r) for r in range(stage.num_replicas)))
         if sharing > 1:
             stage.engine_args["gpu_memory_utilization"] = round(total / sharing, 3)

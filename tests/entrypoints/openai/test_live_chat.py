@@ -21,7 +21,7 @@ MESSAGES = [{"role": "user", "content": "hello"}]
 
 @pytest.fixture(scope="module")
 def server(stop_later):
-    srv = LiveServer(MODEL, "--gpu-memory-utilization", "0.15", "--max-model-len", "512",
+    srv = LiveServer(MODEL, "--gpu-memory-utilization", "0.15", "--max-model-len", "2048",
                      "--max-num-seqs", "4", "--enforce-eager", "--enable-auto-tool-choice",
                      "--tool-call-parser", "hermes")
     yield srv
@@ -110,14 +110,15 @@ def test_unservable_or_bad(server, path, body, needle):
 
 def test_disconnect_mid_stream_aborts(server):
     aborted_before = server.metric("vllm_omni:engine_requests_total", outcome="aborted")
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 450, "ignore_eos": True, "stream": True}
+    # 2,000 tokens: the tiny model made 450 before a loaded server saw the disconnect (finished, not aborted)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=60) as http, http.stream("POST", f"{server.url}/v1/chat/completions",
                                                        json=body) as resp:
         seen = 0
         for line in resp.iter_lines():
             seen += line.startswith("data:")
             if seen >= 1:
-                break  # leave at the first chunk (the tiny model ends 450 tokens within a few chunks' reading)
+                break  # leave at the first chunk
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if server.metric("vllm_omni:requests_running") == 0:
