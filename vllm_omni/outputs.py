@@ -72,7 +72,7 @@ class StepStats:
 @dataclass
 class CompileStats:
     """A diffusion worker's compiled-path counts since it started (rank 0's; cumulative, so the server exports
-    the increase). Serving-time ones stalled the requests of their forward (`layers/compile.AcceleratedForward`)."""
+    the increase). Serving-time ones stalled the requests of their forward (`layers/compile.CompiledForward`)."""
 
     compiles: int = 0
     """Graphs Dynamo compiled, start-up warm-up included."""

@@ -9,7 +9,7 @@ import torch
 
 from vllm_omni.diffusion.data import OmniDiffusionConfig, parse_warmup_shapes
 from vllm_omni.diffusion.layers import compile as compile_mod
-from vllm_omni.diffusion.layers.compile import AcceleratedForward, accelerate_transformer, accelerated_forwards
+from vllm_omni.diffusion.layers.compile import CompiledForward, accelerate_transformer, compiled_forwards
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.warmup import _request as _warmup_request
@@ -82,16 +82,15 @@ def test_batch_buckets_are_powers_of_two_up_to_max_num_seqs():
 
 
 def _eager_and_compiled(model_dir, max_num_seqs: int, record) -> list:
-    """An eager Qwen-Image pipeline and one on the compiled path whose accelerated forward calls
-    `record(args, kwargs)` before it runs."""
+    """An eager Qwen-Image pipeline and one on the compiled path whose transformer calls `record(args, kwargs)`
+    before it runs (a forward hook: with no CUDA graph the compiled forward calls the module)."""
     from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
 
     config = OmniDiffusionConfig(model=str(model_dir), max_num_seqs=max_num_seqs)
     pipes = [QwenImagePipeline.from_pretrained(config, model_dir, torch.device("cpu"), torch.float32) for _ in range(2)]
     accelerate_transformer(pipes[1].transformer, compile_blocks=False, cuda_graphs=False)
-    (forward,) = accelerated_forwards(pipes[1])
-    inner = forward.forward
-    forward.forward = lambda *args, **kwargs: record(args, kwargs) or inner(*args, **kwargs)
+    pipes[1].transformer.register_forward_pre_hook(lambda module, args, kwargs: record(args, kwargs),
+                                                   with_kwargs=True)
     return pipes
 
 
@@ -181,7 +180,7 @@ def test_warm_up_runs_each_bucket_then_warns_on_serving_compiles(dist_world, qwe
     )
     assert warm_up(pipe, OmniDiffusionConfig(model="m", diffusion_warmup_shapes="64x64"), cpu) == ([], [])  # eager
     accelerate_transformer(pipe.transformer, compile_blocks=False, cuda_graphs=False)
-    (forward,) = accelerated_forwards(pipe)
+    (forward,) = compiled_forwards(pipe)
     with torch.inference_mode():
         request_mode, peaks = warm_up(pipe, OmniDiffusionConfig(model="m", max_num_seqs=2,
                                                                 diffusion_warmup_shapes="64x64"), cpu)
@@ -255,9 +254,9 @@ def test_default_serve_config_is_compiled_on_cuda_and_warmed_up(dist_world, qwen
     od_config.model = str(qwen_image_dir)
     runner = DiffusionModelRunner(od_config, torch.device("cuda", torch.cuda.current_device()))
     runner.load_model()
-    forward, decoder = runner.pipeline.transformer.forward, runner.pipeline.vae.decoder.forward
-    assert set(accelerated_forwards(runner.pipeline)) == {forward, decoder}  # the DiT's, the VAE decoder's
-    assert isinstance(forward, AcceleratedForward) and forward.serving and decoder.serving
+    forward, decoder = runner.pipeline.transformer.compiled_forward, runner.pipeline.vae.decoder.compiled_forward
+    assert set(compiled_forwards(runner.pipeline)) == {forward, decoder}  # the DiT's, the VAE decoder's
+    assert isinstance(forward, CompiledForward) and forward.serving and decoder.serving
     assert forward.compiles >= 1 and forward.captures >= 2  # batch 1 and batch 2
     assert decoder.compiles >= 1 and decoder.captures == 0  # compiled by the warm-up's decodes, no CUDA graph
     warmed = _warmup_request((64, 64), 0).prompt

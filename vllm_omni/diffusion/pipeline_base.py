@@ -47,8 +47,9 @@ from vllm_omni.diffusion.cache.policy import FamilyPresets
 from vllm_omni.diffusion.cache.runtime import cache_group, cache_state_for, call_transformer_rows, request_policy
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.sequence import cfg_branch_rows, cfg_gather_rows
-from vllm_omni.diffusion.layers.compile import accelerated_forwards
+from vllm_omni.diffusion.layers.compile import compiled_forwards
 from vllm_omni.diffusion.lora import LoRACapacityError, LoRAManager, RowAdapters
+from vllm_omni.diffusion.offload.components import ComponentOffloader
 from vllm_omni.diffusion.previews import emit_previews
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
@@ -78,6 +79,9 @@ class NativeDiffusionPipeline(nn.Module):
     supports_two_stage: ClassVar[bool] = False
     """Whether the family has a two-stage variant (base pass, latent upsampler, refine pass) that the `two_stage`
     knob selects (LTX-2); the others refuse the knob."""
+    cpu_offloader: ComponentOffloader | None = None
+    """`--enable-cpu-offload`'s (`offload/components.apply_cpu_offload`): every transformer forward sends the
+    text encoders and the VAE back to host memory first."""
     od_config: OmniDiffusionConfig
     device: torch.device
 
@@ -219,7 +223,7 @@ class NativeDiffusionPipeline(nn.Module):
     def compiled(self) -> bool:
         """Whether a DiT of this pipeline runs the compiled path (CUDA graphs per input signature)."""
         if "_compiled" not in self.__dict__:
-            self.__dict__["_compiled"] = bool(accelerated_forwards(self))
+            self.__dict__["_compiled"] = bool(compiled_forwards(self))
         return self.__dict__["_compiled"]
 
     @property
@@ -383,6 +387,8 @@ class NativeDiffusionPipeline(nn.Module):
         def call(slot: str, *args: Any, **kwargs: Any) -> Any:
             return call_transformer_rows(getattr(self, slot), states, slot, *args, **kwargs)
 
+        if self.cpu_offloader is not None:
+            self.cpu_offloader.offload_all()
         if len(inputs) == 1:
             num_positive, num_rows = states[0].latents.shape[0], step_rows(inputs[0])
             keep = cfg_branch_rows(num_positive, num_rows)

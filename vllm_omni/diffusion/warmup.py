@@ -11,7 +11,7 @@ so that prompt lengths make no new signature). A family without text buckets get
 make Dynamo compile its symbolic-size graph here rather than at the first request with another prompt length.
 A family whose negative prompt adds transformer rows (true CFG, `warmup_guided`) runs every bucket unguided and
 guided: a guided request is a signature of its own (twice the rows, its own image-shape list).
-Afterwards every compile or capture logs a WARNING (`AcceleratedForward`).
+Afterwards every compile or capture logs a WARNING (`CompiledForward`).
 
 On CUDA the warm-up then measures, at each size, the peak device memory one request takes beyond what the worker
 holds (`measure_peaks`): memory admission predicts requests at those sizes from it (`ShapeRule.measured_peaks`).
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_omni.diffusion.data import OmniDiffusionConfig, parse_warmup_shapes
-from vllm_omni.diffusion.layers.compile import AcceleratedForward, accelerated_forwards
+from vllm_omni.diffusion.layers.compile import CompiledForward, compiled_forwards
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.step_context import StepContext
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
@@ -89,7 +89,7 @@ def warm_up(pipeline: Any, od_config: OmniDiffusionConfig, device: Any,
     """Run the warm-up on a loaded pipeline (nothing when it has no compiled DiT or the shapes are ""), measure
     the peaks (`measure_peaks`), then mark its compiled forwards as serving. Every rank of a stage runs the same
     warm-up (same collectives)."""
-    forwards = accelerated_forwards(pipeline)
+    forwards = compiled_forwards(pipeline)
     shapes = parse_warmup_shapes(od_config.diffusion_warmup_shapes)
     warmed: list[WarmedSignature] = []
     if forwards and shapes != []:
@@ -154,7 +154,7 @@ def measure_peaks(pipeline: Any, od_config: OmniDiffusionConfig, device: Any, ra
     return peaks
 
 
-def _warm_one(pipeline: Any, od_config: OmniDiffusionConfig, forwards: list[AcceleratedForward],
+def _warm_one(pipeline: Any, od_config: OmniDiffusionConfig, forwards: list[CompiledForward],
               size: tuple[int, int] | None, batch: int, text: int | None, guided: bool, step_mode: bool,
               fewest: int, rank: int) -> WarmedSignature | None:
     """One (size, batch, text bucket, guidance) generation; None when step mode cannot co-batch `fewest` such
@@ -193,7 +193,7 @@ def _request(size: tuple[int, int] | None, index: int, lengths_set: int = 0,
     return OmniDiffusionRequest(prompt, params, f"warmup-{index}")
 
 
-def _counts(forwards: list[AcceleratedForward]) -> tuple[int, int]:
+def _counts(forwards: list[CompiledForward]) -> tuple[int, int]:
     return sum(f.compiles for f in forwards), sum(f.captures for f in forwards)
 
 

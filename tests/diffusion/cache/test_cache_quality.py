@@ -171,6 +171,19 @@ def test_cache_dit_request_mode(references, name):
         np.testing.assert_array_equal(pixels(run(dit, make(name, quality="high"))), pixels(high))
 
 
+def test_cache_dit_frees_the_cuda_graphs(dist_world):
+    """On the compiled path, enabling cache-dit frees the DiT's CUDA graphs (they would have captured its
+    data-dependent branches) and no forward replays or captures one afterwards (a capture fails on the CPU)."""
+    from vllm_omni.diffusion.layers.compile import accelerate_transformer
+
+    dit = load("qwen-image", cache_backend="cache_dit")
+    compiled = accelerate_transformer(dit.transformer, compile_blocks=False)
+    compiled.runner.graphs["captured"] = object()  # a graph captured before cache-dit was enabled
+    out = run(dit, make("qwen-image", quality="high"))
+    assert out.extra["cache"]["backend"] == "cache_dit" and out.extra["cache"]["reused_steps"] >= 1
+    assert not compiled.runner.graphs and compiled.captures == 0
+
+
 @pytest.mark.parametrize("backend", ["tea_cache", "cache_dit"])
 def test_an_abort_inside_a_cached_group_leaves_the_others_running(pipes, backend):
     """Request mode: dropping a row mid-way drops the group's cache (residuals / cache-dit context hold it)."""

@@ -1,5 +1,6 @@
 """Shared DiT layers: RoPE and modulation helpers equal diffusers' formulas; regional compile finds the repeated
-blocks; the CUDA-graph runner replays per input signature and drops its graphs when the weights move."""
+blocks; the compiled forward leaves the module's class forward in place, and its CUDA-graph runner replays per
+input signature and drops its graphs when the worker moves the weights (sleep / wake)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 from vllm_omni.diffusion.layers import cuda_graph
-from vllm_omni.diffusion.layers.compile import accelerate_transformer, compile_repeated_blocks
+from vllm_omni.diffusion.layers.compile import accelerate_transformer, call_compiled, compile_repeated_blocks
 from vllm_omni.diffusion.layers.modulation import gated_residual, layer_norm_modulate
 from vllm_omni.diffusion.layers.rope import multi_axis_rope_cos_sin
 
@@ -84,28 +85,59 @@ def test_graph_inputs_include_keyword_tensors_in_a_stable_order():
     assert kwargs["scale"] == 2.0
 
 
+def test_compiled_forward_wraps_the_module_and_counts():
+    """The compiled path is a callable beside the module: the instance keeps its class's `forward` and torch's
+    methods, the skeleton's call (`call_compiled`) goes through it, module hooks still run where no CUDA graph
+    replays, and an eager module is called as is."""
+    model, x = _Model().eval(), torch.randn(2, 4)
+    assert call_compiled(model, x).equal(model(x))  # eager: no compiled forward
+    compiled = accelerate_transformer(model, compile_blocks=False, cuda_graphs=False)
+    assert model.compiled_forward is compiled and compiled.module is model and compiled.runner is None
+    assert "forward" not in vars(model) and "_apply" not in vars(model)
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape))
+    with torch.inference_mode():
+        torch.testing.assert_close(call_compiled(model, x, scale=2.0), type(model).forward(model, x, scale=2.0))
+    assert calls == [x.shape] and compiled.compiles == 0 and compiled.captures == 0  # nothing compiles on CPU
+
+
+def test_worker_move_drops_cuda_graphs():
+    """Sleep / wake move the weights: the worker drops the graphs captured on their old addresses."""
+    from types import SimpleNamespace
+
+    from vllm_omni.diffusion.worker.diffusion_worker import DiffusionWorker
+
+    pipeline = nn.Module()
+    pipeline.transformer = _Model()
+    compiled = accelerate_transformer(pipeline.transformer, compile_blocks=False)
+    compiled.runner.graphs["captured"] = object()  # a graph captured before the move (none can be on the CPU)
+    DiffusionWorker._move_modules(SimpleNamespace(model_runner=SimpleNamespace(pipeline=pipeline)), torch.device("cpu"))
+    assert not compiled.runner.graphs
+
+
 @pytest.mark.cuda
 def test_cuda_graph_runner_replays_and_resets_on_move():
     model = _Model().cuda().eval()
     eager = _Model().cuda().eval()
     eager.load_state_dict(model.state_dict())
-    accelerate_transformer(model, compile_blocks=False)
+    compiled = accelerate_transformer(model, compile_blocks=False)
     with torch.inference_mode():
         for shape, scale in (((2, 4), 1.0), ((2, 4), 2.0), ((3, 4), 1.0), ((2, 4), 1.0)):
             x = torch.randn(*shape, device="cuda")
             shift = (torch.randn(4, device="cuda"),)  # a fresh keyword tensor every call
-            torch.testing.assert_close(model(x, scale=scale, shift=shift), eager(x, scale=scale, shift=shift))
-        assert len(model.forward.runner.graphs) == 3
-        model.to("cpu").to("cuda")  # sleep / wake: weights land on new addresses
-        assert not model.forward.runner.graphs
+            torch.testing.assert_close(compiled(x, scale=scale, shift=shift), eager(x, scale=scale, shift=shift))
+        assert len(compiled.runner.graphs) == 3 and compiled.captures == 3
+        model.to("cpu").to("cuda")  # sleep / wake: weights land on new addresses...
+        compiled.drop_cuda_graphs()  # ...and the worker drops the graphs (test_worker_move_drops_cuda_graphs)
+        assert not compiled.runner.graphs
         x = torch.randn(2, 4, device="cuda")
-        torch.testing.assert_close(model(x), eager(x))
-        model.forward.runner.max_graphs = 2
+        torch.testing.assert_close(compiled(x), eager(x))
+        compiled.runner.max_graphs = 2
         for rows in (1, 2, 3, 1):
             x = torch.randn(rows, 4, device="cuda")
-            torch.testing.assert_close(model(x), eager(x))
+            torch.testing.assert_close(compiled(x), eager(x))
         # Least recently used signatures were evicted (and recaptured on return), never run uncaptured.
-        assert len(model.forward.runner.graphs) == 2
+        assert len(compiled.runner.graphs) == 2
 
 
 def test_device_ints_writes_the_values():

@@ -126,4 +126,4 @@ def test_accelerated_pipeline_matches_eager_on_cuda(flux_dir):
         eager, fast = (np.asarray(p.forward(DiffusionRequestBatch([request]))[0].output[0]) for p in pipes)
         assert eager.shape == fast.shape == (size, size, 3)
         assert psnr(fast, eager) >= 40.0
-    assert len(pipes[1].transformer.forward.runner.graphs) == 2
+    assert len(pipes[1].transformer.compiled_forward.runner.graphs) == 2

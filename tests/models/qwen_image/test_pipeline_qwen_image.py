@@ -132,4 +132,4 @@ def test_accelerated_pipeline_matches_eager_on_cuda(dist_world, qwen_image_dir):
         eager, fast = (_run(p, request)[0] for p in pipes)
         assert fast.error is None, fast.error
         assert psnr(fast.output[0], eager.output[0]) >= 40
-    assert 1 <= len(pipes[1].transformer.forward.runner.graphs) <= 4
+    assert 1 <= len(pipes[1].transformer.compiled_forward.runner.graphs) <= 4

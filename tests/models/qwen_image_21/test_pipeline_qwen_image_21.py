@@ -268,4 +268,4 @@ def test_accelerated_pipeline_matches_eager_on_cuda(qwen_image_21_dir):
     cfg = request(PROMPTS[1], 7, negative="blurry", true_cfg_scale=4.0, output_type="pil")
     eager, fast = (run(pipe, cfg) for pipe in pipes)
     assert psnr(fast.output[0], eager.output[0]) >= 40
-    assert 1 <= len(pipes[1].transformer.forward.runner.graphs) <= 2
+    assert 1 <= len(pipes[1].transformer.compiled_forward.runner.graphs) <= 2

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from vllm_omni.diffusion.cache.policy import CachePolicy
+from vllm_omni.diffusion.layers.compile import compiled_forward
 from vllm_omni.inputs.cache_config import CACHE_DIT_KEYS
 
 
@@ -67,9 +68,10 @@ def enable(transformer: nn.Module) -> None:
 
     if is_enabled(transformer):
         return
-    # A CUDA graph runner on the instance would capture cache-dit's data-dependent branches: drop it (compiled
-    # blocks stay); requests that cache nothing call the class forward anyway.
-    transformer.__dict__.pop("forward", None)
+    # From now on the transformer runs cache-dit's forward or its class forward (`runtime.call_transformer`), never
+    # a CUDA graph (one would have captured cache-dit's data-dependent branches; compiled blocks stay): free them.
+    if (compiled := compiled_forward(transformer)) is not None:
+        compiled.drop_cuda_graphs()
     lists = transformer.cache_dit_block_lists()
     for name, (blocks, _) in lists.items():
         if getattr(transformer, name, None) is not blocks:

@@ -16,6 +16,7 @@ from vllm_omni.diffusion.cache.policy import (
     resolve_policy,
 )
 from vllm_omni.diffusion.cache.state import CacheState
+from vllm_omni.diffusion.layers.compile import call_compiled
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.cache_config import check_refresh_hint
 
@@ -60,13 +61,13 @@ def cache_state_for(policy: CachePolicy, transformers: dict[str, nn.Module], num
 def call_transformer(model: nn.Module, cache: CacheState, step: int, slot: str, *args: Any, **kwargs: Any) -> Any:
     """One transformer forward of `cache`'s group at `step` (`slot`: which of the pipeline's transformers).
 
-    A TeaCache step branches on its data and keeps residuals, so it calls the module's own `forward`, not a
-    CUDA graph runner that may have replaced `model.forward` (compiled blocks still apply). A cache-dit group
-    calls cache-dit's patched forward; a group that caches nothing takes exactly the uncached path (the class
-    forward when cache-dit's hooks are on the module)."""
+    A TeaCache step branches on its data and keeps residuals, so it calls the module (eager: never its CUDA
+    graphs; compiled blocks still apply). A cache-dit group calls cache-dit's patched forward; a group that
+    caches nothing takes exactly the uncached path: the compiled forward (`layers/compile.call_compiled`), or the
+    class forward when cache-dit's hooks are on the module."""
     backend = cache.policy.backend
     if backend == "tea_cache":
-        return type(model).forward(model, *args, cache=cache.step(step, slot), **kwargs)
+        return model(*args, cache=cache.step(step, slot), **kwargs)
     if backend == "cache_dit":
         forwards = cache.backend_state.forwards
         forwards[slot] = forwards.get(slot, 0) + 1
@@ -76,7 +77,7 @@ def call_transformer(model: nn.Module, cache: CacheState, step: int, slot: str, 
     cache.count(True, cache.block_counts[slot])
     if cachedit.is_enabled(model):
         return type(model).forward(model, *args, **kwargs)
-    return model(*args, **kwargs)
+    return call_compiled(model, *args, **kwargs)
 
 
 def call_transformer_rows(model: nn.Module, states: list[DenoiseState], slot: str, *args: Any, **kwargs: Any) -> Any:
@@ -91,7 +92,7 @@ def call_transformer_rows(model: nn.Module, states: list[DenoiseState], slot: st
         state.cache.count(True, states[0].cache.block_counts[slot])
     if cachedit.is_enabled(model):
         return type(model).forward(model, *args, **kwargs)
-    return model(*args, **kwargs)
+    return call_compiled(model, *args, **kwargs)
 
 
 def num_blocks(model: nn.Module) -> int:

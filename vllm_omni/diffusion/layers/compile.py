@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,25 +44,41 @@ def compile_repeated_blocks(model: nn.Module, **compile_kwargs: Any) -> int:
     return count
 
 
-class AcceleratedForward:
-    """What `accelerate_transformer` puts in `model.forward`: the compiled forward (through a CUDA graph per input
-    signature when `runner` is set), counting the graphs Dynamo compiles and the CUDA graphs captured. Once
-    `serving` is set (after the start-up warm-up), each call that compiles or captures logs a WARNING naming its
-    input shapes: such a call stalls every request in its batch."""
+class CompiledForward:
+    """A module's forward on the compiled path, counting the graphs Dynamo compiles and the CUDA graphs captured
+    while it runs. Once `serving` is set (after the start-up warm-up), each call that compiles or captures logs
+    a WARNING naming its input shapes: such a call stalls every request in its batch.
 
-    def __init__(self, forward: Callable[..., Any], runner: CUDAGraphRunner | None) -> None:
-        self.forward = forward
+    A DiT's is built by `accelerate_transformer` and called by the pipeline skeleton (`cache/runtime.py`
+    `call_transformer`) in place of the module: it replays `type(module).forward` as a CUDA graph per input
+    signature (`runner`), or calls the module (its compiled blocks inside). `module(...)` itself stays eager, so
+    a path that must not replay a graph (TeaCache, cache-dit, a test's reference) simply calls the module. The
+    VAE decoder, which diffusers calls, is compiled with `nn.Module.compile` and counted by forward hooks
+    (`accelerate_decoder`). Either is found as the module's `compiled_forward` (`compiled_forwards`)."""
+
+    def __init__(self, module: nn.Module, runner: CUDAGraphRunner | None) -> None:
+        self.module = module
         self.runner = runner
         self.serving = False
         self.compiles = 0
         self.captures = 0
         self.serving_compiles = 0
         self.serving_captures = 0
+        self._start: tuple[int, int, float] = (0, 0, 0.0)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        compiled, captured = dynamo_graphs(), self.runner.captures if self.runner is not None else 0
-        start = time.perf_counter()
-        out = (self.runner or self.forward)(*args, **kwargs)
+        self.begin()
+        out = (self.runner or self.module)(*args, **kwargs)
+        self.end(args, kwargs)
+        return out
+
+    def begin(self) -> None:
+        """Note the counters before a call."""
+        self._start = (dynamo_graphs(), self.runner.captures if self.runner is not None else 0, time.perf_counter())
+
+    def end(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Count what the call since `begin` compiled and captured; warn when it did while serving."""
+        compiled, captured, start = self._start
         new_compiles = dynamo_graphs() - compiled
         new_captures = (self.runner.captures if self.runner is not None else 0) - captured
         self.compiles += new_compiles
@@ -74,7 +89,12 @@ class AcceleratedForward:
             logger.warning("compile while serving: %d graph(s) compiled, %d CUDA graph(s) captured "
                            "in %.2f s for inputs %s (add this shape to --diffusion-warmup-shapes)", new_compiles,
                            new_captures, time.perf_counter() - start, describe_inputs(args, kwargs))
-        return out
+
+    def drop_cuda_graphs(self) -> None:
+        """Free the captured graphs: they read the weights at the addresses they had at capture, so whoever
+        moves the module (sleep / wake) calls this; the next call of a signature captures it again."""
+        if self.runner is not None:
+            self.runner.reset()
 
 
 def dynamo_graphs() -> int:
@@ -94,36 +114,39 @@ def describe_inputs(args: tuple, kwargs: dict[str, Any]) -> str:
 
 
 def accelerate_transformer(model: nn.Module, *, compile_blocks: bool = True, cuda_graphs: bool = True,
-                           compile_mode: str = "default") -> nn.Module:
-    """Lossless speed-ups for a CUDA DiT: compiled repeated blocks, and the whole forward replayed as a CUDA
-    graph per static input signature (one capture per image size / batch / text length bucket)."""
+                           compile_mode: str = "default") -> CompiledForward:
+    """Lossless speed-ups for a CUDA DiT: compiled repeated blocks, and (`cuda_graphs`) the whole forward replayed
+    as a CUDA graph per static input signature (one capture per image size / batch / text length bucket). Returns
+    the `CompiledForward` the pipeline skeleton calls, also kept as `model.compiled_forward`; the class and its
+    forward are untouched."""
     if compile_blocks:
         compile_repeated_blocks(model, mode=compile_mode)
-    runner = CUDAGraphRunner(model.forward) if cuda_graphs else None
-    model.forward = AcceleratedForward(model.forward, runner)
-    if runner is not None:
-        apply = model._apply
-
-        def _apply_and_drop_graphs(fn, *args, **kwargs):
-            # `.to()` / `.cuda()` (e.g. sleep/wake) move the weights: graphs captured on the old addresses are void.
-            runner.reset()
-            return apply(fn, *args, **kwargs)
-
-        model._apply = _apply_and_drop_graphs
-    return model
+    model.compiled_forward = CompiledForward(model, CUDAGraphRunner(model.forward) if cuda_graphs else None)
+    return model.compiled_forward
 
 
-def accelerated_forwards(module: Any) -> list[AcceleratedForward]:
-    """The `AcceleratedForward`s of `module`'s submodules (its DiTs on the compiled path; [] when eager, and for
-    a pipeline that is no `nn.Module`: the interface asks only for `forward`)."""
+def compiled_forward(module: nn.Module) -> CompiledForward | None:
+    """`module`'s `CompiledForward` (None when it runs eager)."""
+    compiled = module.__dict__.get("compiled_forward")
+    return compiled if isinstance(compiled, CompiledForward) else None
+
+
+def compiled_forwards(module: Any) -> list[CompiledForward]:
+    """The `CompiledForward`s of `module`'s submodules (its DiTs and VAE decoder on the compiled path; [] when
+    eager, and for a pipeline that is no `nn.Module`: the interface asks only for `forward`)."""
     if not isinstance(module, nn.Module):
         return []
-    return [m.forward for m in module.modules() if isinstance(m.forward, AcceleratedForward)]
+    return [compiled for m in module.modules() if (compiled := compiled_forward(m)) is not None]
+
+
+def call_compiled(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """`model`'s forward on the compiled path where it has one, else `model(*args, **kwargs)`."""
+    return (compiled_forward(model) or model)(*args, **kwargs)
 
 
 def compile_stats(module: Any) -> CompileStats | None:
     """The summed counts of `module`'s compiled forwards; None when it runs eager."""
-    forwards = accelerated_forwards(module)
+    forwards = compiled_forwards(module)
     if not forwards:
         return None
     return CompileStats(sum(f.compiles for f in forwards), sum(f.captures for f in forwards),
@@ -147,18 +170,25 @@ def configure_compile_cache(od_config: OmniDiffusionConfig) -> str:
     return path
 
 
-def accelerate_decoder(vae: nn.Module, **compile_kwargs: Any) -> None:
+def accelerate_decoder(vae: nn.Module, **compile_kwargs: Any) -> CompiledForward:
     """The compiled path's VAE decode, lossless: the decoder's convolution weights in channels_last (cuDNN's
     native layout, so no NCHW <-> NHWC transpose runs around each convolution; skipped for 3-D convolutions) and
-    its forward compiled whole (Inductor fuses the norms, activations and residual adds between convolutions).
-    The forward is an `AcceleratedForward`, so the start-up warm-up's generations compile it (their decodes) and a
+    the decoder compiled whole (`nn.Module.compile`: Inductor fuses the norms, activations and residual adds
+    between convolutions). diffusers calls the decoder itself, so its `CompiledForward` counts through forward
+    hooks (run outside the compiled call): the start-up warm-up's generations compile it (their decodes) and a
     compile while serving (a new size or batch) logs a WARNING as the DiT's do."""
     decoder = vae.decoder
     if all(p.dim() < 5 for p in decoder.parameters()):
         decoder.to(memory_format=torch.channels_last)
     # dynamic=None: a second batch size or image size compiles once more with symbolic sizes, then never again.
-    options = {"dynamic": None, **compile_kwargs}
-    decoder.forward = AcceleratedForward(torch.compile(decoder.forward, **options), None)
+    decoder.compile(**{"dynamic": None, **compile_kwargs})
+    compiled = decoder.compiled_forward = CompiledForward(decoder, None)
+    # Dynamo traces the hooks with the compiled call: disabled, they run eager before and after its graph.
+    decoder.register_forward_pre_hook(torch.compiler.disable(lambda module, args, kwargs: compiled.begin()),
+                                      with_kwargs=True)
+    decoder.register_forward_hook(torch.compiler.disable(lambda module, args, kwargs, out: compiled.end(args, kwargs)),
+                                  with_kwargs=True)
+    return compiled
 
 
 def accelerate_if_requested(model: nn.Module, od_config: OmniDiffusionConfig, device: torch.device, *,
@@ -175,7 +205,7 @@ def accelerate_vae_if_requested(pipeline: Any, od_config: OmniDiffusionConfig) -
     the family declares its decoder compilable (`compile_vae_decoder`) and the VAE stays on the device (not
     `--enable-cpu-offload`, which moves it between decodes); whether it did."""
     if not getattr(pipeline, "compile_vae_decoder", False) or od_config.enable_cpu_offload \
-            or not accelerated_forwards(pipeline):
+            or not compiled_forwards(pipeline):
         return False
     accelerate_decoder(pipeline.vae)
     return True

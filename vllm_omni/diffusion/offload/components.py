@@ -4,7 +4,9 @@ the one in use is on the device, as diffusers' `enable_model_cpu_offload`.
 A component moves to the device when its forward, or the forward of one of its direct children, is called
 (Wan's streamed decode calls the VAE's `post_quant_conv` and `decoder` directly, which a hook on the VAE's
 forward alone, as accelerate's `cpu_offload_with_hook`, would miss), and every other offloaded component moves
-back first; a forward of the transformer sends them all back, so the denoise loop has the device to itself.
+back first; the pipeline skeleton sends them all back before each transformer forward (`offload_all`), so the
+denoise loop has the device to itself (a hook on the transformer would not fire where its forward replays as a
+CUDA graph, `layers/compile.CompiledForward`).
 """
 
 from __future__ import annotations
@@ -17,13 +19,12 @@ from torch import nn
 
 CPU_OFFLOAD_COMPONENTS = ("text_encoder", "text_encoder_2", "image_encoder", "vae")
 """Pipeline attributes moved by `--enable-cpu-offload` (diffusers' names)."""
-TRANSFORMER_COMPONENTS = ("transformer", "transformer_2")
 
 
 class ComponentOffloader:
     """Keeps at most one of `components` on `device`; see the module docstring."""
 
-    def __init__(self, components: dict[str, nn.Module], triggers: list[nn.Module], device: torch.device) -> None:
+    def __init__(self, components: dict[str, nn.Module], device: torch.device) -> None:
         self.components = components
         self.device = device
         self.active: str | None = None
@@ -32,8 +33,6 @@ class ComponentOffloader:
             component.to("cpu")
             for module in (component, *component.children()):
                 self._handles.append(module.register_forward_pre_hook(self._onload_hook(name)))
-        for trigger in triggers:
-            self._handles.append(trigger.register_forward_pre_hook(lambda module, args: self.offload_all()))
 
     def _onload_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
@@ -58,7 +57,7 @@ class ComponentOffloader:
 
 def apply_cpu_offload(pipeline: Any, device: torch.device) -> ComponentOffloader:
     """Install a `ComponentOffloader` over the pipeline's text encoders and VAE (the attributes of
-    `CPU_OFFLOAD_COMPONENTS` that are modules); ValueError when it has none."""
+    `CPU_OFFLOAD_COMPONENTS` that are modules) as its `cpu_offloader`; ValueError when it has none."""
     components = {
         name: module
         for name in CPU_OFFLOAD_COMPONENTS
@@ -68,9 +67,6 @@ def apply_cpu_offload(pipeline: Any, device: torch.device) -> ComponentOffloader
         raise ValueError(
             f"enable_cpu_offload: {type(pipeline).__name__} has none of the components {list(CPU_OFFLOAD_COMPONENTS)}"
         )
-    triggers = [
-        module for name in TRANSFORMER_COMPONENTS if isinstance(module := getattr(pipeline, name, None), nn.Module)
-    ]
-    offloader = ComponentOffloader(components, triggers, device)
-    pipeline._cpu_offloader = offloader
+    offloader = ComponentOffloader(components, device)
+    pipeline.cpu_offloader = offloader
     return offloader

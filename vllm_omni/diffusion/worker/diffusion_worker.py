@@ -16,6 +16,7 @@ import torch
 
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.distributed.parallel_state import destroy_diffusion_distributed, init_diffusion_distributed
+from vllm_omni.diffusion.layers.compile import compiled_forwards
 from vllm_omni.diffusion.lora import LoRAManager
 from vllm_omni.diffusion.step_context import PartialSink
 from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
@@ -124,13 +125,16 @@ class DiffusionWorker:
         return manager
 
     def _move_modules(self, device: torch.device) -> None:
+        """Move the pipeline's modules; the CUDA graphs captured on the weights' old addresses are void."""
         pipeline = self.model_runner.pipeline
         if callable(getattr(pipeline, "to", None)):
             pipeline.to(device)
-            return
-        for value in vars(pipeline).values():
-            if isinstance(value, torch.nn.Module):
-                value.to(device)
+        else:
+            for value in vars(pipeline).values():
+                if isinstance(value, torch.nn.Module):
+                    value.to(device)
+        for compiled in compiled_forwards(pipeline):
+            compiled.drop_cuda_graphs()
 
     def shutdown(self) -> None:
         self.model_runner.unload_model()
