@@ -27,6 +27,7 @@ from fake_pipelines import FakeStepPipeline, SlowLoadPipeline, class_path
 from test_diffusion_engine_failures import assert_nothing_left, make_engine
 
 from vllm_omni.diffusion.request import OmniDiffusionRequest
+from vllm_omni.envs import ENGINE_CORE_FORKS_WORKERS
 from vllm_omni.errors import EngineDeadError, StageRestartingError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams as SP
 
@@ -204,6 +205,10 @@ def test_workers_exit_when_their_engine_is_killed_even_while_starting(tmp_path):
     script = _ORPHAN_SCRIPT.format(tests=str(Path(__file__).parent), model=str(tmp_path),
                                    cls=class_path(FakeStepPipeline))
     env = {**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # stdout carries only the ids; logs go to stderr
+    # The user's spawn, where a starting worker imports for seconds before it can watch anything (our default, the
+    # preloaded forkserver, hands a worker its imports done).
+    env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    env.pop(ENGINE_CORE_FORKS_WORKERS, None)
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True,
                             env=env)
     starting = None

@@ -1,9 +1,10 @@
 """`DiffusionCoreClient`: the API process's side of one diffusion core process (as vLLM's `AsyncMPClient`).
 
-It spawns the core (`core/core.py`), which starts the stage's workers, and talks to it over one ZeroMQ socket
-pair with msgspec messages (`core/messages.py`). Everything here runs on the caller's event loop: the outputs are
-read by one task there and handed to the request they belong to, and the core's death is seen through its
-process sentinel registered with the loop. No thread of the API process serves the diffusion stage.
+It starts the core (`core/core.py`: forked before the stage existed, or from the forkserver, `prestart.py`), which
+starts the stage's workers, and talks to it over one ZeroMQ socket pair with msgspec messages (`core/messages.py`).
+Everything here runs on the caller's event loop: the outputs are read by one task there and handed to the request
+they belong to, and the core's death is seen through its process sentinel registered with the loop. No thread of
+the API process serves the diffusion stage.
 
 `start` may run on a start-up loop that ends afterwards (the engine starts its stages before any caller loop
 exists); `on_loop` moves the reading to the loop that drives the client from then on.
@@ -42,7 +43,7 @@ from vllm_omni.diffusion.core.messages import (
     CoreUtility,
     CoreUtilityResult,
 )
-from vllm_omni.diffusion.core.prestart import PrestartedCore
+from vllm_omni.diffusion.core.prestart import PrestartedCore, run_with_environ, start_context
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.ipc import MsgCodec, cleanup_shm, new_shm_prefix
 from vllm_omni.diffusion.request import OmniDiffusionRequest
@@ -150,7 +151,6 @@ class DiffusionCoreClient:
             client_shm_prefix=self.shm_prefix,
             ipc_dir=self._ipc_dir,
             families=MODEL_REGISTRY.registered_families(),
-            parent_pid=os.getpid(),
             fork_workers=_user_chose_no_start_method(),
         )
         name = f"DiffusionCore-{self.od_config.stage_id}"
@@ -158,7 +158,8 @@ class DiffusionCoreClient:
         self.proc = prestarted.adopt(spec, name) if prestarted is not None else None
         if self.proc is None:
             # Not a daemon: the core starts the worker processes. Stopped before multiprocessing joins it at exit.
-            self.proc = multiprocessing.get_context("spawn").Process(target=run_diffusion_core, args=(spec,), name=name)
+            self.proc = start_context().Process(target=run_with_environ,
+                                                args=(dict(os.environ), run_diffusion_core, spec), name=name)
             self.proc.start()
         self._finalizer = Finalize(
             self, _stop_core, args=(self.proc, [self.shm_prefix, self._core_shm_prefix], self._ipc_dir), exitpriority=10

@@ -21,6 +21,7 @@ going away, ends the loop; the engine then stops its workers within its close ti
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import signal
@@ -88,9 +89,6 @@ class CoreSpec:
     """The client's socket directory."""
     families: list[ModelSpec | str]
     """Families the API process registered at run time (`register_family`): registered here too."""
-    parent_pid: int
-    """The API process (it spawned or forked this one): the core stops once it is no longer our parent. Not read
-    from `os.getppid()` at our start, which would watch PID 1 when the API process died while we imported."""
     fork_workers: bool
     """The user chose no start method: the core forks its workers, which then start with the torch and vLLM this
     process imported instead of importing them again in a fresh interpreter (6-12 s of every stage start on CPU)."""
@@ -141,8 +139,11 @@ class DiffusionCoreProc:
         )
         return True
 
-    def run_busy_loop(self, parent_pid: int) -> bool:
-        """schedule -> execute -> poll -> update / admit, until SIGTERM (True) or the parent is gone (False)."""
+    def run_busy_loop(self) -> bool:
+        """schedule -> execute -> poll -> update / admit, until SIGTERM (True) or the API process is gone (False).
+        The API process is watched through multiprocessing's parent sentinel, which closes when it dies however
+        this process was started (forked from it, or from its forkserver: then it is not our OS parent)."""
+        starter = multiprocessing.parent_process()
         inputs = (self.input,)
         while not self._stop.is_set():
             if self.engine.run_once(inputs, max_wait_s=self._max_wait_s()):
@@ -150,7 +151,7 @@ class DiffusionCoreProc:
                     self._handle(self.input.recv(copy=False).buffer)
             self._expire_calls()
             self._publish_state()
-            if os.getppid() != parent_pid:
+            if starter is not None and not starter.is_alive():
                 logger.warning("the API process is gone; the diffusion core stops")
                 return False
         return True
@@ -314,7 +315,7 @@ def run_diffusion_core(spec: CoreSpec, adopted_at: float | None = None) -> None:
     stopped = True
     try:
         if proc.start_engine():
-            stopped = proc.run_busy_loop(spec.parent_pid)
+            stopped = proc.run_busy_loop()
             code = 0 if stopped else 1
     finally:
         if stopped:

@@ -31,6 +31,7 @@ from typing import Any
 
 import zmq
 
+from vllm_omni.diffusion.core.prestart import run_with_environ, start_context
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.ipc import (
     SHM_TENSOR_THRESHOLD,
@@ -232,7 +233,8 @@ class MultiprocDiffusionExecutor:
                 # A forked child has copies of our write ends (its own and earlier ranks'), which would keep its
                 # pipe open after our death: it closes them first. A spawned one gets only what it is passed.
                 inherited = [w.fileno() for w in self._death_writers] if forked else []
-                proc = ctx.Process(target=worker_main, args=(spec, death_reader, inherited),
+                proc = ctx.Process(target=run_with_environ,
+                                   args=(dict(os.environ), worker_main, spec, death_reader, inherited),
                                    name=f"DiffusionWorker-{rank}", daemon=True)
                 proc.start()
                 death_reader.close()
@@ -573,15 +575,16 @@ class MultiprocDiffusionExecutor:
 
 
 def _worker_context() -> multiprocessing.context.BaseContext:
-    """Spawn, unless this process was told to fork (`VLLM_WORKER_MULTIPROC_METHOD=fork`: the diffusion core sets it
-    where the user chose no start method, plugins.py) and still runs one thread: a forked worker starts with the
-    torch and vLLM this process imported. A restart, from a core whose engine threads run, spawns; so does vLLM's
-    `get_mp_context` where fork is unsafe (CUDA initialized)."""
-    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "fork" or threading.active_count() > 1:
-        return multiprocessing.get_context("spawn")
-    from vllm.utils.system_utils import get_mp_context
+    """Fork where this process was told to (`VLLM_WORKER_MULTIPROC_METHOD=fork`: the diffusion core sets it where
+    the user chose no start method, plugins.py) and still runs one thread: a forked worker starts with the torch and
+    vLLM this process imported; vLLM's `get_mp_context` spawns instead where CUDA is initialized. Otherwise (a
+    restart, from a core whose engine threads run; an engine in a process with threads) the preloaded forkserver
+    or the user's spawn (`prestart.start_context`)."""
+    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "fork" and threading.active_count() == 1:
+        from vllm.utils.system_utils import get_mp_context
 
-    return get_mp_context()
+        return get_mp_context()
+    return start_context()
 
 
 def _settle(future: Future, *, result: Any = None, exception: BaseException | None = None) -> None:
