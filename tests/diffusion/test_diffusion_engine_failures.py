@@ -17,6 +17,7 @@ import psutil
 import pytest
 from fake_pipelines import FailingLoadPipeline, FakeBatchPipeline, class_path
 
+from tests.entrypoints.leak_checks import multiprocessing_helper
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.diffusion_engine import DiffusionEngine
 from vllm_omni.diffusion.request import OmniDiffusionRequest
@@ -73,7 +74,7 @@ def _child_pids() -> set[int]:
     pids = set()
     for child in psutil.Process().children(recursive=True):
         try:  # a child may exit (or be a zombie) while we look
-            if "resource_tracker" not in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+            if not multiprocessing_helper(child) and child.status() != psutil.STATUS_ZOMBIE:
                 pids.add(child.pid)
         except psutil.NoSuchProcess:
             continue

@@ -1,7 +1,8 @@
 """Leak checks that tolerate other test processes on the same machine.
 
 A leaked shared-memory segment is one that still exists but no live process maps; a leaked process is a
-child of ours in our session other than Python's multiprocessing resource tracker. Live servers
+child of ours in our session other than Python's multiprocessing helpers (its resource tracker, and the forkserver
+that tests/diffusion/distributed/parallel_harness.py starts its ranks from). Live servers
 (tests/entrypoints/openai/live_server.py) run in sessions of their own and are checked by their fixtures: one that
 modules share (tests/conftest.py's `shared_server`) is still running while later modules check their engines.
 """
@@ -15,18 +16,26 @@ from pathlib import Path
 import psutil
 
 
+def multiprocessing_helper(proc: psutil.Process) -> bool:
+    """Python's resource tracker or forkserver: they live as long as the process that started them. The processes
+    the forkserver forks have its command line too: it is the one whose parent's differs."""
+    cmdline = " ".join(proc.cmdline())
+    if "resource_tracker" in cmdline:
+        return True
+    return "multiprocessing.forkserver" in cmdline and "multiprocessing.forkserver" not in " ".join(
+        proc.parent().cmdline())
+
+
 def engine_children() -> list[str]:
     out = []
     session = os.getsid(0)
     for child in psutil.Process().children(recursive=True):
         try:
-            cmdline = " ".join(child.cmdline())
-            if os.getsid(child.pid) != session:
+            if os.getsid(child.pid) != session or multiprocessing_helper(child):
                 continue
+            out.append(" ".join(child.cmdline()))
         except (psutil.NoSuchProcess, ProcessLookupError):
             continue
-        if "resource_tracker" not in cmdline:
-            out.append(cmdline)
     return out
 
 

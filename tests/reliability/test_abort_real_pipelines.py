@@ -18,6 +18,7 @@ import psutil
 import pytest
 from websockets.sync.client import connect
 
+from tests.entrypoints.leak_checks import multiprocessing_helper
 from tests.entrypoints.openai.live_server import QWEN_IMAGE_LONG, WAN_T2V_LONG, LiveServer
 
 MAX_STEPS = 100_000
@@ -29,7 +30,7 @@ QUICK_VIDEO = {"prompt": "quick", "size": "32x32", "num_frames": 5, "num_inferen
 def _worker_pids(srv: LiveServer) -> set[int]:
     """The server's stage processes and their workers (spawned, or forked from the server: `prestart.py`)."""
     return {p.pid for p in psutil.Process(srv.proc.pid).children(recursive=True)
-            if "resource_tracker" not in " ".join(p.cmdline())}
+            if not multiprocessing_helper(p)}
 
 
 def freed_bound(solo: float) -> float:

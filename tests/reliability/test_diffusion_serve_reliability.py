@@ -25,7 +25,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.entrypoints.leak_checks import orphan_segments, shm_segments
+from tests.entrypoints.leak_checks import multiprocessing_helper, orphan_segments, shm_segments
 from tests.entrypoints.openai.live_server import LiveServer
 
 FAKE = "tests.diffusion.fake_pipelines:FakeStepPipeline"
@@ -40,18 +40,17 @@ def body(steps: int) -> dict:
 
 
 def workers(srv: LiveServer) -> list[psutil.Process]:
-    """The server's live diffusion workers, the children of its diffusion core process (a worker killed a moment
-    ago may be a zombie until reaped). The core may be a fork of the server, with the server's command line
-    (`diffusion/core/prestart.py`): processes are told apart by their place in the tree."""
+    """The server's live diffusion workers, the children of its diffusion core process, or of the core's forkserver
+    once one restarted (a worker killed a moment ago may be a zombie until reaped). The core may be a fork of the
+    server, with the server's command line (`diffusion/core/prestart.py`): processes are told apart by their place
+    in the tree."""
     found = []
     for proc in psutil.Process(srv.proc.pid).children(recursive=True):
         try:
-            cmdline = " ".join(proc.cmdline())
-            is_core = proc.ppid() == srv.proc.pid
+            if proc.ppid() != srv.proc.pid and not multiprocessing_helper(proc):
+                found.append(proc)
         except (psutil.ZombieProcess, psutil.NoSuchProcess):
             continue
-        if "resource_tracker" not in cmdline and not is_core:
-            found.append(proc)
     return found
 
 

@@ -3,19 +3,23 @@
 One spawn serves a list of jobs: for each `(parallel kwargs, fn, args)` the first `world_size` ranks
 initialize `init_diffusion_distributed` exactly as diffusion workers do, run `fn(*args)` with the VllmConfig
 current, and tear the groups down; the other ranks sit the job out. Rank 0's return values come back in job
-order (a rank that raises fails the run with its traceback). Spawning costs seconds of imports per process, so
-tests share one spawn.
+order (a rank that raises fails the run with its traceback). The ranks start as a diffusion engine's workers do
+where it cannot fork (`prestart.start_context`): from multiprocessing's forkserver, which imports torch, vLLM and
+our runtime once per pytest process (a spawn pays those 5-7 s of a 2-core machine per rank and run), so tests share
+one start of the ranks and the server.
 """
 
 from __future__ import annotations
 
+import os
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
+
+from vllm_omni.diffusion.core.prestart import run_with_environ, start_context
 
 TIMEOUT_S = 1200
 Job = tuple[dict, Callable, tuple]
@@ -60,10 +64,12 @@ def run_jobs(jobs: list[Job]) -> list[Any]:
     from vllm_omni.diffusion.data import DiffusionParallelConfig
 
     nprocs = max(DiffusionParallelConfig(**parallel).world_size for parallel, _, _ in jobs)
-    ctx = mp.get_context("spawn")
+    ctx = start_context()
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="omni-ranks-") as workdir:  # file:// rendezvous: no port races
-        procs = [ctx.Process(target=_rank_main, args=(r, workdir, jobs, queue), daemon=True) for r in range(nprocs)]
+        environ = dict(os.environ)
+        procs = [ctx.Process(target=run_with_environ, args=(environ, _rank_main, r, workdir, jobs, queue), daemon=True)
+                 for r in range(nprocs)]
         for p in procs:
             p.start()
         results = []

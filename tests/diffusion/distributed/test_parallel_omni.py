@@ -14,6 +14,8 @@ import psutil
 import pytest
 from parallel_jobs import psnr, run_pipeline
 
+from tests.entrypoints.leak_checks import multiprocessing_helper
+
 PARAMS = dict(height=64, width=64, num_inference_steps=2, seed=3, true_cfg_scale=4.0, negative_prompt="blurry")
 
 
@@ -41,6 +43,6 @@ def _engine_process(proc: psutil.Process) -> bool:
     """A child of ours in our session (live servers run in sessions of their own) other than multiprocessing's
     resource tracker, the interpreter's helper that lives as long as we do."""
     try:
-        return os.getsid(proc.pid) == os.getsid(0) and "resource_tracker" not in " ".join(proc.cmdline())
+        return os.getsid(proc.pid) == os.getsid(0) and not multiprocessing_helper(proc)
     except (psutil.NoSuchProcess, ProcessLookupError):  # exited, or a zombie, while we looked
         return False

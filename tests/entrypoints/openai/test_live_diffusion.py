@@ -15,6 +15,7 @@ import openai
 import pytest
 from PIL import Image
 
+from tests.entrypoints.leak_checks import multiprocessing_helper
 from tests.entrypoints.openai.live_server import LiveServer
 
 MODEL = "tiny/qwen-image"
@@ -195,7 +196,7 @@ def test_dead_engine_answers_503(server):
 
     # The diffusion core (forked by `vllm serve`, with its command line) and its workers.
     workers = [p for p in psutil.Process(server.proc.pid).children(recursive=True)
-               if "resource_tracker" not in " ".join(p.cmdline())]
+               if not multiprocessing_helper(p)]
     assert workers
     for proc in workers:
         proc.kill()
