@@ -101,7 +101,10 @@ def test_the_diffusion_executor_forks_only_a_one_thread_process(monkeypatch):
     monkeypatch.setattr(threading, "active_count", lambda: 1)  # this test process may run other tests' threads
     assert _worker_context().get_start_method() == ("spawn" if torch.cuda.is_initialized() else "fork")
     monkeypatch.setattr(threading, "active_count", lambda: 5)
-    assert _worker_context().get_start_method() == "spawn"
+    assert _worker_context().get_start_method() == "forkserver"  # preloaded: process_start.py
     monkeypatch.setattr(threading, "active_count", lambda: 1)
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    monkeypatch.setenv(ENGINE_CORE_FORKS_WORKERS, "1")  # our front end's spawn
+    assert _worker_context().get_start_method() == "forkserver"
+    monkeypatch.delenv(ENGINE_CORE_FORKS_WORKERS)  # the user's own
     assert _worker_context().get_start_method() == "spawn"

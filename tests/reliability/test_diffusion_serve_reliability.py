@@ -40,14 +40,18 @@ def body(steps: int) -> dict:
 
 
 def workers(srv: LiveServer) -> list[psutil.Process]:
-    """The server's live diffusion workers, the children of its diffusion core process, or of the core's forkserver
-    once one restarted (a worker killed a moment ago may be a zombie until reaped). The core may be a fork of the
-    server, with the server's command line (`diffusion/core/prestart.py`): processes are told apart by their place
-    in the tree."""
+    """The server's live diffusion workers (a worker killed a moment ago may be a zombie until reaped): the
+    processes its diffusion cores started. A core is started by the server itself: forked at its entry, with the
+    server's command line (`diffusion/core/prestart.py`), or from its forkserver (a second replica); a worker by a
+    core, forked or from the core's forkserver (a restart). Processes are told apart by their place in the tree."""
+    def starter(proc: psutil.Process) -> psutil.Process:
+        parent = proc.parent()
+        return parent.parent() if multiprocessing_helper(parent) else parent
+
     found = []
     for proc in psutil.Process(srv.proc.pid).children(recursive=True):
         try:
-            if proc.ppid() != srv.proc.pid and not multiprocessing_helper(proc):
+            if not multiprocessing_helper(proc) and starter(proc).pid != srv.proc.pid:
                 found.append(proc)
         except (psutil.ZombieProcess, psutil.NoSuchProcess):
             continue

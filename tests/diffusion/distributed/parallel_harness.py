@@ -1,17 +1,16 @@
-"""Run functions on in-process gloo ranks (torch.multiprocessing spawn) under diffusion parallel configs.
+"""Run functions on gloo ranks (processes of their own) under diffusion parallel configs.
 
-One spawn serves a list of jobs: for each `(parallel kwargs, fn, args)` the first `world_size` ranks
+One start of the ranks serves a list of jobs: for each `(parallel kwargs, fn, args)` the first `world_size` ranks
 initialize `init_diffusion_distributed` exactly as diffusion workers do, run `fn(*args)` with the VllmConfig
 current, and tear the groups down; the other ranks sit the job out. Rank 0's return values come back in job
 order (a rank that raises fails the run with its traceback). The ranks start as a diffusion engine's workers do
-where it cannot fork (`prestart.start_context`): from multiprocessing's forkserver, which imports torch, vLLM and
-our runtime once per pytest process (a spawn pays those 5-7 s of a 2-core machine per rank and run), so tests share
-one start of the ranks and the server.
+where it cannot fork (vllm_omni/diffusion/process_start.py): from multiprocessing's forkserver, which imports
+torch, vLLM and our runtime once per pytest process (a spawn pays those 5-7 s of a 2-core machine per rank and
+run).
 """
 
 from __future__ import annotations
 
-import os
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 
 import torch
 
-from vllm_omni.diffusion.core.prestart import run_with_environ, start_context
+from vllm_omni.diffusion.process_start import child_process, start_context
 
 TIMEOUT_S = 1200
 Job = tuple[dict, Callable, tuple]
@@ -67,8 +66,7 @@ def run_jobs(jobs: list[Job]) -> list[Any]:
     ctx = start_context()
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="omni-ranks-") as workdir:  # file:// rendezvous: no port races
-        environ = dict(os.environ)
-        procs = [ctx.Process(target=run_with_environ, args=(environ, _rank_main, r, workdir, jobs, queue), daemon=True)
+        procs = [child_process(ctx, _rank_main, (r, workdir, jobs, queue), f"rank-{r}", daemon=True)
                  for r in range(nprocs)]
         for p in procs:
             p.start()

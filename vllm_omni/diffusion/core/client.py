@@ -43,9 +43,10 @@ from vllm_omni.diffusion.core.messages import (
     CoreUtility,
     CoreUtilityResult,
 )
-from vllm_omni.diffusion.core.prestart import PrestartedCore, run_with_environ, start_context
+from vllm_omni.diffusion.core.prestart import PrestartedCore
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.ipc import MsgCodec, cleanup_shm, new_shm_prefix
+from vllm_omni.diffusion.process_start import child_process, start_context
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.envs import ENGINE_CORE_FORKS_WORKERS
 from vllm_omni.errors import EngineDeadError, OmniClientError
@@ -158,8 +159,7 @@ class DiffusionCoreClient:
         self.proc = prestarted.adopt(spec, name) if prestarted is not None else None
         if self.proc is None:
             # Not a daemon: the core starts the worker processes. Stopped before multiprocessing joins it at exit.
-            self.proc = start_context().Process(target=run_with_environ,
-                                                args=(dict(os.environ), run_diffusion_core, spec), name=name)
+            self.proc = child_process(start_context(), run_diffusion_core, (spec,), name)
             self.proc.start()
         self._finalizer = Finalize(
             self, _stop_core, args=(self.proc, [self.shm_prefix, self._core_shm_prefix], self._ipc_dir), exitpriority=10

@@ -13,9 +13,8 @@ Never handed a spec (no diffusion stage took it, a start-up error) it is stopped
 latest from multiprocessing's exit handlers, before they join the children; it exits by itself when the pipe
 closes (this process gone).
 
-Where no such fork is at hand (an `Omni` in a process that runs threads, a core restarting a worker while its
-engine threads run), cores and workers come from multiprocessing's forkserver with the same modules preloaded
-(`start_context`): the first start in a process pays the imports once, like a spawn; every later one forks them.
+Where no such fork is at hand, cores and workers come from multiprocessing's forkserver with the same modules
+preloaded (`process_start.py`).
 """
 
 from __future__ import annotations
@@ -25,41 +24,15 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from multiprocessing.util import Finalize
 from typing import Any
 
-from vllm_omni.envs import ENGINE_CORE_FORKS_WORKERS
+from vllm_omni.diffusion.process_start import CORE_MODULES
 from vllm_omni.logger import init_logger
 
 logger = init_logger(__name__)
-
-CORE_MODULES = ("vllm.config", "vllm_omni.diffusion.diffusion_engine", "vllm_omni.diffusion.core.core",
-                "vllm_omni.diffusion.worker.diffusion_worker")
-"""What a core imports before its engine runs (vllm.config: the logging set-up; 5-20 s of a 2-core import),
-and what its workers, forked from it, import before they load."""
-
-
-def start_context() -> multiprocessing.context.BaseContext:
-    """How to start a core or worker where fork is unsafe: multiprocessing's forkserver, preloaded with
-    `CORE_MODULES`, unless the user chose `VLLM_WORKER_MULTIPROC_METHOD=spawn` (our front end's own `spawn` is
-    not a choice, `envs.ENGINE_CORE_FORKS_WORKERS`). A forkserver child starts with the server's environment, not
-    this process's: start it through `run_with_environ`."""
-    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn" and os.environ.get(ENGINE_CORE_FORKS_WORKERS) != "1":
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(CORE_MODULES))  # read when this process's server starts
-    return context
-
-
-def run_with_environ(environ: dict[str, str], target: Callable[..., None], *args: Any) -> None:
-    """Process entry point: `target(*args)` in `environ` (the starter's at the start, as a spawned child gets)."""
-    os.environ.clear()
-    os.environ.update(environ)
-    target(*args)
-
 
 class PrestartedCore:
     """One forked core process, handed to at most one stage (`adopt`)."""

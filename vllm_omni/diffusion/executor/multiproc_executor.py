@@ -31,7 +31,6 @@ from typing import Any
 
 import zmq
 
-from vllm_omni.diffusion.core.prestart import run_with_environ, start_context
 from vllm_omni.diffusion.data import DiffusionOutput, OmniDiffusionConfig
 from vllm_omni.diffusion.ipc import (
     SHM_TENSOR_THRESHOLD,
@@ -53,6 +52,7 @@ from vllm_omni.diffusion.ipc import (
     new_shm_prefix,
 )
 from vllm_omni.diffusion.offload.distributed import dlo_wave_error
+from vllm_omni.diffusion.process_start import child_process, start_context
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.diffusion.worker.worker_proc import WorkerSpec, worker_main
 from vllm_omni.errors import EngineDeadError, OmniClientError
@@ -233,9 +233,8 @@ class MultiprocDiffusionExecutor:
                 # A forked child has copies of our write ends (its own and earlier ranks'), which would keep its
                 # pipe open after our death: it closes them first. A spawned one gets only what it is passed.
                 inherited = [w.fileno() for w in self._death_writers] if forked else []
-                proc = ctx.Process(target=run_with_environ,
-                                   args=(dict(os.environ), worker_main, spec, death_reader, inherited),
-                                   name=f"DiffusionWorker-{rank}", daemon=True)
+                proc = child_process(ctx, worker_main, (spec, death_reader, inherited), f"DiffusionWorker-{rank}",
+                                     daemon=True)
                 proc.start()
                 death_reader.close()
                 processes.append(proc)
@@ -579,7 +578,7 @@ def _worker_context() -> multiprocessing.context.BaseContext:
     the user chose no start method, plugins.py) and still runs one thread: a forked worker starts with the torch and
     vLLM this process imported; vLLM's `get_mp_context` spawns instead where CUDA is initialized. Otherwise (a
     restart, from a core whose engine threads run; an engine in a process with threads) the preloaded forkserver
-    or the user's spawn (`prestart.start_context`)."""
+    or the user's spawn (`process_start.py`)."""
     if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "fork" and threading.active_count() == 1:
         from vllm.utils.system_utils import get_mp_context
 
