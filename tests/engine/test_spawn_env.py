@@ -25,12 +25,18 @@ def _report(conn) -> None:
 def _start_child(stage: int, spawned: list[threading.Event]) -> tuple[str | None, bool]:
     """What a stage start does in its thread: a process, then the wait for it to become ready (here: until the
     next stage has started its process, which it can only do if this stage no longer holds the environment)."""
-    parent, child = multiprocessing.get_context("fork").Pipe()
-    proc = multiprocessing.get_context("fork").Process(target=_report, args=(child,))
+    # Spawned, as the stage processes are: a fork from this thread would free the main thread's thread-locals in
+    # the child, where PyAV's cached video reformatter (an earlier test's, in the main thread) waits forever for
+    # its slice threads.
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    proc = context.Process(target=_report, args=(child,))
     proc.start()
+    child.close()  # the child's end lives in the child alone: its death reads as EOF here
     spawned[stage].set()
+    assert parent.poll(60), f"stage {stage}'s process never reported"
     seen = parent.recv()
-    overlapped = stage + 1 == len(spawned) or spawned[stage + 1].wait(10)
+    overlapped = stage + 1 == len(spawned) or spawned[stage + 1].wait(30)
     parent.send("bye")
     proc.join(10)
     return seen, overlapped
