@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from vllm_omni.diffusion.ipc import cleanup_shm
 from vllm_omni.diffusion.process_start import child_process, start_context
 
 TIMEOUT_S = 1200
@@ -79,6 +80,11 @@ def run_jobs(jobs: list[Job]) -> list[Any]:
                 p.join(timeout=0 if any(err for _, err, _ in results) else 30)
                 if p.is_alive():
                     p.kill()
+                    p.join(10)
+            # vLLM's CPU group shared memory (named after the rendezvous file: `job<i>-tp:...-cpushm_<rank>`) is
+            # unlinked by its owner's destructor at interpreter exit, which a rank ending in `os._exit` (a fork's
+            # end) skips.
+            cleanup_shm(Path(workdir).name)
     errors = [f"rank {r}:\n{err}" for r, err, _ in results if err]
     assert not errors, "\n".join(errors)
     return next(res for r, _, res in results if r == 0)
