@@ -1,10 +1,10 @@
 """`DiffusionCoreClient`: the API process's side of one diffusion core process (as vLLM's `AsyncMPClient`).
 
-It starts the core (`core/core.py`: forked before the stage existed, or from the forkserver, `prestart.py`), which
-starts the stage's workers, and talks to it over one ZeroMQ socket pair with msgspec messages (`core/messages.py`).
-Everything here runs on the caller's event loop: the outputs are read by one task there and handed to the request
-they belong to, and the core's death is seen through its process sentinel registered with the loop. No thread of
-the API process serves the diffusion stage.
+It starts the core (`core/core.py`: forked before the stage existed, `prestart.py`, or from the forkserver,
+`process_start.py`), which starts the stage's workers, and talks to it over one ZeroMQ socket pair with msgspec
+messages (`core/messages.py`). Everything here runs on the caller's event loop: the outputs are read by one task
+there and handed to the request they belong to, and the core's death is seen through its process sentinel
+registered with the loop. No thread of the API process serves the diffusion stage.
 
 `start` may run on a start-up loop that ends afterwards (the engine starts its stages before any caller loop
 exists); `on_loop` moves the reading to the loop that drives the client from then on.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import select
 import shutil
 import signal
 import sys
@@ -143,7 +144,10 @@ class DiffusionCoreProc:
         """schedule -> execute -> poll -> update / admit, until SIGTERM (True) or the API process is gone (False).
         The API process is watched through multiprocessing's parent sentinel, which closes when it dies however
         this process was started (forked from it, or from its forkserver: then it is not our OS parent)."""
-        starter = multiprocessing.parent_process()
+        starter = select.poll()  # one poll object: a check per round costs one syscall, like os.getppid()
+        parent = multiprocessing.parent_process()
+        if parent is not None:
+            starter.register(parent.sentinel, select.POLLIN)
         inputs = (self.input,)
         while not self._stop.is_set():
             if self.engine.run_once(inputs, max_wait_s=self._max_wait_s()):
@@ -151,7 +155,7 @@ class DiffusionCoreProc:
                     self._handle(self.input.recv(copy=False).buffer)
             self._expire_calls()
             self._publish_state()
-            if starter is not None and not starter.is_alive():
+            if starter.poll(0):  # the sentinel reads EOF
                 logger.warning("the API process is gone; the diffusion core stops")
                 return False
         return True
