@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
-from vllm_omni.diffusion.core.client import _user_chose_no_start_method
 from vllm_omni.diffusion.executor.multiproc_executor import _worker_context
+from vllm_omni.diffusion.process_start import user_chose_no_start_method
 from vllm_omni.envs import ENGINE_CORE_FORKS_WORKERS
 from vllm_omni.plugins import register_models
 
@@ -86,11 +86,11 @@ def test_a_start_method_the_user_chose_is_kept(monkeypatch):
 def test_a_diffusion_core_forks_its_workers_only_where_the_user_chose_no_method(monkeypatch):
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     monkeypatch.delenv(ENGINE_CORE_FORKS_WORKERS, raising=False)
-    assert _user_chose_no_start_method()
+    assert user_chose_no_start_method()
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    assert not _user_chose_no_start_method()
+    assert not user_chose_no_start_method()
     monkeypatch.setenv(ENGINE_CORE_FORKS_WORKERS, "1")  # the spawn our front end set for its own process
-    assert _user_chose_no_start_method()
+    assert user_chose_no_start_method()
 
 
 def test_the_diffusion_executor_forks_only_a_one_thread_process(monkeypatch):

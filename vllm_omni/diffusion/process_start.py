@@ -26,10 +26,15 @@ CORE_MODULES = ("vllm.config", "vllm_omni.diffusion.diffusion_engine", "vllm_omn
 and what its workers import before they load."""
 
 
+def user_chose_no_start_method() -> bool:
+    """No `VLLM_WORKER_MULTIPROC_METHOD`, or only the `spawn` our front end set for its own process
+    (async_omni_engine.py, `envs.ENGINE_CORE_FORKS_WORKERS`)."""
+    return "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ or os.environ.get(ENGINE_CORE_FORKS_WORKERS) == "1"
+
+
 def start_context() -> BaseContext:
-    """The forkserver, preloaded with `CORE_MODULES`, unless the user chose `VLLM_WORKER_MULTIPROC_METHOD=spawn`
-    (our front end's own `spawn` is not a choice: `envs.ENGINE_CORE_FORKS_WORKERS`)."""
-    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn" and os.environ.get(ENGINE_CORE_FORKS_WORKERS) != "1":
+    """The forkserver, preloaded with `CORE_MODULES`, unless the user chose `VLLM_WORKER_MULTIPROC_METHOD=spawn`."""
+    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn" and not user_chose_no_start_method():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(CORE_MODULES))  # read when this process's server starts

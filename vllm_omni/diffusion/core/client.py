@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import itertools
 import multiprocessing
-import os
 import shutil
 import tempfile
 import time
@@ -46,9 +45,8 @@ from vllm_omni.diffusion.core.messages import (
 from vllm_omni.diffusion.core.prestart import PrestartedCore
 from vllm_omni.diffusion.data import OmniDiffusionConfig
 from vllm_omni.diffusion.ipc import MsgCodec, cleanup_shm, new_shm_prefix
-from vllm_omni.diffusion.process_start import child_process, start_context
+from vllm_omni.diffusion.process_start import child_process, start_context, user_chose_no_start_method
 from vllm_omni.diffusion.request import OmniDiffusionRequest
-from vllm_omni.envs import ENGINE_CORE_FORKS_WORKERS
 from vllm_omni.errors import EngineDeadError, OmniClientError
 from vllm_omni.logger import init_logger
 
@@ -152,7 +150,7 @@ class DiffusionCoreClient:
             client_shm_prefix=self.shm_prefix,
             ipc_dir=self._ipc_dir,
             families=MODEL_REGISTRY.registered_families(),
-            fork_workers=_user_chose_no_start_method(),
+            fork_workers=user_chose_no_start_method(),
         )
         name = f"DiffusionCore-{self.od_config.stage_id}"
         prestarted, self._prestarted = self._prestarted, None
@@ -337,12 +335,6 @@ class DiffusionCoreClient:
         else:
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(fail)
-
-
-def _user_chose_no_start_method() -> bool:
-    """No `VLLM_WORKER_MULTIPROC_METHOD`, or only the `spawn` our front end set for its own process
-    (async_omni_engine.py)."""
-    return "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ or os.environ.get(ENGINE_CORE_FORKS_WORKERS) == "1"
 
 
 def _stop_core(proc: multiprocessing.process.BaseProcess, shm_prefixes: list[str], ipc_dir: str) -> None:
