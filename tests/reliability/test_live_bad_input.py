@@ -134,7 +134,10 @@ async def test_health_while_a_large_prompt_is_tokenized(server):
             await asyncio.sleep(0.1)
         resp = await request
     assert resp.status_code == 400, resp.text  # vLLM refuses the prompt as longer than --max-model-len
-    assert max(latencies) < 0.1, latencies
+    # D12's loop was blocked for the whole tokenization: 8.9 s for this prompt with this tokenizer on this machine.
+    # An unblocked loop answers in milliseconds, but a CI worker starved of CPU has taken 0.29 s (0.47 s at load
+    # 40); 1 s keeps a 9x margin to the defect without failing on the machine's load.
+    assert max(latencies) < 1.0, latencies
 
 
 def test_still_serving(server):
