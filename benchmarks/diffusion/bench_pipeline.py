@@ -304,21 +304,54 @@ NEW_FAMILIES = {
 }
 
 
-def make_pipelines(name: str, device, dtype, smoke: bool, accelerate: bool):
-    """(diffusers pipeline, our pipeline, our accelerated pipeline or None) sharing encoders and VAE."""
+def build_ours_only(name: str, config: dict, device, dtype):
+    """Our transformer alone, with the weights `build_models` gives it (diffusers' random init after seed 0): the
+    diffusers transformer is built on the device, parked on the CPU while ours is built and loaded from it, then
+    dropped, so that one transformer, not two, sits on the GPU (Qwen-Image's two 20.4B ones and its 8.3B text
+    encoder do not fit an 80 GB card)."""
+    from bench_dit_forward import _finish_load
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    torch.manual_seed(0)
+    with set_default_torch_dtype(dtype), torch.device(device):
+        if name == "flux":
+            from diffusers import FluxTransformer2DModel as Reference
+
+            from vllm_omni.models.flux.transformer import FluxTransformer2DModel
+
+            reference = Reference(**config).to("cpu")
+            ours = FluxTransformer2DModel(**config)
+        else:
+            from diffusers import QwenImageTransformer2DModel as Reference
+
+            from vllm_omni.models.qwen_image.transformer import QwenImageTransformer2DModel, QwenImageTransformerConfig
+
+            reference = Reference(**config).to("cpu")
+            ours = QwenImageTransformer2DModel(config=QwenImageTransformerConfig.from_dict(config))
+    ours = _finish_load(ours, reference.to(dtype).eval())
+    del reference
+    return ours
+
+
+def make_pipelines(name: str, device, dtype, smoke: bool, accelerate: bool, diffusers: bool = True):
+    """(diffusers pipeline, our pipeline, our accelerated pipeline or None) sharing encoders and VAE.
+    `diffusers=False` (FLUX and Qwen-Image only): no diffusers pipeline (None) and only our transformer built."""
     if name in NEW_FAMILIES:
         reference, ours_with, ours_tf = new_family_pipelines(name, device, dtype, smoke)
         reference.set_progress_bar_config(disable=True)
         return reference, ours_with, ours_tf
     comps = (flux_components if name == "flux" else qwen_components)(device, dtype, smoke)
-    reference_tf, ours_tf = build_models(name, comps.pop("transformer_config"), device, dtype)
+    if diffusers:
+        reference_tf, ours_tf = build_models(name, comps.pop("transformer_config"), device, dtype)
+    else:
+        reference_tf, ours_tf = None, build_ours_only(name, comps.pop("transformer_config"), device, dtype)
     od_config = OmniDiffusionConfig(model=name, dtype=str(dtype).removeprefix("torch."))
     if name == "flux":
         from diffusers import FluxPipeline as Reference
 
         from vllm_omni.models.flux.pipeline import FluxPipeline
 
-        reference = Reference(transformer=reference_tf, **{k: v for k, v in comps.items()})
+        reference = None if reference_tf is None else Reference(transformer=reference_tf, **comps)
 
         def ours_with(transformer):
             return FluxPipeline(od_config=od_config, transformer=transformer, device=device, dtype=dtype, **comps)
@@ -328,13 +361,14 @@ def make_pipelines(name: str, device, dtype, smoke: bool, accelerate: bool):
         from vllm_omni.models.qwen_image.pipeline import QwenImagePipeline
 
         scheduler_config = comps.pop("scheduler_config")
-        reference = Reference(transformer=reference_tf, **comps)
+        reference = None if reference_tf is None else Reference(transformer=reference_tf, **comps)
         comps.pop("scheduler")
 
         def ours_with(transformer):
             return QwenImagePipeline(od_config=od_config, device=device, dtype=dtype, transformer=transformer,
                                      scheduler_config=scheduler_config, **comps)
-    reference.set_progress_bar_config(disable=True)
+    if reference is not None:
+        reference.set_progress_bar_config(disable=True)
     return reference, ours_with, ours_tf
 
 
@@ -380,7 +414,9 @@ def forward_times(pipe, call) -> dict[str, float]:
 
 
 def bench_model(name: str, args, device, dtype) -> list[dict[str, Any]]:
-    reference, ours_with, ours_tf = make_pipelines(name, device, dtype, args.smoke, args.accelerate)
+    if not args.diffusers and name not in ("flux", "qwen-image"):
+        raise ValueError("--no-diffusers: FLUX and Qwen-Image only")
+    reference, ours_with, ours_tf = make_pipelines(name, device, dtype, args.smoke, args.accelerate, args.diffusers)
     if args.attention_backend:
         set_attention_backend(ours_tf, args.attention_backend)
     default_steps, true_cfg, ref_extra = NEW_FAMILIES.get(name, (28 if name == "flux" else 50,
@@ -404,13 +440,15 @@ def bench_model(name: str, args, device, dtype) -> list[dict[str, Any]]:
 
     rows = []
     with torch.inference_mode():
-        diffusers_call(2)
-        sync(device)
-        ref_s, ref_img = run_once(diffusers_call)
-        rows.append({"model": name, "pipeline": "diffusers", "size": args.size, "steps": steps, "s": ref_s, **cfg})
-        print(json.dumps(rows[-1]), flush=True)
-        compiled_s = None
-        if args.diffusers_compiled and device.type == "cuda":
+        ref_s = ref_img = compiled_s = None
+        if reference is not None:
+            diffusers_call(2)
+            sync(device)
+            ref_s, ref_img = run_once(diffusers_call)
+            rows.append({"model": name, "pipeline": "diffusers", "size": args.size, "steps": steps, "s": ref_s,
+                         **cfg})
+            print(json.dumps(rows[-1]), flush=True)
+        if reference is not None and args.diffusers_compiled and device.type == "cuda":
             reference.transformer.compile_repeated_blocks(fullgraph=True)
             t0 = time.perf_counter()
             diffusers_call(2)  # the compile, as our compiled variant's warm-up
@@ -439,7 +477,8 @@ def bench_model(name: str, args, device, dtype) -> list[dict[str, Any]]:
             secs, out = run_once(lambda pipe=pipe: ours_call(pipe))
             eager_img = out.output[0] if eager_img is None else eager_img
             rows.append({"model": name, "pipeline": label, "size": args.size, "steps": steps, "s": secs, **cfg,
-                         "speedup_vs_diffusers": ref_s / secs, "psnr_vs_diffusers": image_psnr(out.output[0], ref_img),
+                         "speedup_vs_diffusers": None if ref_s is None else ref_s / secs,
+                         "psnr_vs_diffusers": None if ref_img is None else image_psnr(out.output[0], ref_img),
                          "speedup_vs_diffusers_compiled": None if compiled_s is None else compiled_s / secs,
                          "psnr_vs_ours_eager": image_psnr(out.output[0], eager_img),
                          "stage_durations": out.stage_durations, "warmup_s": warm_s})
@@ -542,6 +581,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--attention-backend", default=None, help="our attention backend (e.g. CUDNN_ATTN)")
     parser.add_argument("--diffusers-compiled", action=argparse.BooleanOptionalAction, default=True,
                         help="CUDA: also time diffusers with compile_repeated_blocks (a second reference)")
+    parser.add_argument("--diffusers", action=argparse.BooleanOptionalAction, default=True,
+                        help="--no-diffusers: our rows alone, no diffusers pipeline or transformer built (FLUX and "
+                             "Qwen-Image; Qwen-Image's two transformers and text encoder do not fit an 80 GB card)")
     parser.add_argument("--forward-times", action="store_true",
                         help="one more run of ours timing each transformer call (GPU events) against the denoise time")
     parser.add_argument("--smoke", action="store_true")
@@ -580,9 +622,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{r['model']:<15}error: {r['error'][:90]}")
             continue
         vs_compiled = r.get("speedup_vs_diffusers_compiled")
+        vs_diffusers, psnr_row = r.get("speedup_vs_diffusers", 1.0), r.get("psnr_vs_diffusers", float("inf"))
         print(f"{r['model']:<15}{r['pipeline']:<34}{r['size']:>6}{r['steps']:>6}{r['s']:>9.2f}"
-              f"{r.get('speedup_vs_diffusers', 1.0):>8.2f}{'-' if vs_compiled is None else f'{vs_compiled:.2f}':>8}"
-              f"{r.get('psnr_vs_diffusers', float('inf')):>7.1f}")
+              f"{'-' if vs_diffusers is None else f'{vs_diffusers:.2f}':>8}"
+              f"{'-' if vs_compiled is None else f'{vs_compiled:.2f}':>8}"
+              f"{'-' if psnr_row is None else f'{psnr_row:.1f}':>7}")
     return {"command": " ".join(sys.argv), "env": env, "rows": rows}
 
 
