@@ -330,6 +330,9 @@ LONG_THINKER, LONG_TALKER = 900, 40
 """The first vocoder chunk needs 26 talker frames, i.e. 27 thinker tokens; the thinker writes 900 (some 4x what
 it writes, on this tiny model, while the talker and vocoder make that chunk), so audio comes mid-answer on a
 loaded machine too."""
+REFERENCE_THINKER = 60
+"""transformers' reference talks after the thinker is done, and its 40 frames read the first ~45 thinker tokens:
+its frames from 60 tokens equal those from 900 (checked), at a fifth of the time."""
 LONG_PARAMS = [{"temperature": 0.0, "max_tokens": LONG_THINKER, "ignore_eos": True},
                {"max_tokens": LONG_TALKER, "temperature": 0.0}, {}]
 
@@ -360,7 +363,7 @@ def test_streamed_audio_chunks_come_while_the_answer_is_written(client, hf_model
 
     whole = client.chat.completions.create(**kwargs).choices[0].message
     assert base64.b64decode(whole.audio.data) == streamed
-    _, frames, _ = hf_generate(hf_model, chat_prompt_ids(tiny_path, USER_TEXT), LONG_THINKER, LONG_TALKER)
+    _, frames, _ = hf_generate(hf_model, chat_prompt_ids(tiny_path, USER_TEXT), REFERENCE_THINKER, LONG_TALKER)
     ref = hf_vocoder_chunks(hf_model, frames)  # transformers' vocoder on the pipeline's chunk schedule
     pcm = np.frombuffer(streamed, dtype="<i2").astype(np.float32) / 32767.0
     np.testing.assert_allclose(pcm, np.clip(ref, -1, 1), atol=2e-4)
