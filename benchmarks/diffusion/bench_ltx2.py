@@ -9,7 +9,8 @@ runs on the very same modules (its `LTX2VideoTransformer3DModel` shares our nati
   - the whole pipeline (text encoder, denoise, video + audio decode),
   - with `--two-stage`, the two-stage variant too (`two_stage=True` at --height x --width vs diffusers' recipe:
     `LTX2Pipeline` to latents at half size, `LTX2LatentUpsamplePipeline`, `LTX2Pipeline` refine on the stage-2
-    distilled sigmas), on the same upsampler module,
+    distilled sigmas), on the same upsampler module; both refine without the distilled LoRA (the config-only
+    checkpoint has none, and ours runs with LoRA off, as the rows above),
 eager and, with `--compile`, with the DiT's repeated blocks compiled on both sides (`torch.compile`).
 `--smoke` runs the tiny checkpoint on the CPU in fp32 (tests/benchmarks/test_bench_ltx2.py). Prints a table and
 writes JSON (`--out`) and a PNG bar chart (`--png`).

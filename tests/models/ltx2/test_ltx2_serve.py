@@ -4,8 +4,9 @@ Pins (issue 28): the official `openai` client's create -> poll -> download retur
 whose audio stream PyAV decodes to the waveform offline `Omni` returns for the same request (16-bit PCM: SNR
 >= 60 dB) and whose frames are the offline frames; the WebSocket route streams fragments that each carry their
 frames' share of the soundtrack and concatenate to the same clip with sound; `two_stage` (the base pass, the
-latent upsampler, the refine pass) on the same server gives the offline two-stage clip; a bad value of it, or a
-size the pipeline (or two-stage's base pass) cannot make, is a 400 naming the field on the sync and async routes.
+latent upsampler, the refine pass) on the same server gives the offline two-stage clip; a bad value of it or of
+its `refine_lora`, or a size the pipeline (or two-stage's base pass) cannot make, is a 400 naming the field on the
+sync and async routes.
 """
 
 from __future__ import annotations
@@ -125,8 +126,10 @@ def test_two_stage_job_carries_the_offline_two_stage_clip(server, offline_runs):
         ({"two_stage": "maybe"}, "two_stage"),
         ({"two_stage": True, "size": "96x64"}, "size"),  # 96 = 3 x 32: the base pass would be 48 wide
         ({"size": "80x64"}, "size"),
+        ({"two_stage": True, "refine_lora": "distilled"}, "refine_lora"),  # not an adapter object
+        ({"two_stage": True, "refine_lora": {"name": "distilled"}}, "refine_lora"),  # served without --enable-lora
     ],
-    ids=["not_a_bool", "odd_base_size", "odd_size"],
+    ids=["not_a_bool", "odd_base_size", "odd_size", "refine_lora_not_an_object", "refine_lora_without_lora"],
 )
 @pytest.mark.parametrize("route", ["/v1/videos/sync", "/v1/videos"])
 def test_bad_size_or_two_stage_is_a_400_naming_the_field(server, route, body, param):
