@@ -258,4 +258,4 @@ def build_ltx2(
         module.save_pretrained(out / name, safe_serialization=True)
     latent_upsampler.save_pretrained(out / "latent_upsampler", safe_serialization=True)
     (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(_SCHEDULER_CONFIG, indent=2))
-    write_tiny_lora(out, out / DISTILLED_LORA, prefix="diffusion_model", rank=4, std=0.3, seed=seed + 8)
+    write_tiny_lora(out, out / DISTILLED_LORA, prefix="diffusion_model", rank=4, std=1.0, seed=seed + 8)
