@@ -362,7 +362,7 @@ class LTX2Pipeline(NativeDiffusionPipeline):
             try:
                 self.lora_manager.load(refine)
             except OmniClientError as exc:
-                raise OmniClientError(exc.message.replace("lora ", "refine_lora ", 1), param="refine_lora") from None
+                raise OmniClientError(f"refine_lora: {exc.message}", param="refine_lora") from None
 
     def encode_prompt(self, requests: list[OmniDiffusionRequest]) -> LTX2Conditioning:
         sp = requests[0].sampling_params
