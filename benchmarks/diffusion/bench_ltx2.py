@@ -9,7 +9,8 @@ runs on the very same modules (its `LTX2VideoTransformer3DModel` shares our nati
   - the whole pipeline (text encoder, denoise, video + audio decode),
   - with `--two-stage`, the two-stage variant too (`two_stage=True` at --height x --width vs diffusers' recipe:
     `LTX2Pipeline` to latents at half size, `LTX2LatentUpsamplePipeline`, `LTX2Pipeline` refine on the stage-2
-    distilled sigmas), on the same upsampler module,
+    distilled sigmas), on the same upsampler module; both refine without the distilled LoRA (the config-only
+    checkpoint has none, and ours runs with LoRA off, as the rows above),
 eager and, with `--compile`, with the DiT's repeated blocks compiled on both sides (`torch.compile`).
 `--smoke` runs the tiny checkpoint on the CPU in fp32 (tests/benchmarks/test_bench_ltx2.py). Prints a table and
 writes JSON (`--out`) and a PNG bar chart (`--png`).
@@ -253,11 +254,15 @@ def bench_pipeline(ours, ref, kwargs: dict[str, Any], device) -> dict[str, Any]:
     }
 
 
-def diffusers_two_stage(ref, upsampler, kwargs: dict[str, Any], prompt: str, seed: int) -> Any:
+def diffusers_two_stage(
+    ref, upsampler, kwargs: dict[str, Any], prompt: str, seed: int, distilled_lora: Path | None = None
+) -> Any:
     """diffusers' "Two-stages Generation" recipe (its LTX-2 docs) at kwargs' (full) size, CFG-only: `ref` to
     latents at half size, `LTX2LatentUpsamplePipeline` with `upsampler`, `ref` again on
-    `STAGE_2_DISTILLED_SIGMA_VALUES` (no dynamic shift, re-noised to the first sigma, no guidance); one generator
-    for the run. Returns the second call's output (frames in [0, 1], audio)."""
+    `STAGE_2_DISTILLED_SIGMA_VALUES` (no dynamic shift, re-noised to the first sigma, no guidance) with the
+    `distilled_lora` file loaded as the docs do (`load_lora_weights(..., adapter_name="stage_2_distilled")`,
+    `set_adapters("stage_2_distilled", 1.0)`; deleted afterwards); one generator for the run. Returns the second
+    call's output (frames in [0, 1], audio)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, LTX2LatentUpsamplePipeline
     from diffusers.pipelines.ltx2.utils import STAGE_2_DISTILLED_SIGMA_VALUES
 
@@ -282,6 +287,11 @@ def diffusers_two_stage(ref, upsampler, kwargs: dict[str, Any], prompt: str, see
     (video,) = LTX2LatentUpsamplePipeline(vae=ref.vae, latent_upsampler=upsampler)(
         latents=video, output_type="latent", return_dict=False
     )
+    if distilled_lora is not None:
+        ref.load_lora_weights(
+            str(distilled_lora.parent), adapter_name="stage_2_distilled", weight_name=distilled_lora.name
+        )
+        ref.set_adapters("stage_2_distilled", 1.0)
     base_scheduler = ref.scheduler
     ref.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
         base_scheduler.config, use_dynamic_shifting=False, shift_terminal=None
@@ -300,6 +310,8 @@ def diffusers_two_stage(ref, upsampler, kwargs: dict[str, Any], prompt: str, see
         )
     finally:
         ref.scheduler = base_scheduler
+        if distilled_lora is not None:
+            ref.delete_adapters("stage_2_distilled")
 
 
 def bench_two_stage(ours, ref, kwargs: dict[str, Any], device) -> dict[str, Any]:

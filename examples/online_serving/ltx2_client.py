@@ -5,6 +5,10 @@ saved as an MP4 (H.264 video + FLAC audio) that any player plays with sound.
     .venv/bin/python examples/online_serving/ltx2_client.py --out dog.mp4
     .venv/bin/python examples/online_serving/ltx2_client.py --image first_frame.png   # image-to-video
     .venv/bin/python examples/online_serving/ltx2_client.py --two-stage --size 128x64  # base 64x32, upsampled x2
+
+Two-stage's refine pass runs the checkpoint's distilled LoRA when the server has LoRA on (`vllm serve tiny/ltx2
+--omni --enable-lora`; the real Lightricks/LTX-2's is rank 384: add `--max-lora-rank 384`); `--refine-lora PATH`
+sends another file as the request's `refine_lora`.
 """
 
 from __future__ import annotations
@@ -34,11 +38,16 @@ def main() -> None:
         help="two-stage generation: base pass at half --size, latent upsampler x2, 3 refine steps "
         "(--size multiples of 64)",
     )
+    parser.add_argument(
+        "--refine-lora", default=None, help="with --two-stage: the refine pass's LoRA file (a path the server reads)"
+    )
     parser.add_argument("--out", default="ltx2.mp4")
     args = parser.parse_args()
     extra = {"num_frames": args.frames, "fps": args.fps, "num_inference_steps": args.steps, "seed": args.seed}
     if args.two_stage:
         extra["two_stage"] = True
+    if args.refine_lora:
+        extra["refine_lora"] = {"path": args.refine_lora}
     client = server_args.client(args)
     # The SDK sends a multipart form: the first frame goes as the `input_reference` file.
     image = {} if args.image is None else {"input_reference": (args.image.name, args.image.read_bytes(), "image/png")}

@@ -182,12 +182,15 @@ def test_step_context_tracks_the_running_step(pipes):
 
 
 def test_two_stage_is_refused_where_the_family_has_none(pipes):
-    """`two_stage` (LTX-2's variant) is a 400 naming it on a family without one, not silently one stage; the
-    request beside it in the batch still runs."""
+    """`two_stage` (LTX-2's variant) and its `refine_lora` are a 400 naming them on a family without one, not
+    silently one stage; the request beside it in the batch still runs."""
     pipe = pipes["flux"]
     bad = _request("flux", "a red fox", "two", 1)
     bad.sampling_params.two_stage = True
+    refine = _request("flux", "a red fox", "refine", 1)
+    refine.sampling_params.refine_lora = {"path": "/loras/distilled.safetensors"}
     good = _request("flux", "a red fox", "one", 1)
-    outs = pipe.forward(DiffusionRequestBatch([bad, good]))
-    assert outs[0].error_status_code == 400 and "two_stage" in outs[0].error
-    assert outs[1].error is None
+    outs = pipe.forward(DiffusionRequestBatch([bad, refine, good]))
+    assert outs[0].error_status_code == 400 and outs[0].error_param == "two_stage"
+    assert outs[1].error_status_code == 400 and outs[1].error_param == "refine_lora"
+    assert outs[2].error is None

@@ -58,7 +58,7 @@ from vllm_omni.diffusion.timing import elapsed_since, synchronized_now
 from vllm_omni.diffusion.warmup import TEXT_BUCKETS, batch_buckets, step_bucket
 from vllm_omni.diffusion.worker.request_batch import DiffusionRequestBatch
 from vllm_omni.errors import OmniClientError, RequestAbortedError
-from vllm_omni.inputs.lora import parse_lora
+from vllm_omni.inputs.lora import LoRARef, parse_lora
 
 
 class NativeDiffusionPipeline(nn.Module):
@@ -116,7 +116,7 @@ class NativeDiffusionPipeline(nn.Module):
         chunks: list[list[OmniDiffusionRequest]] = []
         needs: set[str | None] = set()
         for request in requests:
-            mine = {ref.path for ref in parse_lora(request.sampling_params.lora)}
+            mine = {ref.path for ref in self.request_adapters(request)}
             if not chunks or len(needs | mine) > self.lora_manager.max_loras:
                 chunks.append([])
                 needs = set()
@@ -125,10 +125,13 @@ class NativeDiffusionPipeline(nn.Module):
         return chunks
 
     def refuse_two_stage(self, requests: list[OmniDiffusionRequest]) -> None:
-        """`two_stage` on a family without the variant: a 400 naming it (per request in `forward`, which groups by
-        the family's key; in `prepare` for step mode)."""
-        if not self.supports_two_stage and any(r.sampling_params.two_stage for r in requests):
-            raise OmniClientError(f"two_stage: {type(self).__name__} has no two-stage variant", param="two_stage")
+        """`two_stage` (or its `refine_lora`) on a family without the variant: a 400 naming it (per request in
+        `forward`, which groups by the family's key; in `prepare` for step mode)."""
+        if self.supports_two_stage:
+            return
+        for name in ("two_stage", "refine_lora"):
+            if any(getattr(r.sampling_params, name) for r in requests):
+                raise OmniClientError(f"{name}: {type(self).__name__} has no two-stage variant", param=name)
 
     def run_group(self, requests: list[OmniDiffusionRequest], ctx: StepContext) -> dict[int, DiffusionOutput]:
         """prepare -> denoise -> finish for one group; a shared parameter found invalid fails the whole group."""
@@ -439,6 +442,15 @@ class NativeDiffusionPipeline(nn.Module):
             for ref in refs:
                 self.lora_manager.load(ref)
 
+    def request_adapters(self, request: OmniDiffusionRequest) -> tuple[LoRARef, ...]:
+        """Every adapter `request`'s rows may run (what must fit `--max-loras` together): its `lora`."""
+        return parse_lora(request.sampling_params.lora)
+
+    def row_adapters(self, state: DenoiseState, request: OmniDiffusionRequest) -> tuple[LoRARef, ...]:
+        """The adapters `request`'s rows run at `state`'s current step: its `lora` (LTX-2's refine pass adds its
+        distilled adapter)."""
+        return parse_lora(request.sampling_params.lora)
+
     def transformer_row_sources(self, state: DenoiseState) -> list[int]:
         """The latent row each of `state`'s transformer rows denoises: the latent rows, then (CFG) those with an
         unconditional row."""
@@ -454,14 +466,14 @@ class NativeDiffusionPipeline(nn.Module):
         manager = self.lora_manager
         if manager is None:
             return contextlib.nullcontext()
-        paths = {ref.path for state in states for r in state.requests for ref in parse_lora(r.sampling_params.lora)}
+        paths = {ref.path for state in states for r in state.requests for ref in self.row_adapters(state, r)}
         if len(paths) > manager.max_loras:  # before loading any: the states then step apart, evicting nothing here
             raise LoRACapacityError(f"this forward needs {len(paths)} adapters, {manager.max_loras} stay resident "
                                     "(--max-loras)")
         rows: list[RowAdapters] = []
         padded = states + [states[-1]] * (len(inputs) - len(states))  # compiled path: repeated inputs
         for state in padded:
-            per_request = [tuple((manager.load(ref), ref.scale) for ref in parse_lora(r.sampling_params.lora))
+            per_request = [tuple((manager.load(ref), ref.scale) for ref in self.row_adapters(state, r))
                            for r in state.requests]
             per = state.outputs_per_request
             rows += [per_request[src // per] for src in self.transformer_row_sources(state)]

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.cache_config import check_request_cache_config
-from vllm_omni.inputs.lora import parse_lora
+from vllm_omni.inputs.lora import parse_lora, parse_refine_lora
 
 Quality = Literal["lossless", "high", "fast"]
 OutputType = Literal["pil", "np", "pt", "latent"]
@@ -90,6 +90,10 @@ class OmniDiffusionSamplingParams:
     """LTX-2's two-stage generation (diffusers' "Two-stages Generation", LTX-2's `ti2vid_two_stages`): a base pass
     at half the requested height and width, the checkpoint's x2 latent upsampler, then a short refine pass at full
     size. None/False: one stage. A pipeline without such a variant refuses true (400 naming the field)."""
+    refine_lora: dict[str, Any] | None = knob(batch_key=False)
+    """The adapter of the two-stage refine pass, {"name" or "path", "scale"} as one entry of `lora` (None: the
+    checkpoint's distilled LoRA, as diffusers' recipe loads it; docs/video.md). Not part of the batching key, as
+    `lora`."""
     max_sequence_length: int | None = knob(http=False, minimum=1, maximum=65536, pipeline_kwarg=True)
     lora: dict[str, Any] | list[dict[str, Any]] | None = knob(batch_key=False)
     """Adapters to run with (`vllm_omni/inputs/lora.py`, docs/lora.md): {"name" or "path", "scale"} or a list of
@@ -113,9 +117,10 @@ class OmniDiffusionSamplingParams:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name != "lora":  # one object or a list of them: checked by its parser
+            if f.name not in ("lora", "refine_lora"):  # adapter objects: checked by their parsers
                 _check_value(f.name, getattr(self, f.name), f.metadata)
         parse_lora(self.lora)
+        parse_refine_lora(self.refine_lora)
         if self.cache_config is not None:
             check_request_cache_config(self.cache_config, self.quality, self.num_inference_steps)
 

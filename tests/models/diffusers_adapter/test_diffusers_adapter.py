@@ -146,9 +146,10 @@ def test_adapter_converts_audio_for_the_speech_encoders():
     with pytest.raises(OmniClientError, match="one waveform") as info:
         adapter.call_kwargs(OmniDiffusionRequest("x", SP(num_outputs_per_prompt=2), "two"))
     assert info.value.param == "num_outputs_per_prompt"
-    with pytest.raises(OmniClientError, match="no two-stage variant") as info:  # LTX-2's knob: not dropped here
-        adapter.call_kwargs(OmniDiffusionRequest("x", SP(two_stage=True), "two-stage"))
-    assert info.value.param == "two_stage"
+    for knob, value in (("two_stage", True), ("refine_lora", {"path": "/l.safetensors"})):  # LTX-2's: not dropped
+        with pytest.raises(OmniClientError, match="no two-stage variant") as info:
+            adapter.call_kwargs(OmniDiffusionRequest("x", SP(**{knob: value}), "two-stage"))
+        assert info.value.param == knob
 
 
 def test_adapter_refuses_at_load_what_it_cannot_convert():

@@ -4,8 +4,10 @@ Pins (issue 28): the official `openai` client's create -> poll -> download retur
 whose audio stream PyAV decodes to the waveform offline `Omni` returns for the same request (16-bit PCM: SNR
 >= 60 dB) and whose frames are the offline frames; the WebSocket route streams fragments that each carry their
 frames' share of the soundtrack and concatenate to the same clip with sound; `two_stage` (the base pass, the
-latent upsampler, the refine pass) on the same server gives the offline two-stage clip; a bad value of it, or a
-size the pipeline (or two-stage's base pass) cannot make, is a 400 naming the field on the sync and async routes.
+latent upsampler, the refine pass) on the same server gives the offline two-stage clip; with `--enable-lora` the
+refine pass runs the checkpoint's distilled LoRA, and `refine_lora` naming a registered adapter resolves to its
+file; a bad value of it or of its `refine_lora`, or a size the pipeline (or two-stage's base pass) cannot make, is
+a 400 naming the field on the sync and async routes.
 """
 
 from __future__ import annotations
@@ -119,14 +121,34 @@ def test_two_stage_job_carries_the_offline_two_stage_clip(server, offline_runs):
     assert audio.shape == two["audio"].shape and snr(audio, two["audio"]) >= 60.0
 
 
+def test_two_stage_with_lora_on_refines_with_the_distilled_lora(server, shared_server, offline_runs):
+    """`--enable-lora`: the default refine adapter (the checkpoint's file) and `refine_lora` naming the same file
+    registered under a name give one clip, which is not the clip refined without it."""
+    from vllm_omni.catalog.tiny import build_tiny
+    from vllm_omni.models.ltx2.pipeline import DISTILLED_LORA
+
+    distilled = build_tiny("ltx2") / DISTILLED_LORA
+    lora_server = shared_server(MODEL, "--enable-lora", "--lora-modules", f"distilled={distilled}")
+    default = job_mp4(lora_server, "128x64", TWO_STAGE)
+    named = job_mp4(lora_server, "128x64", {**TWO_STAGE, "refine_lora": {"name": "distilled"}})
+    assert decode_mp4_audio(named)[0].shape == decode_mp4_audio(default)[0].shape
+    assert snr(decode_mp4_audio(named)[0], decode_mp4_audio(default)[0]) >= 60.0
+    assert np.array_equal(decode_mp4(named), decode_mp4(default))
+    without = decode_mp4(encode_mp4(offline_runs[1]["video"], FAST["fps"])).astype(np.float64)
+    mse = np.mean((decode_mp4(default).astype(np.float64) - without) ** 2)
+    assert 10 * np.log10(255.0**2 / mse) < 30.0, "the refine pass ran the adapter"
+
+
 @pytest.mark.parametrize(
     "body,param",
     [
         ({"two_stage": "maybe"}, "two_stage"),
         ({"two_stage": True, "size": "96x64"}, "size"),  # 96 = 3 x 32: the base pass would be 48 wide
         ({"size": "80x64"}, "size"),
+        ({"two_stage": True, "refine_lora": "distilled"}, "refine_lora"),  # not an adapter object
+        ({"two_stage": True, "refine_lora": {"name": "distilled"}}, "refine_lora"),  # served without --enable-lora
     ],
-    ids=["not_a_bool", "odd_base_size", "odd_size"],
+    ids=["not_a_bool", "odd_base_size", "odd_size", "refine_lora_not_an_object", "refine_lora_without_lora"],
 )
 @pytest.mark.parametrize("route", ["/v1/videos/sync", "/v1/videos"])
 def test_bad_size_or_two_stage_is_a_400_naming_the_field(server, route, body, param):

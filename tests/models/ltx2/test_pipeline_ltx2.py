@@ -2,7 +2,8 @@
 
 Why it matters: the acceptance bar for native LTX-2: decoded frames within PSNR >= 35 dB and the waveform within
 SNR >= 40 dB of diffusers, with CFG rows and two requests batched into one DiT forward; the step contract
-(step-mode co-batched == solo) and the cache contract (quality=lossless is bitwise the uncached path).
+(step-mode co-batched == solo) and the cache contract (quality=lossless is bitwise the uncached path); the
+two-stage variant as diffusers' recipe runs it, its distilled LoRA on the refine pass only.
 """
 
 from __future__ import annotations
@@ -75,6 +76,16 @@ def ltx2(dist_world, ltx2_dir):
     ref = RefPipeline.from_pretrained(ltx2_dir, dtype=torch.float32)
     ref.set_progress_bar_config(disable=True)
     return ours, ref
+
+
+@pytest.fixture(scope="module")
+def ltx2_lora(dist_world, ltx2_dir):
+    """Ours with LoRA on (`--enable-lora`): two_stage's refine pass runs the checkpoint's distilled LoRA."""
+    from vllm_omni.models.ltx2.pipeline import LTX2Pipeline
+
+    return LTX2Pipeline.from_pretrained(
+        OmniDiffusionConfig(model=str(ltx2_dir), enable_lora=True), ltx2_dir, torch.device("cpu"), torch.float32
+    )
 
 
 def test_batched_cfg_matches_diffusers(ltx2):
@@ -235,13 +246,17 @@ def test_image_to_video_matches_diffusers(ltx2, ltx2_dir):
     assert psnr(out.output["video"], t2v.output["video"]) < 30.0, "the image must condition the clip"
 
 
-def test_two_stage_matches_diffusers_recipe(ltx2, ltx2_dir):
+def test_two_stage_matches_diffusers_recipe(ltx2, ltx2_lora, ltx2_dir):
     """`two_stage=True` at 64x128: the base pass at 32x64 (CFG), the x2 latent upsampler, 3 refine steps at
-    64x128; frames and waveform match diffusers' two-stage recipe on the same weights and seed."""
-    ours, ref = ltx2
+    64x128 with the checkpoint's distilled LoRA; frames and waveform match diffusers' two-stage recipe on the same
+    weights and seed (`load_lora_weights(repo, adapter_name="stage_2_distilled", weight_name=...)` before
+    stage 2)."""
+    from vllm_omni.models.ltx2.pipeline import DISTILLED_LORA
+
+    _, ref = ltx2
     prompt = "A man plays a red electric guitar on a stage, the crowd cheers."
     rq = request(prompt, 9, "two", guidance_scale=3.0, fps=24, height=64, width=128, two_stage=True)
-    (out,) = ours.forward(DiffusionRequestBatch([rq]))
+    (out,) = ltx2_lora.forward(DiffusionRequestBatch([rq]))
     assert out.error is None, out.error
     video, audio = out.output["video"], out.output["audio"]
     assert video.shape == (9, 64, 128, 3)
@@ -252,22 +267,86 @@ def test_two_stage_matches_diffusers_recipe(ltx2, ltx2_dir):
     # diffusers' recipe with the checkpoint's upsampler as its docs load it (from_pretrained, subfolder).
     upsampler = LTX2LatentUpsamplerModel.from_pretrained(ltx2_dir, subfolder="latent_upsampler", dtype=torch.float32)
     params = dict(SIZE, height=64, width=128, guidance_scale=3.0, fps=24)
-    expected = diffusers_two_stage(ref, upsampler, params, prompt, 9)
+    expected = diffusers_two_stage(ref, upsampler, params, prompt, 9, distilled_lora=ltx2_dir / DISTILLED_LORA)
     expected_video = (expected.frames[0] * 255).round().astype(np.uint8)
     expected_audio = expected.audio[0].float().numpy()
     assert video.std() > 1.0 and np.abs(audio).max() > 1e-3, "a constant output would prove nothing"
     assert audio.shape == expected_audio.shape
     assert psnr(video, expected_video) >= 35.0
     assert snr(audio, expected_audio) >= 40.0
-    (one,) = ours.forward(DiffusionRequestBatch([request(prompt, 9, "one", guidance_scale=3.0, height=64, width=128)]))
+    without = diffusers_two_stage(ref, upsampler, params, prompt, 9)  # the recipe without its LoRA misses both bars
+    assert psnr(video, (without.frames[0] * 255).round().astype(np.uint8)) < 35.0
+    assert snr(audio, without.audio[0].float().numpy()) < 40.0
+    (one,) = ltx2_lora.forward(
+        DiffusionRequestBatch([request(prompt, 9, "one", guidance_scale=3.0, height=64, width=128)])
+    )
     assert psnr(video, one.output["video"]) < 30.0, "the two passes are not the one-stage run"
 
 
-def test_two_stage_step_mode_cobatched_equals_solo(ltx2):
+def test_distilled_lora_runs_on_the_refine_steps_only(ltx2, ltx2_lora, ltx2_dir, monkeypatch):
+    """The base pass's latents are those of the run without LoRA; the refine pass's adapter changes the clip;
+    `refine_lora` overrides the checkpoint's file (here: the same file at scale 0 is the run without it)."""
+    from vllm_omni.models.ltx2.pipeline import DISTILLED_LORA, LTX2Pipeline
+
+    plain, _ = ltx2
+    base_latents = []
+    start_refine = LTX2Pipeline.start_refine
+
+    def record(self, state, latents):
+        base_latents.append(latents.clone())
+        return start_refine(self, state, latents)
+
+    monkeypatch.setattr(LTX2Pipeline, "start_refine", record)
+    params = dict(guidance_scale=3.0, height=64, width=128, num_frames=5, num_inference_steps=2, two_stage=True)
+    off = {"path": str(ltx2_dir / DISTILLED_LORA), "scale": 0.0}
+    (with_lora,) = ltx2_lora.forward(DiffusionRequestBatch([request("A dog barks.", 4, "lora", **params)]))
+    (without,) = plain.forward(DiffusionRequestBatch([request("A dog barks.", 4, "plain", **params)]))
+    (scale_0,) = ltx2_lora.forward(DiffusionRequestBatch([request("A dog barks.", 4, "s0", refine_lora=off, **params)]))
+    assert len(base_latents) == 3
+    torch.testing.assert_close(base_latents[0], base_latents[1], rtol=1e-5, atol=1e-5)
+    assert psnr(with_lora.output["video"], without.output["video"]) < 30.0, "the refine pass runs the adapter"
+    assert snr(with_lora.output["audio"], without.output["audio"]) < 40.0
+    assert psnr(scale_0.output["video"], without.output["video"]) >= 60.0
+    assert snr(scale_0.output["audio"], without.output["audio"]) >= 60.0
+
+
+def test_refine_lora_bad_input_fails_alone(ltx2, ltx2_lora, ltx2_dir, tmp_path, monkeypatch):
+    """400s naming `refine_lora` (or `lora`); the good request of the batch still runs."""
+    from vllm_omni.diffusion.model_loader.tiny_lora import write_tiny_lora
+    from vllm_omni.models.ltx2.pipeline import DISTILLED_LORA
+
+    plain, _ = ltx2
+    two = dict(height=64, width=128, num_frames=5, num_inference_steps=2, two_stage=True)
+    style = {"path": str(write_tiny_lora(ltx2_dir, tmp_path / "style.safetensors", rank=4))}
+    file = {"path": str(ltx2_dir / DISTILLED_LORA)}
+    outs = ltx2_lora.forward(
+        DiffusionRequestBatch(
+            [
+                request("x", 1, "no_two_stage", refine_lora=file),
+                request("x", 1, "missing", refine_lora={"path": str(tmp_path / "nope.safetensors")}, **two),
+                request("x", 1, "two_loras", lora=style, **two),  # --max-loras 1: lora + the refine adapter
+                request("x", 1, "good", **two),
+            ]
+        )
+    )
+    for out, words in zip(outs[:3], ["set two_stage", "cannot read", "--max-loras"], strict=True):
+        assert out.error_status_code == 400 and out.error_param == "refine_lora" and words in out.error, out.error
+    assert outs[3].error is None and outs[3].output["video"].shape == (5, 64, 128, 3)
+    (off,) = plain.forward(DiffusionRequestBatch([request("x", 1, "off", refine_lora=file, **two)]))
+    assert off.error_param == "refine_lora" and "--enable-lora" in off.error
+    monkeypatch.setattr(ltx2_lora, "distilled_lora", None)  # a checkpoint without the file
+    (none,) = ltx2_lora.forward(DiffusionRequestBatch([request("x", 1, "none", **two)]))
+    assert none.error_param == "refine_lora" and DISTILLED_LORA in none.error
+    with pytest.raises(OmniClientError) as bad:
+        OmniDiffusionSamplingParams(refine_lora=[file])
+    assert bad.value.param == "refine_lora"
+
+
+def test_two_stage_step_mode_cobatched_equals_solo(ltx2_lora):
     """Step mode: two two-stage requests join mid-flight (one a step behind, so they cross the pass switch apart)
-    and a one-stage request of the refine pass's size; they share forwards where their passes' shapes agree, and
-    each ends with its solo output."""
-    ours, _ = ltx2
+    and a one-stage request of the refine pass's size; they share forwards where their passes' shapes agree (the
+    refine rows with the distilled adapter, the one-stage rows without), and each ends with its solo output."""
+    ours = ltx2_lora
     big = dict(height=64, width=128, num_frames=5, guidance_scale=3.0)
     reqs = [
         request("A cat walks on the grass.", 1, "a", two_stage=True, num_inference_steps=2, **big),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from vllm_omni.diffusion.request import OmniDiffusionRequest
 from vllm_omni.inputs.data import knob_names
-from vllm_omni.inputs.lora import parse_lora
+from vllm_omni.inputs.lora import parse_lora, parse_refine_lora
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ def build_request_batch_sampling_params_key(
     sp = request.sampling_params
     images = request.multi_modal_data.get("image")
     num_images = 0 if images is None else (len(images) if isinstance(images, list | tuple) else 1)
-    adapters = () if not lora else tuple(sorted((ref.path or ref.name, ref.scale) for ref in parse_lora(sp.lora)))
+    refs = (*parse_lora(sp.lora), *filter(None, [parse_refine_lora(sp.refine_lora)])) if lora else ()
+    adapters = tuple(sorted((ref.path or ref.name, ref.scale) for ref in refs))
     return RequestBatchSamplingParamsKey(
         params=tuple((name, _hashable(getattr(sp, name))) for name in knob_names(batch_key=True)),
         has_negative_prompt=request.negative_prompt is not None,

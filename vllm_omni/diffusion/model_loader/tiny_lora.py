@@ -24,11 +24,12 @@ def write_tiny_lora(
     path: str | Path,
     *,
     component: str = "transformer",
+    prefix: str | None = None,
     targets: re.Pattern[str] = BLOCK_PROJECTIONS,
     **kwargs,
 ) -> Path:
     """A random LoRA (`write_lora`) on every linear of the checkpoint's `model_dir/<component>` whose module name
-    `targets` matches."""
+    `targets` matches; its keys start with `prefix` (default: the component, diffusers' layout)."""
     shapes: dict[str, tuple[int, int]] = {}
     for file in sorted((Path(model_dir) / component).glob("*.safetensors")):
         with safe_open(file, "pt") as f:
@@ -39,7 +40,7 @@ def write_tiny_lora(
     modules = {m: shape for m, shape in shapes.items() if targets.search(m)}
     if not modules:
         raise ValueError(f"no module of {model_dir}/{component} matches {targets.pattern}")
-    return write_lora(modules, path, component=component, **kwargs)
+    return write_lora(modules, path, component=prefix or component, **kwargs)
 
 
 def write_lora(

@@ -21,7 +21,7 @@ from vllm_omni.config.stage_kind import StageKind
 from vllm_omni.engine.messages import StageRpcError
 from vllm_omni.errors import OmniClientError
 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-from vllm_omni.inputs.lora import LoRARef, parse_lora
+from vllm_omni.inputs.lora import LoRARef, parse_lora, parse_refine_lora
 
 LOAD_TIMEOUT_S = 120.0
 """Seconds the workers may take to read and place one adapter."""
@@ -44,24 +44,31 @@ class ServedLoRAs:
         return cls(enabled, engine)
 
     def resolve(self, sp: OmniDiffusionSamplingParams, prefix: str = "") -> None:
-        """Names -> paths in `sp.lora` (OmniClientError naming the field for an unknown one, or when off)."""
-        param = f"{prefix}lora"
+        """Names -> paths in `sp.lora` and `sp.refine_lora` (OmniClientError naming the field for an unknown
+        one, or when off)."""
+        sp.lora = self._resolve(sp.lora, "lora", prefix)
+        refine = self._resolve(sp.refine_lora, "refine_lora", prefix)
+        sp.refine_lora = refine[0] if refine else sp.refine_lora
+
+    def _resolve(self, value: Any, field: str, prefix: str) -> Any:
+        param = f"{prefix}{field}"
         try:
-            refs = parse_lora(sp.lora)
+            refs = (parse_refine_lora(value),) if field == "refine_lora" else parse_lora(value)
         except OmniClientError as exc:
             raise OmniClientError(exc.message, param=param) from None
+        refs = tuple(ref for ref in refs if ref is not None)
         if not refs:
-            return
+            return value
         if not self.enabled:
-            raise OmniClientError("lora: this server was started without --enable-lora", param=param)
+            raise OmniClientError(f"{field}: this server was started without --enable-lora", param=param)
         resolved = []
         for ref in refs:
             path = ref.path or self.paths.get(ref.name)
             if path is None:
                 known = sorted(self.paths) or 'none (give a "path", or register one)'
-                raise OmniClientError(f"lora: unknown adapter {ref.name!r}; registered: {known}", param=param)
+                raise OmniClientError(f"{field}: unknown adapter {ref.name!r}; registered: {known}", param=param)
             resolved.append(LoRARef(ref.name, path, ref.scale).as_dict())
-        sp.lora = resolved
+        return resolved
 
     async def load(self, name: str, path: str, replace: bool = False) -> None:
         """Register `name` once every diffusion worker holds the adapter (OmniClientError naming `lora_path`

@@ -123,8 +123,9 @@ class DiffusersAdapterPipeline:
         if sp.lora:
             raise OmniClientError(f"{type(self.pipe).__name__} runs on the generic diffusers adapter, which serves no "
                                   "per-request LoRA (the native pipelines do, docs/lora.md)", param="lora")
-        if sp.two_stage:
-            raise OmniClientError(f"two_stage: {type(self.pipe).__name__} has no two-stage variant", param="two_stage")
+        for name in ("two_stage", "refine_lora"):
+            if getattr(sp, name):
+                raise OmniClientError(f"{name}: {type(self.pipe).__name__} has no two-stage variant", param=name)
         kwargs: dict[str, Any] = {"prompt": request.prompt_text}
         if request.negative_prompt is not None:
             kwargs["negative_prompt"] = request.negative_prompt

@@ -17,8 +17,10 @@ Two-stage variant (`two_stage=True`; diffusers' "Two-stages Generation" recipe, 
 1-4 at half the requested height and width, then the video latents through the checkpoint's x2 latent upsampler
 (`latent_upsampler/`, diffusers' `LTX2LatentUpsamplePipeline`), both modalities re-noised to the first of
 `STAGE_2_DISTILLED_SIGMA_VALUES` from the request's generator, 3 more steps on those sigmas at full size without
-guidance, then 5. The passes are one step sequence of one state: the last base step switches the state's latents,
-geometry, guidance and scheduler to the refine pass's (`scheduler_step`).
+guidance and with the distilled LoRA (the repo's `ltx-2-19b-distilled-lora-384.safetensors`, or the request's
+`refine_lora`; diffusers' recipe loads it for stage 2 only) on the rows, then 5. The passes are one step sequence
+of one state: the last base step switches the state's latents, geometry, guidance and scheduler to the refine
+pass's (`scheduler_step`), and the rows run the refine adapter from then on (`row_adapters`).
 Video and audio latents of a sample live in ONE flat row (`state.latents`: rows x (video + audio numbers)), so
 abort, co-batching and the scheduler treat them as one sample.
 """
@@ -44,6 +46,7 @@ from vllm_omni.diffusion.state import CFG, Conditioning, DenoiseState
 from vllm_omni.diffusion.timing import elapsed_since, synchronized_now
 from vllm_omni.diffusion.video_utils import to_uint8_frames
 from vllm_omni.errors import OmniClientError
+from vllm_omni.inputs.lora import LoRARef, parse_refine_lora
 from vllm_omni.logger import init_logger
 from vllm_omni.models.ltx2.cache import PRESETS
 from vllm_omni.models.ltx2.shapes import (
@@ -68,6 +71,10 @@ DEFAULT_FPS = 24
 DEFAULT_MAX_SEQUENCE_LENGTH = 1024
 _UNSUPPORTED = ("guidance_scale_2", "boundary_ratio", "flow_shift", "true_cfg_scale")
 """Sampling knobs of other families that LTX-2 has no meaning for: a 400 rather than silently ignored."""
+DISTILLED_LORA = "ltx-2-19b-distilled-lora-384.safetensors"
+"""The refine pass's distilled LoRA at the root of Lightricks/LTX-2, beside the diffusers folders (diffusers'
+recipe: `load_lora_weights("Lightricks/LTX-2", weight_name=DISTILLED_LORA)`); LTX-2's own key layout
+(`diffusion_model.<module>.lora_A/B.weight`), which `LTX2LoraLoaderMixin` converts."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +189,7 @@ class LTX2Pipeline(NativeDiffusionPipeline):
         vocoder: nn.Module,
         scheduler_config: dict[str, Any],
         latent_upsampler: nn.Module | None = None,
+        distilled_lora: Path | None = None,
     ) -> None:
         super().__init__()
         self.od_config = od_config
@@ -197,6 +205,14 @@ class LTX2Pipeline(NativeDiffusionPipeline):
         self.scheduler_config = scheduler_config
         self.latent_upsampler = latent_upsampler
         """The two-stage variant's x2 spatial upsampler; None where the checkpoint has no `latent_upsampler/`."""
+        self.distilled_lora = distilled_lora
+        """The checkpoint's `DISTILLED_LORA` file (the refine pass's default adapter); None where it has none."""
+        if distilled_lora is not None and latent_upsampler is not None and not od_config.enable_lora:
+            logger.warning(
+                "%s is not applied: two_stage refines with the base weights (not diffusers' recipe). Serve with "
+                "--enable-lora (and --max-lora-rank at least its rank) to apply it",
+                distilled_lora.name,
+            )
 
     # ---- loading -------------------------------------------------------------------------------------------
 
@@ -248,6 +264,7 @@ class LTX2Pipeline(NativeDiffusionPipeline):
             latent_upsampler=load(LTX2LatentUpsamplerModel, "latent_upsampler")
             if (model_dir / "latent_upsampler" / "config.json").is_file()
             else None,
+            distilled_lora=model_dir / DISTILLED_LORA if (model_dir / DISTILLED_LORA).is_file() else None,
         )
 
     def cache_presets(self) -> FamilyPresets:
@@ -289,7 +306,63 @@ class LTX2Pipeline(NativeDiffusionPipeline):
                 raise OmniClientError("two_stage runs text-to-video only (no input image)", param="two_stage")
             if sp.partial_images:
                 raise OmniClientError("partial_images are not previewed with two_stage", param="partial_images")
+        elif sp.refine_lora is not None:
+            raise OmniClientError("refine_lora is the adapter of two_stage's refine pass: set two_stage",
+                                  param="refine_lora")
         self.resolve_geometry(sp)
+        if sp.two_stage and self.lora_manager is None and sp.refine_lora is not None:
+            raise OmniClientError("refine_lora: this server was started without --enable-lora", param="refine_lora")
+        if sp.two_stage and self.lora_manager is not None and self.refine_adapter(request) is None:
+            raise OmniClientError(
+                f"two_stage refines with a distilled LoRA and this checkpoint has no {DISTILLED_LORA}: give "
+                'refine_lora {"path": ...}',
+                param="refine_lora",
+            )
+
+    # ---- LoRA: the refine pass's distilled adapter -----------------------------------------------------------
+
+    def refine_adapter(self, request: OmniDiffusionRequest) -> LoRARef | None:
+        """The adapter of a two-stage request's refine pass: its `refine_lora`, else the checkpoint's distilled
+        LoRA at scale 1 (diffusers' `set_adapters("stage_2_distilled", 1.0)`); None for one stage, or with LoRA
+        off (the refine pass then runs the base weights)."""
+        sp = request.sampling_params
+        if not sp.two_stage or self.lora_manager is None:
+            return None
+        ref = parse_refine_lora(sp.refine_lora)
+        if ref is None and self.distilled_lora is not None:
+            ref = LoRARef(DISTILLED_LORA, str(self.distilled_lora), 1.0)
+        return ref
+
+    def request_adapters(self, request: OmniDiffusionRequest) -> tuple[LoRARef, ...]:
+        refine = self.refine_adapter(request)
+        return super().request_adapters(request) + ((refine,) if refine is not None else ())
+
+    def row_adapters(self, state: DenoiseState, request: OmniDiffusionRequest) -> tuple[LoRARef, ...]:
+        """The base pass: the request's `lora`; the refine pass: that plus the distilled adapter (LTX-2's
+        `ti2vid_two_stages` keeps the user's LoRAs in stage 2 and adds the distilled one)."""
+        own = super().row_adapters(state, request)
+        refine = self.refine_adapter(request) if state.conditioning.refine is None else None
+        return own + ((refine,) if refine is not None else ())
+
+    def load_loras(self, requests: list[OmniDiffusionRequest]) -> None:
+        """Also the refine adapters (a bad file is a 400 naming `refine_lora`); both passes' adapters of a request
+        must fit `--max-loras` together."""
+        super().load_loras(requests)
+        for request in requests:
+            refine = self.refine_adapter(request)
+            if refine is None:
+                continue
+            needed = {ref.path for ref in self.request_adapters(request)}
+            if len(needed) > self.lora_manager.max_loras:
+                raise OmniClientError(
+                    f"two_stage's refine pass runs lora and refine_lora together: {len(needed)} adapters, this "
+                    f"server keeps {self.lora_manager.max_loras} resident (--max-loras)",
+                    param="refine_lora",
+                )
+            try:
+                self.lora_manager.load(refine)
+            except OmniClientError as exc:
+                raise OmniClientError(f"refine_lora: {exc.message}", param="refine_lora") from None
 
     def encode_prompt(self, requests: list[OmniDiffusionRequest]) -> LTX2Conditioning:
         sp = requests[0].sampling_params

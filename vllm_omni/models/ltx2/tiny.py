@@ -5,8 +5,12 @@ text_encoder/ (Gemma3ForConditionalGeneration, sharded + index), tokenizer/ (Gem
 (LTX2TextConnectors), transformer/ (LTX2VideoTransformer3DModel, sharded + index), vae/ (AutoencoderKLLTX2Video),
 audio_vae/ (AutoencoderKLLTX2Audio), vocoder/ (LTX2Vocoder) and latent_upsampler/ (LTX2LatentUpsamplerModel, the
 x2 spatial upsampler of the two-stage variant: not in model_index.json, loaded by
-`LTX2LatentUpsamplerModel.from_pretrained(repo, subfolder="latent_upsampler")` as diffusers' docs do). The same
-files with tiny random weights, so diffusers' LTX2Pipeline and LTX2LatentUpsamplePipeline load them offline.
+`LTX2LatentUpsamplerModel.from_pretrained(repo, subfolder="latent_upsampler")` as diffusers' docs do), and at the
+root, beside them, `ltx-2-19b-distilled-lora-384.safetensors` (the refine pass's distilled LoRA, in LTX-2's own key
+layout `diffusion_model.transformer_blocks.N.<attn / ff projection>.lora_A/B.weight`, which diffusers'
+`LTX2LoraLoaderMixin` converts; ours at rank 4 on the blocks' attention and MLP projections). The same files with
+tiny random weights, so diffusers' LTX2Pipeline, LTX2LatentUpsamplePipeline and `load_lora_weights` load them
+offline.
 """
 
 from __future__ import annotations
@@ -97,6 +101,9 @@ def build_ltx2(
     from diffusers.pipelines.ltx2.latent_upsampler import LTX2LatentUpsamplerModel
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from vllm_omni.diffusion.model_loader.tiny_lora import write_tiny_lora
+    from vllm_omni.models.ltx2.pipeline import DISTILLED_LORA
 
     tokenizer = _gemma_tokenizer()
     torch.manual_seed(seed)
@@ -251,3 +258,4 @@ def build_ltx2(
         module.save_pretrained(out / name, safe_serialization=True)
     latent_upsampler.save_pretrained(out / "latent_upsampler", safe_serialization=True)
     (out / "scheduler" / "scheduler_config.json").write_text(json.dumps(_SCHEDULER_CONFIG, indent=2))
+    write_tiny_lora(out, out / DISTILLED_LORA, prefix="diffusion_model", rank=4, std=1.0, seed=seed + 8)
