@@ -3,10 +3,12 @@
 What it pins: on a toy transformer, each fake rank of two gets, through the hooks of the class's `_sp_plan`, its
 slice of what the plan splits (a patch embedding's output; the image rows of [text; image] RoPE tables, text
 whole; a per-token tensor, a pooled one of another rank left whole) and the gather sees this rank's slice and feeds
-its result to the submodule; removing the hooks restores the single-rank forward. Plans that name the model
-itself or an input its submodule lacks fail when applied. Under sequence parallelism, building a transformer
-class without a plan (LTX-2, Qwen-Image-2.1, a class that declares none) fails before it is built, naming the
-flags; every native family with a plan applies it to its tiny transformer (the gloo tests in this folder run them).
+its result to the submodule; removing the hooks restores the single-rank forward; a LoRA delta hooked after the
+plan (as adapters load while serving) still lands on the layer's whole output before the plan splits it. Plans
+that name the model itself or an input its submodule lacks fail when applied. Under sequence parallelism,
+building a transformer class without a plan (LTX-2, Qwen-Image-2.1, a class that declares none) fails before it
+is built, naming the flags; every native family with a plan applies it to its tiny transformer (the gloo tests in
+this folder run them).
 """
 
 from __future__ import annotations
@@ -98,6 +100,21 @@ def test_plan_splits_declared_outputs_and_gathers_declared_inputs(rank):
     for handle in handles:
         handle.remove()
     assert torch.equal(model(*inputs), want) and torch.equal(model.seen[0], full_x)
+
+
+def test_a_lora_delta_lands_on_the_layer_output_before_the_plan_splits_it():
+    from types import SimpleNamespace
+
+    from vllm_omni.diffusion.lora import LoRAManager, _Delta, _Rows, _Segment
+
+    torch.manual_seed(0)
+    model, inputs = Toy(), _inputs()
+    rows = _Rows([_Segment("a", 0, 2, 0.5)])
+    delta = _Delta(torch.randn(2, 3), torch.randn(4, 2))
+    want = model.embed(inputs[0]) + 0.5 * inputs[0] @ delta.a.T @ delta.b.T
+    apply_sequence_plan(model, split=lambda x, dim: x.chunk(2, dim)[1], gather=lambda x, dim: x)
+    LoRAManager._hook(SimpleNamespace(_rows=rows), model.embed).deltas["a"] = delta  # after the plan, as at serving
+    torch.testing.assert_close(model.embed(inputs[0]), want.chunk(2, 1)[1])
 
 
 @pytest.mark.parametrize("plan, error", [

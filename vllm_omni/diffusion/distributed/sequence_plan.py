@@ -78,7 +78,7 @@ class AtInputs:
 
 
 SequencePlan = Mapping[str, AtOutput | AtInputs]
-SplitFn = Callable[[torch.Tensor, int], torch.Tensor]
+SequenceFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 def check_sequence_plan(cls: type[nn.Module]) -> None:
@@ -89,8 +89,8 @@ def check_sequence_plan(cls: type[nn.Module]) -> None:
             "--allgather-degree); use --tensor-parallel-size or --cfg-parallel-size")
 
 
-def apply_sequence_plan(model: nn.Module, plan: SequencePlan | None = None, *, split: SplitFn = shard_sequence,
-                        gather: SplitFn = gather_sequence) -> list[RemovableHandle]:
+def apply_sequence_plan(model: nn.Module, plan: SequencePlan | None = None, *, split: SequenceFn = shard_sequence,
+                        gather: SequenceFn = gather_sequence) -> list[RemovableHandle]:
     """Hook `plan` (default: `model`'s class's `_sp_plan`) onto `model`'s submodules; returns the hooks' handles.
 
     `split` / `gather` (tensor, dim) -> tensor are this rank's slice and the whole sequence; a test passes its
@@ -104,9 +104,11 @@ def apply_sequence_plan(model: nn.Module, plan: SequencePlan | None = None, *, s
                              "forward runs without module hooks)")
         module = model.get_submodule(name)
         signature = inspect.signature(module.forward)
-        moves = where.moves if isinstance(where, AtInputs) else {}
-        unknown = (set(moves) | _text_inputs(where.move if isinstance(where, AtOutput) else tuple(moves.values()))
-                   ) - set(signature.parameters)
+        if isinstance(where, AtInputs):
+            needs = set(where.moves) | _text_inputs(tuple(where.moves.values()))
+        else:
+            needs = _text_inputs(where.move)
+        unknown = needs - set(signature.parameters)
         if unknown:
             raise ValueError(f"sequence-parallel plan: {name} takes no input(s) {sorted(unknown)}")
         if isinstance(where, AtInputs):
@@ -119,12 +121,13 @@ def apply_sequence_plan(model: nn.Module, plan: SequencePlan | None = None, *, s
 
 
 def _text_inputs(move: Move | None) -> set[str]:
+    """The module inputs `move` reads (`Split.text_from`)."""
     if isinstance(move, tuple):
         return set().union(*map(_text_inputs, move))
     return {move.text_from} if isinstance(move, Split) and move.text_from is not None else set()
 
 
-def _input_hook(signature: inspect.Signature, moves: Mapping[str, Move], split: SplitFn, gather: SplitFn
+def _input_hook(signature: inspect.Signature, moves: Mapping[str, Move], split: SequenceFn, gather: SequenceFn
                 ) -> Callable[..., tuple[tuple, dict[str, Any]]]:
     def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         bound = signature.bind(*args, **kwargs)
@@ -136,14 +139,14 @@ def _input_hook(signature: inspect.Signature, moves: Mapping[str, Move], split: 
     return hook
 
 
-def _output_hook(signature: inspect.Signature, move: Move, split: SplitFn, gather: SplitFn) -> Callable[..., Any]:
+def _output_hook(signature: inspect.Signature, move: Move, split: SequenceFn, gather: SequenceFn) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> Any:
         return _apply(move, output, signature.bind(*args, **kwargs), split, gather)
 
     return hook
 
 
-def _apply(move: Move | None, value: Any, inputs: inspect.BoundArguments, split: SplitFn, gather: SplitFn) -> Any:
+def _apply(move: Move | None, value: Any, inputs: inspect.BoundArguments, split: SequenceFn, gather: SequenceFn) -> Any:
     if move is None or value is None:
         return value
     if isinstance(move, tuple):
