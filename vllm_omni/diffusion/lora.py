@@ -182,7 +182,9 @@ class LoRAManager:
     def _hook(self, layer: nn.Module) -> _LoRAHook:
         if not has_lora(layer):
             layer.lora_hook = _LoRAHook(layer, self._rows)
-            layer.register_forward_hook(layer.lora_hook)
+            # First among the layer's output hooks: the delta belongs to the layer's own output, before a
+            # sequence-parallel plan's hook gathers or splits it.
+            layer.register_forward_hook(layer.lora_hook, prepend=True)
         return layer.lora_hook
 
     # ---- one forward -------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
 def multi_axis_rope_cos_sin(ids: torch.Tensor, axes_dims: tuple[int, ...], theta: float) -> tuple[torch.Tensor, ...]:
@@ -21,3 +22,15 @@ def multi_axis_rope_cos_sin(ids: torch.Tensor, axes_dims: tuple[int, ...], theta
         cos_parts.append(freqs.cos().float())
         sin_parts.append(freqs.sin().float())
     return torch.cat(cos_parts, dim=-1), torch.cat(sin_parts, dim=-1)
+
+
+class JointRope(nn.Module):
+    """The tables of text position ids then image position ids (FLUX's joint sequence) as a module: where a
+    sequence-parallel plan (`distributed/sequence_plan.py`) splits the image rows."""
+
+    def __init__(self, axes_dims: tuple[int, ...], theta: float) -> None:
+        super().__init__()
+        self.axes_dims, self.theta = tuple(axes_dims), float(theta)
+
+    def forward(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return multi_axis_rope_cos_sin(torch.cat([txt_ids, img_ids], dim=0), self.axes_dims, self.theta)

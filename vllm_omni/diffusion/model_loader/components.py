@@ -3,8 +3,9 @@
 Qwen-Image, FLUX and Wan used to build their DiTs three ways, and the Wan way dropped the attention backend.
 `load_native_transformer` always applies every stage setting, in this order: dtype and device, the attention
 config (`--diffusion-attention-backend`, `--fa-deterministic`) as a constructor argument that the model hands to
-each of its attention layers, the weights (or dummy ones), fp32 islands, online FP8, layerwise offload, and
-acceleration.
+each of its attention layers, the weights (or dummy ones), fp32 islands, online FP8, layerwise offload, the
+class's sequence-parallel plan (`distributed/sequence_plan.py`; a class without one is refused before it is
+built), and acceleration.
 
 The model class provides `from_config(config: dict, *, prefix, attn_config)` (diffusers' constructor name),
 `load_weights` (vLLM's), and optionally `_keep_in_fp32_modules` (diffusers' convention).
@@ -20,6 +21,8 @@ from torch import nn
 from vllm.model_executor.layers.linear import LinearBase
 
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
+from vllm_omni.diffusion.distributed.parallel_state import sequence_parallel_size
+from vllm_omni.diffusion.distributed.sequence_plan import apply_sequence_plan, check_sequence_plan
 from vllm_omni.diffusion.layers.compile import accelerate_if_requested
 from vllm_omni.diffusion.layers.fp8 import apply_online_fp8
 from vllm_omni.diffusion.model_loader.diffusers_loader import read_component_config
@@ -39,6 +42,7 @@ def load_native_transformer(cls: type[ModelT], model_dir: Path, subfolder: str, 
     blocks (for models whose forward is GPU-bound anyway)."""
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    check_sequence_plan(cls)
     attn_config = DiffusionAttentionConfig.from_od_config(od_config)
     config = read_component_config(model_dir, subfolder)
     # Offloaded, the model is built in host memory: it need never fit the device whole.
@@ -57,6 +61,8 @@ def load_native_transformer(cls: type[ModelT], model_dir: Path, subfolder: str, 
     elif od_config.enable_distributed_layerwise_offload:  # over the world: DLO runs without other parallelism
         apply_distributed_layerwise_offload(model, device, None, od_config.dlo_resident_layers,
                                             od_config.dlo_use_allgather)
+    if sequence_parallel_size() > 1:
+        apply_sequence_plan(model)
     accelerate_if_requested(model, od_config, device, cuda_graphs=cuda_graphs)
     return model.eval()
 

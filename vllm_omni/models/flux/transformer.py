@@ -8,6 +8,7 @@ text+image sequence stays concatenated through all single blocks instead of bein
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -24,13 +25,12 @@ from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.cache.cachedit import IndexedBlock, JoinedBlock
 from vllm_omni.diffusion.cache.state import BlockCache
-from vllm_omni.diffusion.distributed.parallel_state import sequence_parallel_size
-from vllm_omni.diffusion.distributed.sequence import gather_sequence, shard_sequence
+from vllm_omni.diffusion.distributed.sequence_plan import AtOutput, Gather, SequencePlan, Split
 from vllm_omni.diffusion.layers.embeddings import MLPEmbedder, timestep_sinusoid
 from vllm_omni.diffusion.layers.gelu_linear import linear_gelu_tanh
 from vllm_omni.diffusion.layers.modulation import AdaLNModulation, gated_residual, layer_norm_modulate
 from vllm_omni.diffusion.layers.qk_norm_rope import qk_norm_rope
-from vllm_omni.diffusion.layers.rope import multi_axis_rope_cos_sin
+from vllm_omni.diffusion.layers.rope import JointRope
 from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
 
 RotaryEmb = tuple[torch.Tensor, torch.Tensor]
@@ -172,6 +172,12 @@ class FluxTransformer2DModel(nn.Module):
     """Same config signature and forward inputs as diffusers' `FluxTransformer2DModel` (return: the sample)."""
 
     _repeated_blocks = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
+    _sp_plan: ClassVar[SequencePlan] = {
+        "x_embedder": AtOutput(Split(dim=1)),
+        "rotary_emb": AtOutput(Split(dim=0, text_from="txt_ids")),  # [text; image] tables: text stays whole
+        "proj_out": AtOutput(Gather(dim=1)),
+    }
+    """Sequence parallel: each rank holds a slice of the image tokens and of their RoPE rows; text stays whole."""
 
     def __init__(
         self,
@@ -192,7 +198,9 @@ class FluxTransformer2DModel(nn.Module):
         super().__init__()
         dim = num_attention_heads * attention_head_dim
         self.out_channels = out_channels or in_channels
-        self.axes_dims_rope = tuple(axes_dims_rope)
+        # RoPE tables of the joined [text, image] sequence from (txt_ids, img_ids); callers may compute them once
+        # per request.
+        self.rotary_emb = JointRope(axes_dims_rope, 10000.0)
         self.guidance_embeds = guidance_embeds
         self.time_text_embed = FluxTimeTextEmbedding(dim, pooled_projection_dim, guidance_embeds)
         self.context_embedder = nn.Linear(joint_attention_dim, dim)
@@ -219,10 +227,6 @@ class FluxTransformer2DModel(nn.Module):
         keys = set(cls.__init__.__code__.co_varnames[1 : cls.__init__.__code__.co_argcount]) - {"prefix", "attn_config"}
         return cls(**{k: v for k, v in config.items() if k in keys}, prefix=prefix, attn_config=attn_config)
 
-    def rotary_emb(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> RotaryEmb:
-        """RoPE tables for the joined [text, image] sequence; callers may compute them once per request."""
-        return multi_axis_rope_cos_sin(torch.cat([txt_ids, img_ids], dim=0), self.axes_dims_rope, 10000.0)
-
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -248,10 +252,6 @@ class FluxTransformer2DModel(nn.Module):
         rope = rotary_emb if rotary_emb is not None else self.rotary_emb(txt_ids, img_ids)
 
         text_len = ctx.shape[1]
-        # Sequence parallel: this rank's slice of the image tokens (and of their RoPE); text stays whole.
-        if sequence_parallel_size() > 1:
-            x = shard_sequence(x)
-            rope = tuple(torch.cat([r[:text_len], shard_sequence(r[text_len:], 0)]) for r in rope)
 
         def blocks() -> torch.Tensor:
             img, txt = x, ctx
@@ -274,7 +274,7 @@ class FluxTransformer2DModel(nn.Module):
             shift0, scale0 = double[0][0].chunk(6, dim=-1)[:2]
             out = cache.run(x, blocks, lambda: layer_norm_modulate(x, shift0, scale0), num_blocks)
         scale, shift = final.chunk(2, dim=1)
-        return gather_sequence(self.proj_out(layer_norm_modulate(out, shift, scale)))
+        return self.proj_out(layer_norm_modulate(out, shift, scale))
 
     def cache_dit_block_lists(self) -> dict[str, tuple[nn.ModuleList, int]]:
         """What the cache-dit backend caches: {attribute: (blocks, cache-dit forward pattern)}."""

@@ -9,6 +9,7 @@ onto a `MergedColumnParallelLinear` and, in single blocks, the packed q/k/v + ML
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -19,12 +20,11 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVPar
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.cache.state import BlockCache
-from vllm_omni.diffusion.distributed.parallel_state import sequence_parallel_size
-from vllm_omni.diffusion.distributed.sequence import gather_sequence, shard_sequence
+from vllm_omni.diffusion.distributed.sequence_plan import AtOutput, Gather, SequencePlan, Split
 from vllm_omni.diffusion.layers.embeddings import timestep_sinusoid
 from vllm_omni.diffusion.layers.modulation import AdaLNModulation, gated_residual, layer_norm_modulate
 from vllm_omni.diffusion.layers.qk_norm_rope import qk_norm_rope
-from vllm_omni.diffusion.layers.rope import multi_axis_rope_cos_sin
+from vllm_omni.diffusion.layers.rope import JointRope
 from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -224,6 +224,12 @@ class Flux2Transformer2DModel(nn.Module):
     """Same config keys and forward inputs as diffusers' `Flux2Transformer2DModel` (returns the sample)."""
 
     _repeated_blocks = ("Flux2TransformerBlock", "Flux2SingleTransformerBlock")
+    _sp_plan: ClassVar[SequencePlan] = {
+        "x_embedder": AtOutput(Split(dim=1)),
+        "rotary_emb": AtOutput(Split(dim=0, text_from="txt_ids")),  # [text; image] tables: text stays whole
+        "proj_out": AtOutput(Gather(dim=1)),
+    }
+    """Sequence parallel: each rank holds a slice of the image tokens and of their RoPE rows; text stays whole."""
 
     def __init__(
         self,
@@ -248,8 +254,8 @@ class Flux2Transformer2DModel(nn.Module):
         dim = num_attention_heads * attention_head_dim
         self.in_channels = in_channels
         self.out_channels = out_channels or in_channels
-        self.axes_dims_rope = tuple(axes_dims_rope)
-        self.rope_theta = float(rope_theta)
+        # RoPE tables of the joined [text, image] sequence from (tokens, 4) position ids (txt_ids, img_ids).
+        self.rotary_emb = JointRope(axes_dims_rope, rope_theta)
         self.guidance_embeds = guidance_embeds
         self.time_guidance_embed = Flux2TimeGuidanceEmbedding(timestep_guidance_channels, dim, guidance_embeds)
         self.double_stream_modulation_img = AdaLNModulation(dim, 6, bias=False)
@@ -294,10 +300,6 @@ class Flux2Transformer2DModel(nn.Module):
         keys = set(code.co_varnames[1 : code.co_argcount]) - {"prefix", "attn_config"}
         return cls(**{k: v for k, v in config.items() if k in keys}, prefix=prefix, attn_config=attn_config)
 
-    def rotary_emb(self, txt_ids: torch.Tensor, img_ids: torch.Tensor) -> Rope:
-        """RoPE tables of the joined [text, image] sequence from (tokens, 4) position ids."""
-        return multi_axis_rope_cos_sin(torch.cat([txt_ids, img_ids], dim=0), self.axes_dims_rope, self.rope_theta)
-
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -324,10 +326,6 @@ class Flux2Transformer2DModel(nn.Module):
         ctx = self.context_embedder(encoder_hidden_states)
         text_len = ctx.shape[1]
         rope = rotary_emb if rotary_emb is not None else self.rotary_emb(txt_ids, img_ids)
-        # Sequence parallel: this rank's slice of the image tokens (and of their RoPE); text stays whole.
-        if sequence_parallel_size() > 1:
-            x = shard_sequence(x)
-            rope = tuple(torch.cat([r[:text_len], shard_sequence(r[text_len:], 0)]) for r in rope)
 
         def blocks() -> torch.Tensor:
             img, txt = x, ctx
@@ -349,7 +347,7 @@ class Flux2Transformer2DModel(nn.Module):
                 len(self.transformer_blocks) + len(self.single_transformer_blocks),
             )
         scale, shift = self.norm_out(temb).chunk(2, dim=-1)
-        return gather_sequence(self.proj_out(layer_norm_modulate(out, shift, scale, self.eps)))
+        return self.proj_out(layer_norm_modulate(out, shift, scale, self.eps))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load diffusers-named tensors; returns the names of our parameters that were filled."""

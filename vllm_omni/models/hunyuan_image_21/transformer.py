@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +33,7 @@ from vllm.model_executor.layers.linear import (
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.cache.state import BlockCache
-from vllm_omni.diffusion.distributed.parallel_state import sequence_parallel_size
-from vllm_omni.diffusion.distributed.sequence import gather_sequence, shard_sequence
+from vllm_omni.diffusion.distributed.sequence_plan import AtInputs, AtOutput, Gather, SequencePlan, Split
 from vllm_omni.diffusion.layers.cuda_graph import device_ints
 from vllm_omni.diffusion.layers.embeddings import MLPEmbedder, timestep_sinusoid
 from vllm_omni.diffusion.layers.gelu_linear import linear_gelu_tanh
@@ -259,11 +259,41 @@ class HunyuanImageSingleTransformerBlock(nn.Module):
         return gated_residual(x, gate, self.proj_out(torch.cat([out, F.gelu(mlp, approximate="tanh")], dim=-1)))
 
 
+class HunyuanImagePatchEmbed(nn.Module):
+    """Latents (B, C, H, W) -> patch tokens (B, patches, dim), row-major over the patch grid."""
+
+    def __init__(self, in_channels: int, dim: int, patch_size: tuple[int, int]) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(in_channels, dim, kernel_size=patch_size, stride=patch_size)
+
+    def forward(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.proj(latents).flatten(2).transpose(1, 2)
+
+
+class HunyuanImageRope(nn.Module):
+    """RoPE tables of the (h, w) patch grid: token (i, j) at position (i, j) on the two axes."""
+
+    def __init__(self, axes_dim: tuple[int, ...], theta: float) -> None:
+        super().__init__()
+        self.axes_dim, self.theta = tuple(axes_dim), theta
+
+    def forward(self, h: int, w: int, device: torch.device) -> Rope:
+        ids = torch.stack(torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device),
+                                         indexing="ij"), dim=-1).view(h * w, 2)
+        return multi_axis_rope_cos_sin(ids, self.axes_dim, self.theta)
+
+
 class HunyuanImageTransformer2DModel(nn.Module):
     """Same config keys as diffusers' `HunyuanImageTransformer2DModel` (2D patches); forward takes batched
     latents (B, C, H, W), raw timesteps (0..1000) and each row's real prompt / glyph tokens, zero-padded."""
 
     _repeated_blocks = ("HunyuanImageTransformerBlock", "HunyuanImageSingleTransformerBlock")
+    _sp_plan: ClassVar[SequencePlan] = {
+        "x_embedder": AtOutput(Split(dim=1)),
+        "rope": AtOutput(Split(dim=0)),
+        "proj_out": AtInputs({"input": Gather(dim=1)}),  # the final norm is per token: gathered after it
+    }
+    """Sequence parallel: each rank holds a slice of the image tokens and of their RoPE rows; text stays whole."""
 
     def __init__(
         self,
@@ -295,10 +325,9 @@ class HunyuanImageTransformer2DModel(nn.Module):
         dim = num_attention_heads * attention_head_dim
         self.in_channels, self.out_channels = in_channels, out_channels or in_channels
         self.patch_size = tuple(patch_size)
-        self.rope_theta, self.rope_axes_dim = rope_theta, tuple(rope_axes_dim)
         self.guidance_embeds, self.use_meanflow = guidance_embeds, use_meanflow
-        self.x_embedder = nn.Module()
-        self.x_embedder.proj = nn.Conv2d(in_channels, dim, kernel_size=self.patch_size, stride=self.patch_size)
+        self.x_embedder = HunyuanImagePatchEmbed(in_channels, dim, self.patch_size)
+        self.rope = HunyuanImageRope(rope_axes_dim, rope_theta)
         self.context_embedder = HunyuanImageTokenRefiner(
             text_embed_dim, dim, num_attention_heads, attention_head_dim, num_refiner_layers,
             f"{prefix}context_embedder", attn_config,
@@ -361,12 +390,6 @@ class HunyuanImageTransformer2DModel(nn.Module):
             out[b, m : m + n] = ctx[b, :n]
         return out, counts
 
-    def rope(self, h: int, w: int, device: torch.device) -> Rope:
-        """Image token (i, j) of the patch grid at position (i, j) on the two axes."""
-        ids = torch.stack(torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device),
-                                         indexing="ij"), dim=-1).view(h * w, 2)
-        return multi_axis_rope_cos_sin(ids, self.rope_axes_dim, self.rope_theta)
-
     def forward(
         self,
         latents: torch.Tensor,
@@ -389,16 +412,12 @@ class HunyuanImageTransformer2DModel(nn.Module):
         b, _, hh, ww = latents.shape
         ph, pw = self.patch_size
         h, w = hh // ph, ww // pw
-        x = self.x_embedder.proj(latents).flatten(2).transpose(1, 2)
+        x = self.x_embedder(latents)
         temb = self.temb(timestep, timestep_r, guidance, x.dtype)
         ctx, text_lengths = self.text(embeds, lengths, glyph, glyph_lengths, timestep)
         img_rope = self.rope(h, w, x.device)
         txt_rope = (img_rope[0].new_ones(ctx.shape[1], img_rope[0].shape[1]),
                     img_rope[1].new_zeros(ctx.shape[1], img_rope[1].shape[1]))
-        # Sequence parallel: this rank's slice of the image tokens and of their RoPE; text stays whole.
-        if sequence_parallel_size() > 1:
-            x = shard_sequence(x)
-            img_rope = tuple(shard_sequence(t, 0) for t in img_rope)
         image_len = x.shape[1]
         joint_rope = tuple(torch.cat(pair) for pair in zip(img_rope, txt_rope, strict=True))
         joint_lengths = tuple(image_len + n for n in text_lengths)
@@ -419,7 +438,7 @@ class HunyuanImageTransformer2DModel(nn.Module):
             out = cache.run(x, blocks, lambda: layer_norm_modulate(x, *first.norm1(temb).chunk(6, dim=-1)[:2]),
                             len(self.transformer_blocks) + len(self.single_transformer_blocks))
         scale, shift = self.norm_out(temb).chunk(2, dim=-1)
-        out = self.proj_out(layer_norm_modulate(gather_sequence(out), shift, scale))
+        out = self.proj_out(layer_norm_modulate(out, shift, scale))
         out = out.view(b, h, w, self.out_channels, ph, pw).permute(0, 3, 1, 4, 2, 5)
         return out.reshape(b, self.out_channels, hh, ww)
 

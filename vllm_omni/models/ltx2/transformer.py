@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,6 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLi
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.cache.state import BlockCache
-from vllm_omni.diffusion.distributed.parallel_state import sequence_parallel_size
 from vllm_omni.diffusion.layers.norm import HeadShardedRMSNorm
 from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
 from vllm_omni.models.qwen_image.transformer import FeedForward
@@ -282,12 +282,13 @@ class LTX2VideoTransformer3DModel(nn.Module):
 
     _no_split_modules = ["LTX2TransformerBlock"]
     _repeated_blocks = ["LTX2TransformerBlock"]
+    _sp_plan: ClassVar[None] = None
+    """No sequence parallelism (`distributed/sequence_plan.py` refuses it at build): not implemented for its joint
+    video and audio streams."""
 
     def __init__(self, config: LTX2TransformerConfig, prefix: str = "",
                  attn_config: DiffusionAttentionConfig | None = None) -> None:
         super().__init__()
-        if sequence_parallel_size() > 1:
-            raise NotImplementedError("LTX-2 transformer: sequence parallelism is not supported")
         tp = get_tensor_model_parallel_world_size()
         if config.num_attention_heads % tp or config.audio_num_attention_heads % tp:
             raise ValueError(f"LTX-2 transformer: tensor-parallel size {tp} must divide the video and audio heads "

@@ -11,6 +11,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.cache.cachedit import IndexedBlock
 from vllm_omni.diffusion.cache.state import BlockCache
-from vllm_omni.diffusion.distributed.sequence import gather_sequence, shard_sequence
+from vllm_omni.diffusion.distributed.sequence_plan import AtOutput, Gather, SequencePlan, Split
 from vllm_omni.diffusion.layers.gelu_linear import linear_gelu_tanh
 from vllm_omni.diffusion.layers.qk_norm_rope import qk_norm_rope
 from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
@@ -303,6 +304,12 @@ class _AdaNormOut(nn.Module):
 class QwenImageTransformer2DModel(nn.Module):
     _no_split_modules = ["QwenImageTransformerBlock"]
     _repeated_blocks = ["QwenImageTransformerBlock"]
+    _sp_plan: ClassVar[SequencePlan] = {
+        "img_in": AtOutput(Split(dim=1)),
+        "pos_embed": AtOutput((Split(dim=0), None)),  # ((image cos, sin), text tables): text stays whole
+        "proj_out": AtOutput(Gather(dim=1)),
+    }
+    """Sequence parallel: each rank holds a slice of the image tokens and of their RoPE rows; text stays whole."""
     # diffusers checkpoint names -> our fused q/k/v parameters.
     stacked_params_mapping = [
         (".to_qkv", ".to_q", "q"), (".to_qkv", ".to_k", "k"), (".to_qkv", ".to_v", "v"),
@@ -375,8 +382,6 @@ class QwenImageTransformer2DModel(nn.Module):
                 txt_padding = padding_lengths(encoder_hidden_states_mask)
         if isinstance(txt_padding, tuple) and all(n == txt.shape[1] for n in txt_padding):
             txt_padding = None
-        # Sequence parallel: this rank's slice of the image tokens (and of their RoPE); text stays whole.
-        img, rope = shard_sequence(img), ((shard_sequence(rope[0][0], 0), shard_sequence(rope[0][1], 0)), rope[1])
 
         def blocks() -> torch.Tensor:
             out, stream = img, txt
@@ -393,7 +398,7 @@ class QwenImageTransformer2DModel(nn.Module):
             img = blocks()
         else:
             img = cache.run(img, blocks, lambda: self._probe(img, modulation[0][0]), len(self.transformer_blocks))
-        return gather_sequence(self.proj_out(self.norm_out(img, temb)))
+        return self.proj_out(self.norm_out(img, temb))
 
     @property
     def masks_on_device(self) -> bool:

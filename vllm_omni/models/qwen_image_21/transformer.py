@@ -19,6 +19,7 @@ gate_layer/proj onto one `MergedColumnParallelLinear`.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,6 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVPar
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.cache.state import BlockCache
-from vllm_omni.diffusion.distributed.parallel_state import sequence_parallel_size
 from vllm_omni.diffusion.layers.embeddings import timestep_sinusoid
 from vllm_omni.diffusion.model_loader.weight_utils import load_mapped_weights
 
@@ -208,6 +208,9 @@ class QwenImage21Transformer2DModel(nn.Module):
     every layer; `forward(latents, timestep, prefix_kv, prefix_lengths, frames, grid)` -> the target's prediction."""
 
     _repeated_blocks = ("QwenImage21TransformerBlock",)
+    _sp_plan: ClassVar[None] = None
+    """No sequence parallelism (`distributed/sequence_plan.py` refuses it at build): its image rows attend over a
+    per-request text prefix of another length."""
 
     def __init__(
         self,
@@ -233,12 +236,6 @@ class QwenImage21Transformer2DModel(nn.Module):
             )
         if sum(axes_dims_rope) != attention_head_dim:
             raise ValueError(f"sum(axes_dims_rope) {sum(axes_dims_rope)} != attention_head_dim {attention_head_dim}")
-        if sequence_parallel_size() > 1:
-            raise ValueError(
-                "Qwen-Image-2.1 does not support sequence parallelism (--ulysses-degree, --ring-degree, "
-                "--allgather-degree): its image rows attend over a per-request text prefix of another "
-                "length; use --tensor-parallel-size or --cfg-parallel-size"
-            )
         dim = num_attention_heads * attention_head_dim
         self.in_channels = in_channels
         self.num_heads = num_attention_heads // get_tensor_model_parallel_world_size()

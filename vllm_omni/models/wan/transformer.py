@@ -13,6 +13,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from diffusers.models.attention import FeedForward
@@ -30,7 +31,7 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelL
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.cache.state import BlockCache
-from vllm_omni.diffusion.distributed.sequence import gather_sequence, shard_sequence
+from vllm_omni.diffusion.distributed.sequence_plan import AtOutput, Gather, SequencePlan, Split
 from vllm_omni.diffusion.layers.norm import HeadShardedRMSNorm
 from vllm_omni.diffusion.model_loader.weight_utils import default_weight_loader
 
@@ -172,6 +173,14 @@ class WanRotaryPosEmbed(nn.Module):
         return out[0], out[1]
 
 
+class WanPatchEmbedding(nn.Conv3d):
+    """The patchifying convolution, its output as tokens (batch, patches, dim): where the sequence-parallel plan
+    splits them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).flatten(2).transpose(1, 2).contiguous()
+
+
 class WanFeedForward(nn.Module):
     def __init__(self, dim: int, ffn_dim: int, prefix: str = "") -> None:
         super().__init__()
@@ -249,6 +258,14 @@ class WanTransformer3DModel(nn.Module):
     _repeated_blocks = ["WanTransformerBlock"]
     _keep_in_fp32_modules = ["time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"]
     """Kept fp32 whatever the stage dtype (as diffusers keeps them): the modulation tables, time embedder, norms."""
+    _sp_plan: ClassVar[SequencePlan] = {
+        "patch_embedding": AtOutput(Split(dim=1)),
+        "rope": AtOutput(Split(dim=0)),
+        # (temb, timestep_proj, text, image): the first two carry a token axis with per-token timesteps only.
+        "condition_embedder": AtOutput((Split(dim=1, ndim=3), Split(dim=1, ndim=4), None, None)),
+        "proj_out": AtOutput(Gather(dim=1)),
+    }
+    """Sequence parallel: each rank holds a slice of the video tokens, of their RoPE rows and per-token timesteps."""
 
     def __init__(self, config: WanTransformerConfig, prefix: str = "",
                  attn_config: DiffusionAttentionConfig | None = None) -> None:
@@ -256,7 +273,7 @@ class WanTransformer3DModel(nn.Module):
         self.config = config
         dim = config.inner_dim
         self.rope = WanRotaryPosEmbed(config.attention_head_dim, config.patch_size, config.rope_max_seq_len)
-        self.patch_embedding = nn.Conv3d(config.in_channels, dim, kernel_size=config.patch_size,
+        self.patch_embedding = WanPatchEmbedding(config.in_channels, dim, kernel_size=config.patch_size,
                                          stride=config.patch_size)
         self.condition_embedder = WanConditionEmbedder(config)
         self.blocks = nn.ModuleList(WanTransformerBlock(config, prefix=f"{prefix}blocks.{i}", attn_config=attn_config)
@@ -279,13 +296,9 @@ class WanTransformer3DModel(nn.Module):
         batch, _, frames, height, width = hidden_states.shape
         p_t, p_h, p_w = self.config.patch_size
         rotary_emb = self.rope(frames, height, width)
-        x = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()
+        x = self.patch_embedding(hidden_states)
         temb, timestep_proj, context, image_context = self.condition_embedder(
             timestep, encoder_hidden_states, encoder_hidden_states_image)
-        # Sequence parallel: this rank's slice of the video tokens, of their RoPE and per-token timesteps.
-        x, rotary_emb = shard_sequence(x), tuple(shard_sequence(r, 0) for r in rotary_emb)
-        if temb.ndim == 3:
-            temb, timestep_proj = shard_sequence(temb), shard_sequence(timestep_proj)
 
         def blocks() -> torch.Tensor:
             out = x
@@ -298,7 +311,7 @@ class WanTransformer3DModel(nn.Module):
             shift, scale = (s.squeeze(2) for s in (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, 2))
         else:
             shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
-        x = gather_sequence(self.proj_out((self.norm_out(x.float()) * (1 + scale) + shift).type_as(x)))
+        x = self.proj_out((self.norm_out(x.float()) * (1 + scale) + shift).type_as(x))
         x = x.reshape(batch, frames // p_t, height // p_h, width // p_w, p_t, p_h, p_w, -1)
         return x.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
 

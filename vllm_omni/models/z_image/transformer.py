@@ -16,6 +16,7 @@ onto one `MergedColumnParallelLinear`.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +27,7 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVPar
 from vllm_omni.diffusion.attention.layer import Attention
 from vllm_omni.diffusion.attention.selector import DiffusionAttentionConfig
 from vllm_omni.diffusion.cache.state import BlockCache
-from vllm_omni.diffusion.distributed.parallel_state import sequence_parallel_size
-from vllm_omni.diffusion.distributed.sequence import gather_sequence, shard_sequence
+from vllm_omni.diffusion.distributed.sequence_plan import AtInputs, AtOutput, Gather, SequencePlan, Split
 from vllm_omni.diffusion.layers.cuda_graph import device_ints
 from vllm_omni.diffusion.layers.embeddings import timestep_sinusoid
 from vllm_omni.diffusion.model_loader.weight_utils import load_mapped_weights
@@ -166,13 +166,47 @@ class ZImageTransformerBlock(nn.Module):
         return x + gate_mlp * self.ffn_norm2(self.feed_forward(self.ffn_norm1(x) * scale_mlp))
 
 
+class ZImageTokenPadding(nn.Module):
+    """Image tokens (B, n, dim) followed by the learned pad token up to `padded(n)`, diffusers' layout."""
+
+    def forward(self, x: torch.Tensor, pad_token: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        return torch.cat([x, pad_token.to(x.dtype).expand(b, padded(n) - n, -1)], dim=1)
+
+
+class ZImageRope(nn.Module):
+    """RoPE tables of the padded image tokens and of the text tokens (see `forward`)."""
+
+    def __init__(self, axes_dims: tuple[int, ...], theta: float) -> None:
+        super().__init__()
+        self.axes_dims, self.theta = tuple(axes_dims), theta
+
+    def forward(
+        self, num_rows: int, grid: tuple[int, int], cap_padded: torch.Tensor, cap_len: int, device: torch.device
+    ) -> tuple[Rope, Rope]:
+        """Image and text tables per row. Text token j sits at frame 1 + j; image tokens at frame (row's padded
+        text length + 1) and their (row, column); the image's pad tokens at (0, 0, 0) -- diffusers' ids."""
+        h, w = grid
+        n = h * w
+        img = torch.zeros(num_rows, padded(n), 3, dtype=torch.long, device=device)
+        img[:, :n, 0] = cap_padded[:, None] + 1
+        img[:, :n, 1] = torch.arange(h, device=device).repeat_interleave(w)
+        img[:, :n, 2] = torch.arange(w, device=device).repeat(h)
+        cap = torch.zeros(1, cap_len, 3, dtype=torch.long, device=device)
+        cap[0, :, 0] = torch.arange(1, cap_len + 1, device=device)
+        cap_rope = tuple(t.expand(num_rows, -1, -1) for t in rope_tables(cap, self.axes_dims, self.theta))
+        return rope_tables(img, self.axes_dims, self.theta), cap_rope
+
+
 class ZImageFinalLayer(nn.Module):
     def __init__(self, dim: int, out_channels: int):
         super().__init__()
         self.linear = nn.Linear(dim, out_channels)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(min(dim, ADALN_DIM), dim))
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """The prediction of the first `num_tokens` tokens of `x` (the image's, without its padding)."""
+        x = x[:, :num_tokens]
         scale = 1.0 + self.adaLN_modulation(temb)[:, None]
         return self.linear(F.layer_norm(x, (x.shape[-1],), eps=1e-6) * scale)
 
@@ -182,6 +216,13 @@ class ZImageTransformer2DModel(nn.Module):
     the timestep in [0, 1] (1 = noise) and zero-padded text features with each row's real length."""
 
     _repeated_blocks = ("ZImageTransformerBlock",)
+    _sp_plan: ClassVar[SequencePlan] = {
+        "image_padding": AtOutput(Split(dim=1)),
+        "rope": AtOutput((Split(dim=1), None)),  # (padded image tables, text tables): text stays whole
+        "all_final_layer.2-1": AtInputs({"x": Gather(dim=1)}),  # gathered before it drops the padding
+    }
+    """Sequence parallel: each rank holds a slice of the padded image tokens and of their RoPE; text stays
+    whole."""
 
     def __init__(
         self,
@@ -214,8 +255,8 @@ class ZImageTransformer2DModel(nn.Module):
         self.in_channels = in_channels
         self.patch = 2
         self.t_scale = t_scale
-        self.rope_theta = rope_theta
-        self.axes_dims = tuple(axes_dims)
+        self.rope = ZImageRope(axes_dims, rope_theta)
+        self.image_padding = ZImageTokenPadding()
         self.all_x_embedder = nn.ModuleDict({"2-1": nn.Linear(4 * in_channels, dim)})
         self.all_final_layer = nn.ModuleDict({"2-1": ZImageFinalLayer(dim, 4 * in_channels)})
 
@@ -250,22 +291,6 @@ class ZImageTransformer2DModel(nn.Module):
         """The adaLN input (batch, 256) for timesteps in [0, 1]."""
         return self.t_embedder.mlp(timestep_sinusoid(timestep * self.t_scale).to(dtype))
 
-    def rope(
-        self, num_rows: int, grid: tuple[int, int], cap_padded: torch.Tensor, cap_len: int, device: torch.device
-    ) -> tuple[Rope, Rope]:
-        """Image and text tables per row. Text token j sits at frame 1 + j; image tokens at frame (row's padded
-        text length + 1) and their (row, column); the image's pad tokens at (0, 0, 0) -- diffusers' ids."""
-        h, w = grid
-        n = h * w
-        img = torch.zeros(num_rows, padded(n), 3, dtype=torch.long, device=device)
-        img[:, :n, 0] = cap_padded[:, None] + 1
-        img[:, :n, 1] = torch.arange(h, device=device).repeat_interleave(w)
-        img[:, :n, 2] = torch.arange(w, device=device).repeat(h)
-        cap = torch.zeros(1, cap_len, 3, dtype=torch.long, device=device)
-        cap[0, :, 0] = torch.arange(1, cap_len + 1, device=device)
-        cap_rope = tuple(t.expand(num_rows, -1, -1) for t in rope_tables(cap, self.axes_dims, self.rope_theta))
-        return rope_tables(img, self.axes_dims, self.rope_theta), cap_rope
-
     def forward(
         self,
         latents: torch.Tensor,
@@ -284,8 +309,7 @@ class ZImageTransformer2DModel(nn.Module):
         h, w = hh // self.patch, ww // self.patch
         n = h * w
         tokens = latents.view(b, c, h, 2, w, 2).permute(0, 2, 4, 3, 5, 1).reshape(b, n, 4 * c)
-        x = self.all_x_embedder["2-1"](tokens)
-        x = torch.cat([x, self.x_pad_token.to(x.dtype).expand(b, padded(n) - n, -1)], dim=1)
+        x = self.image_padding(self.all_x_embedder["2-1"](tokens), self.x_pad_token)
         temb = self.temb(timestep, x.dtype)
 
         cap_padded = [padded(m) for m in cap_lengths]
@@ -294,10 +318,6 @@ class ZImageTransformer2DModel(nn.Module):
         real = torch.arange(cap_len, device=cap.device) < device_ints(cap_lengths, cap.device)[:, None]
         cap = torch.where(real[..., None], cap, self.cap_pad_token.to(cap.dtype))
         img_rope, cap_rope = self.rope(b, (h, w), device_ints(cap_padded, x.device), cap_len, x.device)
-        # Sequence parallel: this rank's slice of the (padded) image tokens and of their RoPE; text stays whole.
-        if sequence_parallel_size() > 1:
-            x = shard_sequence(x)
-            img_rope = tuple(shard_sequence(t) for t in img_rope)
         image_len = x.shape[1]
         unified_rope = tuple(torch.cat(pair, dim=1) for pair in zip(img_rope, cap_rope, strict=True))
         cap_lengths_padded = tuple(cap_padded)
@@ -325,7 +345,7 @@ class ZImageTransformer2DModel(nn.Module):
                 lambda: first.attention_norm1(x) * first.modulation(temb)[0],
                 len(self.noise_refiner) + len(self.context_refiner) + len(self.layers),
             )
-        out = self.all_final_layer["2-1"](gather_sequence(out)[:, :n], temb)
+        out = self.all_final_layer["2-1"](out, temb, n)
         return out.view(b, h, w, 2, 2, c).permute(0, 5, 1, 3, 2, 4).reshape(b, c, hh, ww)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
