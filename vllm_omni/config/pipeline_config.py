@@ -52,7 +52,7 @@ class EdgeStreamConfig:
     with growth the hand-offs grow geometrically up to `chunk_tokens` (1: each as large as all before it), so
     their number is bounded by the upstream's output length, whatever the two stages' relative speed (N tokens:
     about log_{1+growth}(chunk_tokens / first_chunk_tokens) + N / chunk_tokens, plus the one at the end); 0 hands
-    on at once (a downstream faster than its upstream then takes one chunk per one or two upstream tokens).
+    on at once (a downstream faster than its upstream then takes one chunk per two or three upstream tokens).
     Larger values, or a larger `chunk_tokens`, mean fewer round trips but more downstream work left when the
     upstream finishes."""
     chunk_schedule: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
