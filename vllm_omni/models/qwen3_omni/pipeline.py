@@ -51,10 +51,12 @@ waits for (it gets the thinker's newest tokens once they are as many as those it
 """
 THINKER_IDLE_CHUNK_GROWTH = 1.0
 """A waiting talker's next input chunk needs as many new thinker tokens as it has already (at most
-`THINKER_CHUNK_TOKENS`): hand-offs after 4, 8, 16, then every 16 thinker tokens, so a reply of N tokens costs the
-talker at most 3 + N / 16 input chunks (32 tokens: 4 with the last, 6 round trips with the thinker's request and
-the talker's input close) however fast either stage runs. The second hand-off (8 tokens: 7 talker frames) is what
-the first audio needs anyway (6 talker frames; `TALKER_CHUNK_TOKENS`)."""
+`THINKER_CHUNK_TOKENS`): hand-offs after 4, 8, 16, then every 16 thinker tokens, so a reply of N >= 16 tokens costs
+the talker at most 2 + ceil(N / 16) input chunks (32 tokens: 4, 6 requests to the EngineCores with the thinker's
+and the talker's input close) however fast either stage runs, where handing on at once cost one chunk per two or
+three thinker tokens when the talker is the faster stage. The second hand-off (8 tokens: 7 talker frames) comes at
+the thinker token the first audio (6 talker frames: the talker -> code2wav edge's first hand-off) waited for then
+too; the talker decodes 4 frames after it instead of 2."""
 CODE2WAV_CHUNK_SCHEDULE = (4, 8, 16, 32)
 """Codec frames per vocoder chunk, the last size repeating (12.5 frames/s): the first audio needs 4 frames (0.32
 s), later chunks grow so that the left context is recomputed less often."""
