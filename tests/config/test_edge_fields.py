@@ -79,3 +79,32 @@ def test_the_qwen3_omni_default_pipeline_resolves(omni_dir, stream):
     assert talker.stream is vocoder.stream is stream
     assert vocoder.chunk_schedule == [4, 8, 16, 32]
     assert (talker.first_hand_off(), vocoder.first_hand_off()) == ((4, 6) if stream else (1, 1))
+
+
+def test_idle_chunk_growth_into_a_generation_stage_is_refused(tmp_path, omni_dir):
+    with pytest.raises(OmniClientError, match=r"stages\[2\]\.stream_inputs\[1\]\.idle_chunk_growth .*only a "
+                       r"stream-fed AR stage waits for input"):
+        resolve(tmp_path, omni_dir, "{idle_chunk_growth: 0.5}", "{idle_chunk_growth: 0.5}")
+    config = resolve(tmp_path, omni_dir, "{idle_chunk_growth: 0.5}", "{}")
+    assert config.stages[1].stream_inputs[0].idle_chunk_growth == 0.5
+
+
+def hand_offs_to_a_waiting_stage(edge: EdgeStreamConfig, tokens: int) -> list[int]:
+    """Upstream lengths at the hand-offs to a downstream that always waits (the most it can get), the end's too."""
+    at = [edge.first_hand_off()]
+    while at[-1] + edge.hand_off_due(at[-1], downstream_waits=True) < tokens:
+        at.append(at[-1] + edge.hand_off_due(at[-1], downstream_waits=True))
+    return [*at, tokens]
+
+
+def test_a_waiting_stage_gets_growing_hand_offs_up_to_chunk_tokens():
+    """Their number follows the upstream's length, not the stages' speeds: Qwen3-Omni's 32-token reply reaches
+    its talker in 4 hand-offs at most (test_round_trips.py), and a 200-token one keeps reaching it every 16."""
+    edge = EdgeStreamConfig(first_chunk_tokens=4, chunk_tokens=16)
+    assert hand_offs_to_a_waiting_stage(edge, 32) == [4, 8, 16, 32]
+    assert hand_offs_to_a_waiting_stage(edge, 200) == [4, 8, 16, *range(32, 200, 16), 200]
+    assert edge.hand_off_due(8, downstream_waits=False) == 16  # a busy downstream: every chunk_tokens
+    at_once = EdgeStreamConfig(first_chunk_tokens=4, chunk_tokens=16, idle_chunk_growth=0)
+    assert hand_offs_to_a_waiting_stage(at_once, 32) == list(range(4, 33))
+    slower = EdgeStreamConfig(first_chunk_tokens=4, chunk_tokens=16, idle_chunk_growth=0.5)
+    assert hand_offs_to_a_waiting_stage(slower, 32) == [4, 6, 9, 14, 21, 32]

@@ -24,7 +24,15 @@ from vllm_omni.config.deploy_config import (
     cpus_left_by,
     split_cpus,
 )
-from vllm_omni.config.pipeline_config import FORBID, HAND_OFF_FIELDS, PipelineConfig, PipelineStageConfig
+from vllm_omni.config.pipeline_config import (
+    AR_DOWNSTREAM_FIELDS,
+    FORBID,
+    HAND_OFF_FIELDS,
+    EdgeField,
+    EdgeStreamConfig,
+    PipelineConfig,
+    PipelineStageConfig,
+)
 from vllm_omni.config.stage_config import (
     StageConfig,
     VllmOmniARStageConfig,
@@ -259,18 +267,25 @@ def _split_memory(stages: list[StageConfig]) -> None:
 
 def _check_edge_fields(spec: PipelineStageConfig) -> None:
     """Refuse an edge field that nothing reads on its edge (it would be accepted and ignored): the hand-off
-    sizes apply to a streamed edge, anything else only to an input processor that declares it reads it."""
+    sizes apply to a streamed edge (`idle_chunk_growth` only into an AR stage), anything else only to an input
+    processor that declares it reads it."""
     from vllm_omni.catalog.edges import processor_reads
 
+    def orchestrator_reads(edge: EdgeStreamConfig, name: EdgeField) -> bool:
+        return (edge.stream and name in HAND_OFF_FIELDS
+                and (name not in AR_DOWNSTREAM_FIELDS or spec.execution_type is StageKind.AR))
+
     for src, edge in spec.stream_inputs.items():
-        unused = [f for f in edge.set_fields() if not (edge.stream and f in HAND_OFF_FIELDS)]
+        unused = [f for f in edge.set_fields() if not orchestrator_reads(edge, f)]
         if unused and spec.input_processor is not None:
             read = processor_reads(spec.input_processor).edge_fields
             unused = [f for f in unused if f not in read]
         if unused:
             path = f"stages[{spec.stage_id}].stream_inputs[{src}].{unused[0]}"
             why = ("a store-and-forward edge (stream: false) hands the output on once, and input processor "
-                   if not edge.stream and unused[0] in HAND_OFF_FIELDS else "input processor ")
+                   if not edge.stream and unused[0] in HAND_OFF_FIELDS
+                   else "only a stream-fed AR stage waits for input, and input processor "
+                   if unused[0] in AR_DOWNSTREAM_FIELDS else "input processor ")
             raise OmniClientError(f"{path} (edge {src}->{spec.stage_id}) is not used: {why}"
                                   f"{spec.input_processor!r} does not read it", param=path)
 

@@ -7,6 +7,7 @@ many replicas it has: that is `DeployConfig`'s job.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -18,10 +19,12 @@ from vllm_omni.config.stage_kind import StageKind
 
 FORBID = ConfigDict(extra="forbid")
 OutputModality = Literal["text", "image", "video", "audio"]
-EdgeField = Literal["chunk_tokens", "first_chunk_tokens", "chunk_schedule"]
+EdgeField = Literal["chunk_tokens", "first_chunk_tokens", "idle_chunk_growth", "chunk_schedule"]
 """The `EdgeStreamConfig` fields besides `stream`: each applies only where something reads it."""
-HAND_OFF_FIELDS: frozenset[EdgeField] = frozenset({"chunk_tokens", "first_chunk_tokens"})
+HAND_OFF_FIELDS: frozenset[EdgeField] = frozenset({"chunk_tokens", "first_chunk_tokens", "idle_chunk_growth"})
 """What the orchestrator reads on a streamed edge (when it hands the upstream's output on)."""
+AR_DOWNSTREAM_FIELDS: frozenset[EdgeField] = frozenset({"idle_chunk_growth"})
+"""Of those, what applies only when the downstream is an AR stage (only a stream-fed AR stage waits for input)."""
 
 
 StageExecutionType = StageKind
@@ -38,11 +41,20 @@ class EdgeStreamConfig:
     """Upstream output tokens per hand-off (the upstream is an AR stage; the Qwen3-Omni talker's tokens are
     codec frames). How the downstream input is cut (e.g. into vocoder chunks) is its input processor's, the same
     streamed or not, so turning `stream` off changes when a stage runs, not what it computes. A stream-fed AR
-    stage that has consumed its input also gets the upstream's newest tokens at once, without waiting for the
-    next `chunk_tokens` boundary."""
+    stage that has consumed its input and waits gets the upstream's newest tokens sooner (`idle_chunk_growth`)."""
     first_chunk_tokens: Annotated[int, Field(ge=1)] | None = None
     """Upstream tokens before the first hand-off (None: `chunk_tokens`): small so the downstream starts early,
     with a larger `chunk_tokens` after it for fewer hand-offs."""
+    idle_chunk_growth: Annotated[float, Field(ge=0)] = 1.0
+    """A stream-fed AR stage that waits for input gets the upstream's newest tokens once they number
+    `idle_chunk_growth` x the tokens handed on so far (at least 1, at most `chunk_tokens`), instead of at the next
+    `chunk_tokens` boundary. Each hand-off it takes is one more input chunk, one more request to its EngineCore:
+    with growth the hand-offs grow geometrically up to `chunk_tokens` (1: each as large as all before it), so
+    their number is bounded by the upstream's output length, whatever the two stages' relative speed (N tokens:
+    about log_{1+growth}(chunk_tokens / first_chunk_tokens) + N / chunk_tokens, plus the one at the end); 0 hands
+    on at once (a downstream faster than its upstream then takes one chunk per two or three upstream tokens).
+    Larger values, or a larger `chunk_tokens`, mean fewer round trips but more downstream work left when the
+    upstream finishes."""
     chunk_schedule: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
     """Sizes of the pieces the downstream's input processor cuts its input into, in order, the last one repeating
     (Qwen3-Omni code2wav: vocoder chunks in codec frames, e.g. `[4, 8, 16, 32]`: the first audio after 4 frames,
@@ -51,6 +63,14 @@ class EdgeStreamConfig:
 
     def first_hand_off(self) -> int:
         return self.first_chunk_tokens or self.chunk_tokens
+
+    def hand_off_due(self, handed_on: int, downstream_waits: bool) -> int:
+        """New upstream tokens that make the next hand-off, `handed_on` tokens having been handed on so far."""
+        if handed_on == 0:
+            return self.first_hand_off()
+        if downstream_waits:
+            return max(1, min(self.chunk_tokens, math.ceil(self.idle_chunk_growth * handed_on)))
+        return self.chunk_tokens
 
     def set_fields(self) -> list[EdgeField]:
         """The fields besides `stream` that differ from their defaults (those a pipeline asks for)."""

@@ -48,7 +48,8 @@ class RequestState:
 @dataclass
 class _StreamedEdge:
     """One request's streamed edge: the chunks put on it, and whether its stream-fed AR stage has consumed
-    them all and waits (then the upstream hands on its newest tokens without waiting for `chunk_tokens`)."""
+    them all and waits (then the upstream hands on its newest tokens without waiting for `chunk_tokens`, once
+    there are `idle_chunk_growth` x those handed on so far: `EdgeStreamConfig.hand_off_due`)."""
 
     chunks: asyncio.Queue = field(default_factory=asyncio.Queue)
     wanted: asyncio.Event = field(default_factory=asyncio.Event)
@@ -111,8 +112,8 @@ class RequestWalk:
                         segments: list[OmniRequestOutput] | None = None, final_segment: bool = True,
                         observe: Callable[[OmniRequestOutput], None] | None = None) -> None:
         """Run the request (or one segment of it) on the stage; emit its final outputs; feed its downstream
-        edges: streamed ones after `first_chunk_tokens`, then every `chunk_tokens` tokens (or at once when their
-        stage waits for input) and at the end, the others once it finished.
+        edges: streamed ones after `first_chunk_tokens`, then every `chunk_tokens` tokens (sooner, by
+        `idle_chunk_growth`, when their stage waits for input) and at the end, the others once it finished.
         `observe` sees each output first (a stream-fed stage: makes its token ids cumulative)."""
         graph, state, pool = self.graph, self.state, self.pools[stage_id]
         streamed = {dst: graph.stages[dst].stream_inputs[stage_id] for (src, dst) in self.edges if src == stage_id}
@@ -133,8 +134,8 @@ class RequestWalk:
             last = out
             for dst, edge in streamed.items():
                 new = len(out.token_ids) - sent[dst]
-                due = edge.first_hand_off() if sent[dst] == 0 else edge.chunk_tokens
-                if not out.finished and new > 0 and (new >= due or self.edges[(stage_id, dst)].wanted.is_set()):
+                waits = self.edges[(stage_id, dst)].wanted.is_set()
+                if not out.finished and new >= edge.hand_off_due(sent[dst], waits):
                     collect = sent[dst] == 0 or not once[dst]
                     sent[dst] = len(out.token_ids)
                     self.edges[(stage_id, dst)].wanted.clear()
@@ -240,7 +241,7 @@ class StreamedInputEdge:
                     idle.clear()
                     result = process([payload], walk.prompt, context)
                     if result is None:
-                        if context.idle:  # waits for input: the upstream hands on its next token at once
+                        if context.idle:  # waits for input: the upstream hands on its newest tokens sooner
                             upstream.wanted.set()
                         continue
                     context.idle = False

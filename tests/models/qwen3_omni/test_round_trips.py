@@ -4,12 +4,12 @@ nothing else: no `collective_rpc` per hand-off, no poll at the finish (35 round 
 them RPCs). Counted on vLLM's `AsyncMPClient` of both AR stages (every message to an EngineCore goes through one of
 the counted calls), on the package's `Omni`.
 
-What remains is the thinker's request and the talker's streaming-input chunks, whose number follows the two
-stages' relative speed (edges.py hands an idle talker the thinker's newest tokens at once): 6 in all measured on
-a warm engine at load 35, 7 on a cold one at load 44, 10 beside the suite's other pytest worker (tools/test.sh; the
-two stages' processes then share the 2 CPUs with another module's): issue 24's target is 6. The bound below holds
-the RPCs at zero and the chunks well under the one per thinker token (32) that a hand-off per step would send, not
-the chunk policy to 5.
+What remains is the thinker's request and the talker's streaming-input chunks and input close. The chunks no
+longer follow the two stages' relative speed: a waiting talker gets the thinker's newest tokens once they are as
+many as those it has (`EdgeStreamConfig.idle_chunk_growth`, at most `chunk_tokens` = 16), so the 32 thinker tokens
+reach it in at most 4 hand-offs (after 4, 8 and 16 tokens, and at the end), each making at most one input chunk:
+1 + 4 + 1 = 6 however loaded the machine. Before (the newest tokens handed to a waiting talker at once) this
+request took 6 on a warm engine at load 35, 7 on a cold one at load 44, 10 beside the suite's other pytest worker.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import pytest
 from .conftest import chat_prompt_ids
 
 pytestmark = pytest.mark.slow
-MAX_ROUND_TRIPS = 12
-"""The thinker's request and the talker's streaming-input chunks for ~100 talker frames (6, 7 or 10 measured)."""
+MAX_ROUND_TRIPS = 6
+"""The thinker's request, the talker's input chunks (one per hand-off at most: 4) and its input close."""
 ONCE_PER_ENGINE = {"utility:get_supported_tasks"}
 """vLLM's `AsyncLLM` asks its EngineCore once and keeps the answer: not a cost of the request."""
 

@@ -46,8 +46,17 @@ defaults (greedy talkers tend to loop)."""
 THINKER_FIRST_CHUNK_TOKENS = 4
 """Thinker tokens before the talker starts (it needs 3 to be prompted)."""
 THINKER_CHUNK_TOKENS = 16
-"""Thinker tokens between its later updates to the talker; a talker that has consumed its input gets the
-thinker's newest tokens at once instead, so this only bounds the hand-offs while the talker is busy."""
+"""Thinker tokens between its later updates to the talker while the talker is busy, and the most a waiting talker
+waits for (it gets the thinker's newest tokens once they are as many as those it has: `THINKER_IDLE_CHUNK_GROWTH`).
+"""
+THINKER_IDLE_CHUNK_GROWTH = 1.0
+"""A waiting talker's next input chunk needs as many new thinker tokens as it has already (at most
+`THINKER_CHUNK_TOKENS`): hand-offs after 4, 8, 16, then every 16 thinker tokens, so a reply of N >= 16 tokens costs
+the talker at most 2 + ceil(N / 16) input chunks (32 tokens: 4, 6 requests to the EngineCores with the thinker's
+and the talker's input close) however fast either stage runs, where handing on at once cost one chunk per two or
+three thinker tokens when the talker is the faster stage. The second hand-off (8 tokens: 7 talker frames) comes at
+the thinker token the first audio (6 talker frames: the talker -> code2wav edge's first hand-off) waited for then
+too; the talker decodes 4 frames after it instead of 2."""
 CODE2WAV_CHUNK_SCHEDULE = (4, 8, 16, 32)
 """Codec frames per vocoder chunk, the last size repeating (12.5 frames/s): the first audio needs 4 frames (0.32
 s), later chunks grow so that the left context is recomputed less often."""
@@ -62,10 +71,12 @@ FRAMES_TIMEOUT_S = 10.0
 
 def qwen3_omni_pipeline(stream: bool = True, chunk_tokens: int = THINKER_CHUNK_TOKENS,
                         first_chunk_tokens: int = THINKER_FIRST_CHUNK_TOKENS,
-                        vocoder_chunks: tuple[int, ...] = CODE2WAV_CHUNK_SCHEDULE) -> PipelineConfig:
+                        vocoder_chunks: tuple[int, ...] = CODE2WAV_CHUNK_SCHEDULE,
+                        idle_chunk_growth: float = THINKER_IDLE_CHUNK_GROWTH) -> PipelineConfig:
     """`stream`: the talker starts after the thinker's first `first_chunk_tokens` tokens (then gets them every
-    `chunk_tokens`) and code2wav decodes each vocoder chunk (`vocoder_chunks` frames, the last size repeating)
-    while the talker runs (False: each stage once its upstream finished; the same chunks)."""
+    `chunk_tokens`, or sooner by `idle_chunk_growth` when it waits) and code2wav decodes each vocoder chunk
+    (`vocoder_chunks` frames, the last size repeating) while the talker runs (False: each stage once its upstream
+    finished; the same chunks)."""
     from vllm_omni.models.qwen3_omni.thinker_hidden import thinker_engine_kwargs
     from vllm_omni.models.qwen3_omni.vllm_talker import talker_engine_kwargs
 
@@ -73,7 +84,8 @@ def qwen3_omni_pipeline(stream: bool = True, chunk_tokens: int = THINKER_CHUNK_T
     # vocoder chunk is complete two talker tokens after its frames.
     hand_offs = {"chunk_tokens": TALKER_CHUNK_TOKENS, "first_chunk_tokens": vocoder_chunks[0] + 2} if stream else {}
     to_code2wav = EdgeStreamConfig(stream=stream, chunk_schedule=list(vocoder_chunks), **hand_offs)
-    to_talker = (EdgeStreamConfig(chunk_tokens=chunk_tokens, first_chunk_tokens=first_chunk_tokens) if stream
+    to_talker = (EdgeStreamConfig(chunk_tokens=chunk_tokens, first_chunk_tokens=first_chunk_tokens,
+                                  idle_chunk_growth=idle_chunk_growth) if stream
                  else EdgeStreamConfig(stream=False))
 
     ar, generation = StageExecutionType.AR, StageExecutionType.GENERATION
