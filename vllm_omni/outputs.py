@@ -17,6 +17,10 @@ class OmniRequestOutput:
 
     request_id: str
     finished: bool = True
+    """The request's last output: every stage of it is done and its stream ends here."""
+    stage_finished: bool | None = None
+    """Its stage's last output (e.g. the whole audio), which may come before the request's last (the thinker's
+    text, when the talker stopped first); None: as `finished`."""
     stage_id: int = 0
     final_output_type: str = "text"
     text: str | None = None
@@ -39,6 +43,10 @@ class OmniRequestOutput:
     """A compiled diffusion stage's compile/capture counts when the request left (feeds the server's metrics)."""
     error: str | None = None
     error_status_code: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.stage_finished is None:
+            self.stage_finished = self.finished
 
     @property
     def ok(self) -> bool:

@@ -75,11 +75,8 @@ async def one_request(omni, prompt: dict, request_id: str, params: list, calls: 
         elif out.stage_id == 2 and ttfa is None:
             ttfa, tokens_at_first_audio = now, thinker_tokens
     e2e = time.perf_counter() - start
-    # The request's stream ends with its audio; a talker that said codec EOS first leaves the thinker running:
-    # wait for its last token, so that the next request runs alone.
-    while (thinker_done := next((t for t, event, n in TIMELINE
-                                 if event == "out 0" and n == params[0].max_tokens), None)) is None:
-        await asyncio.sleep(0.05)
+    # The stream ends once every stage is done (a talker that said codec EOS first leaves the thinker writing).
+    thinker_done = next(t for t, event, n in TIMELINE if event == "out 0" and n == params[0].max_tokens)
     return {"ttfa_s": ttfa, "e2e_s": e2e, "thinker_done_s": thinker_done - start,
             "thinker_tokens_at_first_audio": tokens_at_first_audio, "round_trips": sum(calls.values()) - before,
             "timeline": [(round(t - start, 4), event, n) for t, event, n in TIMELINE]}

@@ -43,6 +43,9 @@ class RequestState:
     stage_durations: dict[str, float] = field(default_factory=dict)
     peak_memory_mb: float = 0.0
     arrival_time: float = 0.0
+    unfinished_finals: set[int] = field(default_factory=set)
+    """Final stages the request runs whose last output is not out yet: the stream ends with the last of them
+    (a talker that stops first ends the audio while the thinker still writes)."""
 
 
 @dataclass
@@ -70,6 +73,7 @@ class RequestWalk:
         self.last_stage = last_stage
         self.edges = {(src, dst): _StreamedEdge() for dst in range(last_stage + 1)
                       if (src := graph.streamed_source(dst)) is not None}
+        state.unfinished_finals = {i for i in range(last_stage + 1) if graph.is_final(i)}
 
     async def run(self) -> None:
         if not self.edges:
@@ -167,7 +171,9 @@ class RequestWalk:
             out.stage_durations = dict(state.stage_durations)
             out.peak_memory_mb = max(state.peak_memory_mb, out.peak_memory_mb)
             out.stage_durations["e2e"] = time.time() - state.arrival_time
-        out.finished = out.finished and stage_id == self.last_stage
+            state.unfinished_finals.discard(stage_id)
+        out.stage_finished = out.finished
+        out.finished = out.finished and not state.unfinished_finals
         state.sink(out)
 
 

@@ -82,6 +82,9 @@ class Omni(OmniBase):
                 else:
                     finals[rid][item.stage_id] = item
                     done = item.finished
+                    if done:  # every stage is done: each output kept is its stage's last (the audio may end first)
+                        for out in finals[rid].values():
+                            out.finished = True
                 if done:
                     pending.discard(rid)
                     bar.update(1)

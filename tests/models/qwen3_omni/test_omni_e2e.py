@@ -7,9 +7,15 @@ conditioning must not leak between the talker's batched rows.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import copy
+
 import numpy as np
 import pytest
 import torch
+
+from vllm_omni.outputs import OmniRequestOutput
 
 from .conftest import chat_prompt_ids, hf_generate, hf_thinker_tokens, media_inputs, media_prompt
 from .vocoder_reference import hf_vocoder_chunks
@@ -208,3 +214,76 @@ def test_media_input_speech_equals_transformers(omni, hf_model, tiny_path, talke
     # short first chunk for early audio), which is transformers' `Code2Wav` on those chunks.
     np.testing.assert_allclose(audio_out.multimodal_output["audio"], hf_vocoder_chunks(hf_model, seen["frames"]),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_thinker_text_outlives_a_talker_done_first(omni, tiny_path, monkeypatch):
+    """A talker that stops first (its `max_tokens`) ends the audio, not the request: the thinker's text still
+    comes whole, and only the stream's last output, once every stage is done, is marked finished. The thinker
+    waits at its first output of 32+ tokens (handed on: the talker has its 8 frames' worth) until the whole audio
+    is out, so the talker finishes first on any machine."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    prompt = {"prompt_token_ids": chat_prompt_ids(tiny_path, PROMPTS[0])[0].tolist()}
+    thinker = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    params = [thinker, SamplingParams(max_tokens=8, temperature=0.0), None]
+    (text_only,) = omni.generate([prompt], params, use_tqdm=False, output_modalities=["text"])
+    assert len(text_only.token_ids) == 64
+
+    audio_done = asyncio.Event()
+    thinker_client, add_request = omni.engine.stage_clients[0], omni.engine.add_request
+    thinker_generate = thinker_client.generate
+
+    async def thinker_ends_last(request_id, prompt, params):
+        held = False
+        async for out in thinker_generate(request_id, prompt, params):
+            if out.finished and not held:  # a loaded machine's burst skipped 32: hold the last output instead
+                held = await hold()
+            yield out
+            if not held and len(out.token_ids) >= 32:
+                held = await hold()
+
+    talker_first = []
+
+    async def hold() -> bool:
+        with contextlib.suppress(TimeoutError):  # the talker got too few tokens to stop without the thinker's end
+            await asyncio.wait_for(audio_done.wait(), 60)
+        talker_first.append(audio_done.is_set())
+        return True
+
+    def add_watched(request_id, prompt, params, sink, *args, **kwargs):
+        def watch(item):
+            if isinstance(item, OmniRequestOutput) and "audio" in item.multimodal_output:  # the whole waveform
+                audio_done.set()
+            sink(item)
+
+        add_request(request_id, prompt, params, watch, *args, **kwargs)
+
+    monkeypatch.setattr(thinker_client, "generate", thinker_ends_last)
+    monkeypatch.setattr(omni.engine, "add_request", add_watched)
+    text_out, audio_out = omni.generate([prompt], params, use_tqdm=False)
+    assert (text_out.stage_id, audio_out.final_output_type) == (0, "audio")
+    assert text_out.token_ids == text_only.token_ids and text_out.finished and audio_out.finished
+
+    async def stream() -> list:
+        """Every output of one streamed request, as `AsyncOmni.generate` reads them (it stops at `finished`)."""
+        audio_done.clear()
+        outputs: asyncio.Queue = asyncio.Queue()
+        cumulative = copy.copy(thinker)
+        cumulative.output_kind = RequestOutputKind.CUMULATIVE
+        omni.engine.add_request("talker-first", prompt, [cumulative, *params[1:]], outputs.put_nowait)
+        items = [await outputs.get()]
+        while not getattr(items[-1], "finished", True):
+            items.append(await outputs.get())
+        await asyncio.sleep(1.0)  # nothing may follow the finished output
+        return items + [outputs.get_nowait() for _ in range(outputs.qsize())]
+
+    items = omni.run_in_loop(stream()).result(timeout=300)
+    assert all(isinstance(o, OmniRequestOutput) for o in items)
+    assert [o.finished for o in items] == [False] * (len(items) - 1) + [True]
+    assert [o for o in items if o.stage_id == 0][-1].token_ids == text_only.token_ids
+    if talker_first[-1]:
+        assert items[-1].stage_id == 0, "the audio ended first, yet the stream ended with it"
+    audio_last = [o for o in items if o.stage_id == 2][-1]  # the whole audio, out before the text's end
+    assert "audio" in audio_last.multimodal_output and audio_last.stage_finished
+    assert items[-1].stage_durations.keys() >= {"stage-0-llm", "stage-1-llm", "stage-2-generation", "e2e"}

@@ -340,8 +340,9 @@ LONG_PARAMS = [{"temperature": 0.0, "max_tokens": LONG_THINKER, "ignore_eos": Tr
 def test_streamed_audio_chunks_come_while_the_answer_is_written(client, hf_model, tiny_path):
     kwargs = {"model": MODEL, "messages": MESSAGES, "modalities": ["text", "audio"],
               "audio": {"voice": "ethan", "format": "pcm16"}, "extra_body": {"sampling_params_list": LONG_PARAMS}}
-    events = []
-    for c in client.chat.completions.create(stream=True, **kwargs):
+    events, usage = [], None
+    for c in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs):
+        usage = c.usage or usage
         delta = c.choices[0].delta if c.choices else None
         if delta is not None and delta.content:
             events.append(("text", delta.content))
@@ -349,7 +350,9 @@ def test_streamed_audio_chunks_come_while_the_answer_is_written(client, hf_model
             events.append(("audio", delta.audio if isinstance(delta.audio, dict) else delta.audio.model_dump()))
     audio = [value for kind, value in events if kind == "audio"]
     text = "".join(value for kind, value in events if kind == "text")
-    # The talker stops at its 40 frames while the thinker writes on: the rest of the transcript comes last.
+    # The talker stops at its 40 frames while the thinker writes on: the rest of the answer and of the transcript
+    # comes after the audio, and the stream ends with the thinker's last token, not the audio's end.
+    assert usage.completion_tokens == LONG_THINKER
     assert "".join(a["transcript"] or "" for a in audio) == text and len({a["id"] for a in audio}) == 1
     data = [a for a in audio if a.get("data")]
     assert len(data) >= 2, "the talker's 40 frames are two vocoder chunks (25 + 15): audio must stream"

@@ -68,11 +68,11 @@ class AudioDeltas:
         self.transcript_sent = 0
 
     def delta(self, output: OmniRequestOutput, samples: Any, transcript: str) -> dict[str, Any]:
-        data = self.encoder.encode(samples, sample_rate(output), last=output.finished)
+        data = self.encoder.encode(samples, sample_rate(output), last=output.stage_finished)
         delta = {"id": self.id, "data": base64.b64encode(data).decode("ascii"),
                  "transcript": transcript[self.transcript_sent:]}
         self.transcript_sent = len(transcript)
-        if output.finished:
+        if output.stage_finished:
             delta["expires_at"] = int(time.time()) + self.ttl_s
         return delta
 

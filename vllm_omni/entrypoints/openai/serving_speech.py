@@ -92,8 +92,8 @@ class OmniOpenAIServingSpeech(OmniServingBase):
                     usage["output_tokens"] = len(output.token_ids)
                 continue
             if request.response_format in STREAMED_FORMATS:
-                yield encoder.encode(samples, sample_rate(output), last=output.finished)
-            elif output.finished:
+                yield encoder.encode(samples, sample_rate(output), last=output.stage_finished)
+            elif output.stage_finished:
                 encoder.started = True
                 yield await asyncio.to_thread(encode_audio, output.multimodal_output["audio"], sample_rate(output),
                                               request.response_format)
